@@ -1,0 +1,48 @@
+# make run   : execute every notebook headless and summarise the measurements (build/results.json)
+# make test  : unit tests and every notebook, headless (what CI runs)
+# make lab   : JupyterLab on notebooks/
+# A fresh machine needs only Python 3.11+ and make: the first target creates .venv and installs.
+
+SHELL := /bin/bash
+.SHELLFLAGS := -o pipefail -c
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+# This machine's pip config names local indexes that may not exist; pip warns once per package.
+PIP_NOISE := is ignored: it is neither a file nor a directory
+# DeepSpeed and torch compile extensions on first use; keep them between runs.
+export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
+export MPLBACKEND ?= Agg
+export PYTHONUNBUFFERED := 1
+
+.PHONY: install run test test-unit test-notebooks lab clean
+
+install: $(STAMP)
+
+$(STAMP): requirements.txt pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements.txt 2>&1 | { grep -v "$(PIP_NOISE)" || true; }
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps -e . 2>&1 | { grep -v "$(PIP_NOISE)" || true; }
+	$(PY) -c "import colab_memopt, torch, papermill, nbval; print('installed: torch', torch.__version__)"
+	@touch $(STAMP)
+
+run: $(STAMP)
+	$(PY) -m colab_memopt.runner --out build
+
+test: $(STAMP)
+	$(PY) -m pytest tests -m "not notebook" -q
+	$(PY) -m pytest tests -m notebook -q
+	$(PY) -m pytest --nbval-lax --nbval-current-env -q -p no:cacheprovider build/notebooks
+
+test-unit: $(STAMP)
+	$(PY) -m pytest tests -m "not notebook" -q
+
+test-notebooks: $(STAMP)
+	$(PY) -m pytest tests -m notebook -q
+
+lab: $(STAMP)
+	$(PY) -m jupyter lab notebooks/
+
+clean:
+	rm -rf build .pytest_cache

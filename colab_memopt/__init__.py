@@ -1,0 +1,71 @@
+"""colab_memopt: measure what a training step holds in GPU memory, and what each technique saves.
+
+    import colab_memopt as cm
+    model = cm.build_model("tiny"); opt = cm.make_optimizer("adamw", model.parameters())
+    report = cm.measure_step(cm.make_train_step(model, opt, cm.load_corpus(), batch_size=8, seq_len=64),
+                             model=model, optimizer=opt)
+
+Plots and widgets live in `colab_memopt.plots` and `colab_memopt.widgets` (they import matplotlib
+and ipywidgets, which the core does not need). Importing the package changes no global state.
+"""
+
+from colab_memopt import estimate
+from colab_memopt.data import TextCorpus, load_corpus
+from colab_memopt.env import (
+    COLAB_HOST_RAM_BYTES,
+    T4_USABLE_BYTES,
+    autocast_dtype,
+    bf16_native,
+    cap_device_memory,
+    in_colab,
+    pick_device,
+    preflight,
+)
+from colab_memopt.measure import (
+    Comparison,
+    MemoryBudget,
+    MemoryReport,
+    compare,
+    format_bytes,
+    host_memory,
+    measure_step,
+)
+from colab_memopt.models import MODEL_SIZES, GPT, GPTConfig, build_model, count_parameters, get_config
+from colab_memopt.report import Claim, record
+from colab_memopt.train import evaluate, make_optimizer, make_train_step, train, train_step
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "COLAB_HOST_RAM_BYTES",
+    "GPT",
+    "MODEL_SIZES",
+    "T4_USABLE_BYTES",
+    "Claim",
+    "Comparison",
+    "GPTConfig",
+    "MemoryBudget",
+    "MemoryReport",
+    "TextCorpus",
+    "autocast_dtype",
+    "bf16_native",
+    "build_model",
+    "cap_device_memory",
+    "compare",
+    "count_parameters",
+    "estimate",
+    "evaluate",
+    "format_bytes",
+    "get_config",
+    "host_memory",
+    "in_colab",
+    "load_corpus",
+    "make_optimizer",
+    "make_train_step",
+    "measure_step",
+    "pick_device",
+    "preflight",
+    "record",
+    "train",
+    "train_step",
+]

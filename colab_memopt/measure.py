@@ -1,0 +1,323 @@
+"""The one way this project measures memory.
+
+Every notebook measures through `measure_step`: warm up, reset, synchronize, run, read the peak.
+On CUDA the peak is the caching allocator's `max_memory_allocated`; on the CPU it is the peak of live
+tensor storage. In both cases the breakdown by category and phase comes from `TensorTracker`.
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from colab_memopt.env import pick_device
+from colab_memopt.tracker import CATEGORIES, PHASES, LiveBytesMode, TensorTracker
+
+__all__ = [
+    "MemoryReport",
+    "MemoryBudget",
+    "HostMemory",
+    "Comparison",
+    "measure_step",
+    "host_memory",
+    "compare",
+    "format_bytes",
+]
+
+
+def format_bytes(nbytes: float) -> str:
+    """Return a human-readable size in binary units: 1536 -> '1.50 KiB'."""
+    sign = "-" if nbytes < 0 else ""
+    value = float(abs(nbytes))
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{sign}{value:.0f} {unit}" if unit == "B" else f"{sign}{value:.2f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+@dataclass
+class MemoryReport:
+    """The memory and time of one training step.
+
+    Attributes:
+        peak_bytes: the step's peak (CUDA: `max_memory_allocated`; CPU: peak live tensor storage).
+        by_category: live bytes per category at the moment of the tracked peak (sums to that peak).
+        category_peaks: each category's own maximum during the step.
+        resident_bytes: live bytes per category after the step (what stays between steps).
+        by_phase: peak live bytes in the forward, backward and optimizer phases.
+        by_module: bytes each module left alive after its forward (its activations).
+        step_seconds: median wall time of the timed repeats.
+        device: where it ran, with the GPU name on CUDA.
+        method: how `peak_bytes` was obtained.
+        label: a name for tables and plots.
+    """
+
+    peak_bytes: int
+    by_category: dict[str, int]
+    category_peaks: dict[str, int]
+    resident_bytes: dict[str, int]
+    by_phase: dict[str, int]
+    by_module: dict[str, int]
+    step_seconds: float
+    device: str
+    method: str
+    label: str = ""
+    tracked_peak_bytes: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return a JSON-ready dict."""
+        return asdict(self)
+
+    def __str__(self) -> str:
+        cats = ", ".join(f"{k} {format_bytes(v)}" for k, v in self.by_category.items() if v)
+        return (
+            f"{self.label or 'step'} on {self.device}: peak {format_bytes(self.peak_bytes)} "
+            f"({cats}); {self.step_seconds * 1e3:.1f} ms/step"
+        )
+
+
+def _device_of(model: torch.nn.Module | None, device: Any) -> torch.device:
+    if device is not None:
+        return pick_device(device)
+    if model is not None:
+        for tensor in model.parameters():
+            return tensor.device
+    return pick_device("auto")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_step(
+    step_fn: Callable[[], Any],
+    *,
+    model: torch.nn.Module | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    device: str | torch.device | None = None,
+    warmup: int = 1,
+    repeat: int = 3,
+    track: Iterable[Any] = (),
+    label: str = "",
+) -> MemoryReport:
+    """Measure the peak memory, its breakdown and the time of one training step.
+
+    Args:
+        step_fn: runs one whole step (forward, backward, optimizer step); called warmup + 1 + repeat times.
+        model, optimizer: objects made before the step, so their tensors are counted (parameters,
+            buffers, existing gradients, optimizer state).
+        device: where to count; default: the model's device, else 'auto'.
+        warmup: untimed, untracked steps first (>= 0); 1 creates the optimizer state.
+        repeat: timed steps (>= 1); the median is reported.
+        track: other tensors made before the step that it keeps using (a fixed batch, say).
+        label: the name shown in tables and plots.
+
+    Example:
+        >>> model = build_model("tiny"); opt = torch.optim.AdamW(model.parameters())
+        >>> report = measure_step(make_train_step(model, opt, load_corpus()), model=model, optimizer=opt)
+    """
+    if not callable(step_fn):
+        raise TypeError(f"step_fn must be callable, got {type(step_fn).__name__}")
+    if warmup < 0:
+        raise ValueError(f"warmup must be >= 0, got {warmup}")
+    if repeat < 1:
+        raise ValueError(f"repeat must be >= 1, got {repeat}")
+    dev = _device_of(model, device)
+
+    for _ in range(warmup):
+        step_fn()
+    gc.collect()
+    if dev.type == "cuda":
+        _sync(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        baseline_cuda = torch.cuda.memory_allocated(dev)
+
+    tracker = TensorTracker(device=dev)
+    tracker.track_external(*[obj for obj in (model, optimizer, *track) if obj is not None])
+    with tracker:
+        step_fn()
+        _sync(dev)
+        resident = tracker.current_categories()
+        by_module = tracker.module_activation_bytes()
+    if dev.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(dev)
+        method = "torch.cuda.max_memory_allocated; categories from the tensor tracker"
+        device_name = f"{dev} ({torch.cuda.get_device_name(dev)})"
+        del baseline_cuda
+    else:
+        peak = tracker.peak_bytes
+        method = "tensor tracker: peak of live tensor storage"
+        device_name = str(dev)
+
+    times = []
+    for _ in range(repeat):
+        _sync(dev)
+        start = time.perf_counter()
+        step_fn()
+        _sync(dev)
+        times.append(time.perf_counter() - start)
+
+    return MemoryReport(
+        peak_bytes=int(peak),
+        by_category=dict(tracker.peak_categories),
+        category_peaks=dict(tracker.category_peaks),
+        resident_bytes=resident,
+        by_phase={p: tracker.phase_peaks.get(p, 0) for p in PHASES},
+        by_module=by_module,
+        step_seconds=statistics.median(times),
+        device=device_name,
+        method=method,
+        label=label,
+        tracked_peak_bytes=tracker.peak_bytes,
+    )
+
+
+class MemoryBudget:
+    """Emulate a device with `limit_bytes` of memory, on any device.
+
+    Inside the block, when live tracked tensor bytes would exceed the limit, the operation raises
+    `torch.OutOfMemoryError` naming the limit, the bytes asked for and the bytes live. Tensors made
+    before the block count only if passed in `track` (a model, an optimizer, tensors).
+
+    Example:
+        >>> with MemoryBudget(int(14.74 * 2**30), model, optimizer):
+        ...     step_fn()
+    """
+
+    def __init__(self, limit_bytes: int, *track: Any, device: str | torch.device | None = None) -> None:
+        if isinstance(limit_bytes, bool) or not isinstance(limit_bytes, (int, float)):
+            raise TypeError(f"limit_bytes must be a number of bytes, got {limit_bytes!r}")
+        if limit_bytes <= 0:
+            raise ValueError(f"limit_bytes must be > 0, got {limit_bytes}")
+        self.limit_bytes = int(limit_bytes)
+        self.device = pick_device(device) if device is not None else None
+        self._track = [t for t in track if t is not None]
+        self._mode: LiveBytesMode | None = None
+
+    def __enter__(self) -> MemoryBudget:
+        self._mode = LiveBytesMode(self.limit_bytes, device=self.device)
+        self._mode.track(*self._track)
+        if self._mode.live > self.limit_bytes:
+            raise torch.OutOfMemoryError(
+                f"MemoryBudget: the tracked objects already hold {self._mode.live:,} bytes, over the "
+                f"limit of {self.limit_bytes:,} bytes"
+            )
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        assert self._mode is not None
+        self._mode.__exit__(*exc)
+
+    def live_bytes(self) -> int:
+        """Return the tracked bytes alive now."""
+        return self._mode.live if self._mode is not None else 0
+
+    @property
+    def peak_bytes(self) -> int:
+        """Return the highest tracked live bytes seen in the block so far."""
+        return self._mode.peak if self._mode is not None else 0
+
+
+@dataclass
+class HostMemory:
+    """This process's resident memory and the machine's RAM, in bytes."""
+
+    rss_bytes: int
+    available_bytes: int
+    total_bytes: int
+
+
+def host_memory() -> HostMemory:
+    """Return this process's RSS and the machine's available and total RAM."""
+    import psutil
+
+    vm = psutil.virtual_memory()
+    return HostMemory(
+        rss_bytes=psutil.Process().memory_info().rss,
+        available_bytes=vm.available,
+        total_bytes=vm.total,
+    )
+
+
+@dataclass
+class Comparison:
+    """Reports side by side, each against the first (the baseline)."""
+
+    rows: list[dict[str, Any]] = field(default_factory=list)
+
+    def saving_pct(self, label: str) -> float:
+        """Return the peak saving of `label` against the baseline, in %."""
+        for row in self.rows:
+            if row["label"] == label:
+                return row["saving_pct"]
+        raise KeyError(f"no report labelled {label!r}; have {[r['label'] for r in self.rows]}")
+
+    def _columns(self) -> list[tuple[str, str]]:
+        cats = [c for c in CATEGORIES if any(r[c] for r in self.rows)]
+        return [("label", "")] + [(c, "bytes") for c in cats] + [
+            ("peak_bytes", "bytes"),
+            ("saving_pct", "pct"),
+            ("step_ms", "ms"),
+            ("time_ratio", "x"),
+        ]
+
+    @staticmethod
+    def _cell(value: Any, kind: str) -> str:
+        if kind == "bytes":
+            return format_bytes(value)
+        if kind == "pct":
+            return f"{value:+.1f}%"
+        if kind == "ms":
+            return f"{value:.1f}"
+        if kind == "x":
+            return f"{value:.2f}x"
+        return str(value)
+
+    def __str__(self) -> str:
+        cols = self._columns()
+        table = [[name for name, _ in cols]] + [[self._cell(r[n], k) for n, k in cols] for r in self.rows]
+        widths = [max(len(row[i]) for row in table) for i in range(len(cols))]
+        lines = ["  ".join(cell.rjust(w) if i else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths))) for row in table]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        return "\n".join(lines)
+
+    def _repr_html_(self) -> str:
+        cols = self._columns()
+        head = "".join(f"<th>{n}</th>" for n, _ in cols)
+        body = "".join(
+            "<tr>" + "".join(f"<td>{self._cell(r[n], k)}</td>" for n, k in cols) + "</tr>" for r in self.rows
+        )
+        return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
+def compare(reports: Mapping[str, MemoryReport]) -> Comparison:
+    """Return a table of reports with peak saving in % and time ratio against the first entry.
+
+    The saving is positive when a report's peak is below the baseline's.
+    """
+    if not reports:
+        raise ValueError("compare needs at least one report, got none")
+    items = list(reports.items())
+    base = items[0][1]
+    rows = []
+    for label, rep in items:
+        row = {"label": label}
+        row.update({c: rep.by_category.get(c, 0) for c in CATEGORIES})
+        row["peak_bytes"] = rep.peak_bytes
+        row["saving_pct"] = 100.0 * (1 - rep.peak_bytes / base.peak_bytes) if base.peak_bytes else 0.0
+        row["step_ms"] = rep.step_seconds * 1e3
+        row["time_ratio"] = rep.step_seconds / base.step_seconds if base.step_seconds else float("nan")
+        rows.append(row)
+    return Comparison(rows)

@@ -1,0 +1,114 @@
+"""Execute every notebook headless and gather their results (`make run`, and the notebook tests).
+
+    python -m colab_memopt.runner [--out build] [--cpu-params tests/notebook_parameters.yaml] [NAMES...]
+
+With a CUDA GPU present the notebooks run with their own (Colab-sized) defaults; without one, with
+the CPU-sized parameters of the parameters file. Every run injects `results_dir`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOK_DIR = REPO_ROOT / "notebooks"
+CPU_PARAMS_FILE = REPO_ROOT / "tests" / "notebook_parameters.yaml"
+
+
+def notebook_paths(names: list[str] | None = None) -> list[Path]:
+    """Return the notebooks to run: all of `notebooks/NN_*.ipynb`, or those named (stem or prefix)."""
+    paths = sorted(NOTEBOOK_DIR.glob("[0-9][0-9]_*.ipynb"))
+    if not names:
+        return paths
+    chosen = [p for p in paths if any(p.stem == n or p.stem.startswith(n) for n in names)]
+    missing = [n for n in names if not any(p.stem == n or p.stem.startswith(n) for p in paths)]
+    if missing:
+        raise ValueError(f"no notebook matches {missing}; have {[p.stem for p in paths]}")
+    return chosen
+
+
+def load_cpu_parameters(path: Path = CPU_PARAMS_FILE) -> dict[str, dict[str, Any]]:
+    """Return the CI parameters: notebook stem -> {parameter: value}; 'budget_seconds' is the runner's."""
+    import yaml
+
+    data = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must map notebook names to parameters")
+    return data
+
+
+@dataclass
+class NotebookRun:
+    """One executed notebook."""
+
+    name: str
+    output: Path
+    seconds: float
+    parameters: dict[str, Any]
+
+
+def run_notebook(path: Path, out_dir: Path, results_dir: Path, parameters: dict[str, Any]) -> NotebookRun:
+    """Execute one notebook with papermill, writing the executed copy into `out_dir`."""
+    import papermill
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    params = {**parameters, "results_dir": str(results_dir)}
+    output = out_dir / path.name
+    start = time.perf_counter()
+    papermill.execute_notebook(
+        str(path),
+        str(output),
+        parameters=params,
+        kernel_name="python3",
+        cwd=str(path.parent),
+        progress_bar=False,
+    )
+    return NotebookRun(path.stem, output, time.perf_counter() - start, params)
+
+
+def parameters_for(name: str, *, gpu: bool, cpu_params: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Return the parameters to inject into notebook `name`: none on a GPU, the CPU set otherwise."""
+    if gpu:
+        return {}
+    params = dict(cpu_params.get(name) or {})
+    params.pop("budget_seconds", None)
+    return params
+
+
+def main(argv: list[str] | None = None) -> int:
+    from colab_memopt.report import merge_results, summary_table
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("names", nargs="*", help="notebooks to run (stem or number prefix); default all")
+    parser.add_argument("--out", default=str(REPO_ROOT / "build"), help="build folder (default: build/)")
+    parser.add_argument("--cpu-params", default=str(CPU_PARAMS_FILE), help="parameters used without a GPU")
+    parser.add_argument("--cpu-sized", action="store_true", help="use the CPU parameters even on a GPU")
+    args = parser.parse_args(argv)
+
+    import torch
+
+    out = Path(args.out)
+    results_dir = out / "results"
+    gpu = torch.cuda.is_available() and not args.cpu_sized
+    cpu_params = load_cpu_parameters(Path(args.cpu_params))
+    paths = notebook_paths(args.names)
+    print(f"running {len(paths)} notebook(s) on {'CUDA with Colab defaults' if gpu else 'the CPU with CI parameters'}")
+    for path in paths:
+        run = run_notebook(path, out / "notebooks", results_dir, parameters_for(path.stem, gpu=gpu, cpu_params=cpu_params))
+        print(f"  {run.name}: {run.seconds:.1f} s -> {run.output.relative_to(out.parent) if out.is_relative_to(out.parent) else run.output}")
+    merged = merge_results(results_dir)
+    (out / "results.json").write_text(json.dumps(merged, indent=2) + "\n")
+    print()
+    print(summary_table(merged))
+    print(f"\nwrote {out / 'results.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,224 @@
+"""The one adapter over PyTorch's tensor-level memory tracker.
+
+`torch.distributed._tools.mem_tracker.MemTracker` is a private API. Everything this project reads
+from it goes through `TensorTracker`, and `tests/test_tracker.py` pins the behaviour we rely on, so
+a PyTorch upgrade that changes it fails loudly instead of producing wrong numbers.
+
+What it adds to MemTracker:
+- categories under stable names (`CATEGORIES`);
+- the peak of each training phase (forward, backward, optimizer step) and of each category;
+- several forward passes per step (gradient accumulation), which MemTracker refuses.
+
+`LiveBytesMode` is the lean counterpart used by `MemoryBudget`: live bytes only, no module hooks.
+MemTracker's module hooks (`register_multi_grad_hook`) keep an aborted forward's activations alive
+after an error, which would make an emulated OOM leak; `LiveBytesMode` has no such hooks.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from typing import Any
+
+import torch
+from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map_only
+from torch.utils.weak import WeakIdKeyDictionary
+
+CATEGORIES = (
+    "parameters",
+    "buffers",
+    "gradients",
+    "optimizer_state",
+    "activations",
+    "temporaries",
+    "other",
+)
+PHASES = ("forward", "backward", "optimizer")
+
+_CATEGORY_OF = {
+    _MemRefType.PARAM: "parameters",
+    _MemRefType.BUFFER: "buffers",
+    _MemRefType.GRAD: "gradients",
+    _MemRefType.OPT: "optimizer_state",
+    _MemRefType.ACT: "activations",
+    _MemRefType.TEMP: "temporaries",
+    _MemRefType.OTH: "other",
+}
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    if a.type != b.type:
+        return False
+    if a.type != "cuda":
+        return True
+    index_a = a.index if a.index is not None else torch.cuda.current_device()
+    index_b = b.index if b.index is not None else torch.cuda.current_device()
+    return index_a == index_b
+
+
+class TensorTracker(MemTracker):
+    """Track live tensor storage by category and by phase of the step.
+
+    Args:
+        device: count only storage on this device; None counts every device together.
+    """
+
+    def __init__(self, *, device: torch.device | None = None) -> None:
+        super().__init__()
+        self.device = device
+        self.phase_peaks: dict[str, int] = {}
+        self.category_peaks: dict[str, int] = dict.fromkeys(CATEGORIES, 0)
+        self.peak_bytes = 0
+        self.peak_categories: dict[str, int] = dict.fromkeys(CATEGORIES, 0)
+
+    # -- reading -----------------------------------------------------------------------------
+    def _device_snaps(self, snap: dict) -> list[dict]:
+        if self.device is None:
+            return list(snap.values())
+        return [s for dev, s in snap.items() if _same_device(torch.device(dev), self.device)]
+
+    def _categories(self, snap: dict) -> dict[str, int]:
+        out = dict.fromkeys(CATEGORIES, 0)
+        for dev_snap in self._device_snaps(snap):
+            for ref, nbytes in dev_snap.items():
+                if ref != _TOTAL_KEY:
+                    out[_CATEGORY_OF[ref]] += nbytes
+        return out
+
+    def live_bytes(self) -> int:
+        """Return the bytes of tracked storage alive now (on the tracked device)."""
+        return sum(s.get(_TOTAL_KEY, 0) for s in self._device_snaps(self._curr_mem_snap))
+
+    def current_categories(self) -> dict[str, int]:
+        """Return the live bytes per category now."""
+        return self._categories(self._curr_mem_snap)
+
+    @property
+    def phase(self) -> str:
+        """Return the phase of the step being run: forward, backward or optimizer."""
+        if self._in_opt:
+            return "optimizer"
+        if self._mod_tracker.is_bw:
+            return "backward"
+        return "forward"
+
+    def module_activation_bytes(self, max_depth: int = 3) -> dict[str, int]:
+        """Return the bytes each module left alive after its forward (its saved activations)."""
+        out = {}
+        for stats in self.memory_tracking.values():
+            if stats.mod_fqn.count(".") + 1 > max_depth:
+                continue
+            pre = stats.snapshots.get("Pre-Forward") or []
+            post = stats.snapshots.get("Post-Forward") or []
+            if pre and post:
+                before = sum(s.get(_TOTAL_KEY, 0) for s in self._device_snaps(pre[0]))
+                after = sum(s.get(_TOTAL_KEY, 0) for s in self._device_snaps(post[0]))
+                out[stats.mod_fqn] = after - before
+        return out
+
+    # -- MemTracker overrides ----------------------------------------------------------------
+    def _update_peak_stats(self, peak_state: Any) -> None:
+        super()._update_peak_stats(peak_state)
+        live = self.live_bytes()
+        phase = self.phase
+        if live > self.phase_peaks.get(phase, 0):
+            self.phase_peaks[phase] = live
+        cats = self.current_categories()
+        for name, nbytes in cats.items():
+            if nbytes > self.category_peaks[name]:
+                self.category_peaks[name] = nbytes
+        if live > self.peak_bytes:
+            self.peak_bytes = live
+            self.peak_categories = cats
+
+    def _pre_fw_hook(self, module: torch.nn.Module, inputs: Any) -> None:
+        # MemTracker refuses a second forward of the root module ("multiple iterative calls"). Gradient
+        # accumulation and OOM retries do exactly that; we only need each module's latest forward.
+        if module in self.memory_tracking and not self._mod_tracker.is_bw:
+            del self.memory_tracking[module]
+        super()._pre_fw_hook(module, inputs)
+
+
+# The CUDA caching allocator rounds every block up to 512 bytes; MemTracker counts the same way.
+_CUDA_MIN_BLOCK = 512
+
+
+def _storage_bytes(storage: torch.UntypedStorage, device: torch.device) -> int:
+    nbytes = storage.nbytes()
+    if device.type == "cuda":
+        return math.ceil(nbytes / _CUDA_MIN_BLOCK) * _CUDA_MIN_BLOCK
+    return nbytes
+
+
+class LiveBytesMode(TorchDispatchMode):
+    """Count the live bytes of tensor storage and raise `torch.OutOfMemoryError` past a limit.
+
+    Counts storages made by operations inside the mode and those registered with `track`; each
+    storage once, released when it is garbage collected. No module or autograd hooks are installed.
+    """
+
+    def __init__(self, limit_bytes: int, *, device: torch.device | None = None) -> None:
+        super().__init__()
+        self.limit_bytes = limit_bytes
+        self.device = device
+        self.live = 0
+        self.peak = 0
+        self._seen = WeakIdKeyDictionary()
+
+    def _counts(self, device: torch.device) -> bool:
+        return self.device is None or _same_device(device, self.device)
+
+    def _add(self, t: torch.Tensor) -> None:
+        if not self._counts(t.device) or t.is_meta:
+            return
+        try:
+            storage = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # sparse and other storage-less tensors
+            return
+        if storage in self._seen:
+            return
+        nbytes = _storage_bytes(storage, t.device)
+        self._seen[storage] = weakref.finalize(storage, self._release, nbytes)
+        self.live += nbytes
+
+    def _release(self, nbytes: int) -> None:
+        self.live -= nbytes
+
+    def track(self, *objects: Any) -> None:
+        """Count tensors made before the mode: modules (parameters, buffers, grads), optimizers, tensors."""
+        for obj in tree_flatten(list(objects))[0]:
+            if isinstance(obj, torch.nn.Module):
+                for p in obj.parameters():
+                    self._add(p)
+                    if p.grad is not None:
+                        self._add(p.grad)
+                for b in obj.buffers():
+                    self._add(b)
+            elif isinstance(obj, torch.optim.Optimizer):
+                for state in obj.state.values():
+                    for value in state.values():
+                        if isinstance(value, torch.Tensor):
+                            self._add(value)
+            elif isinstance(obj, torch.Tensor):
+                self._add(obj)
+            elif obj is not None:
+                raise TypeError(f"cannot track a {type(obj).__name__}; pass modules, optimizers or tensors")
+        self.peak = max(self.peak, self.live)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        before = self.live
+        out = func(*args, **(kwargs or {}))
+        tree_map_only(torch.Tensor, self._add, out)
+        if self.live > self.limit_bytes:
+            live, requested = self.live, self.live - before
+            del out  # the operation fails: what it made is released, as with a real OOM
+            where = str(self.device) if self.device is not None else "all devices"
+            raise torch.OutOfMemoryError(
+                f"MemoryBudget exceeded on {where} in {func}: it asked for {requested:,} bytes, "
+                f"which would make {live:,} bytes live against a limit of {self.limit_bytes:,} bytes "
+                f"(emulated by colab_memopt.MemoryBudget, not a real allocator error)"
+            )
+        self.peak = max(self.peak, self.live)
+        return out

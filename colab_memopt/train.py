@@ -1,0 +1,105 @@
+"""The training step every notebook measures, and the optimizers it can use.
+
+Baseline and technique run through the same step with one option changed, so a measured difference
+is the technique's and nothing else's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from colab_memopt.data import TextCorpus
+
+OPTIMIZERS = ("adamw", "adam", "sgd", "sgd_momentum")
+
+
+def make_optimizer(name: str, params: Iterable[torch.nn.Parameter], *, lr: float = 1e-3) -> torch.optim.Optimizer:
+    """Return a PyTorch optimizer by name: 'adamw', 'adam', 'sgd' or 'sgd_momentum'."""
+    if lr <= 0:
+        raise ValueError(f"lr must be > 0, got {lr}")
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
+    if name == "adam":
+        return torch.optim.Adam(params, lr=lr)
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr)
+    if name == "sgd_momentum":
+        return torch.optim.SGD(params, lr=lr, momentum=0.9)
+    raise ValueError(f"unknown optimizer {name!r}; choose one of {OPTIMIZERS}")
+
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, input_ids: torch.Tensor) -> float:
+    """Run one training step on a batch of token ids (B, T) and return the loss.
+
+    Gradients are released at the start of the step (`set_to_none=True`), as in PyTorch's own
+    training loops, so they stay alive from one backward to the next step's start.
+    """
+    optimizer.zero_grad(set_to_none=True)
+    loss = model(input_ids, labels=input_ids).loss
+    loss.backward()
+    optimizer.step()
+    return loss.item()
+
+
+def make_train_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    corpus: TextCorpus,
+    *,
+    batch_size: int,
+    seq_len: int,
+    seed: int = 0,
+) -> Callable[[], float]:
+    """Return a zero-argument step function that trains on the next seeded batch of the corpus."""
+    device = next(model.parameters()).device
+    batches = corpus.batches(batch_size, seq_len, seed=seed, device=device)
+
+    def step() -> float:
+        return train_step(model, optimizer, next(batches))
+
+    return step
+
+
+@dataclass
+class TrainLog:
+    """Losses of a short training run."""
+
+    train_loss: list[float] = field(default_factory=list)
+    val_loss: float = float("nan")
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, corpus: TextCorpus, *, batch_size: int, seq_len: int, batches: int = 4, seed: int = 1234) -> float:
+    """Return the mean validation loss over `batches` seeded batches."""
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    it = corpus.batches(batch_size, seq_len, split="val", seed=seed, device=device)
+    losses = [model(x, labels=x).loss.item() for x, _ in zip(it, range(batches))]
+    model.train(was_training)
+    return sum(losses) / len(losses)
+
+
+def train(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    corpus: TextCorpus,
+    *,
+    steps: int,
+    batch_size: int,
+    seq_len: int,
+    seed: int = 0,
+) -> TrainLog:
+    """Train for `steps` steps on the corpus and return the loss curve and a final validation loss."""
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    step = make_train_step(model, optimizer, corpus, batch_size=batch_size, seq_len=seq_len, seed=seed)
+    log = TrainLog()
+    for _ in range(steps):
+        log.train_loss.append(step())
+    log.val_loss = evaluate(model, corpus, batch_size=batch_size, seq_len=seq_len)
+    return log

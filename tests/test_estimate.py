@@ -1,0 +1,43 @@
+import pytest
+
+import colab_memopt as cm
+from colab_memopt import estimate
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "naive"])
+@pytest.mark.parametrize("size, batch, seq", [("tiny", 4, 32), ("small", 2, 100)])
+def test_block_activations_match_measurement_to_the_byte(corpus, size, batch, seq, attention):
+    model = cm.build_model(size, attention=attention)
+    opt = cm.make_optimizer("sgd", model.parameters())
+    step = cm.make_train_step(model, opt, corpus, batch_size=batch, seq_len=seq)
+    report = cm.measure_step(step, model=model, optimizer=opt, repeat=1)
+    expected = estimate.block_activation_bytes(model.config, batch, seq)
+    for i in range(model.config.n_layer):
+        assert report.by_module[f"GPT.blocks.{i}"] == expected
+
+
+@pytest.mark.parametrize("name", ["sgd_momentum", "adam", "sgd"])
+def test_optimizer_state_bytes_match_measurement(tiny, corpus, name):
+    model = cm.build_model("tiny")
+    opt = cm.make_optimizer(name, model.parameters())
+    report = cm.measure_step(cm.make_train_step(model, opt, corpus, batch_size=2, seq_len=16), model=model, optimizer=opt, repeat=1)
+    assert report.resident_bytes["optimizer_state"] == estimate.optimizer_state_bytes(model.parameters(), name)
+
+
+def test_formulas_and_conventions():
+    assert estimate.fp32_training_bytes_per_param("adamw") == 16
+    assert estimate.fp32_training_bytes_per_param("sgd") == 8
+    assert {v[0] for v in estimate.MODEL_STATE_CONVENTIONS.values()} == {16, 18, 20, 8}
+    s, b, h, a = 2048, 1, 4096, 32
+    assert estimate.korthikanti_activation_bytes(s, b, h, a) == s * b * h * (34 + 5 * a * s // h)
+    assert estimate.korthikanti_activation_bytes(s, b, h, a, flash=True) == 34 * s * b * h
+
+
+def test_estimate_rejects_bad_input():
+    config = cm.get_config("tiny")
+    with pytest.raises(ValueError, match="batch and seq must be >= 1"):
+        estimate.block_activation_bytes(config, 0, 8)
+    with pytest.raises(ValueError, match="unknown optimizer 'lamb'"):
+        estimate.optimizer_state_bytes([], "lamb")
+    with pytest.raises(ValueError, match="attention must be"):
+        estimate.block_activation_bytes(config, 1, 8, attention="flash")

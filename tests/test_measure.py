@@ -1,0 +1,172 @@
+import gc
+
+import pytest
+import torch
+
+import colab_memopt as cm
+from colab_memopt import estimate
+from colab_memopt.tracker import LiveBytesMode
+
+
+def test_measure_step_matches_analytic_counts(tiny):
+    model, opt, step = tiny
+    report = cm.measure_step(step, model=model, optimizer=opt, repeat=1)
+    params = list(model.parameters())
+    assert report.resident_bytes["parameters"] == estimate.param_bytes(params) == 4 * model.config.n_params
+    assert report.resident_bytes["gradients"] == 4 * model.config.n_params
+    assert report.resident_bytes["optimizer_state"] == estimate.optimizer_state_bytes(params, "adamw")
+    assert report.resident_bytes["optimizer_state"] == 8 * model.config.n_params + 4 * len(params)
+    assert report.peak_bytes == sum(report.by_category.values())
+    assert set(report.by_phase) == {"forward", "backward", "optimizer"}
+    assert max(report.by_phase.values()) == report.peak_bytes
+    assert report.category_peaks["activations"] >= report.by_category["activations"] > 0
+    assert report.step_seconds > 0
+    assert report.device == "cpu"
+    assert "tracker" in report.method
+
+
+def test_measure_step_is_repeatable(tiny):
+    model, opt, step = tiny
+    first = cm.measure_step(step, model=model, optimizer=opt, repeat=1)
+    second = cm.measure_step(step, model=model, optimizer=opt, repeat=1)
+    assert first.peak_bytes == second.peak_bytes
+    assert first.by_category == second.by_category
+
+
+def test_more_batch_more_activations(corpus):
+    model = cm.build_model("tiny")
+    opt = cm.make_optimizer("sgd", model.parameters())
+    reports = {
+        b: cm.measure_step(cm.make_train_step(model, opt, corpus, batch_size=b, seq_len=32), model=model, optimizer=opt, repeat=1)
+        for b in (2, 4)
+    }
+    assert reports[4].category_peaks["activations"] > 1.8 * reports[2].category_peaks["activations"]
+
+
+@pytest.mark.parametrize(
+    "kwargs, error",
+    [({"repeat": 0}, ValueError), ({"warmup": -1}, ValueError), ({"device": "banana"}, ValueError)],
+)
+def test_measure_step_rejects_bad_input(tiny, kwargs, error):
+    model, opt, step = tiny
+    with pytest.raises(error, match=str(list(kwargs.values())[0])):
+        cm.measure_step(step, model=model, optimizer=opt, **kwargs)
+
+
+def test_measure_step_rejects_non_callable():
+    with pytest.raises(TypeError, match="callable"):
+        cm.measure_step(42)
+
+
+def _peak(model, opt, step):
+    step()  # optimizer state exists
+    return cm.measure_step(step, model=model, optimizer=opt, warmup=0, repeat=1).peak_bytes
+
+
+def test_budget_raises_above_limit_and_not_below(tiny):
+    model, opt, step = tiny
+    peak = _peak(model, opt, step)
+    with cm.MemoryBudget(peak + 1024, model, opt) as budget:
+        step()
+    assert 0 < budget.peak_bytes <= peak + 1024
+    with pytest.raises(torch.OutOfMemoryError, match="limit of"):
+        with cm.MemoryBudget(int(peak * 0.8), model, opt):
+            step()
+
+
+def test_budget_error_names_limit_and_bytes(tiny):
+    model, opt, step = tiny
+    step()
+    with pytest.raises(torch.OutOfMemoryError) as info:
+        with cm.MemoryBudget(int(_peak(model, opt, step) * 0.8), model, opt):
+            step()
+    message = str(info.value)
+    assert "asked for" in message and "live against a limit" in message and "MemoryBudget" in message
+
+
+def test_budget_recovers_after_oom(tiny, corpus):
+    model, opt, step = tiny
+    peak = _peak(model, opt, step)
+    small_step = cm.make_train_step(model, opt, corpus, batch_size=1, seq_len=32)
+    with cm.MemoryBudget(int(peak * 0.8), model, opt) as budget:
+        with pytest.raises(torch.OutOfMemoryError):
+            step()
+        gc.collect()
+        # Nothing of the failed step stays alive: parameters and AdamW state only (grads were released).
+        assert budget.live_bytes() == estimate.param_bytes(model.parameters()) + estimate.optimizer_state_bytes(model.parameters(), "adamw")
+        small_step()  # a smaller step fits in the same budget
+
+
+def test_budget_raises_in_backward():
+    layer = torch.nn.Linear(256, 256)
+    x = torch.randn(64, 256)
+    mode = LiveBytesMode(limit_bytes=10**9)
+    mode.track(layer, x)
+    with mode:
+        loss = layer(x).relu().sum()
+        mode.limit_bytes = mode.live + 1024  # forward done; the gradients will not fit
+        with pytest.raises(torch.OutOfMemoryError):
+            loss.backward()
+
+
+@pytest.mark.parametrize("limit", [0, -5])
+def test_budget_rejects_non_positive_limit(limit):
+    with pytest.raises(ValueError, match=f"limit_bytes must be > 0, got {limit}"):
+        cm.MemoryBudget(limit)
+
+
+def test_budget_rejects_non_numbers():
+    with pytest.raises(TypeError, match="limit_bytes"):
+        cm.MemoryBudget("14GB")
+
+
+def test_budget_refuses_objects_already_over_limit(tiny):
+    model, opt, _ = tiny
+    with pytest.raises(torch.OutOfMemoryError, match="already hold"):
+        with cm.MemoryBudget(100, model, opt):
+            pass
+
+
+def test_compare_savings_and_ratios(tiny, corpus):
+    model, opt, step = tiny
+    sgd_model = cm.build_model("tiny")
+    sgd = cm.make_optimizer("sgd", sgd_model.parameters())
+    reports = {
+        "adamw": cm.measure_step(step, model=model, optimizer=opt, repeat=1),
+        "sgd": cm.measure_step(cm.make_train_step(sgd_model, sgd, corpus, batch_size=4, seq_len=32), model=sgd_model, optimizer=sgd, repeat=1),
+    }
+    table = cm.compare(reports)
+    expected = 100 * (1 - reports["sgd"].peak_bytes / reports["adamw"].peak_bytes)
+    assert table.saving_pct("sgd") == pytest.approx(expected)
+    assert table.saving_pct("adamw") == 0
+    assert "saving_pct" in str(table) and "<table>" in table._repr_html_()
+    with pytest.raises(KeyError, match="nope"):
+        table.saving_pct("nope")
+    with pytest.raises(ValueError, match="at least one"):
+        cm.compare({})
+
+
+def test_host_memory():
+    host = cm.host_memory()
+    assert 0 < host.rss_bytes < host.total_bytes
+    assert 0 < host.available_bytes <= host.total_bytes
+
+
+@pytest.mark.parametrize("nbytes, text", [(0, "0 B"), (1536, "1.50 KiB"), (3 * 2**30, "3.00 GiB"), (-2048, "-2.00 KiB")])
+def test_format_bytes(nbytes, text):
+    assert cm.format_bytes(nbytes) == text
+
+
+def test_plots_draw(tiny):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from colab_memopt import plots
+
+    model, opt, step = tiny
+    report = cm.measure_step(step, model=model, optimizer=opt, repeat=1)
+    ax = plots.memory_bars({"a": report, "b": report}, limit_bytes=report.peak_bytes * 2)
+    assert len(ax.patches) > 0
+    with pytest.raises(ValueError, match="unit"):
+        plots.memory_bars({"a": report}, unit="MB")
+    assert plots.phase_bars({"a": report}).get_ylabel().startswith("peak")

@@ -1,0 +1,142 @@
+"""Every notebook, found by itself: checked against the notebook standard, then executed headless.
+
+The standard is written down in notebooks/README.md. Execution uses the CI parameters of
+tests/notebook_parameters.yaml (the only place CI shrinks the work) within each notebook's budget.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from colab_memopt.project import colab_url, install_command
+from colab_memopt.runner import CPU_PARAMS_FILE, NOTEBOOK_DIR, load_cpu_parameters, parameters_for, run_notebook
+
+REPO = NOTEBOOK_DIR.parent
+NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
+CPU_PARAMS = load_cpu_parameters(CPU_PARAMS_FILE)
+
+# The standard's sections, in order (headings may say more after these words).
+SECTIONS = (
+    "Parameters",
+    "Preflight",
+    "The idea",
+    "Baseline",
+    "Asserts",
+    "Explore",
+    "When not to use it",
+    "Claims checked",
+    "Further reading",
+)
+# The metrics each notebook must record (from the issues that specify them).
+REQUIRED_METRICS = {
+    "00_where_the_memory_goes": {
+        "param_bytes_measured", "param_bytes_expected", "optimizer_state_bytes_measured",
+        "optimizer_state_bytes_expected", "activation_bytes_measured",
+    },
+}
+PARAM_NAME = re.compile(r"^[a-z_][a-z0-9_]*$")
+
+
+def _ids(paths):
+    return [p.stem for p in paths]
+
+
+def _code(nb):
+    return [c for c in nb.cells if c.cell_type == "code"]
+
+
+def test_notebooks_are_found():
+    assert NOTEBOOKS, "no notebooks found in notebooks/"
+    for path in NOTEBOOKS:
+        assert re.fullmatch(r"\d\d_[a-z0-9_]+\.ipynb", path.name), f"{path.name}: name must be NN_topic.ipynb"
+
+
+def test_parameters_file_names_real_notebooks_and_parameters():
+    names = {p.stem for p in NOTEBOOKS}
+    assert set(CPU_PARAMS) == names, "tests/notebook_parameters.yaml must have exactly one entry per notebook"
+    for name, params in CPU_PARAMS.items():
+        assert isinstance(params.get("budget_seconds"), (int, float)) and params["budget_seconds"] > 0, name
+        nb = nbformat.read(NOTEBOOK_DIR / f"{name}.ipynb", as_version=4)
+        declared = _parameters(nb)
+        unknown = set(params) - {"budget_seconds"} - set(declared)
+        assert not unknown, f"{name}: CI parameters {unknown} are not in the notebook's parameters cell"
+
+
+def _parameters(nb) -> dict:
+    cells = [c for c in _code(nb) if "parameters" in c.metadata.get("tags", [])]
+    assert len(cells) == 1, "exactly one cell must be tagged 'parameters'"
+    values = {}
+    for node in ast.parse(cells[0].source).body:
+        assert isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name), (
+            "the parameters cell holds plain assignments only"
+        )
+        # Plain values only: papermill injects after this cell, so a derived value would go stale.
+        values[node.targets[0].id] = ast.literal_eval(node.value)
+    return values
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=_ids(NOTEBOOKS))
+def test_notebook_follows_the_standard(path):
+    nb = nbformat.read(path, as_version=4)
+    nbformat.validate(nb)
+    rel = path.relative_to(REPO).as_posix()
+
+    # Committed clean: no outputs, execution counts or widget state.
+    assert "widgets" not in nb.metadata, "widget state in metadata"
+    for cell in _code(nb):
+        assert not cell.outputs and cell.execution_count is None, f"outputs committed in: {cell.source[:60]!r}"
+    assert nb.metadata["kernelspec"]["name"] == "python3"
+
+    # Title, then the badge generated from this path and the one repository URL.
+    assert nb.cells[0].cell_type == "markdown" and nb.cells[0].source.startswith("# ")
+    assert f"({colab_url(rel)})" in nb.cells[1].source, "badge must point at this notebook's path"
+
+    # The install cell installs only on Colab, before the first import of the package.
+    sources = [c.source for c in _code(nb)]
+    first_import = next(i for i, s in enumerate(sources) if re.search(r"^\s*(import|from) colab_memopt", s, re.M))
+    install = next(i for i, s in enumerate(sources) if install_command() in s)
+    assert install < first_import and "google.colab" in sources[install]
+
+    # Parameters: plain values, Colab defaults, results_dir None, device 'auto'.
+    params = _parameters(nb)
+    assert params.get("results_dir", "missing") is None and params.get("device") == "auto"
+    assert all(PARAM_NAME.match(k) for k in params)
+
+    # The standard's sections, in order.
+    headings = [line[3:].strip() for c in nb.cells if c.cell_type == "markdown" for line in c.source.splitlines() if line.startswith("## ")]
+    positions = []
+    for section in SECTIONS:
+        found = [i for i, h in enumerate(headings) if h.lower().startswith(section.lower())]
+        assert found, f"missing section '## {section}' (have {headings})"
+        positions.append(found[0])
+    assert positions == sorted(positions), f"sections out of order: {headings}"
+
+    code = "\n".join(sources)
+    assert "cm.record(" in code and "widgets.panel(" in code and "\nassert " in "\n" + code
+    for banned in ("max_memory_allocated", "reset_peak_memory_stats", 'to("cuda")', "to('cuda')", "if CI"):
+        assert banned not in code, f"{banned!r}: measure through colab_memopt.measure, pick devices with device='auto'"
+
+
+@pytest.mark.notebook
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=_ids(NOTEBOOKS))
+def test_notebook_executes_within_budget(path, tmp_path_factory):
+    out_dir = REPO / "build" / "notebooks"
+    results_dir = REPO / "build" / "results"
+    budget = CPU_PARAMS[path.stem]["budget_seconds"]
+    run = run_notebook(path, out_dir, results_dir, parameters_for(path.stem, gpu=False, cpu_params=CPU_PARAMS))
+    assert run.seconds <= budget, f"{path.stem} took {run.seconds:.0f} s, over its budget of {budget} s"
+
+    executed = nbformat.read(run.output, as_version=4)
+    errors = [o for c in _code(executed) for o in c.outputs if o.output_type == "error"]
+    assert not errors
+    entry = json.loads((results_dir / f"{path.stem}.json").read_text())
+    missing = REQUIRED_METRICS.get(path.stem, set()) - set(entry["metrics"])
+    assert not missing, f"{path.stem} did not record {missing}"
+    assert entry["claims"], f"{path.stem} checked no claims"
+    assert entry["baseline"]["peak_bytes"] > 0

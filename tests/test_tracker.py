@@ -1,0 +1,65 @@
+"""Pins on the private MemTracker API the adapter relies on: an upgrade that changes it fails here."""
+
+import torch
+from torch import nn
+
+from colab_memopt.tracker import CATEGORIES, LiveBytesMode, TensorTracker
+
+
+def test_private_names_we_use_exist():
+    from torch.distributed._tools import mem_tracker
+
+    assert {m.name for m in mem_tracker._MemRefType} == {"PARAM", "BUFFER", "GRAD", "ACT", "TEMP", "OPT", "OTH"}
+    assert mem_tracker._TOTAL_KEY == "Total"
+    for attr in ("_update_peak_stats", "_pre_fw_hook", "track_external", "get_tracker_snapshot", "memory_tracking"):
+        assert hasattr(mem_tracker.MemTracker(), attr), attr
+    tracker = mem_tracker.MemTracker()
+    assert tracker._in_opt is False
+    assert tracker._mod_tracker.is_bw is False
+    assert mem_tracker._ModState.PRE_FW.value == "Pre-Forward"
+    assert mem_tracker._ModState.POST_FW.value == "Post-Forward"
+
+
+def test_linear_step_categories_exact():
+    torch.manual_seed(0)
+    layer = nn.Linear(64, 32)
+    opt = torch.optim.AdamW(layer.parameters())
+    x = torch.randn(16, 64)
+    tracker = TensorTracker(device=torch.device("cpu"))
+    tracker.track_external(layer, opt, x)
+    with tracker:
+        layer(x).square().sum().backward()
+        opt.step()
+        resident = tracker.current_categories()
+    n = 64 * 32 + 32
+    assert set(resident) == set(CATEGORIES)
+    assert resident["parameters"] == 4 * n
+    assert resident["gradients"] == 4 * n
+    assert resident["optimizer_state"] == 8 * n + 4 * 2  # m, v, and a float32 step per tensor
+    assert resident["other"] == x.numel() * 4
+    assert tracker.phase_peaks["forward"] > 0 and tracker.phase_peaks["backward"] > 0
+    assert tracker.phase_peaks["optimizer"] >= resident["optimizer_state"]
+    assert tracker.peak_bytes == sum(tracker.peak_categories.values())
+
+
+def test_two_forwards_in_one_step_are_allowed():
+    # MemTracker alone raises NotImplementedError on a second root forward (gradient accumulation).
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+    tracker = TensorTracker()
+    tracker.track_external(model)
+    with tracker:
+        for _ in range(2):
+            model(torch.randn(4, 8)).sum().backward()
+    assert tracker.current_categories()["gradients"] == 4 * sum(p.numel() for p in model.parameters())
+
+
+def test_live_bytes_mode_counts_and_releases():
+    mode = LiveBytesMode(limit_bytes=10**9)
+    with mode:
+        a = torch.zeros(1000)  # 4000 bytes
+        assert mode.live == 4000
+        b = a.view(10, 100)  # a view: same storage, counted once
+        assert mode.live == 4000
+        del a, b
+    assert mode.live == 0
+    assert mode.peak == 4000
