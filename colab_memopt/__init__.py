@@ -30,6 +30,7 @@ from colab_memopt.measure import (
     host_memory,
     measure_step,
 )
+from colab_memopt.recipe import Recipe
 from colab_memopt.models import MODEL_SIZES, GPT, GPTConfig, build_model, count_parameters, get_config
 from colab_memopt.report import Claim, record
 from colab_memopt.train import evaluate, make_optimizer, make_train_step, train, train_step
@@ -46,6 +47,7 @@ __all__ = [
     "GPTConfig",
     "MemoryBudget",
     "MemoryReport",
+    "Recipe",
     "TextCorpus",
     "autocast_dtype",
     "bf16_native",

@@ -8,11 +8,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from colab_memopt.data import TextCorpus
+
+if TYPE_CHECKING:
+    from colab_memopt.recipe import Recipe
 
 OPTIMIZERS = ("adamw", "adam", "sgd", "sgd_momentum")
 
@@ -53,8 +57,14 @@ def make_train_step(
     batch_size: int,
     seq_len: int,
     seed: int = 0,
+    recipe: Recipe | None = None,
 ) -> Callable[[], float]:
-    """Return a zero-argument step function that trains on the next seeded batch of the corpus."""
+    """Return a zero-argument step function that trains on the next seeded batch of the corpus.
+
+    `recipe` carries the step-side techniques (none yet at this layer: the default is plain fp32);
+    the model-side ones are applied by `Recipe.build` before the step is made.
+    """
+    del recipe  # no step-side technique implemented yet; each technique issue adds its own here
     device = next(model.parameters()).device
     batches = corpus.batches(batch_size, seq_len, seed=seed, device=device)
 
