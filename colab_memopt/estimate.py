@@ -6,10 +6,12 @@ Every figure here is a formula with its source; notebooks put it next to a measu
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from colab_memopt.models import GPTConfig
+from colab_memopt.models import GPT, GPTConfig
 
 # Bytes per parameter of the model states (weights, gradients, optimizer state) in mixed-precision
 # AdamW training, as the literature counts them. They differ in what they include.
@@ -95,3 +97,98 @@ def korthikanti_activation_bytes(seq: int, batch: int, hidden: int, heads: int, 
     """
     sbh = seq * batch * hidden
     return 34 * sbh + (0 if flash else 5 * heads * seq * seq * batch)
+
+
+def data_pipeline_bytes(*, num_workers: int, prefetch_factor: int, batch: int, seq_len: int, bytes_per_token: int = 8) -> int:
+    """Return host RAM held by prefetched batches: workers x prefetch x batch x seq x bytes per token.
+
+    The formula of source document 002 (Memory Optimization Guide, data pipeline); with no workers
+    the main process holds one batch. Token ids are int64 (8 bytes) unless the pipeline narrows them.
+    """
+    for name, value in (("num_workers", num_workers), ("prefetch_factor", prefetch_factor)):
+        if value < 0:
+            raise ValueError(f"{name} must be >= 0, got {value}")
+    if batch < 1 or seq_len < 1:
+        raise ValueError(f"batch and seq_len must be >= 1, got batch={batch}, seq_len={seq_len}")
+    batches = num_workers * prefetch_factor if num_workers else 1
+    return batches * batch * seq_len * bytes_per_token
+
+
+@dataclass
+class StepEstimate:
+    """The analytic estimate of one training step: peak and its split, like a trace's."""
+
+    peak_bytes: int
+    by_category: dict[str, int]
+    by_phase: dict[str, int]
+    phase_categories: dict[str, dict[str, int]]
+
+
+def _dims(model: torch.nn.Module) -> dict[str, int]:
+    config = getattr(model, "config", None)
+    if config is None:
+        raise ValueError(f"{type(model).__name__} has no .config: cannot estimate its activations")
+
+    def first(*names: str, default: int | None = None) -> int:
+        for n in names:
+            value = getattr(config, n, None)
+            if value is not None:
+                return int(value)
+        if default is None:
+            raise ValueError(f"{type(model).__name__}.config has none of {names}")
+        return default
+
+    hidden = first("d_model", "hidden_size", "n_embd")
+    heads = first("n_head", "num_attention_heads")
+    return {
+        "hidden": hidden,
+        "layers": first("n_layer", "num_hidden_layers"),
+        "heads": heads,
+        "kv_heads": first("num_key_value_heads", default=heads),
+        "inter": first("intermediate_size", "n_inner", default=4 * hidden) if not isinstance(model, GPT) else model.config.mlp_ratio * hidden,
+        "vocab": first("vocab_size"),
+    }
+
+
+def activation_bytes(model: torch.nn.Module, batch: int, seq: int, *, bytes_per_value: int = 4) -> int:
+    """Return the activations one forward keeps for backward, without recomputation.
+
+    Exact per block for the reference model (`block_activation_bytes`); for other transformers an
+    approximation from the config: per token and layer 7h + 3h_kv + 4i values with a gated MLP
+    (LLaMA-style), 8h + 2i without, plus logits and the loss's log-softmax (b*s*V each).
+    """
+    d = _dims(model)
+    b, s, h = batch, seq, d["hidden"]
+    if isinstance(model, GPT):
+        blocks = d["layers"] * block_activation_bytes(model.config, b, s, bytes_per_value=bytes_per_value)
+    else:
+        gated = any(name.endswith("gate_proj") for name, _ in model.named_modules())
+        kv_h = h * d["kv_heads"] // d["heads"]
+        per_token = (7 * h + 3 * kv_h + 4 * d["inter"]) if gated else (8 * h + 2 * d["inter"])
+        blocks = d["layers"] * b * s * per_token * bytes_per_value
+    embeddings_and_head = 3 * b * s * h * bytes_per_value + 2 * b * s * d["vocab"] * bytes_per_value
+    return blocks + embeddings_and_head
+
+
+def training_step_bytes(model: torch.nn.Module, batch: int, seq: int, recipe: Any) -> StepEstimate:
+    """Return the analytic peak of one training step of `model` (built on any device, 'meta' too).
+
+    Forward ends with parameters, optimizer state and all activations alive (gradients were freed
+    by `zero_grad(set_to_none=True)`); backward trades activations for gradients; the optimizer step
+    holds parameters, gradients, state and about one parameter tensor's worth of temporaries.
+    """
+    params = _unique(model.parameters())
+    trainable = [p for p in params if p.requires_grad]
+    p_bytes = param_bytes(params)
+    g_bytes = param_bytes(trainable)
+    o_bytes = optimizer_state_bytes(trainable, recipe.optimizer)
+    act = activation_bytes(model, batch, seq)
+    largest = max((p.numel() * p.element_size() for p in trainable), default=0)
+    forward = {"parameters": p_bytes, "optimizer_state": o_bytes, "activations": act}
+    backward = {"parameters": p_bytes, "optimizer_state": o_bytes, "gradients": g_bytes, "activations": act // 2, "temporaries": largest}
+    optimizer = {"parameters": p_bytes, "optimizer_state": o_bytes, "gradients": g_bytes, "temporaries": 2 * largest}
+    phases = {"forward": forward, "backward": backward, "optimizer": optimizer}
+    totals = {p: sum(c.values()) for p, c in phases.items()}
+    peak_phase = max(totals, key=totals.get)
+    by_category = {c: phases[peak_phase].get(c, 0) for c in ("parameters", "buffers", "gradients", "optimizer_state", "activations", "temporaries", "other")}
+    return StepEstimate(totals[peak_phase], by_category, totals, phases)

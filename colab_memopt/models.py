@@ -226,8 +226,9 @@ def build_model(
         dev = pick_device(device)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            model = GPT(config)
-        model = model.to(dev)
+            model = GPT(config)  # initialised on the CPU: the same weights whatever the device
+        if dev.type != "cpu":
+            model = model.to(dev)
     if dtype is not None:
         model = model.to(dtype)
     return model

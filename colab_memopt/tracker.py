@@ -21,7 +21,8 @@ import weakref
 from typing import Any
 
 import torch
-from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType
+from torch.distributed._tools import mem_tracker as _mt
+from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType, _WeakRefInfo
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map_only
 from torch.utils.weak import WeakIdKeyDictionary
@@ -63,21 +64,25 @@ class TensorTracker(MemTracker):
 
     Args:
         device: count only storage on this device; None counts every device together.
+        cuda_rounding: count every storage as the CUDA caching allocator would (rounded up to 512
+            bytes), also on the CPU and under fake tensors: what the planner uses for a CUDA target.
     """
 
-    def __init__(self, *, device: torch.device | None = None) -> None:
+    def __init__(self, *, device: torch.device | None = None, cuda_rounding: bool = False) -> None:
         super().__init__()
         self.device = device
+        self.cuda_rounding = cuda_rounding
+        self._saved_winfo_cls: Any = None
         self.phase_peaks: dict[str, int] = {}
         self.category_peaks: dict[str, int] = dict.fromkeys(CATEGORIES, 0)
         self.peak_bytes = 0
         self.peak_categories: dict[str, int] = dict.fromkeys(CATEGORIES, 0)
+        self.phase_peak_categories: dict[str, dict[str, int]] = {}
+        self._device_match: dict[Any, bool] = {}
 
     # -- reading -----------------------------------------------------------------------------
     def _device_snaps(self, snap: dict) -> list[dict]:
-        if self.device is None:
-            return list(snap.values())
-        return [s for dev, s in snap.items() if _same_device(torch.device(dev), self.device)]
+        return [s for dev, s in snap.items() if self._counts(dev)]
 
     def _categories(self, snap: dict) -> dict[str, int]:
         out = dict.fromkeys(CATEGORIES, 0)
@@ -119,19 +124,93 @@ class TensorTracker(MemTracker):
         return out
 
     # -- MemTracker overrides ----------------------------------------------------------------
+    def _round_like_cuda(self, on: bool) -> None:
+        # MemTracker builds its storage records with the module-level `_WeakRefInfo` class, which
+        # rounds only storages on CUDA devices; swap in a class that always rounds while we track.
+        if not self.cuda_rounding:
+            return
+        if on:
+            self._saved_winfo_cls = _mt._WeakRefInfo
+            _mt._WeakRefInfo = _CudaRoundedInfo
+        elif self._saved_winfo_cls is not None:
+            _mt._WeakRefInfo = self._saved_winfo_cls
+            self._saved_winfo_cls = None
+
+    def track_external(self, *external: Any) -> None:
+        self._round_like_cuda(True)
+        try:
+            super().track_external(*external)
+        finally:
+            self._round_like_cuda(False)
+
+    def __enter__(self) -> TensorTracker:
+        self._round_like_cuda(True)
+        return super().__enter__()
+
+    def __exit__(self, *args: Any) -> None:
+        try:
+            super().__exit__(*args)
+        finally:
+            self._round_like_cuda(False)
+
     def _update_peak_stats(self, peak_state: Any) -> None:
-        super()._update_peak_stats(peak_state)
-        live = self.live_bytes()
+        # Called after every operation. MemTracker's own version also rescans every module's
+        # per-module peak on each op, which is most of the tracking time on a large model and which
+        # we never read (per-module figures come from the pre/post-forward snapshots); so only the
+        # global peak (what get_tracker_snapshot("peak") returns) and our peaks are updated here.
+        live = 0
+        cats = dict.fromkeys(CATEGORIES, 0)
+        for dev, dev_snap in self._curr_mem_snap.items():
+            total = dev_snap[_TOTAL_KEY]
+            if self._peak_mem.get(dev, 0) < total:
+                self._peak_mem[dev] = total
+                self._peak_mem_snap[dev] = dict(dev_snap)
+            if self._counts(dev):
+                live += total
+                for ref, nbytes in dev_snap.items():
+                    if ref != _TOTAL_KEY:
+                        cats[_CATEGORY_OF[ref]] += nbytes
         phase = self.phase
         if live > self.phase_peaks.get(phase, 0):
             self.phase_peaks[phase] = live
-        cats = self.current_categories()
+            self.phase_peak_categories[phase] = cats
         for name, nbytes in cats.items():
             if nbytes > self.category_peaks[name]:
                 self.category_peaks[name] = nbytes
         if live > self.peak_bytes:
             self.peak_bytes = live
             self.peak_categories = cats
+
+    def _counts(self, dev: Any) -> bool:
+        if self.device is None:
+            return True
+        verdict = self._device_match.get(dev)
+        if verdict is None:
+            verdict = self._device_match[dev] = _same_device(torch.device(dev), self.device)
+        return verdict
+
+    def _track_module_params_and_buffers(self, module: torch.nn.Module, install_grad_hooks: bool = True) -> tuple[int, int]:
+        # MemTracker registers a gradient hook on every parameter, and `register_hook` raises on a
+        # parameter that does not require grad: frozen weights (LoRA, QLoRA) would break tracking.
+        # Track frozen parameters as parameters, and hook only the trainable ones.
+        frozen = [p for p in module.parameters() if not p.requires_grad]
+        for p in frozen:
+            self._update_and_maybe_create_winfos(p, _MemRefType.PARAM)
+        if not frozen:
+            return super()._track_module_params_and_buffers(module, install_grad_hooks)
+        saved = {id(p): p for p in frozen}
+
+        class _TrainableOnly(torch.nn.Module):
+            # A view of `module` whose parameters() yields only the trainable ones.
+            def parameters(self_inner, recurse: bool = True):  # noqa: N805
+                return (p for p in module.parameters(recurse) if id(p) not in saved)
+
+            def buffers(self_inner, recurse: bool = True):  # noqa: N805
+                return module.buffers(recurse)
+
+        param_bytes, buffer_bytes = super()._track_module_params_and_buffers(_TrainableOnly(), install_grad_hooks)
+        frozen_bytes = sum(winfo.mem_consumed for p in frozen for winfo in self._update_and_maybe_create_winfos(p, _MemRefType.PARAM))
+        return param_bytes + frozen_bytes, buffer_bytes
 
     def _pre_fw_hook(self, module: torch.nn.Module, inputs: Any) -> None:
         # MemTracker refuses a second forward of the root module ("multiple iterative calls"). Gradient
@@ -143,6 +222,13 @@ class TensorTracker(MemTracker):
 
 # The CUDA caching allocator rounds every block up to 512 bytes; MemTracker counts the same way.
 _CUDA_MIN_BLOCK = 512
+
+
+class _CudaRoundedInfo(_WeakRefInfo):
+    """A storage record counted as the CUDA allocator would, whatever the storage's device."""
+
+    def _calculate_mem_consumed(self) -> int:
+        return math.ceil(self.size * self.element_size / _CUDA_MIN_BLOCK) * _CUDA_MIN_BLOCK
 
 
 def _storage_bytes(storage: torch.UntypedStorage, device: torch.device) -> int:

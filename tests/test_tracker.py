@@ -63,3 +63,20 @@ def test_live_bytes_mode_counts_and_releases():
         del a, b
     assert mode.live == 0
     assert mode.peak == 4000
+
+
+def test_frozen_parameters_are_tracked_without_hooks():
+    # MemTracker alone raises "cannot register a hook on a tensor that doesn't require gradient".
+    model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 4))
+    model[0].weight.requires_grad_(False)
+    model[0].bias.requires_grad_(False)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+    tracker = TensorTracker()
+    tracker.track_external(model, opt)
+    with tracker:
+        model(torch.randn(8, 32)).sum().backward()
+        opt.step()
+        resident = tracker.current_categories()
+    assert resident["parameters"] == 4 * (32 * 32 + 32 + 32 * 4 + 4)
+    assert resident["gradients"] == 4 * (32 * 4 + 4)  # frozen weights get no gradient
+    assert resident["optimizer_state"] == 8 * (32 * 4 + 4) + 4 * 2

@@ -1,0 +1,443 @@
+"""Will it fit? Predict a training step's peak memory without a GPU.
+
+`plan` builds the model and optimizer under `FakeTensorMode` (shapes only, nothing allocated) and
+runs one whole training step of the recipe, through the same `Recipe.build` and
+`train.make_train_step` that real measurements use, with the same tensor tracker as
+`measure.measure_step`. Where a model cannot be traced (data-dependent control flow, custom ops), it
+falls back to the analytic estimate and says so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from colab_memopt import estimate
+from colab_memopt.env import COLAB_HOST_RAM_BYTES, T4_USABLE_BYTES, GiB
+from colab_memopt.measure import format_bytes, host_memory
+from colab_memopt.recipe import Recipe
+from colab_memopt.tracker import CATEGORIES, PHASES, TensorTracker
+from colab_memopt.train import make_train_step
+
+
+@dataclass(frozen=True)
+class Target:
+    """A device to plan for: its usable memory, host RAM and fixed costs.
+
+    `device_bytes` is what PyTorch reports as the GPU's total capacity; `cuda_context_bytes` is taken
+    from it before any tensor exists (the CUDA context and kernels, which neither
+    `max_memory_allocated` nor the tracker sees).
+    """
+
+    name: str
+    device_bytes: int
+    host_bytes: int
+    cuda_context_bytes: int = int(0.75 * GiB)
+    description: str = ""
+    cuda: bool = True
+
+    def __post_init__(self) -> None:
+        if self.device_bytes <= 0 or self.host_bytes <= 0:
+            raise ValueError(
+                f"target device_bytes and host_bytes must be > 0, got {self.device_bytes} and {self.host_bytes}"
+            )
+
+
+# Device capacities are what PyTorch reports for the card (a T4 shows 14.74 GiB: Colab's OOM messages);
+# for the others the vendor's nominal size less what the driver keeps, as PyTorch typically reports it.
+# Host RAM is the Colab runtime's where one exists. The CUDA context (0.5-2 GB, FACTS.md) is an
+# assumption until measured with NVML on the card.
+TARGETS: dict[str, Target] = {
+    "t4": Target("t4", T4_USABLE_BYTES, COLAB_HOST_RAM_BYTES, description="Colab free tier: T4 (14.74 GiB), 12.7 GB RAM"),
+    "l4": Target("l4", int(22.03 * GiB), int(53e9), description="Colab L4 runtime: 22 GiB usable of 24 GB, 53 GB RAM"),
+    "a100-40gb": Target("a100-40gb", int(39.39 * GiB), int(83.5e9), description="A100 40GB (Colab high-RAM: 83.5 GB)"),
+    "a100-80gb": Target("a100-80gb", int(79.15 * GiB), int(170e9), description="A100 80GB"),
+    "h100-80gb": Target("h100-80gb", int(79.11 * GiB), int(200e9), description="H100 80GB"),
+}
+
+
+def get_target(target: str | Target | dict[str, Any]) -> Target:
+    """Return a target from its name, a `Target`, or a dict with device_bytes and host_bytes."""
+    if isinstance(target, Target):
+        return target
+    if isinstance(target, dict):
+        allowed = {"name", "device_bytes", "host_bytes", "cuda_context_bytes", "description", "cuda"}
+        unknown = sorted(set(target) - allowed)
+        if unknown or "device_bytes" not in target or "host_bytes" not in target:
+            raise ValueError(f"a target dict needs device_bytes and host_bytes (allowed keys {sorted(allowed)}), got {sorted(target)}")
+        return Target(**{"name": "custom", **target})
+    if target not in TARGETS:
+        raise ValueError(f"unknown target {target!r}; choose one of {sorted(TARGETS)} or give device_bytes and host_bytes")
+    return TARGETS[target]
+
+
+@dataclass
+class Cost:
+    """A line of the plan that the trace does not produce: what it is, its bytes, where the figure comes from."""
+
+    name: str
+    bytes: int
+    source: str
+
+
+@dataclass
+class Plan:
+    """The predicted memory of one training step on a target."""
+
+    model: str
+    batch: int
+    seq_len: int
+    recipe: dict[str, Any]
+    target: Target
+    method: str  # 'trace' or 'analytic'
+    peak_bytes: int  # tensors at the step's peak: what max_memory_allocated would show
+    by_category: dict[str, int]
+    by_phase: dict[str, int]
+    device_costs: list[Cost]
+    host_costs: list[Cost]
+    headroom_fraction: float
+    analytic_peak_bytes: int
+    max_batch: int | None = None
+    seconds: float = 0.0
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def device_need_bytes(self) -> int:
+        return self.peak_bytes + sum(c.bytes for c in self.device_costs)
+
+    @property
+    def host_need_bytes(self) -> int:
+        return sum(c.bytes for c in self.host_costs)
+
+    @property
+    def device_limit_bytes(self) -> int:
+        """Return the device bytes a plan may use: capacity less the headroom kept for fragmentation."""
+        return int(self.target.device_bytes * (1 - self.headroom_fraction))
+
+    @property
+    def host_limit_bytes(self) -> int:
+        return int(self.target.host_bytes * (1 - self.headroom_fraction))
+
+    @property
+    def fits_device(self) -> bool:
+        return self.device_need_bytes <= self.device_limit_bytes
+
+    @property
+    def fits_host(self) -> bool:
+        return self.host_need_bytes <= self.host_limit_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.fits_device and self.fits_host
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return a JSON-ready dict (what the CLI's --json prints)."""
+        return {
+            "model": self.model,
+            "batch": self.batch,
+            "seq_len": self.seq_len,
+            "recipe": self.recipe,
+            "target": asdict(self.target),
+            "method": self.method,
+            "peak_bytes": self.peak_bytes,
+            "by_category": self.by_category,
+            "by_phase": self.by_phase,
+            "device_costs": [asdict(c) for c in self.device_costs],
+            "host_costs": [asdict(c) for c in self.host_costs],
+            "device_need_bytes": self.device_need_bytes,
+            "host_need_bytes": self.host_need_bytes,
+            "device_limit_bytes": self.device_limit_bytes,
+            "host_limit_bytes": self.host_limit_bytes,
+            "fits_device": self.fits_device,
+            "fits_host": self.fits_host,
+            "fits": self.fits,
+            "max_batch": self.max_batch,
+            "analytic_peak_bytes": self.analytic_peak_bytes,
+            "seconds": self.seconds,
+            "warnings": self.warnings,
+        }
+
+    def __str__(self) -> str:
+        lines = [
+            f"plan: {self.model}, batch {self.batch} x {self.seq_len} tokens, on {self.target.name} "
+            f"({self.target.description or format_bytes(self.target.device_bytes)}); method: {self.method}",
+            "device memory:",
+        ]
+        lines += [f"  {c:18s} {format_bytes(b):>12s}" for c, b in self.by_category.items() if b]
+        lines.append(f"  {'= tensors at peak':18s} {format_bytes(self.peak_bytes):>12s}   "
+                     f"(analytic cross-check {format_bytes(self.analytic_peak_bytes)})")
+        lines += [f"  + {c.name:16s} {format_bytes(c.bytes):>12s}   {c.source}" for c in self.device_costs]
+        lines.append(f"  {'= need':18s} {format_bytes(self.device_need_bytes):>12s}   of {format_bytes(self.device_limit_bytes)} "
+                     f"usable ({format_bytes(self.target.device_bytes)} less {self.headroom_fraction:.0%} headroom)")
+        lines.append("peak by phase: " + ", ".join(f"{p} {format_bytes(b)}" for p, b in self.by_phase.items()))
+        lines.append("host RAM:")
+        lines += [f"  {c.name:18s} {format_bytes(c.bytes):>12s}   {c.source}" for c in self.host_costs]
+        lines.append(f"  {'= need':18s} {format_bytes(self.host_need_bytes):>12s}   of {format_bytes(self.host_limit_bytes)} usable")
+        verdict = "FITS" if self.fits else "DOES NOT FIT"
+        why = [] if self.fits else [w for w, ok in (("device memory", self.fits_device), ("host RAM", self.fits_host)) if not ok]
+        lines.append(f"verdict: {verdict}" + (f" ({' and '.join(why)})" if why else "")
+                     + f"; device headroom {format_bytes(self.device_limit_bytes - self.device_need_bytes)}")
+        if self.max_batch is not None:
+            lines.append(f"largest batch that fits: {self.max_batch}")
+        lines += [f"warning: {w}" for w in self.warnings]
+        return "\n".join(lines)
+
+
+class _FakeBatches:
+    """Stand-in for the corpus under fake tensors: random token ids of the right shape."""
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+
+    def batches(self, batch_size: int, seq_len: int, *, seed: int = 0, device: Any = "cpu", split: str = "train") -> Iterator[torch.Tensor]:
+        while True:
+            yield torch.randint(0, self.vocab_size, (batch_size, seq_len), device=device)
+
+
+def _vocab_size(model: nn.Module) -> int:
+    config = getattr(model, "config", None)
+    vocab = getattr(config, "vocab_size", None)
+    if vocab is None:
+        raise ValueError(f"cannot tell the vocabulary size of {type(model).__name__}: it needs .config.vocab_size")
+    return int(vocab)
+
+
+@dataclass
+class _Trace:
+    peak_bytes: int
+    by_category: dict[str, int]
+    by_phase: dict[str, int]
+    phase_categories: dict[str, dict[str, int]]
+
+
+@contextlib.contextmanager
+def _fake_safe_module_to() -> Iterator[None]:
+    """Make `nn.Module.to` work on modules built under FakeTensorMode, for the duration.
+
+    `Module._apply` swaps fake parameters with `torch.utils.swap_tensors`, which refuses any tensor
+    that has a weak reference, and FakeTensorMode keeps one to each of its tensors: so `.to()` fails
+    on every fake-built module (peft and transformers call it while building). Here a move to the
+    device the tensors are already on is a no-op, and a dtype change is done in place with `.data`,
+    which keeps shared (tied) parameters shared.
+    """
+    original = nn.Module.to
+
+    def to(self: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
+        device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+        with torch.no_grad():
+            for t in [*self.parameters(), *self.buffers()]:
+                if device is not None and t.device.type != torch.device(device).type:
+                    raise ValueError(f"cannot plan a model that moves its tensors to {device} while it is built")
+                if dtype is not None and t.is_floating_point() and t.dtype != dtype:
+                    t.data = t.data.to(dtype)
+        return self
+
+    nn.Module.to = to  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.to = original  # type: ignore[method-assign]
+
+
+class _Tracer:
+    """Build the model once under fake tensors, warm it up, then trace steps at any batch size."""
+
+    def __init__(self, model_factory: Callable[[], nn.Module], recipe: Recipe, seq_len: int, *, cuda_rounding: bool) -> None:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+        # allow_scalar_outputs: `loss.item()` in the step returns a symbolic float instead of failing.
+        self.mode = FakeTensorMode(shape_env=ShapeEnv(allow_scalar_outputs=True))
+        self.seq_len = seq_len
+        self.recipe = recipe
+        self.cuda_rounding = cuda_rounding
+        with self.mode, _fake_safe_module_to():
+            model = model_factory()
+            self.model, self.optimizer = recipe.build(model)
+            self.batches = _FakeBatches(_vocab_size(self.model))
+            self._step(1)()  # creates the optimizer state and the gradients, as a real warm-up does
+
+    def _step(self, batch: int) -> Callable[[], Any]:
+        return make_train_step(self.model, self.optimizer, self.batches, batch_size=batch, seq_len=self.seq_len, recipe=self.recipe)
+
+    def trace(self, batch: int) -> _Trace:
+        with self.mode:
+            step = self._step(batch)
+            tracker = TensorTracker(device=torch.device("cpu"), cuda_rounding=self.cuda_rounding)
+            tracker.track_external(self.model, self.optimizer)
+            with tracker:
+                step()
+        return _Trace(
+            tracker.peak_bytes,
+            dict(tracker.peak_categories),
+            {p: tracker.phase_peaks.get(p, 0) for p in PHASES},
+            {p: dict(c) for p, c in tracker.phase_peak_categories.items()},
+        )
+
+
+def _linear_max_batch(trace: _Trace, batch: int, budget_bytes: int) -> int:
+    """Return the largest batch whose peak fits `budget_bytes`, assuming batch-linear activations."""
+    best = math.inf
+    for phase, peak in trace.by_phase.items():
+        cats = trace.phase_categories.get(phase, {})
+        per_sample = (cats.get("activations", 0) + (cats.get("temporaries", 0) if phase != "optimizer" else 0)) / batch
+        fixed = peak - per_sample * batch
+        if fixed > budget_bytes:
+            return 0
+        if per_sample > 0:
+            best = min(best, (budget_bytes - fixed) / per_sample)
+    return int(best) if best != math.inf else 10**6
+
+
+def _verified_max_batch(fits: Callable[[int], bool], guess: int, max_traces: int = 16) -> tuple[int, bool]:
+    """Return (largest batch that fits, whether the boundary was found), starting from a guess.
+
+    `fits` traces one step. The linear guess is usually right within one, so this gallops away
+    from it (1, 2, 4, ... batches) until the answer changes, then bisects: two traces when the
+    guess is right, about 2*log2(error) otherwise.
+    """
+    traces = 0
+
+    def probe(b: int) -> bool:
+        nonlocal traces
+        traces += 1
+        return fits(b)
+
+    step = 1
+    if probe(guess):
+        lo, hi = guess, None
+        while hi is None and traces < max_traces:
+            if probe(lo + step):
+                lo += step
+                step *= 2
+            else:
+                hi = lo + step
+    else:
+        lo, hi = None, guess
+        while lo is None and traces < max_traces:
+            b = hi - step
+            if b < 1:
+                lo = 0
+            elif probe(b):
+                lo = b
+            else:
+                hi = b
+                step *= 2
+    if lo is None or hi is None:
+        return (lo or 0), False
+    while hi - lo > 1 and traces < max_traces:
+        mid = (lo + hi) // 2
+        if probe(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo, hi - lo <= 1
+
+
+def _host_costs(recipe: Recipe, batch: int, seq_len: int) -> list[Cost]:
+    rss = host_memory().rss_bytes
+    return [
+        Cost("this process", rss, "measured: this Python process's RSS now (torch, the model code, the notebook)"),
+        Cost("data pipeline", estimate.data_pipeline_bytes(num_workers=0, prefetch_factor=2, batch=batch, seq_len=seq_len),
+             "one batch of int64 token ids in the main process (estimate.data_pipeline_bytes)"),
+    ]
+
+
+def plan(
+    model_factory: Callable[[], nn.Module] | str,
+    batch: int,
+    *,
+    seq_len: int | None = None,
+    recipe: Recipe | dict[str, Any] | None = None,
+    target: str | Target | dict[str, Any] = "t4",
+    headroom: float = 0.05,
+    find_max_batch: bool = True,
+    method: str = "auto",
+) -> Plan:
+    """Predict the peak memory of one training step on a target, without a GPU.
+
+    Args:
+        model_factory: a zero-argument function that builds the model (any `nn.Module` with
+            `model(input_ids, labels=...)` -> `.loss` and `.config.vocab_size`), or a model name
+            from `architectures.model_names()`.
+        batch: sequences per step (>= 1).
+        seq_len: tokens per sequence (>= 1; default: the reference model's seq_len).
+        recipe: the techniques applied (a `Recipe` or a dict of its fields).
+        target: 't4', 'l4', 'a100-40gb', 'a100-80gb', 'h100-80gb', a `Target`, or a dict.
+        headroom: fraction of device memory and host RAM kept free (allocator fragmentation).
+        find_max_batch: also search for the largest batch that fits (a few more traces).
+        method: 'auto' (trace, else analytic with a warning), 'trace' or 'analytic'.
+
+    Example:
+        >>> p = plan("gpt2-small", 8, seq_len=512, target="t4")
+        >>> p.fits, p.max_batch
+    """
+    from colab_memopt import architectures
+
+    start = time.perf_counter()
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise ValueError(f"batch must be an integer >= 1, got {batch!r}")
+    if not 0 <= headroom < 1:
+        raise ValueError(f"headroom must be in [0, 1), got {headroom}")
+    if method not in ("auto", "trace", "analytic"):
+        raise ValueError(f"method must be 'auto', 'trace' or 'analytic', got {method!r}")
+    tgt = get_target(target)
+    rec = recipe if isinstance(recipe, Recipe) else Recipe.from_dict(recipe or {})
+    name = model_factory if isinstance(model_factory, str) else getattr(model_factory, "__name__", "model")
+    if isinstance(model_factory, str):
+        limit = architectures.max_seq_len(model_factory)
+        seq_len = limit if seq_len is None else seq_len
+        if isinstance(seq_len, int) and seq_len > limit:
+            raise ValueError(f"seq_len {seq_len} exceeds {model_factory!r}'s maximum of {limit}")
+        model_factory = architectures.model_factory(model_factory)
+    if seq_len is None or isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
+        raise ValueError(f"seq_len must be an integer >= 1, got {seq_len!r}")
+
+    with torch.device("meta"):
+        shape_model = model_factory()
+    analytic = estimate.training_step_bytes(shape_model, batch, seq_len, rec)
+    device_costs = [
+        Cost("CUDA context", tgt.cuda_context_bytes, "assumed (0.5-2 GB seen on Colab; measure with NVML on your card)")
+    ] if tgt.cuda else []
+    warn: list[str] = []
+
+    used = "analytic"
+    trace = None
+    if method != "analytic":
+        try:
+            tracer = _Tracer(model_factory, rec, seq_len, cuda_rounding=tgt.cuda)
+            trace = tracer.trace(batch)
+            used = "trace"
+        except Exception as exc:  # noqa: BLE001 - any failure to trace falls back, loudly
+            if method == "trace":
+                raise
+            warn.append(f"could not trace the step on fake tensors ({type(exc).__name__}: {str(exc)[:200]}); "
+                        "the figures are the analytic estimate, not a trace")
+            warnings.warn(warn[-1], stacklevel=2)
+    if trace is None:
+        trace = _Trace(analytic.peak_bytes, analytic.by_category, analytic.by_phase, analytic.phase_categories)
+
+    result = Plan(
+        model=name, batch=batch, seq_len=seq_len, recipe=rec.to_dict(), target=tgt, method=used,
+        peak_bytes=trace.peak_bytes, by_category=trace.by_category, by_phase=trace.by_phase,
+        device_costs=device_costs, host_costs=_host_costs(rec, batch, seq_len), headroom_fraction=headroom,
+        analytic_peak_bytes=analytic.peak_bytes, warnings=warn,
+    )
+    if find_max_batch:
+        budget = result.device_limit_bytes - sum(c.bytes for c in device_costs)
+        guess = _linear_max_batch(trace, batch, budget)
+        if used == "trace" and 0 < guess < 10**6:
+            guess, converged = _verified_max_batch(lambda b: tracer.trace(b).peak_bytes <= budget, guess)
+            if not converged:
+                warn.append(f"max_batch {guess} is the largest traced batch that fits; the search stopped before the boundary")
+        result.max_batch = guess
+    result.seconds = time.perf_counter() - start
+    return result

@@ -1,0 +1,147 @@
+import json
+import warnings
+
+import pytest
+import torch
+
+import colab_memopt as cm
+from colab_memopt import planner
+from colab_memopt.__main__ import main as cli
+from colab_memopt.architectures import ARCHITECTURES, model_names
+
+CPU_TARGET = {"name": "cpu-test", "device_bytes": 2**30, "host_bytes": 64 * 2**30, "cuda": False}
+
+
+def _measured(size, batch, seq, recipe, corpus):
+    model, opt = recipe.build(cm.build_model(size))
+    step = cm.make_train_step(model, opt, corpus, batch_size=batch, seq_len=seq, recipe=recipe)
+    return cm.measure_step(step, model=model, optimizer=opt, repeat=1)
+
+
+@pytest.mark.parametrize(
+    "size, batch, seq, recipe",
+    [("tiny", 4, 32, cm.Recipe()), ("small", 2, 100, cm.Recipe(attention="naive")), ("tiny", 3, 64, cm.Recipe(optimizer="sgd_momentum"))],
+)
+def test_trace_predicts_the_cpu_measurement(corpus, size, batch, seq, recipe):
+    plan = planner.plan(lambda: cm.build_model(size), batch, seq_len=seq, recipe=recipe, target=CPU_TARGET, find_max_batch=False)
+    measured = _measured(size, batch, seq, recipe, corpus)
+    assert plan.method == "trace"
+    assert plan.peak_bytes == measured.peak_bytes  # the same step, the same tracker: exact on the CPU
+    assert plan.by_category == measured.by_category
+    assert plan.by_phase == measured.by_phase
+
+
+def test_plan_accepts_names_and_cuda_rounding_adds_a_little():
+    cpu = planner.plan("tiny", 2, seq_len=32, target=CPU_TARGET, find_max_batch=False)
+    cuda = planner.plan("tiny", 2, seq_len=32, target="t4", find_max_batch=False)
+    assert 0 < cuda.peak_bytes - cpu.peak_bytes < 512 * 200
+    assert cuda.peak_bytes % 512 == 0
+    assert [c.name for c in cuda.device_costs] == ["CUDA context"] and cpu.device_costs == []
+
+
+def test_max_batch_is_the_boundary():
+    target = dict(CPU_TARGET, device_bytes=40 * 2**20)
+    result = planner.plan("tiny", 4, seq_len=64, target=target, headroom=0.0)
+    assert result.max_batch >= 4
+    fits = planner.plan("tiny", result.max_batch, seq_len=64, target=target, headroom=0.0, find_max_batch=False)
+    over = planner.plan("tiny", result.max_batch + 1, seq_len=64, target=target, headroom=0.0, find_max_batch=False)
+    assert fits.fits and not over.fits_device
+
+
+def test_verified_search_finds_boundary_from_any_guess():
+    for guess in (1, 37, 40, 41, 90):
+        assert planner._verified_max_batch(lambda b: b <= 40, guess) == (40, True)
+    assert planner._verified_max_batch(lambda b: False, 5) == (0, True)
+
+
+def test_too_big_does_not_fit_and_says_why():
+    result = planner.plan("1b", 1, seq_len=512, target="t4")
+    assert not result.fits and not result.fits_device and result.max_batch == 0
+    assert "DOES NOT FIT (device memory)" in str(result)
+
+
+def test_lora_model_has_no_frozen_gradients_or_state():
+    from peft import LoraConfig, get_peft_model
+
+    def lora():
+        base = ARCHITECTURES["smollm2-135m"].build()
+        return get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        lora_plan = planner.plan(lora, 1, seq_len=64, find_max_batch=False)
+        full_plan = planner.plan("smollm2-135m", 1, seq_len=64, find_max_batch=False)
+    assert lora_plan.method == "trace", lora_plan.warnings
+    assert lora_plan.by_category["optimizer_state"] < 0.01 * full_plan.by_category["optimizer_state"]
+    assert lora_plan.peak_bytes < full_plan.peak_bytes
+
+
+class _DataDependent(torch.nn.Module):
+    """A model whose forward branches on a tensor's value: not traceable on fake tensors."""
+
+    def __init__(self):
+        super().__init__()
+        self.config = type("Config", (), {"vocab_size": 16, "hidden_size": 8, "num_hidden_layers": 1, "num_attention_heads": 1})()
+        self.emb = torch.nn.Embedding(16, 8)
+
+    def forward(self, input_ids, labels=None):
+        h = self.emb(input_ids)
+        if h.sum() > 0:
+            h = h * 2
+        return type("Out", (), {"loss": h.square().mean()})()
+
+
+def test_untraceable_model_falls_back_loudly():
+    with pytest.warns(UserWarning, match="analytic estimate, not a trace"):
+        result = planner.plan(_DataDependent, 2, seq_len=8, find_max_batch=False)
+    assert result.method == "analytic" and result.warnings and result.peak_bytes > 0
+    with pytest.raises(Exception):
+        planner.plan(_DataDependent, 2, seq_len=8, method="trace", find_max_batch=False)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"batch": 0}, "batch must be an integer >= 1, got 0"),
+        ({"seq_len": 0}, "seq_len must be an integer >= 1, got 0"),
+        ({"seq_len": 65}, "seq_len 65 exceeds 'tiny'"),
+        ({"target": "v100"}, "unknown target 'v100'"),
+        ({"target": {"device_bytes": 1}}, "needs device_bytes and host_bytes"),
+        ({"recipe": {"lr": 0}}, "recipe.lr must be > 0"),
+        ({"recipe": {"colour": 1}}, "unknown recipe field"),
+        ({"headroom": 1.5}, "headroom must be in"),
+        ({"method": "guess"}, "method must be"),
+    ],
+)
+def test_bad_input(kwargs, message):
+    args = {"batch": 1, "seq_len": 16, **kwargs}
+    with pytest.raises(ValueError, match=message):
+        planner.plan("tiny", args.pop("batch"), **args)
+
+
+def test_unknown_model():
+    with pytest.raises(ValueError, match="unknown model 'gpt5'"):
+        planner.plan("gpt5", 1)
+
+
+def test_named_architectures_have_published_sizes():
+    assert "llama-3.2-1b" in model_names() and "tiny" in model_names()
+    with torch.device("meta"):
+        n = sum(p.numel() for p in ARCHITECTURES["llama-3.2-1b"].build().parameters())
+    assert 1.23e9 < n < 1.24e9  # Llama-3.2-1B: 1.236B with tied embeddings
+
+
+def test_cli_json_and_exit_codes(capsys):
+    assert cli(["plan", "--model", "tiny", "--batch", "2", "--seq", "32", "--target", "t4", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    for key in ("peak_bytes", "by_category", "fits", "target", "max_batch", "method"):
+        assert key in out
+    assert out["method"] == "trace" and out["fits"] is True and out["target"]["name"] == "t4"
+    assert cli(["plan", "--model", "tiny", "--batch", "0"]) == 2
+    assert "batch must be" in capsys.readouterr().err
+    assert cli(["plan", "--model", "tiny", "--batch", "1", "--recipe", "optimizer=adam9"]) == 2
+    assert "recipe.optimizer" in capsys.readouterr().err
+    assert cli(["plan", "--model", "tiny", "--batch", "1", "--device-bytes", "100"]) == 2
+    with pytest.raises(SystemExit) as exit_info:
+        cli(["plan", "--batch", "1"])
+    assert exit_info.value.code == 2
