@@ -30,6 +30,7 @@ from colab_memopt.measure import (
     host_memory,
     measure_step,
 )
+from colab_memopt.planner import Plan, Target, plan
 from colab_memopt.recipe import Recipe
 from colab_memopt.models import MODEL_SIZES, GPT, GPTConfig, build_model, count_parameters, get_config
 from colab_memopt.report import Claim, record
@@ -47,6 +48,9 @@ __all__ = [
     "GPTConfig",
     "MemoryBudget",
     "MemoryReport",
+    "Plan",
+    "Target",
+    "plan",
     "Recipe",
     "TextCorpus",
     "autocast_dtype",

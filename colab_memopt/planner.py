@@ -101,6 +101,7 @@ class Plan:
     peak_bytes: int  # tensors at the step's peak: what max_memory_allocated would show
     by_category: dict[str, int]
     by_phase: dict[str, int]
+    by_phase_category: dict[str, dict[str, int]]  # the categories at each phase's peak
     device_costs: list[Cost]
     host_costs: list[Cost]
     headroom_fraction: float
@@ -150,6 +151,7 @@ class Plan:
             "peak_bytes": self.peak_bytes,
             "by_category": self.by_category,
             "by_phase": self.by_phase,
+            "by_phase_category": self.by_phase_category,
             "device_costs": [asdict(c) for c in self.device_costs],
             "host_costs": [asdict(c) for c in self.host_costs],
             "device_need_bytes": self.device_need_bytes,
@@ -216,6 +218,7 @@ class _Trace:
     by_category: dict[str, int]
     by_phase: dict[str, int]
     phase_categories: dict[str, dict[str, int]]
+    activation_peak: int = 0
 
 
 @contextlib.contextmanager
@@ -259,6 +262,7 @@ class _Tracer:
         self.seq_len = seq_len
         self.recipe = recipe
         self.cuda_rounding = cuda_rounding
+        self._cache: dict[int, _Trace] = {}
         with self.mode, _fake_safe_module_to():
             model = model_factory()
             self.model, self.optimizer = recipe.build(model)
@@ -269,6 +273,11 @@ class _Tracer:
         return make_train_step(self.model, self.optimizer, self.batches, batch_size=batch, seq_len=self.seq_len, recipe=self.recipe)
 
     def trace(self, batch: int) -> _Trace:
+        if batch not in self._cache:
+            self._cache[batch] = self._trace(batch)
+        return self._cache[batch]
+
+    def _trace(self, batch: int) -> _Trace:
         with self.mode:
             step = self._step(batch)
             tracker = TensorTracker(device=torch.device("cpu"), cuda_rounding=self.cuda_rounding)
@@ -280,11 +289,43 @@ class _Tracer:
             dict(tracker.peak_categories),
             {p: tracker.phase_peaks.get(p, 0) for p in PHASES},
             {p: dict(c) for p, c in tracker.phase_peak_categories.items()},
+            tracker.category_peaks["activations"],
         )
 
 
+_BATCH_CAP = 10**6
+
+
+def _activation_max_batch(trace: _Trace, batch: int, budget_bytes: int) -> int:
+    """Guess the largest batch under `budget_bytes` from one trace.
+
+    The peak is the larger of a part that does not grow with the batch (model states, and the
+    previous step's gradients at the start of the step) and model states plus activations, which
+    grow linearly: activations per sample come from the activation peak, exact at any batch.
+    """
+    if trace.peak_bytes > budget_bytes and batch == 1:
+        return 0
+    per_sample = trace.activation_peak / batch
+    fwd = trace.phase_categories.get("forward", {})
+    states = fwd.get("parameters", 0) + fwd.get("buffers", 0) + fwd.get("optimizer_state", 0)
+    if per_sample <= 0:
+        return _BATCH_CAP
+    return max(0, int((budget_bytes - states) / per_sample))
+
+
+def _secant_step(at_guess: _Trace, guess: int, first: _Trace, budget_bytes: int) -> int:
+    """Correct a batch guess with the trace at that guess: re-fit the bytes per sample above the states."""
+    fwd = first.phase_categories.get("forward", {})
+    states = fwd.get("parameters", 0) + fwd.get("buffers", 0) + fwd.get("optimizer_state", 0)
+    per_sample = (at_guess.peak_bytes - states) / guess
+    if per_sample <= 0:
+        return guess
+    return max(1, int((budget_bytes - states) / per_sample))
+
+
 def _linear_max_batch(trace: _Trace, batch: int, budget_bytes: int) -> int:
-    """Return the largest batch whose peak fits `budget_bytes`, assuming batch-linear activations."""
+    """Return the largest batch whose peak fits `budget_bytes` from one estimate: activations (and, outside
+    the optimizer step, temporaries) per sample, the rest fixed. Used when there is no trace."""
     best = math.inf
     for phase, peak in trace.by_phase.items():
         cats = trace.phase_categories.get(phase, {})
@@ -294,7 +335,7 @@ def _linear_max_batch(trace: _Trace, batch: int, budget_bytes: int) -> int:
             return 0
         if per_sample > 0:
             best = min(best, (budget_bytes - fixed) / per_sample)
-    return int(best) if best != math.inf else 10**6
+    return int(best) if best != math.inf else _BATCH_CAP
 
 
 def _verified_max_batch(fits: Callable[[int], bool], guess: int, max_traces: int = 16) -> tuple[int, bool]:
@@ -311,6 +352,7 @@ def _verified_max_batch(fits: Callable[[int], bool], guess: int, max_traces: int
         traces += 1
         return fits(b)
 
+    guess = max(guess, 1)
     step = 1
     if probe(guess):
         lo, hi = guess, None
@@ -428,16 +470,21 @@ def plan(
     result = Plan(
         model=name, batch=batch, seq_len=seq_len, recipe=rec.to_dict(), target=tgt, method=used,
         peak_bytes=trace.peak_bytes, by_category=trace.by_category, by_phase=trace.by_phase,
-        device_costs=device_costs, host_costs=_host_costs(rec, batch, seq_len), headroom_fraction=headroom,
+        by_phase_category=trace.phase_categories, device_costs=device_costs, host_costs=_host_costs(rec, batch, seq_len), headroom_fraction=headroom,
         analytic_peak_bytes=analytic.peak_bytes, warnings=warn,
     )
     if find_max_batch:
         budget = result.device_limit_bytes - sum(c.bytes for c in device_costs)
-        guess = _linear_max_batch(trace, batch, budget)
-        if used == "trace" and 0 < guess < 10**6:
-            guess, converged = _verified_max_batch(lambda b: tracer.trace(b).peak_bytes <= budget, guess)
-            if not converged:
-                warn.append(f"max_batch {guess} is the largest traced batch that fits; the search stopped before the boundary")
+        if used == "trace":
+            # Guess from the activations per sample, then confirm the boundary with traces.
+            guess = _activation_max_batch(trace, batch, budget)
+            if 0 < guess < _BATCH_CAP:
+                guess = _secant_step(tracer.trace(guess), guess, trace, budget)
+                guess, converged = _verified_max_batch(lambda b: tracer.trace(b).peak_bytes <= budget, guess)
+                if not converged:
+                    warn.append(f"max_batch {guess} is the largest traced batch that fits; the search stopped before the boundary")
+        else:
+            guess = _linear_max_batch(trace, batch, budget)
         result.max_batch = guess
     result.seconds = time.perf_counter() - start
     return result

@@ -39,6 +39,7 @@ REQUIRED_METRICS = {
         "param_bytes_measured", "param_bytes_expected", "optimizer_state_bytes_measured",
         "optimizer_state_bytes_expected", "activation_bytes_measured",
     },
+    "01_will_it_fit": {"max_rel_error_pct", "configs_checked"},
 }
 PARAM_NAME = re.compile(r"^[a-z_][a-z0-9_]*$")
 
