@@ -58,6 +58,16 @@ def _same_device(a: torch.device, b: torch.device) -> bool:
     return index_a == index_b
 
 
+class _NoHook:
+    """Stands in for a hook handle on a frozen parameter (nothing to remove)."""
+
+    def remove(self) -> None:
+        pass
+
+
+_NO_HOOK = _NoHook()
+
+
 class TensorTracker(MemTracker):
     """Track live tensor storage by category and by phase of the step.
 
@@ -132,6 +142,15 @@ class TensorTracker(MemTracker):
         if live > self.peak_bytes:
             self.peak_bytes = live
             self.peak_categories = cats
+
+    def _track_module_params_and_buffers(self, module: torch.nn.Module, install_grad_hooks: bool = True) -> tuple[int, int]:
+        # MemTracker hooks every parameter's gradient, and `register_hook` raises on a frozen one
+        # (LoRA, quantized bases). Frozen parameters get no gradient: mark them as hooked already.
+        if install_grad_hooks:
+            for param in module.parameters():
+                if not param.requires_grad and self._param_to_grad_hook_handles.get(param) is None:
+                    self._param_to_grad_hook_handles[param] = (_NO_HOOK, _NO_HOOK)
+        return super()._track_module_params_and_buffers(module, install_grad_hooks)
 
     def _pre_fw_hook(self, module: torch.nn.Module, inputs: Any) -> None:
         # MemTracker refuses a second forward of the root module ("multiple iterative calls"). Gradient
