@@ -39,6 +39,7 @@ REQUIRED_METRICS = {
         "param_bytes_measured", "param_bytes_expected", "optimizer_state_bytes_measured",
         "optimizer_state_bytes_expected", "activation_bytes_measured",
     },
+    "06_lean_optimizers": {"state_bytes_per_param", "peak_saving_pct_8bit", "peak_saving_pct_fused", "final_loss"},
 }
 PARAM_NAME = re.compile(r"^[a-z_][a-z0-9_]*$")
 
