@@ -9,7 +9,7 @@ Plots and widgets live in `colab_memopt.plots` and `colab_memopt.widgets` (they 
 and ipywidgets, which the core does not need). Importing the package changes no global state.
 """
 
-from colab_memopt import estimate
+from colab_memopt import compression, estimate, optimizers, quantization
 from colab_memopt.data import TextCorpus, load_corpus
 from colab_memopt.env import (
     COLAB_HOST_RAM_BYTES,
@@ -58,6 +58,7 @@ __all__ = [
     "build_model",
     "cap_device_memory",
     "compare",
+    "compression",
     "count_parameters",
     "estimate",
     "evaluate",
@@ -69,8 +70,10 @@ __all__ = [
     "make_optimizer",
     "make_train_step",
     "measure_step",
+    "optimizers",
     "pick_device",
     "preflight",
+    "quantization",
     "record",
     "train",
     "train_step",

@@ -24,6 +24,16 @@ MODEL_STATE_CONVENTIONS = {
 
 # Optimizer-state bytes per parameter element for fp32 parameters (PyTorch's implementations).
 OPTIMIZER_STATE_BYTES = {"adamw": 8, "adam": 8, "sgd_momentum": 4, "sgd": 0}
+# Notebook 06 (lean optimizers): nominal bytes per parameter of large matrices (exact counts below).
+# 8-bit states: 1 byte per value plus a 4-byte absmax per block of 256 (Dettmers et al. 2022,
+# bitsandbytes); Lion keeps one momentum (Chen et al. 2023); Adam-mini keeps m and one v per block
+# (Zhang et al. 2024); Adafactor keeps a row and a column vector per matrix, no m (Shazeer & Stern 2018).
+OPTIMIZER_STATE_BYTES.update({
+    "adafactor": 0, "adam8bit": 2, "adamw8bit": 2, "paged_adamw8bit": 2, "lion8bit": 1, "lion": 4, "adam_mini": 4,
+})
+BNB_MIN_8BIT_SIZE = 4096  # bitsandbytes keeps 32-bit state for tensors with fewer elements
+BNB_BLOCKSIZE = 256  # values per absmax block of the 8-bit optimizer states
+BNB_QMAP_BYTES = 256 * 4  # the 8-bit code book, one per state, shared by all tensors of an optimizer
 
 
 def fp32_training_bytes_per_param(optimizer: str = "adamw") -> int:
@@ -47,20 +57,54 @@ def param_bytes(params: Iterable[torch.Tensor]) -> int:
     return sum(p.numel() * p.element_size() for p in _unique(params))
 
 
-def optimizer_state_bytes(params: Iterable[torch.Tensor], optimizer: str) -> int:
-    """Return the exact optimizer-state bytes PyTorch allocates for these parameters.
+def optimizer_state_bytes(params: Iterable[torch.Tensor], optimizer: str, *, n_head: int | None = None) -> int:
+    """Return the exact optimizer-state bytes the optimizer allocates for these parameters.
 
     Adam and AdamW keep exp_avg and exp_avg_sq in the parameter's dtype plus a 4-byte float32
     `step` tensor per parameter tensor; SGD with momentum keeps one momentum buffer; SGD nothing.
+    Lion keeps one momentum. Adafactor keeps a float32 step, and per matrix a row and a column
+    vector (per 1-D tensor a full variance). bitsandbytes' 8-bit optimizers keep uint8 states with a
+    float32 absmax per 256 values and a shared 256-entry code book per state, and 32-bit states for
+    tensors under 4096 elements. Adam-mini needs (name, parameter) pairs and `n_head`.
+    A name ending in '_in_backward' counts one optimizer per parameter (code books per tensor).
     """
-    if optimizer not in OPTIMIZER_STATE_BYTES:
+    in_backward = optimizer.endswith("_in_backward")
+    base = optimizer[: -len("_in_backward")] if in_backward else optimizer
+    if base not in OPTIMIZER_STATE_BYTES:
         raise ValueError(f"unknown optimizer {optimizer!r}; choose one of {sorted(OPTIMIZER_STATE_BYTES)}")
-    ps = [p for p in _unique(params) if p.requires_grad]
+    items = list(params)
+    named = [it for it in items if isinstance(it, tuple)]
+    if base == "adam_mini":
+        if len(named) != len(items):
+            raise ValueError("adam_mini needs (name, parameter) pairs, e.g. model.named_parameters()")
+        from colab_memopt.optimizers import adam_mini_blocks
+
+        seen, total = set(), 0
+        for name, p in named:
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                blocks = adam_mini_blocks(name, p, n_head=n_head)
+                total += 4 * p.numel() + 4 * (p.numel() if blocks is None else blocks) + 4
+        return total
+    ps = [p for p in _unique(p[1] if isinstance(p, tuple) else p for p in items) if p.requires_grad]
     elems = sum(p.numel() * p.element_size() for p in ps)
-    if optimizer in ("adam", "adamw"):
+    if base in ("adam", "adamw"):
         return 2 * elems + 4 * len(ps)
-    if optimizer == "sgd_momentum":
+    if base in ("sgd_momentum", "lion"):
         return elems
+    if base == "adafactor":
+        return sum(4 + 4 * (p.shape[-2] + p.shape[-1] if p.dim() >= 2 else p.numel()) for p in ps)
+    if base in ("adam8bit", "adamw8bit", "paged_adamw8bit", "lion8bit"):
+        n_states = 1 if base == "lion8bit" else 2
+        total, any_8bit = 0, 0
+        for p in ps:
+            if p.numel() >= BNB_MIN_8BIT_SIZE:
+                total += n_states * (p.numel() + 4 * -(-p.numel() // BNB_BLOCKSIZE))
+                any_8bit += 1
+            else:
+                total += n_states * 4 * p.numel()
+        code_books = any_8bit if in_backward else min(any_8bit, 1)
+        return total + n_states * BNB_QMAP_BYTES * code_books
     return 0
 
 
@@ -192,3 +236,38 @@ def training_step_bytes(model: torch.nn.Module, batch: int, seq: int, recipe: An
     peak_phase = max(totals, key=totals.get)
     by_category = {c: phases[peak_phase].get(c, 0) for c in ("parameters", "buffers", "gradients", "optimizer_state", "activations", "temporaries", "other")}
     return StepEstimate(totals[peak_phase], by_category, totals, phases)
+# -- Notebook 07 (weight quantization) -------------------------------------------------------------
+
+def quantized_weight_bytes(numel: int, scheme: str, *, out_features: int = 1, blocksize: int = 64) -> int:
+    """Return the bytes of one weight matrix of `numel` values stored with `scheme`.
+
+    'fp32' 4 B/value, 'fp16' 2; 'int8_tensor' 1 B/value + one fp32 scale; 'int8_channel' + one fp32
+    scale per output row; 'bnb_int8' (LLM.int8, Dettmers et al. 2022): int8 + one fp32 scale per row;
+    'nf4'/'fp4' (QLoRA, Dettmers et al. 2023): 4 bits/value + one fp32 absmax per `blocksize` values.
+    """
+    if numel < 1:
+        raise ValueError(f"numel must be >= 1, got {numel}")
+    if scheme == "fp32":
+        return 4 * numel
+    if scheme == "fp16":
+        return 2 * numel
+    if scheme == "int8_tensor":
+        return numel + 4
+    if scheme in ("int8_channel", "bnb_int8"):
+        return numel + 4 * out_features
+    if scheme in ("nf4", "fp4"):
+        return -(-numel // 2) + 4 * -(-numel // blocksize)
+    raise ValueError(f"unknown scheme {scheme!r}; choose fp32, fp16, int8_tensor, int8_channel, bnb_int8, nf4 or fp4")
+
+
+def qlora_model_state_bytes(n_params: float, *, lora_params: float, weight_bits: int = 4, blocksize: int = 64,
+                            double_quant: bool = True) -> float:
+    """Return the model-state bytes of QLoRA fine-tuning (Dettmers et al. 2023), activations excluded.
+
+    Frozen base at `weight_bits` with one absmax per `blocksize` values (fp32, or 8-bit with a second
+    level per 256 blocks under double quantization: 0.127 bits/param instead of 0.5); LoRA adapters in
+    16-bit with 16-bit gradients and 8 B of fp32 Adam state each.
+    """
+    constants = (8 / blocksize + 32 / (blocksize * 256)) if double_quant else 32 / blocksize
+    base = n_params * (weight_bits + constants) / 8
+    return base + lora_params * (2 + 2 + 8)

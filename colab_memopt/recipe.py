@@ -14,6 +14,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from colab_memopt.compression import MODES as COMPRESSION_MODES
+from colab_memopt.compression import compress_activations
+from colab_memopt.quantization import DEFAULT_LORA_TARGETS, SCHEMES, add_lora, quantize_model, quantized_copy
 from colab_memopt.train import OPTIMIZERS, make_optimizer
 
 
@@ -25,11 +28,27 @@ class Recipe:
         optimizer: an optimizer name known to `train.make_optimizer`.
         lr: learning rate (> 0).
         attention: None keeps the model's attention; 'sdpa' or 'naive' sets it (reference model only).
+        quantization: None, or a scheme of `quantization.SCHEMES` applied to the linear layers (frozen).
+        quantization_phase: 'all' quantizes the trained model's base (with LoRA: QLoRA); 'forward_only'
+            keeps training in fp32 and quantizes only the copy `forward_model` returns for evaluation.
+        lora_rank: 0 (no adapters) or the rank of peft LoRA adapters on `lora_targets`.
+        lora_targets: module names that get adapters.
+        activation_compression: None, or a mode of `compression.MODES` for the blocks' saved tensors.
+        compression_checkpointing: also checkpoint each block, its saved input compressed (notebook 08).
     """
 
     optimizer: str = "adamw"
     lr: float = 1e-3
     attention: str | None = None
+    # -- 06_lean_optimizers: `optimizer` takes every name of train.OPTIMIZERS (8-bit, Lion, Adam-mini, ..._in_backward)
+    # -- 07_weight_quantization
+    quantization: str | None = None
+    quantization_phase: str = "all"
+    lora_rank: int = 0
+    lora_targets: tuple[str, ...] = DEFAULT_LORA_TARGETS
+    # -- 08_activation_compression
+    activation_compression: str | None = None
+    compression_checkpointing: bool = False
 
     def __post_init__(self) -> None:
         self.validate()
@@ -42,6 +61,31 @@ class Recipe:
             raise ValueError(f"recipe.lr must be > 0, got {self.lr}")
         if self.attention not in (None, "sdpa", "naive"):
             raise ValueError(f"recipe.attention must be None, 'sdpa' or 'naive', got {self.attention!r}")
+        # 07_weight_quantization
+        if self.quantization is not None and self.quantization not in SCHEMES:
+            raise ValueError(f"recipe.quantization must be None or one of {SCHEMES}, got {self.quantization!r}")
+        if self.quantization_phase not in ("all", "forward_only"):
+            raise ValueError(f"recipe.quantization_phase must be 'all' or 'forward_only', got {self.quantization_phase!r}")
+        if isinstance(self.lora_rank, bool) or not isinstance(self.lora_rank, int) or self.lora_rank < 0:
+            raise ValueError(f"recipe.lora_rank must be an integer >= 0, got {self.lora_rank!r}")
+        if not isinstance(self.lora_targets, tuple) or not self.lora_targets or not all(isinstance(t, str) for t in self.lora_targets):
+            raise ValueError(f"recipe.lora_targets must be a non-empty tuple of module names, got {self.lora_targets!r}")
+        if self.quantization is not None and self.quantization_phase == "all" and self.lora_rank == 0:
+            raise ValueError(
+                f"recipe.quantization={self.quantization!r} freezes the quantized weights: set lora_rank >= 1 "
+                "(QLoRA) or quantization_phase='forward_only'"
+            )
+        if self.lora_rank and self.quantization in ("int8_tensor", "int8_channel") and self.quantization_phase == "all":
+            raise ValueError(
+                f"recipe.lora_rank needs a base peft supports: quantization None, 'bnb_int8', 'nf4' or 'fp4', got {self.quantization!r}"
+            )
+        # 08_activation_compression
+        if self.activation_compression is not None and self.activation_compression not in COMPRESSION_MODES:
+            raise ValueError(
+                f"recipe.activation_compression must be None or one of {COMPRESSION_MODES}, got {self.activation_compression!r}"
+            )
+        if not isinstance(self.compression_checkpointing, bool):
+            raise ValueError(f"recipe.compression_checkpointing must be True or False, got {self.compression_checkpointing!r}")
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> Recipe:
@@ -50,6 +94,8 @@ class Recipe:
         unknown = sorted(set(values) - known)
         if unknown:
             raise ValueError(f"unknown recipe field(s) {unknown}; known fields: {sorted(known)}")
+        if isinstance(values.get("lora_targets"), list):  # JSON has no tuples
+            values = {**values, "lora_targets": tuple(values["lora_targets"])}
         return cls(**values)
 
     def with_(self, **changes: Any) -> Recipe:
@@ -67,4 +113,18 @@ class Recipe:
                 raise ValueError("recipe.attention applies to the reference model only; leave it None")
             for block in model.blocks:
                 block.attn.attention = self.attention
-        return model, make_optimizer(self.optimizer, [p for p in model.parameters() if p.requires_grad], lr=self.lr)
+        if self.quantization is not None and self.quantization_phase == "all":
+            quantize_model(model, self.quantization)
+        if self.lora_rank:
+            add_lora(model, self.lora_rank, targets=self.lora_targets)
+        if self.activation_compression is not None or self.compression_checkpointing:
+            compress_activations(model, self.activation_compression, checkpoint_blocks=self.compression_checkpointing)
+        trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        params = trainable if self.optimizer == "adam_mini" else [p for _, p in trainable]
+        return model, make_optimizer(self.optimizer, params, lr=self.lr, model=None if self.lora_rank else model)
+
+    def forward_model(self, model: nn.Module) -> nn.Module:
+        """Return the model for forward-only phases: a quantized copy under quantization_phase='forward_only'."""
+        if self.quantization is not None and self.quantization_phase == "forward_only":
+            return quantized_copy(model, self.quantization)
+        return model

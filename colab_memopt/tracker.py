@@ -59,6 +59,16 @@ def _same_device(a: torch.device, b: torch.device) -> bool:
     return index_a == index_b
 
 
+class _NoHook:
+    """Stands in for a hook handle on a frozen parameter (nothing to remove)."""
+
+    def remove(self) -> None:
+        pass
+
+
+_NO_HOOK = _NoHook()
+
+
 class TensorTracker(MemTracker):
     """Track live tensor storage by category and by phase of the step.
 
@@ -190,27 +200,13 @@ class TensorTracker(MemTracker):
         return verdict
 
     def _track_module_params_and_buffers(self, module: torch.nn.Module, install_grad_hooks: bool = True) -> tuple[int, int]:
-        # MemTracker registers a gradient hook on every parameter, and `register_hook` raises on a
-        # parameter that does not require grad: frozen weights (LoRA, QLoRA) would break tracking.
-        # Track frozen parameters as parameters, and hook only the trainable ones.
-        frozen = [p for p in module.parameters() if not p.requires_grad]
-        for p in frozen:
-            self._update_and_maybe_create_winfos(p, _MemRefType.PARAM)
-        if not frozen:
-            return super()._track_module_params_and_buffers(module, install_grad_hooks)
-        saved = {id(p): p for p in frozen}
-
-        class _TrainableOnly(torch.nn.Module):
-            # A view of `module` whose parameters() yields only the trainable ones.
-            def parameters(self_inner, recurse: bool = True):  # noqa: N805
-                return (p for p in module.parameters(recurse) if id(p) not in saved)
-
-            def buffers(self_inner, recurse: bool = True):  # noqa: N805
-                return module.buffers(recurse)
-
-        param_bytes, buffer_bytes = super()._track_module_params_and_buffers(_TrainableOnly(), install_grad_hooks)
-        frozen_bytes = sum(winfo.mem_consumed for p in frozen for winfo in self._update_and_maybe_create_winfos(p, _MemRefType.PARAM))
-        return param_bytes + frozen_bytes, buffer_bytes
+        # MemTracker hooks every parameter's gradient, and `register_hook` raises on a frozen one
+        # (LoRA, quantized bases). Frozen parameters get no gradient: mark them as hooked already.
+        if install_grad_hooks:
+            for param in module.parameters():
+                if not param.requires_grad and self._param_to_grad_hook_handles.get(param) is None:
+                    self._param_to_grad_hook_handles[param] = (_NO_HOOK, _NO_HOOK)
+        return super()._track_module_params_and_buffers(module, install_grad_hooks)
 
     def _pre_fw_hook(self, module: torch.nn.Module, inputs: Any) -> None:
         # MemTracker refuses a second forward of the root module ("multiple iterative calls"). Gradient

@@ -14,17 +14,35 @@ import torch
 from torch import nn
 
 from colab_memopt.data import TextCorpus
+from colab_memopt.optimizers import IN_BACKWARD_SUFFIX, LEAN_OPTIMIZERS, OptimizerInBackward, make_lean_optimizer
 
 if TYPE_CHECKING:
     from colab_memopt.recipe import Recipe
 
-OPTIMIZERS = ("adamw", "adam", "sgd", "sgd_momentum")
+BASE_OPTIMIZERS = ("adamw", "adam", "sgd", "sgd_momentum")
+# Notebook 06 (lean optimizers): colab_memopt.optimizers, and any of these with the step fused into backward.
+_FUSABLE = ("adamw", "adam", "sgd", "sgd_momentum", "lion", "adafactor", "adam8bit", "adamw8bit")
+OPTIMIZERS = BASE_OPTIMIZERS + LEAN_OPTIMIZERS + tuple(n + IN_BACKWARD_SUFFIX for n in _FUSABLE)
 
 
-def make_optimizer(name: str, params: Iterable[torch.nn.Parameter], *, lr: float = 1e-3) -> torch.optim.Optimizer:
-    """Return a PyTorch optimizer by name: 'adamw', 'adam', 'sgd' or 'sgd_momentum'."""
-    if lr <= 0:
+def make_optimizer(
+    name: str, params: Iterable[torch.nn.Parameter], *, lr: float = 1e-3, model: nn.Module | None = None
+) -> torch.optim.Optimizer:
+    """Return an optimizer by name (one of `OPTIMIZERS`).
+
+    'adamw', 'adam', 'sgd', 'sgd_momentum' are PyTorch's; the lean ones live in
+    `colab_memopt.optimizers` ('adam_mini' reads parameter names and heads from `model`);
+    '<name>_in_backward' fuses that optimizer's step into backward (`optimizers.OptimizerInBackward`).
+    """
+    if not lr > 0:
         raise ValueError(f"lr must be > 0, got {lr}")
+    if name not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {name!r}; choose one of {OPTIMIZERS}")
+    if name.endswith(IN_BACKWARD_SUFFIX):
+        inner = name[: -len(IN_BACKWARD_SUFFIX)]
+        return OptimizerInBackward(params, lambda ps: make_optimizer(inner, ps, lr=lr))
+    if name in LEAN_OPTIMIZERS:
+        return make_lean_optimizer(name, params, lr=lr, model=model)
     if name == "adamw":
         return torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
     if name == "adam":

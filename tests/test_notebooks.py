@@ -40,6 +40,7 @@ REQUIRED_METRICS = {
         "optimizer_state_bytes_expected", "activation_bytes_measured",
     },
     "01_will_it_fit": {"max_rel_error_pct", "configs_checked"},
+    "06_lean_optimizers": {"state_bytes_per_param", "peak_saving_pct_8bit", "peak_saving_pct_fused", "final_loss"},
 }
 PARAM_NAME = re.compile(r"^[a-z_][a-z0-9_]*$")
 

@@ -21,3 +21,28 @@ def test_recipe_rejects_bad_values_and_unknown_fields():
     with pytest.raises(ValueError, match=r"unknown recipe field\(s\) \['colour'\]"):
         cm.Recipe.from_dict({"colour": "red"})
     assert cm.Recipe.from_dict({"optimizer": "sgd"}).with_(lr=0.1).to_dict()["lr"] == 0.1
+
+
+def test_recipe_quantization_lora_compression_fields():
+    import pytest as _pytest
+
+    from colab_memopt import Recipe, build_model
+
+    with _pytest.raises(ValueError, match="recipe.quantization must be"):
+        Recipe(quantization="int3")
+    with _pytest.raises(ValueError, match="lora_rank >= 1"):
+        Recipe(quantization="nf4")
+    with _pytest.raises(ValueError, match="recipe.lora_rank must be"):
+        Recipe(lora_rank=-1)
+    with _pytest.raises(ValueError, match="recipe.activation_compression"):
+        Recipe(activation_compression="zip")
+    with _pytest.raises(ValueError, match="base peft supports"):
+        Recipe(quantization="int8_channel", lora_rank=4)
+    model, opt = Recipe(quantization="nf4", lora_rank=4).build(build_model("tiny"))
+    assert all("lora_" in n for n, p in model.named_parameters() if p.requires_grad)
+    model, opt = Recipe(activation_compression="int8_tensor", optimizer="adam_mini").build(build_model("tiny"))
+    assert type(opt).__name__ == "AdamMini"
+    r = Recipe(quantization="int8_channel", quantization_phase="forward_only")
+    m = build_model("tiny")
+    assert r.build(m)[0] is m and r.forward_model(m) is not m
+    assert Recipe.from_dict({"lora_rank": 2, "lora_targets": ["qkv"]}).lora_targets == ("qkv",)

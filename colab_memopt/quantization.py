@@ -1,0 +1,231 @@
+"""Weight quantization and QLoRA-style adapters (notebook 07).
+
+Written here, because the notebook teaches it: symmetric int8 quantization with a dynamic range,
+per tensor or per output channel (`quantize_int8`, `dequantize_int8`, `quantization_error`,
+`Int8Linear`). Taken from the libraries that do it for real: bitsandbytes' `Linear8bitLt`
+(LLM.int8) and `Linear4bit` (nf4, fp4), and peft's LoRA (`add_lora`).
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+GRANULARITIES = ("tensor", "channel")
+SCHEMES = ("int8_tensor", "int8_channel", "bnb_int8", "nf4", "fp4")
+DEFAULT_LORA_TARGETS = ("qkv", "proj", "up", "down")
+
+
+def _check_granularity(per: str) -> None:
+    if per not in GRANULARITIES:
+        raise ValueError(f"per must be one of {GRANULARITIES}, got {per!r}")
+
+
+def int8_scale(w: torch.Tensor, per: str = "tensor") -> torch.Tensor:
+    """Return the symmetric int8 scale: absmax / 127 of the tensor, or of each output row (shape (out, 1))."""
+    _check_granularity(per)
+    if per == "channel":
+        if w.dim() < 2:
+            raise ValueError(f"per='channel' needs a weight with >= 2 dims, got shape {tuple(w.shape)}")
+        absmax = w.detach().abs().flatten(1).amax(dim=1).view(-1, *([1] * (w.dim() - 1)))
+    else:
+        absmax = w.detach().abs().amax()
+    return (absmax.float() / 127.0).clamp_min(torch.finfo(torch.float32).tiny)
+
+
+def quantize_int8(w: torch.Tensor, per: str = "tensor") -> tuple[torch.Tensor, torch.Tensor]:
+    """Return (int8 values, fp32 scale) with w ~ q * scale, q in [-127, 127].
+
+    Symmetric with a dynamic range: the scale is the tensor's (or each output row's) absolute maximum
+    over 127, so the largest value maps to +-127 and every value is off by at most scale / 2.
+
+    Example:
+        >>> q, scale = quantize_int8(linear.weight, per="channel")   # q: int8 (out, in), scale: (out, 1)
+    """
+    if not w.is_floating_point():
+        raise TypeError(f"quantize_int8 takes a floating-point tensor, got {w.dtype}")
+    scale = int8_scale(w, per)
+    q = torch.round(w.detach().float() / scale).clamp_(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Return q * scale in `dtype`."""
+    if q.dtype != torch.int8:
+        raise TypeError(f"dequantize_int8 takes int8 values, got {q.dtype}")
+    return (q.float() * scale).to(dtype)
+
+
+@dataclass
+class QuantError:
+    """How far a round trip lands from the original: relative Frobenius error and the worst value."""
+
+    rel_error: float
+    max_abs_error: float
+    max_abs_bound: float  # scale / 2: the bound the worst value must respect
+
+
+def quantization_error(w: torch.Tensor, per: str = "tensor") -> QuantError:
+    """Return the round-trip error of int8 quantization of `w`."""
+    q, scale = quantize_int8(w, per)
+    w32 = w.detach().float()
+    diff = dequantize_int8(q, scale) - w32
+    return QuantError(
+        rel_error=(diff.norm() / w32.norm().clamp_min(1e-30)).item(),
+        max_abs_error=diff.abs().max().item(),
+        max_abs_bound=(scale.max() / 2).item(),
+    )
+
+
+class Int8Linear(nn.Module):
+    """A frozen Linear whose weight is stored as int8 plus fp32 scales and dequantized in forward.
+
+    Weight-only quantization: 1 byte per weight in memory; each forward makes a temporary fp32 copy
+    of one layer's weight. The bias stays in fp32. The weight is frozen (no gradient).
+    """
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.in_features, self.out_features = q.shape[1], q.shape[0]
+        self.register_buffer("weight_int8", q)
+        self.register_buffer("weight_scale", scale)
+        self.bias = nn.Parameter(bias.detach().clone(), requires_grad=False) if bias is not None else None
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, per: str = "channel") -> Int8Linear:
+        """Return an Int8Linear holding `linear`'s weight quantized per tensor or per output channel."""
+        q, scale = quantize_int8(linear.weight, per)
+        return cls(q, scale, linear.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, dequantize_int8(self.weight_int8, self.weight_scale, x.dtype), self.bias)
+
+
+def _bnb_linear(linear: nn.Linear, scheme: str) -> nn.Module:
+    try:
+        import bitsandbytes as bnb
+    except ImportError as err:
+        raise RuntimeError(f"quantization {scheme!r} needs bitsandbytes: pip install bitsandbytes") from err
+    w = linear.weight.detach().clone()
+    has_bias = linear.bias is not None
+    if scheme == "bnb_int8":
+        new = bnb.nn.Linear8bitLt(linear.in_features, linear.out_features, bias=has_bias,
+                                  has_fp16_weights=False, threshold=6.0)
+        new.weight = bnb.nn.Int8Params(w, requires_grad=False, has_fp16_weights=False)
+    else:
+        new = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=has_bias,
+                                compute_dtype=w.dtype, quant_type=scheme)
+        new.weight = bnb.nn.Params4bit(w, requires_grad=False, quant_type=scheme)
+    if has_bias:
+        new.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return new.to(linear.weight.device)  # bitsandbytes quantizes when the module is moved
+
+
+def quantize_linear(linear: nn.Linear, scheme: str) -> nn.Module:
+    """Return a frozen quantized copy of `linear`: scheme in `SCHEMES`."""
+    if scheme not in SCHEMES:
+        raise ValueError(f"scheme must be one of {SCHEMES}, got {scheme!r}")
+    if not isinstance(linear, nn.Linear):
+        raise TypeError(f"quantize_linear takes an nn.Linear, got {type(linear).__name__}")
+    if scheme.startswith("int8_"):
+        return Int8Linear.from_linear(linear, per=scheme.split("_")[1])
+    return _bnb_linear(linear, scheme)
+
+
+def quantize_model(model: nn.Module, scheme: str, *, skip: Sequence[str] = ("lm_head",)) -> nn.Module:
+    """Replace every nn.Linear of `model` (in place) by a frozen quantized one; return the model.
+
+    Modules whose name contains one of `skip` stay as they are (default: the output layer, tied to the
+    embedding in the reference model). Embeddings and LayerNorms stay in full precision.
+    """
+    if scheme not in SCHEMES:
+        raise ValueError(f"scheme must be one of {SCHEMES}, got {scheme!r}")
+    targets = [(name, mod) for name, mod in model.named_modules()
+               if type(mod) is nn.Linear and not any(s in name for s in skip)]
+    if not targets:
+        raise ValueError("quantize_model found no nn.Linear to quantize")
+    for name, mod in targets:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, quantize_linear(mod, scheme))
+    return model
+
+
+def _quant_state_tensors(weight: torch.Tensor) -> list[torch.Tensor]:
+    """Return the tensors bitsandbytes keeps beside a quantized weight (scales, absmax, code book)."""
+    out = []
+    scb = getattr(weight, "SCB", None)
+    if isinstance(scb, torch.Tensor):
+        out.append(scb)
+    qs = getattr(weight, "quant_state", None)
+    while qs is not None:
+        out += [t for t in (getattr(qs, "absmax", None), getattr(qs, "offset", None)) if isinstance(t, torch.Tensor)]
+        qs = getattr(qs, "state2", None)
+    return out
+
+
+def linear_weight_bytes(model: nn.Module, *, skip: Sequence[str] = ()) -> int:
+    """Return the bytes of the weights (and their scales) of every linear layer in `model`.
+
+    Counts nn.Linear weights, Int8Linear's int8 values and scales, and bitsandbytes' packed weights
+    with the scales they keep as attributes (SCB, quant_state.absmax: not parameters or buffers, so
+    a parameter count misses them). Biases are not counted; each storage once. Modules whose name
+    contains one of `skip` are left out (pass ("lm_head",) to count only what `quantize_model` changes).
+    """
+    seen, total = set(), 0
+
+    def add(t: torch.Tensor) -> None:
+        nonlocal total
+        key = t.untyped_storage().data_ptr() if t.device.type != "meta" else id(t)
+        if key not in seen:
+            seen.add(key)
+            total += t.numel() * t.element_size()
+
+    for name, mod in model.named_modules():
+        if any(s in name for s in skip):
+            continue
+        if isinstance(mod, Int8Linear):
+            add(mod.weight_int8)
+            add(mod.weight_scale)
+        elif isinstance(mod, nn.Linear) and not hasattr(mod, "lora_A"):  # bnb layers subclass nn.Linear
+            add(mod.weight)
+            for t in _quant_state_tensors(mod.weight):
+                add(t)
+    return total
+
+
+def add_lora(model: nn.Module, rank: int, *, targets: Iterable[str] = DEFAULT_LORA_TARGETS, alpha: int | None = None) -> nn.Module:
+    """Inject peft LoRA adapters of `rank` into the modules named `targets`; freeze everything else.
+
+    Works on the reference model and on transformers models, with plain, int8 or bitsandbytes layers
+    underneath (QLoRA when the base is 4-bit). Returns the same model (adapters injected in place).
+    """
+    if not isinstance(rank, int) or rank < 1:
+        raise ValueError(f"rank must be an integer >= 1, got {rank!r}")
+    targets = list(targets)
+    if not targets:
+        raise ValueError("targets must name at least one module, got none")
+    from peft import LoraConfig, inject_adapter_in_model
+
+    for p in model.parameters():
+        p.requires_grad_(False)
+    config = LoraConfig(r=rank, lora_alpha=alpha or 2 * rank, target_modules=targets, lora_dropout=0.0, bias="none")
+    model = inject_adapter_in_model(config, model)
+    for name, p in model.named_parameters():
+        p.requires_grad_("lora_" in name)
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ValueError(f"no module matched the LoRA targets {targets}")
+    return model
+
+
+def quantized_copy(model: nn.Module, scheme: str = "int8_channel") -> nn.Module:
+    """Return a quantized deep copy of `model` for forward-only phases (evaluation, generation)."""
+    return quantize_model(copy.deepcopy(model), scheme)

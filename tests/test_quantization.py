@@ -1,0 +1,83 @@
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import colab_memopt as cm
+from colab_memopt import estimate
+from colab_memopt.quantization import (
+    Int8Linear, add_lora, dequantize_int8, linear_weight_bytes, quantization_error, quantize_int8, quantize_model,
+)
+
+warnings.filterwarnings("ignore")
+
+
+@pytest.mark.parametrize("per", ["tensor", "channel"])
+def test_round_trip_error_is_bounded_by_half_a_step(per):
+    w = torch.randn(64, 32) * torch.linspace(0.01, 3, 64)[:, None]
+    q, scale = quantize_int8(w, per)
+    assert q.dtype == torch.int8 and q.abs().max() <= 127
+    assert scale.shape == ((64, 1) if per == "channel" else ())
+    err = (dequantize_int8(q, scale) - w).abs()
+    assert (err <= scale / 2 + 1e-7).all()
+    e = quantization_error(w, per)
+    assert e.max_abs_error <= e.max_abs_bound + 1e-7 and e.rel_error < 0.02
+
+
+def test_per_channel_beats_per_tensor_on_uneven_rows():
+    w = torch.randn(64, 32) * torch.logspace(-3, 0, 64)[:, None]
+    assert quantization_error(w, "channel").rel_error < quantization_error(w, "tensor").rel_error
+
+
+def test_bad_inputs():
+    with pytest.raises(ValueError, match="per must be one of"):
+        quantize_int8(torch.randn(3, 3), "row")
+    with pytest.raises(TypeError, match="floating-point"):
+        quantize_int8(torch.ones(3, dtype=torch.int64))
+    with pytest.raises(ValueError, match="scheme must be one of"):
+        quantize_model(cm.build_model("tiny"), "int3")
+    with pytest.raises(ValueError, match="rank must be"):
+        add_lora(cm.build_model("tiny"), 0)
+
+
+def test_int8_linear_is_close_and_small():
+    lin = nn.Linear(32, 16)
+    q = Int8Linear.from_linear(lin, "channel")
+    x = torch.randn(4, 32)
+    torch.testing.assert_close(q(x), lin(x), atol=0.02, rtol=0.05)
+    assert q.weight_int8.numel() * 1 + q.weight_scale.numel() * 4 == estimate.quantized_weight_bytes(512, "int8_channel", out_features=16)
+
+
+@pytest.mark.parametrize("scheme", ["int8_channel", "bnb_int8", "nf4", "fp4"])
+def test_quantize_model_shrinks_weights_and_runs(scheme):
+    corpus = cm.load_corpus()
+    model = cm.build_model("tiny")
+    fp32 = linear_weight_bytes(model, skip=("lm_head",))
+    loss_fp32 = cm.evaluate(model, corpus, batch_size=2, seq_len=32, batches=1)
+    quantize_model(model, scheme)
+    ratio = linear_weight_bytes(model, skip=("lm_head",)) / fp32
+    assert ratio <= (0.3 if scheme in ("int8_channel", "bnb_int8") else 0.17)
+    assert abs(cm.evaluate(model, corpus, batch_size=2, seq_len=32, batches=1) - loss_fp32) < 0.05
+
+
+@pytest.mark.parametrize("scheme", [None, "nf4"])
+def test_lora_trains_only_adapters(scheme):
+    model = cm.build_model("tiny")
+    if scheme:
+        quantize_model(model, scheme)
+    add_lora(model, 4)
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+    opt = cm.make_optimizer("adamw", [p for p in model.parameters() if p.requires_grad])
+    step = cm.make_train_step(model, opt, cm.load_corpus(), batch_size=2, seq_len=32)
+    report = cm.measure_step(step, model=model, optimizer=opt, repeat=1)  # the tracker accepts frozen weights
+    assert report.resident_bytes["gradients"] == sum(model.get_parameter(n).numel() * 4 for n in trainable)
+
+
+def test_qlora_paper_figure():
+    # 65B with nf4 + double quantization: about 33 GB of weights (QLoRA paper: fits a 48 GB GPU)
+    nbytes = estimate.qlora_model_state_bytes(65e9, lora_params=0)
+    assert 32e9 < nbytes < 34e9
+    with pytest.raises(ValueError, match="unknown scheme"):
+        estimate.quantized_weight_bytes(10, "int2")
