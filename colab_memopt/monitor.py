@@ -137,6 +137,8 @@ class MemoryProfiler:
         spike_threshold_bytes: a step whose peak exceeds the previous one's by more is a spike
             (default: 10% of the capacity).
         leak_window: consecutive growing steps that make a leak.
+        warmup_steps: first steps left out of spike and leak detection (the first step makes the
+            optimizer state, a one-time rise of the next step's peak).
 
     Example:
         >>> with MemoryProfiler(model, opt, capacity_bytes=cm.T4_USABLE_BYTES) as prof:
@@ -152,7 +154,11 @@ class MemoryProfiler:
         capacity_bytes: int | None = None,
         spike_threshold_bytes: int | None = None,
         leak_window: int = 4,
+        warmup_steps: int = 1,
     ) -> None:
+        if warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
+        self.warmup_steps = warmup_steps
         self.device = pick_device(device)
         if capacity_bytes is None:
             if self.device.type != "cuda":
@@ -213,8 +219,8 @@ class MemoryProfiler:
             capacity_bytes=self.capacity_bytes,
             utilization=peak.peak_bytes / self.capacity_bytes,
             by_phase={p: PhaseStats(len(v), statistics.fmean(v), max(v), min(v)) for p, v in phases.items()},
-            spikes=find_spikes(self.samples, self.spike_threshold_bytes),
-            leak_step=find_leak(self.samples, window=self.leak_window),
+            spikes=find_spikes(self.samples[self.warmup_steps:], self.spike_threshold_bytes),
+            leak_step=find_leak(self.samples[self.warmup_steps:], window=self.leak_window),
             reserved_peak_bytes=max(reserved) if reserved else None,
         )
 

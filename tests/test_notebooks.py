@@ -39,6 +39,8 @@ REQUIRED_METRICS = {
         "param_bytes_measured", "param_bytes_expected", "optimizer_state_bytes_measured",
         "optimizer_state_bytes_expected", "activation_bytes_measured",
     },
+    "11_memory_profiling_and_monitoring": {"profiling_overhead_pct", "leak_detected_at_step", "spikes_found"},
+    "12_dynamic_batch_size_and_oom": {"max_batch_found", "recoveries", "samples_lost", "loss_max_abs_diff"},
 }
 PARAM_NAME = re.compile(r"^[a-z_][a-z0-9_]*$")
 
