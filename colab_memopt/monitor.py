@@ -425,7 +425,10 @@ class MemoryMonitor:
                 "fragmentation_ratio": (1 - allocated / reserved) if reserved else 0.0,
                 "capacity_bytes": self.capacity_bytes,
             }
-        allocated = self.profiler.memory.live_bytes() if self.profiler is not None and self.profiler._active else None
+        allocated = None
+        if self.profiler is not None:
+            allocated = (self.profiler.memory.live_bytes() if self.profiler._active
+                         else self.profiler.samples[-1].allocated_bytes if self.profiler.samples else None)
         return {
             "allocated_bytes": allocated,
             "reserved_bytes": NOT_APPLICABLE,
