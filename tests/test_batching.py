@@ -115,10 +115,10 @@ def test_prefetch_formula_and_measurement():
     assert estimate.dataloader_prefetch_bytes(8, 2, 12, 256, 2) == 8 * 2 * 12 * 256 * 2
     with pytest.raises(ValueError, match="prefetch_factor must be an integer >= 1"):
         estimate.dataloader_prefetch_bytes(1, 0, 1, 1)
-    data = torch.arange(64 * 1024).reshape(64, 1024)  # int64 rows
-    got = batching.measure_prefetch_bytes(data, batch_size=8, num_workers=1, prefetch_factor=2)
-    expected = estimate.dataloader_prefetch_bytes(1, 2, 8, 1024, 8)
-    assert got["batch_bytes"] == 8 * 1024 * 8
+    data = torch.arange(96 * 2048).reshape(96, 2048)  # int64 rows; batches of 256 KiB, well above shm's page overhead
+    got = batching.measure_prefetch_bytes(data, batch_size=16, num_workers=1, prefetch_factor=2)
+    expected = estimate.dataloader_prefetch_bytes(1, 2, 16, 2048, 8)
+    assert got["batch_bytes"] == 16 * 2048 * 8
     assert expected <= got["measured_bytes"] <= 1.25 * expected
 
 
