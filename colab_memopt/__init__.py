@@ -9,7 +9,7 @@ Plots and widgets live in `colab_memopt.plots` and `colab_memopt.widgets` (they 
 and ipywidgets, which the core does not need). Importing the package changes no global state.
 """
 
-from colab_memopt import compression, estimate, optimizers, quantization
+from colab_memopt import batching, compression, estimate, monitor, oom, optimizers, quantization
 from colab_memopt.data import TextCorpus, load_corpus
 from colab_memopt.env import (
     COLAB_HOST_RAM_BYTES,
@@ -21,8 +21,10 @@ from colab_memopt.env import (
     pick_device,
     preflight,
 )
+from colab_memopt.batching import find_max_batch_size, train_with_oom_recovery
 from colab_memopt.measure import (
     Comparison,
+    LiveMemory,
     MemoryBudget,
     MemoryReport,
     compare,
@@ -33,6 +35,8 @@ from colab_memopt.measure import (
 from colab_memopt.planner import Plan, Target, plan
 from colab_memopt.recipe import Recipe
 from colab_memopt.models import MODEL_SIZES, GPT, GPTConfig, build_model, count_parameters, get_config
+from colab_memopt.monitor import MemoryMonitor, MemoryProfiler
+from colab_memopt.oom import diagnose
 from colab_memopt.report import Claim, record
 from colab_memopt.train import evaluate, make_optimizer, make_train_step, train, train_step
 
@@ -46,7 +50,10 @@ __all__ = [
     "Claim",
     "Comparison",
     "GPTConfig",
+    "LiveMemory",
     "MemoryBudget",
+    "MemoryMonitor",
+    "MemoryProfiler",
     "MemoryReport",
     "Plan",
     "Target",
@@ -57,11 +64,14 @@ __all__ = [
     "bf16_native",
     "build_model",
     "cap_device_memory",
+    "batching",
     "compare",
     "compression",
     "count_parameters",
+    "diagnose",
     "estimate",
     "evaluate",
+    "find_max_batch_size",
     "format_bytes",
     "get_config",
     "host_memory",
@@ -69,6 +79,8 @@ __all__ = [
     "load_corpus",
     "make_optimizer",
     "make_train_step",
+    "monitor",
+    "oom",
     "measure_step",
     "optimizers",
     "pick_device",
@@ -77,4 +89,5 @@ __all__ = [
     "record",
     "train",
     "train_step",
+    "train_with_oom_recovery",
 ]

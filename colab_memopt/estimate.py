@@ -143,21 +143,6 @@ def korthikanti_activation_bytes(seq: int, batch: int, hidden: int, heads: int, 
     return 34 * sbh + (0 if flash else 5 * heads * seq * seq * batch)
 
 
-def data_pipeline_bytes(*, num_workers: int, prefetch_factor: int, batch: int, seq_len: int, bytes_per_token: int = 8) -> int:
-    """Return host RAM held by prefetched batches: workers x prefetch x batch x seq x bytes per token.
-
-    The formula of source document 002 (Memory Optimization Guide, data pipeline); with no workers
-    the main process holds one batch. Token ids are int64 (8 bytes) unless the pipeline narrows them.
-    """
-    for name, value in (("num_workers", num_workers), ("prefetch_factor", prefetch_factor)):
-        if value < 0:
-            raise ValueError(f"{name} must be >= 0, got {value}")
-    if batch < 1 or seq_len < 1:
-        raise ValueError(f"batch and seq_len must be >= 1, got batch={batch}, seq_len={seq_len}")
-    batches = num_workers * prefetch_factor if num_workers else 1
-    return batches * batch * seq_len * bytes_per_token
-
-
 @dataclass
 class StepEstimate:
     """The analytic estimate of one training step: peak and its split, like a trace's."""
@@ -271,3 +256,54 @@ def qlora_model_state_bytes(n_params: float, *, lora_params: float, weight_bits:
     constants = (8 / blocksize + 32 / (blocksize * 256)) if double_quant else 32 / blocksize
     base = n_params * (weight_bits + constants) / 8
     return base + lora_params * (2 + 2 + 8)
+# -- notebooks 11-12: monitoring, OOM diagnosis, data pipeline --------------------------------------
+def training_peak_bytes(
+    config: GPTConfig,
+    batch: int,
+    seq: int,
+    *,
+    optimizer: str = "adamw",
+    attention: str | None = None,
+    bytes_per_value: int = 4,
+    checkpointing: bool = False,
+    optimizer_bytes_per_param: float | None = None,
+) -> int:
+    """Return the paper estimate of one training step's peak for the reference model, in bytes.
+
+    Model states (fp32 weights and gradients, optimizer state: `OPTIMIZER_STATE_BYTES`, or
+    `optimizer_bytes_per_param` for e.g. 8-bit Adam's 2) plus activations: each block's
+    `block_activation_bytes` (with `checkpointing`, only each block's input, s*b*h values, plus one
+    block recomputed: Korthikanti et al. 2022, full recomputation), the embedding output and the
+    output layer's logits, their log-softmax and its gradient (3*b*s*V values). An upper-side
+    estimate: the real peak never holds all of these at once; notebook 12 compares it with a
+    measurement.
+    """
+    if optimizer not in OPTIMIZER_STATE_BYTES:
+        raise ValueError(f"unknown optimizer {optimizer!r}; choose one of {sorted(OPTIMIZER_STATE_BYTES)}")
+    if bytes_per_value not in (2, 4):
+        raise ValueError(f"bytes_per_value must be 2 or 4, got {bytes_per_value}")
+    n = config.n_params
+    opt_bpp = OPTIMIZER_STATE_BYTES[optimizer] if optimizer_bytes_per_param is None else optimizer_bytes_per_param
+    states = int(n * (4 + 4 + opt_bpp))
+    block = block_activation_bytes(config, batch, seq, bytes_per_value=bytes_per_value, attention=attention)
+    if checkpointing:
+        blocks = config.n_layer * batch * seq * config.d_model * bytes_per_value + block
+    else:
+        blocks = config.n_layer * block
+    head = 3 * batch * seq * config.vocab_size * bytes_per_value + batch * seq * config.d_model * bytes_per_value
+    return states + blocks + head
+
+
+def dataloader_prefetch_bytes(
+    num_workers: int, prefetch_factor: int, batch_size: int, seq_len: int, bytes_per_token: int = 2
+) -> int:
+    """Return the host RAM of batches a DataLoader holds prefetched: workers x prefetch x batch x seq x bytes.
+
+    Source document 002's data-pipeline formula (with 2-byte tokens); PyTorch's DataLoader keeps
+    `prefetch_factor` batches in flight per worker. Token ids as int64 take 8 bytes.
+    """
+    for name, value in (("num_workers", num_workers), ("prefetch_factor", prefetch_factor),
+                        ("batch_size", batch_size), ("seq_len", seq_len), ("bytes_per_token", bytes_per_token)):
+        if not isinstance(value, int) or value < (0 if name == "num_workers" else 1):
+            raise ValueError(f"{name} must be an integer >= {0 if name == 'num_workers' else 1}, got {value!r}")
+    return num_workers * prefetch_factor * batch_size * seq_len * bytes_per_token

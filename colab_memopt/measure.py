@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import statistics
+import sys
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
@@ -22,6 +23,7 @@ from colab_memopt.tracker import CATEGORIES, PHASES, LiveBytesMode, TensorTracke
 __all__ = [
     "MemoryReport",
     "MemoryBudget",
+    "LiveMemory",
     "HostMemory",
     "Comparison",
     "measure_step",
@@ -223,8 +225,80 @@ class MemoryBudget:
 
     @property
     def peak_bytes(self) -> int:
-        """Return the highest tracked live bytes seen in the block so far."""
+        """Return the highest tracked live bytes seen in the block so far (or since `reset_peak`)."""
         return self._mode.peak if self._mode is not None else 0
+
+    def reset_peak(self) -> None:
+        """Start a new peak from the bytes live now (call it before each step to get per-step peaks)."""
+        if self._mode is not None:
+            self._mode.peak = self._mode.live
+
+
+class LiveMemory:
+    """Sample the live tensor bytes of a device and their peak, cheaply, inside a `with` block.
+
+    On CUDA it reads the caching allocator (`memory_allocated`, `max_memory_allocated`,
+    `memory_reserved`): no cost per operation. On the CPU there is no caching allocator; it counts
+    live tensor storage with `LiveBytesMode` (no module or autograd hooks), counting the objects in
+    `track` plus every tensor made inside the block. `reserved_bytes()` is None where the device has
+    no caching allocator.
+
+    Example:
+        >>> with LiveMemory(model, optimizer) as mem:
+        ...     mem.reset_peak(); step_fn(); print(mem.live_bytes(), mem.peak_bytes)
+    """
+
+    def __init__(self, *track: Any, device: str | torch.device | None = "auto") -> None:
+        self.device = pick_device(device)
+        self._track = [t for t in track if t is not None]
+        self._mode: LiveBytesMode | None = None
+
+    @property
+    def has_caching_allocator(self) -> bool:
+        """Return True where reserved memory and fragmentation exist (CUDA)."""
+        return self.device.type == "cuda"
+
+    def __enter__(self) -> LiveMemory:
+        if self.device.type == "cuda":
+            _sync(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            self._mode = LiveBytesMode(sys.maxsize, device=self.device)
+            self._mode.track(*self._track)
+            self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._mode is not None:
+            self._mode.__exit__(*exc)
+
+    def live_bytes(self) -> int:
+        """Return the bytes of tensor storage alive now."""
+        if self.device.type == "cuda":
+            return torch.cuda.memory_allocated(self.device)
+        return self._mode.live if self._mode is not None else 0
+
+    @property
+    def peak_bytes(self) -> int:
+        """Return the highest live bytes since the block started or since `reset_peak`."""
+        if self.device.type == "cuda":
+            _sync(self.device)
+            return torch.cuda.max_memory_allocated(self.device)
+        return self._mode.peak if self._mode is not None else 0
+
+    def reserved_bytes(self) -> int | None:
+        """Return the bytes the caching allocator holds (CUDA), or None where there is none."""
+        if self.device.type == "cuda":
+            return torch.cuda.memory_reserved(self.device)
+        return None
+
+    def reset_peak(self) -> None:
+        """Start a new peak from the bytes live now."""
+        if self.device.type == "cuda":
+            _sync(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        elif self._mode is not None:
+            self._mode.peak = self._mode.live
 
 
 @dataclass

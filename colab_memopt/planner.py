@@ -388,8 +388,8 @@ def _host_costs(recipe: Recipe, batch: int, seq_len: int) -> list[Cost]:
     rss = host_memory().rss_bytes
     return [
         Cost("this process", rss, "measured: this Python process's RSS now (torch, the model code, the notebook)"),
-        Cost("data pipeline", estimate.data_pipeline_bytes(num_workers=0, prefetch_factor=2, batch=batch, seq_len=seq_len),
-             "one batch of int64 token ids in the main process (estimate.data_pipeline_bytes)"),
+        Cost("data pipeline", estimate.dataloader_prefetch_bytes(1, 1, batch, seq_len, 8),
+             "one batch of int64 token ids in flight (estimate.dataloader_prefetch_bytes)"),
     ]
 
 
