@@ -30,15 +30,22 @@ $(STAMP): requirements.txt pyproject.toml
 run: $(STAMP)
 	$(PY) -m colab_memopt.runner --out build
 
+# Unit tests and static notebook checks; then every notebook executed once by nbval, on copies papermill
+# prepared with the CI parameters (timed against each notebook's budget); then each notebook's results.
 test: $(STAMP)
 	$(PY) -m pytest tests -m "not notebook" -q
+	rm -rf build/ci_notebooks build/results build/notebook_seconds.json
+	$(PY) -m colab_memopt.runner --prepare-only build/ci_notebooks
+	PYTHONPATH=tests $(PY) -m pytest -q -p nbval_budget -p no:cacheprovider --nbval-lax --nbval-current-env build/ci_notebooks
 	$(PY) -m pytest tests -m notebook -q
-	$(PY) -m pytest --nbval-lax --nbval-current-env -q -p no:cacheprovider build/notebooks
 
 test-unit: $(STAMP)
 	$(PY) -m pytest tests -m "not notebook" -q
 
 test-notebooks: $(STAMP)
+	rm -rf build/ci_notebooks build/results build/notebook_seconds.json
+	$(PY) -m colab_memopt.runner --prepare-only build/ci_notebooks $(NOTEBOOKS)
+	PYTHONPATH=tests $(PY) -m pytest -q -p nbval_budget -p no:cacheprovider --nbval-lax --nbval-current-env build/ci_notebooks
 	$(PY) -m pytest tests -m notebook -q
 
 lab: $(STAMP)

@@ -72,6 +72,19 @@ def run_notebook(path: Path, out_dir: Path, results_dir: Path, parameters: dict[
     return NotebookRun(path.stem, output, time.perf_counter() - start, params)
 
 
+def prepare_notebook(path: Path, out_dir: Path, results_dir: Path, parameters: dict[str, Any]) -> Path:
+    """Write a copy of a notebook with the parameters injected and nothing executed (papermill)."""
+    import papermill
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    output = out_dir / path.name
+    papermill.execute_notebook(
+        str(path), str(output), parameters={**parameters, "results_dir": str(results_dir)},
+        kernel_name="python3", prepare_only=True, progress_bar=False,
+    )
+    return output
+
+
 def parameters_for(name: str, *, gpu: bool, cpu_params: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """Return the parameters to inject into notebook `name`: none on a GPU, the CPU set otherwise."""
     if gpu:
@@ -89,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=str(REPO_ROOT / "build"), help="build folder (default: build/)")
     parser.add_argument("--cpu-params", default=str(CPU_PARAMS_FILE), help="parameters used without a GPU")
     parser.add_argument("--cpu-sized", action="store_true", help="use the CPU parameters even on a GPU")
+    parser.add_argument("--prepare-only", metavar="DIR", help="only write CPU-parameterised copies into DIR (for nbval)")
     args = parser.parse_args(argv)
 
     import torch
@@ -98,6 +112,11 @@ def main(argv: list[str] | None = None) -> int:
     gpu = torch.cuda.is_available() and not args.cpu_sized
     cpu_params = load_cpu_parameters(Path(args.cpu_params))
     paths = notebook_paths(args.names)
+    if args.prepare_only:
+        for path in paths:
+            prepare_notebook(path, Path(args.prepare_only), results_dir, parameters_for(path.stem, gpu=False, cpu_params=cpu_params))
+        print(f"prepared {len(paths)} notebook(s) with CI parameters in {args.prepare_only}")
+        return 0
     print(f"running {len(paths)} notebook(s) on {'CUDA with Colab defaults' if gpu else 'the CPU with CI parameters'}")
     for path in paths:
         run = run_notebook(path, out / "notebooks", results_dir, parameters_for(path.stem, gpu=gpu, cpu_params=cpu_params))

@@ -1,0 +1,40 @@
+"""pytest plugin for the nbval run of the notebooks: time each notebook and hold it to its budget.
+
+`make test` executes every notebook once, with nbval, on copies that papermill prepared with the CI
+parameters of tests/notebook_parameters.yaml. This plugin sums the time of each notebook's cells,
+writes build/notebook_seconds.json, and fails the run when a notebook exceeds its `budget_seconds`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+
+from colab_memopt.runner import REPO_ROOT, load_cpu_parameters
+
+SECONDS_FILE = REPO_ROOT / "build" / "notebook_seconds.json"
+_seconds: dict[str, float] = defaultdict(float)
+
+
+def pytest_runtest_logreport(report):  # noqa: ANN001 - pytest hook
+    path = Path(report.nodeid.split("::")[0])
+    if path.suffix == ".ipynb":
+        _seconds[path.stem] += report.duration
+
+
+def pytest_sessionfinish(session, exitstatus):  # noqa: ANN001 - pytest hook
+    if not _seconds:
+        return
+    SECONDS_FILE.parent.mkdir(parents=True, exist_ok=True)
+    SECONDS_FILE.write_text(json.dumps(dict(_seconds), indent=2) + "\n")
+    budgets = load_cpu_parameters()
+    over = {name: (sec, budgets[name]["budget_seconds"]) for name, sec in _seconds.items()
+            if name in budgets and sec > budgets[name]["budget_seconds"]}
+    width = max(len(n) for n in _seconds)
+    print("\nnotebook seconds (budget):")
+    for name, sec in sorted(_seconds.items()):
+        budget = budgets.get(name, {}).get("budget_seconds", "?")
+        print(f"  {name:{width}s} {sec:6.1f} s ({budget} s){'  OVER BUDGET' if name in over else ''}")
+    if over:
+        session.exitstatus = 1
