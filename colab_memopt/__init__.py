@@ -9,7 +9,7 @@ Plots and widgets live in `colab_memopt.plots` and `colab_memopt.widgets` (they 
 and ipywidgets, which the core does not need). Importing the package changes no global state.
 """
 
-from colab_memopt import estimate
+from colab_memopt import estimate, phases, structured
 from colab_memopt.data import TextCorpus, load_corpus
 from colab_memopt.env import (
     COLAB_HOST_RAM_BYTES,
@@ -56,6 +56,8 @@ __all__ = [
     "compare",
     "count_parameters",
     "estimate",
+    "phases",
+    "structured",
     "evaluate",
     "format_bytes",
     "get_config",

@@ -24,12 +24,17 @@ class Recipe:
     Attributes:
         optimizer: an optimizer name known to `train.make_optimizer`.
         lr: learning rate (> 0).
-        attention: None keeps the model's attention; 'sdpa' or 'naive' sets it (reference model only).
+        attention: None keeps the model's attention; 'sdpa', 'naive' or 'semiseparable' (notebook 13:
+            causal semiseparable sequence mixing, parameter-free so it swaps in place) sets it
+            (reference model only).
     """
 
     optimizer: str = "adamw"
     lr: float = 1e-3
     attention: str | None = None
+    # notebook 14 (phases.py): None trains ordinarily; a strategy name ('none', 'cpu', 'pinned_cpu',
+    # 'int8', 'drop') trains phase-aware (full and predicted steps) with that optimizer-state offload.
+    phase_offload: str | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -40,8 +45,17 @@ class Recipe:
             raise ValueError(f"recipe.optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
         if not self.lr > 0:
             raise ValueError(f"recipe.lr must be > 0, got {self.lr}")
-        if self.attention not in (None, "sdpa", "naive"):
-            raise ValueError(f"recipe.attention must be None, 'sdpa' or 'naive', got {self.attention!r}")
+        if self.attention not in (None, "sdpa", "naive", "semiseparable"):
+            raise ValueError(
+                f"recipe.attention must be None, 'sdpa', 'naive' or 'semiseparable', got {self.attention!r}"
+            )
+
+        from colab_memopt.phases import OFFLOAD_STRATEGIES
+
+        if self.phase_offload is not None and self.phase_offload not in OFFLOAD_STRATEGIES:
+            raise ValueError(
+                f"recipe.phase_offload must be None or one of {OFFLOAD_STRATEGIES}, got {self.phase_offload!r}"
+            )
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> Recipe:
