@@ -39,6 +39,14 @@ REQUIRED_METRICS = {
         "param_bytes_measured", "param_bytes_expected", "optimizer_state_bytes_measured",
         "optimizer_state_bytes_expected", "activation_bytes_measured",
     },
+    "13_semiseparable_matrices": {
+        "reduction_vs_dense_pct", "rel_error_structured", "rel_error_random", "hierarchical_growth_exponent",
+        "layer_memory_saving_pct_longest", "loss_attention", "loss_semiseparable",
+    },
+    "14_phase_aware_training": {
+        "predict_phase_saving_pct", "predicted_step_share", "loss_full_training", "loss_phase_training",
+        "compute_saving_pct",
+    },
 }
 PARAM_NAME = re.compile(r"^[a-z_][a-z0-9_]*$")
 
