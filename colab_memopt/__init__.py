@@ -9,7 +9,7 @@ Plots and widgets live in `colab_memopt.plots` and `colab_memopt.widgets` (they 
 and ipywidgets, which the core does not need). Importing the package changes no global state.
 """
 
-from colab_memopt import batching, compression, estimate, monitor, oom, optimizers, quantization
+from colab_memopt import batching, compression, estimate, monitor, oom, optimizers, phases, quantization, structured
 from colab_memopt.data import TextCorpus, load_corpus
 from colab_memopt.env import (
     COLAB_HOST_RAM_BYTES,
@@ -70,6 +70,8 @@ __all__ = [
     "count_parameters",
     "diagnose",
     "estimate",
+    "phases",
+    "structured",
     "evaluate",
     "find_max_batch_size",
     "format_bytes",

@@ -14,7 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-ATTENTION_IMPLS = ("sdpa", "naive")
+from colab_memopt.structured import causal_semiseparable_mixing
+
+ATTENTION_IMPLS = ("sdpa", "naive", "semiseparable")
 
 
 @dataclass(frozen=True)
@@ -27,7 +29,8 @@ class GPTConfig:
         n_head: attention heads (a).
         seq_len: longest sequence the position table holds (s).
         vocab_size: 256 for the byte-level corpus; larger sizes use GPT-2's 50257 for planning.
-        attention: 'sdpa' (PyTorch's fused kernels) or 'naive' (materialises the T x T scores).
+        attention: 'sdpa' (PyTorch's fused kernels), 'naive' (materialises the T x T scores) or
+            'semiseparable' (a causal rank-d mixing matrix computed by chunks, no T x T; notebook 13).
         mlp_ratio: MLP hidden size over d_model.
     """
 
@@ -98,7 +101,7 @@ class CausalLMOutput:
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head causal self-attention, fused SDPA or naive."""
+    """Multi-head causal self-attention (fused SDPA or naive), or semiseparable sequence mixing."""
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
@@ -114,6 +117,8 @@ class CausalSelfAttention(nn.Module):
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
         if self.attention == "sdpa":
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        elif self.attention == "semiseparable":
+            y = causal_semiseparable_mixing(q, k, v)  # same q, k, v projections; no T x T matrix
         else:
             scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))  # (B, nh, T, T)
             mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()

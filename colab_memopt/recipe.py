@@ -27,7 +27,6 @@ class Recipe:
     Attributes:
         optimizer: an optimizer name known to `train.make_optimizer`.
         lr: learning rate (> 0).
-        attention: None keeps the model's attention; 'sdpa' or 'naive' sets it (reference model only).
         quantization: None, or a scheme of `quantization.SCHEMES` applied to the linear layers (frozen).
         quantization_phase: 'all' quantizes the trained model's base (with LoRA: QLoRA); 'forward_only'
             keeps training in fp32 and quantizes only the copy `forward_model` returns for evaluation.
@@ -35,6 +34,9 @@ class Recipe:
         lora_targets: module names that get adapters.
         activation_compression: None, or a mode of `compression.MODES` for the blocks' saved tensors.
         compression_checkpointing: also checkpoint each block, its saved input compressed (notebook 08).
+        attention: None keeps the model's attention; 'sdpa', 'naive' or 'semiseparable' (notebook 13:
+            causal semiseparable sequence mixing, parameter-free so it swaps in place) sets it
+            (reference model only).
     """
 
     optimizer: str = "adamw"
@@ -49,6 +51,9 @@ class Recipe:
     # -- 08_activation_compression
     activation_compression: str | None = None
     compression_checkpointing: bool = False
+    # notebook 14 (phases.py): None trains ordinarily; a strategy name ('none', 'cpu', 'pinned_cpu',
+    # 'int8', 'drop') trains phase-aware (full and predicted steps) with that optimizer-state offload.
+    phase_offload: str | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -59,8 +64,6 @@ class Recipe:
             raise ValueError(f"recipe.optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
         if not self.lr > 0:
             raise ValueError(f"recipe.lr must be > 0, got {self.lr}")
-        if self.attention not in (None, "sdpa", "naive"):
-            raise ValueError(f"recipe.attention must be None, 'sdpa' or 'naive', got {self.attention!r}")
         # 07_weight_quantization
         if self.quantization is not None and self.quantization not in SCHEMES:
             raise ValueError(f"recipe.quantization must be None or one of {SCHEMES}, got {self.quantization!r}")
@@ -86,6 +89,17 @@ class Recipe:
             )
         if not isinstance(self.compression_checkpointing, bool):
             raise ValueError(f"recipe.compression_checkpointing must be True or False, got {self.compression_checkpointing!r}")
+        if self.attention not in (None, "sdpa", "naive", "semiseparable"):
+            raise ValueError(
+                f"recipe.attention must be None, 'sdpa', 'naive' or 'semiseparable', got {self.attention!r}"
+            )
+
+        from colab_memopt.phases import OFFLOAD_STRATEGIES
+
+        if self.phase_offload is not None and self.phase_offload not in OFFLOAD_STRATEGIES:
+            raise ValueError(
+                f"recipe.phase_offload must be None or one of {OFFLOAD_STRATEGIES}, got {self.phase_offload!r}"
+            )
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> Recipe:

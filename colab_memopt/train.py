@@ -82,9 +82,17 @@ def make_train_step(
     `recipe` carries the step-side techniques (none yet at this layer: the default is plain fp32);
     the model-side ones are applied by `Recipe.build` before the step is made.
     """
-    del recipe  # no step-side technique implemented yet; each technique issue adds its own here
     device = next(model.parameters()).device
     batches = corpus.batches(batch_size, seq_len, seed=seed, device=device)
+    if recipe is not None and recipe.phase_offload is not None:  # notebook 14: phase-aware training
+        from colab_memopt.phases import PhaseConfig, PhaseTrainer
+
+        trainer = PhaseTrainer(model, optimizer, PhaseConfig(offload=recipe.phase_offload))
+
+        def phased_step() -> float:
+            return trainer.step(next(batches)).loss
+
+        return phased_step
 
     def step() -> float:
         return train_step(model, optimizer, next(batches))

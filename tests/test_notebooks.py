@@ -43,6 +43,14 @@ REQUIRED_METRICS = {
     "06_lean_optimizers": {"state_bytes_per_param", "peak_saving_pct_8bit", "peak_saving_pct_fused", "final_loss"},
     "11_memory_profiling_and_monitoring": {"profiling_overhead_pct", "leak_detected_at_step", "spikes_found"},
     "12_dynamic_batch_size_and_oom": {"max_batch_found", "recoveries", "samples_lost", "loss_max_abs_diff"},
+    "13_semiseparable_matrices": {
+        "reduction_vs_dense_pct", "rel_error_structured", "rel_error_random", "hierarchical_growth_exponent",
+        "layer_memory_saving_pct_longest", "loss_attention", "loss_semiseparable",
+    },
+    "14_phase_aware_training": {
+        "predict_phase_saving_pct", "predicted_step_share", "loss_full_training", "loss_phase_training",
+        "compute_saving_pct",
+    },
 }
 PARAM_NAME = re.compile(r"^[a-z_][a-z0-9_]*$")
 
