@@ -9,7 +9,7 @@ Plots and widgets live in `colab_memopt.plots` and `colab_memopt.widgets` (they 
 and ipywidgets, which the core does not need). Importing the package changes no global state.
 """
 
-from colab_memopt import estimate
+from colab_memopt import accumulation, attention, checkpointing, estimate, precision
 from colab_memopt.data import TextCorpus, load_corpus
 from colab_memopt.env import (
     COLAB_HOST_RAM_BYTES,
@@ -33,7 +33,7 @@ from colab_memopt.measure import (
 from colab_memopt.recipe import Recipe
 from colab_memopt.models import MODEL_SIZES, GPT, GPTConfig, build_model, count_parameters, get_config
 from colab_memopt.report import Claim, record
-from colab_memopt.train import evaluate, make_optimizer, make_train_step, train, train_step
+from colab_memopt.train import evaluate, make_eval_step, make_optimizer, make_train_step, train, train_step
 
 __version__ = "0.1.0"
 
@@ -55,13 +55,18 @@ __all__ = [
     "cap_device_memory",
     "compare",
     "count_parameters",
+    "accumulation",
+    "attention",
+    "checkpointing",
     "estimate",
+    "precision",
     "evaluate",
     "format_bytes",
     "get_config",
     "host_memory",
     "in_colab",
     "load_corpus",
+    "make_eval_step",
     "make_optimizer",
     "make_train_step",
     "measure_step",
