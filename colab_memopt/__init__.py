@@ -29,6 +29,7 @@ from colab_memopt.measure import (
     format_bytes,
     host_memory,
     measure_step,
+    time_interleaved,
 )
 from colab_memopt.recipe import Recipe
 from colab_memopt.models import MODEL_SIZES, GPT, GPTConfig, build_model, count_parameters, get_config
@@ -70,6 +71,7 @@ __all__ = [
     "make_optimizer",
     "make_train_step",
     "measure_step",
+    "time_interleaved",
     "pick_device",
     "preflight",
     "record",

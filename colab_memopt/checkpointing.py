@@ -193,9 +193,8 @@ def apply_checkpointing(model: nn.Module, policy: str, interval: int = 1) -> nn.
 def remove_checkpointing(model: nn.Module) -> nn.Module:
     """Restore the blocks' own forward methods; return the model."""
     for block in find_blocks(model):
-        if _ORIGINAL in block.__dict__:
-            del block.__dict__["forward"]
-            del block.__dict__[_ORIGINAL]
+        block.__dict__.pop("forward", None)
+        block.__dict__.pop(_ORIGINAL, None)
     return model
 
 

@@ -81,3 +81,13 @@ def test_bad_policy_values_and_models():
     with pytest.raises(ValueError, match="no nn.ModuleList of repeated blocks"):
         ck.find_blocks(torch.nn.Linear(2, 2))
     assert isinstance(ck.apply_checkpointing(torch.nn.Linear(2, 2), "none"), torch.nn.Linear)
+
+
+def test_policies_can_be_switched_on_one_model(corpus):
+    model = cm.build_model("tiny", n_layer=4)
+    for policy, interval in [("every_n", 2), ("full", 1), ("segments", 2), ("none", 1), ("selective", 1)]:
+        ck.apply_checkpointing(model, policy, interval)
+        x = corpus.batch(2, 16, generator=torch.Generator().manual_seed(0))
+        model(x, labels=x).loss.backward()
+    ck.remove_checkpointing(model)
+    assert all("forward" not in b.__dict__ for b in model.blocks)

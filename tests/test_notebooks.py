@@ -39,6 +39,14 @@ REQUIRED_METRICS = {
         "param_bytes_measured", "param_bytes_expected", "optimizer_state_bytes_measured",
         "optimizer_state_bytes_expected", "activation_bytes_measured",
     },
+    "02_mixed_precision": {"activation_saving_pct", "final_loss_fp32", "final_loss_mixed"},
+    "03_activation_checkpointing": {
+        "activation_saving_pct_full", "time_overhead_pct_full", "activation_saving_pct_selective",
+    },
+    "04_gradient_accumulation": {"peak_saving_pct", "max_grad_rel_diff"},
+    "05_memory_efficient_attention": {
+        "attention_saving_pct_longest", "longest_seq", "naive_growth_exponent", "sdpa_growth_exponent",
+    },
 }
 PARAM_NAME = re.compile(r"^[a-z_][a-z0-9_]*$")
 
