@@ -9,7 +9,21 @@ Plots and widgets live in `colab_memopt.plots` and `colab_memopt.widgets` (they 
 and ipywidgets, which the core does not need). Importing the package changes no global state.
 """
 
-from colab_memopt import batching, compression, estimate, monitor, oom, optimizers, phases, quantization, structured
+from colab_memopt import (
+    accumulation,
+    attention,
+    batching,
+    checkpointing,
+    compression,
+    estimate,
+    monitor,
+    oom,
+    optimizers,
+    phases,
+    precision,
+    quantization,
+    structured,
+)
 from colab_memopt.data import TextCorpus, load_corpus
 from colab_memopt.env import (
     COLAB_HOST_RAM_BYTES,
@@ -31,6 +45,7 @@ from colab_memopt.measure import (
     format_bytes,
     host_memory,
     measure_step,
+    time_interleaved,
 )
 from colab_memopt.planner import Plan, Target, plan
 from colab_memopt.recipe import Recipe
@@ -38,7 +53,7 @@ from colab_memopt.models import MODEL_SIZES, GPT, GPTConfig, build_model, count_
 from colab_memopt.monitor import MemoryMonitor, MemoryProfiler
 from colab_memopt.oom import diagnose
 from colab_memopt.report import Claim, record
-from colab_memopt.train import evaluate, make_optimizer, make_train_step, train, train_step
+from colab_memopt.train import evaluate, make_eval_step, make_optimizer, make_train_step, train, train_step
 
 __version__ = "0.1.0"
 
@@ -72,6 +87,11 @@ __all__ = [
     "estimate",
     "phases",
     "structured",
+    "accumulation",
+    "attention",
+    "checkpointing",
+    "estimate",
+    "precision",
     "evaluate",
     "find_max_batch_size",
     "format_bytes",
@@ -79,12 +99,14 @@ __all__ = [
     "host_memory",
     "in_colab",
     "load_corpus",
+    "make_eval_step",
     "make_optimizer",
     "make_train_step",
     "monitor",
     "oom",
     "measure_step",
     "optimizers",
+    "time_interleaved",
     "pick_device",
     "preflight",
     "quantization",

@@ -372,3 +372,29 @@ def phase_device_bytes(
     if phase == "full":
         per_param += grad_bytes + (0 if offload_optimizer else optimizer_bytes)
     return n_params * per_param
+def precision_state_bytes_per_param(precision: str, optimizer: str = "adamw") -> int:
+    """Return the model-state bytes per parameter (weights + gradients + optimizer state) under `precision`.
+
+    Autocast ('fp16-autocast', 'bf16-autocast') keeps fp32 weights, fp32 gradients and fp32 optimizer
+    state: the same 16 B/param as fp32 with AdamW (its 16-bit weight copies are per-step temporaries).
+    Pure 'bf16' stores all three in bf16: 2 + 2 + 4 = 8 B/param with AdamW (PyTorch keeps the state
+    in the parameter's dtype). Source: PyTorch's autocast and AdamW implementations; cf. the 16-20
+    B/param conventions in `MODEL_STATE_CONVENTIONS`, which add a 16-bit weight copy.
+    """
+    from colab_memopt.precision import check_precision
+
+    check_precision(precision)
+    fp32 = fp32_training_bytes_per_param(optimizer)
+    return fp32 // 2 if precision == "bf16" else fp32
+
+
+def attention_scores_bytes(seq: int, heads: int, *, batch: int = 1, bytes_per_value: int = 4) -> int:
+    """Return the bytes of one materialised attention score matrix per layer: b*a*s^2 values.
+
+    Naive attention keeps the softmax of it for backward (and briefly the scores and their gradient);
+    memory-efficient kernels keep none of it. The literature's "8 GB per layer for 32 heads at 8192
+    tokens" is this with batch 1 in fp32.
+    """
+    if seq < 1 or heads < 1 or batch < 1:
+        raise ValueError(f"seq, heads and batch must be >= 1, got seq={seq}, heads={heads}, batch={batch}")
+    return batch * heads * seq * seq * bytes_per_value

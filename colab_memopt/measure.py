@@ -27,6 +27,7 @@ __all__ = [
     "HostMemory",
     "Comparison",
     "measure_step",
+    "time_interleaved",
     "host_memory",
     "compare",
     "format_bytes",
@@ -140,7 +141,6 @@ def measure_step(
     if dev.type == "cuda":
         _sync(dev)
         torch.cuda.reset_peak_memory_stats(dev)
-        baseline_cuda = torch.cuda.memory_allocated(dev)
 
     tracker = TensorTracker(device=dev)
     tracker.track_external(*[obj for obj in (model, optimizer, *track) if obj is not None])
@@ -153,7 +153,6 @@ def measure_step(
         peak = torch.cuda.max_memory_allocated(dev)
         method = "torch.cuda.max_memory_allocated; categories from the tensor tracker"
         device_name = f"{dev} ({torch.cuda.get_device_name(dev)})"
-        del baseline_cuda
     else:
         peak = tracker.peak_bytes
         method = "tensor tracker: peak of live tensor storage"
@@ -180,6 +179,38 @@ def measure_step(
         label=label,
         tracked_peak_bytes=tracker.peak_bytes,
     )
+
+
+def time_interleaved(
+    step_fns: Mapping[str, Callable[[], Any]],
+    *,
+    rounds: int = 5,
+    warmup: int = 1,
+    device: str | torch.device | None = None,
+) -> dict[str, float]:
+    """Return each step's fastest wall time in seconds, running the steps in turn, round after round.
+
+    Interleaving spreads a shared machine's load changes over every variant alike, and the minimum
+    is the least disturbed run; use it for time ratios between variants (`measure_step` times each
+    variant on its own).
+    """
+    if not step_fns:
+        raise ValueError("time_interleaved needs at least one step function, got none")
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
+    dev = pick_device(device) if device is not None else pick_device("auto")
+    for fn in step_fns.values():
+        for _ in range(warmup):
+            fn()
+    best = dict.fromkeys(step_fns, float("inf"))
+    for _ in range(rounds):
+        for label, fn in step_fns.items():
+            _sync(dev)
+            start = time.perf_counter()
+            fn()
+            _sync(dev)
+            best[label] = min(best[label], time.perf_counter() - start)
+    return best
 
 
 class MemoryBudget:

@@ -7,13 +7,13 @@ transformers model without changing its training step.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from colab_memopt.attention import attend
 from colab_memopt.structured import causal_semiseparable_mixing
 
 ATTENTION_IMPLS = ("sdpa", "naive", "semiseparable")
@@ -107,6 +107,7 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         self.n_head = config.n_head
         self.attention = config.attention
+        self.window: int | None = None  # sliding-window attention in tokens (notebook 05); None: full causal
         self.qkv = nn.Linear(config.d_model, 3 * config.d_model)
         self.proj = nn.Linear(config.d_model, config.d_model)
 
@@ -115,15 +116,12 @@ class CausalSelfAttention(nn.Module):
         q, k, v = self.qkv(x).split(C, dim=2)
         # (B, T, C) -> (B, nh, T, hs)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
-        if self.attention == "sdpa":
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        elif self.attention == "semiseparable":
+        if self.attention == "semiseparable":
+            if self.window is not None:
+                raise ValueError("a sliding window applies to 'sdpa' and 'naive' attention, not 'semiseparable'")
             y = causal_semiseparable_mixing(q, k, v)  # same q, k, v projections; no T x T matrix
         else:
-            scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))  # (B, nh, T, T)
-            mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
-            scores = scores.masked_fill(~mask, float("-inf"))
-            y = scores.softmax(dim=-1) @ v  # (B, nh, T, hs)
+            y = attend(q, k, v, impl=self.attention, window=self.window)  # (B, nh, T, hs)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.proj(y)
 

@@ -14,7 +14,6 @@ What is here, by name (`LEAN_OPTIMIZERS`, dispatched from `train.make_optimizer`
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable
 from typing import Any
 

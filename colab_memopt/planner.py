@@ -24,7 +24,7 @@ from colab_memopt import estimate
 from colab_memopt.env import COLAB_HOST_RAM_BYTES, T4_USABLE_BYTES, GiB
 from colab_memopt.measure import format_bytes, host_memory
 from colab_memopt.recipe import Recipe
-from colab_memopt.tracker import CATEGORIES, PHASES, TensorTracker
+from colab_memopt.tracker import PHASES, TensorTracker
 from colab_memopt.train import make_train_step
 
 

@@ -17,6 +17,8 @@ from torch import nn
 from colab_memopt.compression import MODES as COMPRESSION_MODES
 from colab_memopt.compression import compress_activations
 from colab_memopt.quantization import DEFAULT_LORA_TARGETS, SCHEMES, add_lora, quantize_model, quantized_copy
+from colab_memopt.checkpointing import POLICIES, apply_checkpointing
+from colab_memopt.precision import FORWARD_PRECISIONS, check_precision, prepare_model
 from colab_memopt.train import OPTIMIZERS, make_optimizer
 
 
@@ -37,6 +39,15 @@ class Recipe:
         attention: None keeps the model's attention; 'sdpa', 'naive' or 'semiseparable' (notebook 13:
             causal semiseparable sequence mixing, parameter-free so it swaps in place) sets it
             (reference model only).
+        precision: 'fp32', 'fp16-autocast' (with GradScaler), 'bf16-autocast' or 'bf16' (pure bf16
+            weights, gradients and optimizer state) for the steps that compute gradients.
+        eval_precision: precision of forward-only phases (evaluation): 'fp32', 'fp16-autocast' or
+            'bf16-autocast'; None follows `precision` (see `forward_precision`).
+        checkpointing: 'none', 'full', 'every_n', 'segments' or 'selective' (see `checkpointing`).
+        checkpoint_interval: N for 'every_n' (every N-th block) and 'segments' (N blocks per segment).
+        accumulation_steps: micro-batches per optimizer step; the step's `batch_size` stays the
+            effective batch.
+        attention_window: sliding-window attention in tokens (reference model only); None: full causal.
     """
 
     optimizer: str = "adamw"
@@ -54,6 +65,16 @@ class Recipe:
     # notebook 14 (phases.py): None trains ordinarily; a strategy name ('none', 'cpu', 'pinned_cpu',
     # 'int8', 'drop') trains phase-aware (full and predicted steps) with that optimizer-state offload.
     phase_offload: str | None = None
+    # 02_mixed_precision
+    precision: str = "fp32"
+    eval_precision: str | None = None
+    # 03_activation_checkpointing
+    checkpointing: str = "none"
+    checkpoint_interval: int = 1
+    # 04_gradient_accumulation
+    accumulation_steps: int = 1
+    # 05_memory_efficient_attention
+    attention_window: int | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -100,6 +121,40 @@ class Recipe:
             raise ValueError(
                 f"recipe.phase_offload must be None or one of {OFFLOAD_STRATEGIES}, got {self.phase_offload!r}"
             )
+        if self.phase_offload is not None and (self.accumulation_steps != 1 or self.precision != "fp32"):
+            raise ValueError(
+                f"recipe.phase_offload={self.phase_offload!r} runs phase-aware training with its own precision per "
+                f"phase: leave accumulation_steps=1 and precision='fp32' (got {self.accumulation_steps}, {self.precision!r})"
+            )
+        if self.checkpointing != "none" and self.compression_checkpointing:
+            raise ValueError(
+                f"recipe.checkpointing={self.checkpointing!r} and compression_checkpointing=True both checkpoint the "
+                "blocks: use one (compression_checkpointing checkpoints every block with its input compressed)"
+            )
+        # 02-05: each technique module checks its own values; the messages name the recipe field.
+        check_precision(self.precision, name="recipe.precision")
+        if self.eval_precision is not None:
+            check_precision(self.eval_precision, allowed=FORWARD_PRECISIONS, name="recipe.eval_precision")
+        if self.checkpointing not in POLICIES:
+            raise ValueError(f"recipe.checkpointing must be one of {POLICIES}, got {self.checkpointing!r}")
+        ci = self.checkpoint_interval
+        if isinstance(ci, bool) or not isinstance(ci, int) or ci < 1:
+            raise ValueError(f"recipe.checkpoint_interval must be an integer >= 1, got {ci!r}")
+        acc = self.accumulation_steps
+        if isinstance(acc, bool) or not isinstance(acc, int) or acc < 1:
+            raise ValueError(f"recipe.accumulation_steps must be an integer >= 1, got {acc!r}")
+        w = self.attention_window
+        if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1):
+            raise ValueError(f"recipe.attention_window must be None or an integer >= 1 (tokens), got {w!r}")
+
+    def forward_precision(self) -> str:
+        """Return the precision of forward-only phases: `eval_precision`, else the training one's autocast.
+
+        Pure 'bf16' weights compute in bf16 anyway, so their evaluation needs no autocast: 'fp32' here.
+        """
+        if self.eval_precision is not None:
+            return self.eval_precision
+        return self.precision if self.precision in FORWARD_PRECISIONS else "fp32"
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> Recipe:
@@ -121,18 +176,28 @@ class Recipe:
         return asdict(self)
 
     def build(self, model: nn.Module) -> tuple[nn.Module, torch.optim.Optimizer]:
-        """Apply the recipe's model-side techniques and return (model, optimizer)."""
-        if self.attention is not None:
+        """Apply the recipe's model-side techniques and return (model, optimizer).
+
+        In order: attention (and its window); pure bf16 weights (before the optimizer exists, so its
+        state is bf16 too); quantization of the linear layers and LoRA adapters; activation
+        compression; the checkpointing policy on the model's repeated blocks; then the optimizer over
+        the trainable parameters.
+        """
+        if self.attention is not None or self.attention_window is not None:
             if not hasattr(model, "blocks"):
-                raise ValueError("recipe.attention applies to the reference model only; leave it None")
+                raise ValueError("recipe.attention and attention_window apply to the reference model only; leave them None")
             for block in model.blocks:
-                block.attn.attention = self.attention
+                if self.attention is not None:
+                    block.attn.attention = self.attention
+                block.attn.window = self.attention_window
+        prepare_model(model, self.precision)
         if self.quantization is not None and self.quantization_phase == "all":
             quantize_model(model, self.quantization)
         if self.lora_rank:
             add_lora(model, self.lora_rank, targets=self.lora_targets)
         if self.activation_compression is not None or self.compression_checkpointing:
             compress_activations(model, self.activation_compression, checkpoint_blocks=self.compression_checkpointing)
+        apply_checkpointing(model, self.checkpointing, self.checkpoint_interval)
         trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         params = trainable if self.optimizer == "adam_mini" else [p for _, p in trainable]
         return model, make_optimizer(self.optimizer, params, lr=self.lr, model=None if self.lora_rank else model)

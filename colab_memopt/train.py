@@ -13,8 +13,10 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from colab_memopt.accumulation import accumulate_gradients, micro_batch_sizes, split_micro_batches
 from colab_memopt.data import TextCorpus
 from colab_memopt.optimizers import IN_BACKWARD_SUFFIX, LEAN_OPTIMIZERS, OptimizerInBackward, make_lean_optimizer
+from colab_memopt.precision import autocast_context, forward_context, make_grad_scaler
 
 if TYPE_CHECKING:
     from colab_memopt.recipe import Recipe
@@ -54,17 +56,42 @@ def make_optimizer(
     raise ValueError(f"unknown optimizer {name!r}; choose one of {OPTIMIZERS}")
 
 
-def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, input_ids: torch.Tensor) -> float:
+def train_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    input_ids: torch.Tensor,
+    *,
+    precision: str = "fp32",
+    accumulation_steps: int = 1,
+    scaler: torch.amp.GradScaler | None = None,
+) -> float:
     """Run one training step on a batch of token ids (B, T) and return the loss.
 
     Gradients are released at the start of the step (`set_to_none=True`), as in PyTorch's own
     training loops, so they stay alive from one backward to the next step's start.
+
+    Args:
+        precision: 'fp32', 'fp16-autocast', 'bf16-autocast' or 'bf16' (see `colab_memopt.precision`);
+            the forward runs under autocast for the autocast ones.
+        accumulation_steps: split the batch (the effective batch) into this many micro-batches and
+            accumulate their gradients before one optimizer step (see `colab_memopt.accumulation`).
+        scaler: a GradScaler for 'fp16-autocast' (`precision.make_grad_scaler`).
     """
     optimizer.zero_grad(set_to_none=True)
-    loss = model(input_ids, labels=input_ids).loss
-    loss.backward()
-    optimizer.step()
-    return loss.item()
+    if accumulation_steps == 1 and precision == "fp32" and scaler is None:
+        loss = model(input_ids, labels=input_ids).loss
+        loss.backward()
+        optimizer.step()
+        return loss.item()
+    micro = split_micro_batches(input_ids, accumulation_steps)
+    autocast = autocast_context(precision, input_ids.device)
+    loss_value = accumulate_gradients(model, micro, autocast=autocast, scaler=scaler)
+    if scaler is not None:
+        scaler.step(optimizer)  # unscales; skips the step when a gradient is inf or NaN
+        scaler.update()
+    else:
+        optimizer.step()
+    return loss_value
 
 
 def make_train_step(
@@ -79,10 +106,17 @@ def make_train_step(
 ) -> Callable[[], float]:
     """Return a zero-argument step function that trains on the next seeded batch of the corpus.
 
-    `recipe` carries the step-side techniques (none yet at this layer: the default is plain fp32);
-    the model-side ones are applied by `Recipe.build` before the step is made.
+    `batch_size` is the effective batch: the rows of one optimizer step, whatever
+    `recipe.accumulation_steps` splits it into. `recipe` carries the step-side techniques
+    (precision/autocast with its GradScaler, gradient accumulation); the model-side ones
+    (pure bf16 weights, checkpointing, attention) are applied by `Recipe.build` before the step is
+    made. The step function carries `effective_batch` and `micro_batch_sizes` attributes.
     """
+    precision = getattr(recipe, "precision", "fp32")
+    accumulation_steps = getattr(recipe, "accumulation_steps", 1)
+    sizes = micro_batch_sizes(batch_size, accumulation_steps)
     device = next(model.parameters()).device
+    scaler = make_grad_scaler(precision, device)
     batches = corpus.batches(batch_size, seq_len, seed=seed, device=device)
     if recipe is not None and recipe.phase_offload is not None:  # notebook 14: phase-aware training
         from colab_memopt.phases import PhaseConfig, PhaseTrainer
@@ -95,7 +129,36 @@ def make_train_step(
         return phased_step
 
     def step() -> float:
-        return train_step(model, optimizer, next(batches))
+        return train_step(
+            model, optimizer, next(batches), precision=precision, accumulation_steps=accumulation_steps, scaler=scaler
+        )
+
+    step.effective_batch = batch_size  # type: ignore[attr-defined]
+    step.micro_batch_sizes = sizes  # type: ignore[attr-defined]
+    step.scaler = scaler  # type: ignore[attr-defined]
+    return step
+
+
+def make_eval_step(
+    model: nn.Module,
+    corpus: TextCorpus,
+    *,
+    batch_size: int,
+    seq_len: int,
+    seed: int = 1234,
+    recipe: Recipe | None = None,
+) -> Callable[[], float]:
+    """Return a zero-argument forward-only step (no gradients) on validation batches, at the recipe's
+    evaluation precision (`Recipe.forward_precision`), for measuring a forward-only phase."""
+    precision = recipe.forward_precision() if recipe is not None else "fp32"
+    device = next(model.parameters()).device
+    batches = corpus.batches(batch_size, seq_len, split="val", seed=seed, device=device)
+
+    @torch.no_grad()
+    def step() -> float:
+        x = next(batches)
+        with forward_context(precision, device):
+            return model(x, labels=x).loss.item()
 
     return step
 
@@ -109,13 +172,26 @@ class TrainLog:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, corpus: TextCorpus, *, batch_size: int, seq_len: int, batches: int = 4, seed: int = 1234) -> float:
-    """Return the mean validation loss over `batches` seeded batches."""
+def evaluate(
+    model: nn.Module,
+    corpus: TextCorpus,
+    *,
+    batch_size: int,
+    seq_len: int,
+    batches: int = 4,
+    seed: int = 1234,
+    precision: str = "fp32",
+) -> float:
+    """Return the mean validation loss over `batches` seeded batches.
+
+    `precision` is the forward-only phase's own: 'fp32', 'fp16-autocast' or 'bf16-autocast'.
+    """
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
     it = corpus.batches(batch_size, seq_len, split="val", seed=seed, device=device)
-    losses = [model(x, labels=x).loss.item() for x, _ in zip(it, range(batches))]
+    with forward_context(precision, device):
+        losses = [model(x, labels=x).loss.float().item() for x, _ in zip(it, range(batches))]
     model.train(was_training)
     return sum(losses) / len(losses)
 
@@ -129,13 +205,19 @@ def train(
     batch_size: int,
     seq_len: int,
     seed: int = 0,
+    recipe: Recipe | None = None,
 ) -> TrainLog:
-    """Train for `steps` steps on the corpus and return the loss curve and a final validation loss."""
+    """Train for `steps` steps on the corpus and return the loss curve and a final validation loss.
+
+    The recipe's step-side techniques apply to the training steps; evaluation runs at
+    `recipe.forward_precision()`.
+    """
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
-    step = make_train_step(model, optimizer, corpus, batch_size=batch_size, seq_len=seq_len, seed=seed)
+    step = make_train_step(model, optimizer, corpus, batch_size=batch_size, seq_len=seq_len, seed=seed, recipe=recipe)
     log = TrainLog()
     for _ in range(steps):
         log.train_loss.append(step())
-    log.val_loss = evaluate(model, corpus, batch_size=batch_size, seq_len=seq_len)
+    eval_precision = recipe.forward_precision() if recipe is not None else "fp32"
+    log.val_loss = evaluate(model, corpus, batch_size=batch_size, seq_len=seq_len, precision=eval_precision)
     return log

@@ -41,3 +41,14 @@ def test_estimate_rejects_bad_input():
         estimate.optimizer_state_bytes([], "lamb")
     with pytest.raises(ValueError, match="attention must be"):
         estimate.block_activation_bytes(config, 1, 8, attention="flash")
+
+
+def test_precision_and_attention_formulas():
+    from colab_memopt import estimate as est
+
+    assert est.precision_state_bytes_per_param("fp32") == 16
+    assert est.precision_state_bytes_per_param("bf16-autocast") == 16
+    assert est.precision_state_bytes_per_param("bf16") == 8
+    assert est.attention_scores_bytes(8192, 32) == 8 * 2**30
+    with pytest.raises(ValueError, match="precision must be one of"):
+        est.precision_state_bytes_per_param("fp8")

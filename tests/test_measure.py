@@ -170,3 +170,15 @@ def test_plots_draw(tiny):
     with pytest.raises(ValueError, match="unit"):
         plots.memory_bars({"a": report}, unit="MB")
     assert plots.phase_bars({"a": report}).get_ylabel().startswith("peak")
+
+
+def test_time_interleaved_returns_the_fastest_run_per_step():
+    import time as _time
+
+    from colab_memopt.measure import time_interleaved
+
+    calls = []
+    times = time_interleaved({"fast": lambda: calls.append("f"), "slow": lambda: _time.sleep(0.01)}, rounds=3, device="cpu")
+    assert calls == ["f"] * 4 and times["slow"] >= 0.01 > times["fast"]
+    with pytest.raises(ValueError, match="rounds must be >= 1, got 0"):
+        time_interleaved({"a": lambda: None}, rounds=0)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import ast
 import json
 import re
-from pathlib import Path
 
 import nbformat
 import pytest
@@ -50,6 +49,14 @@ REQUIRED_METRICS = {
     "14_phase_aware_training": {
         "predict_phase_saving_pct", "predicted_step_share", "loss_full_training", "loss_phase_training",
         "compute_saving_pct",
+    },
+    "02_mixed_precision": {"activation_saving_pct", "final_loss_fp32", "final_loss_mixed"},
+    "03_activation_checkpointing": {
+        "activation_saving_pct_full", "time_overhead_pct_full", "activation_saving_pct_selective",
+    },
+    "04_gradient_accumulation": {"peak_saving_pct", "max_grad_rel_diff"},
+    "05_memory_efficient_attention": {
+        "attention_saving_pct_longest", "longest_seq", "naive_growth_exponent", "sdpa_growth_exponent",
     },
 }
 PARAM_NAME = re.compile(r"^[a-z_][a-z0-9_]*$")

@@ -1,0 +1,119 @@
+"""Mixed precision: which dtype each part of a training step computes and stores in.
+
+Four precisions, named as the recipe names them (notebook 02):
+
+- 'fp32': everything in float32 (the baseline).
+- 'fp16-autocast': fp32 weights, matmuls and their saved activations in float16 under
+  `torch.autocast`, loss scaled by `torch.amp.GradScaler` so small fp16 gradients do not flush to
+  zero. The T4's choice (sm_75 has fp16 tensor cores, no native bf16).
+- 'bf16-autocast': fp32 weights, matmuls in bfloat16 under `torch.autocast`; bf16 has fp32's
+  exponent range, so no scaler. Native on Ampere and newer; the CPU runs it too (slowly on AVX2).
+- 'bf16': the weights themselves (and so gradients and optimizer state) in bfloat16: no fp32 master
+  copy. Halves model states, at the cost of updates smaller than bf16's resolution being lost.
+
+Forward-only phases (evaluation) can run at a different precision: `forward_context`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+from torch import nn
+
+PRECISIONS = ("fp32", "fp16-autocast", "bf16-autocast", "bf16")
+# Precisions a forward-only phase may use: the model's weights are what they are, autocast on top.
+FORWARD_PRECISIONS = ("fp32", "fp16-autocast", "bf16-autocast")
+
+_AUTOCAST_DTYPE = {"fp16-autocast": torch.float16, "bf16-autocast": torch.bfloat16}
+
+
+def check_precision(precision: str, *, allowed: tuple[str, ...] = PRECISIONS, name: str = "precision") -> str:
+    """Return `precision` if it is one of `allowed`, else raise ValueError naming it."""
+    if not isinstance(precision, str) or precision not in allowed:
+        raise ValueError(f"{name} must be one of {allowed}, got {precision!r}")
+    return precision
+
+
+def weight_dtype(precision: str) -> torch.dtype:
+    """Return the dtype the weights are stored in under `precision` (bf16 only for pure 'bf16')."""
+    check_precision(precision)
+    return torch.bfloat16 if precision == "bf16" else torch.float32
+
+
+def compute_dtype(precision: str) -> torch.dtype:
+    """Return the dtype matmuls compute in under `precision`."""
+    check_precision(precision)
+    if precision == "fp32":
+        return torch.float32
+    return _AUTOCAST_DTYPE.get(precision, torch.bfloat16)
+
+
+def autocast_context(precision: str, device: torch.device | str) -> contextlib.AbstractContextManager[Any]:
+    """Return the autocast context for `precision` on `device`; a no-op for 'fp32' and 'bf16'.
+
+    Example:
+        >>> with autocast_context("bf16-autocast", "cpu"):
+        ...     loss = model(x, labels=x).loss
+    """
+    check_precision(precision)
+    device_type = torch.device(device).type
+    if precision in _AUTOCAST_DTYPE:
+        return torch.autocast(device_type=device_type, dtype=_AUTOCAST_DTYPE[precision])
+    return contextlib.nullcontext()
+
+
+def forward_context(precision: str, device: torch.device | str) -> contextlib.AbstractContextManager[Any]:
+    """Return the context a forward-only phase (evaluation) runs in: autocast, or nothing for 'fp32'."""
+    check_precision(precision, allowed=FORWARD_PRECISIONS, name="eval precision")
+    return autocast_context(precision, device)
+
+
+def make_grad_scaler(precision: str, device: torch.device | str) -> torch.amp.GradScaler | None:
+    """Return a GradScaler for 'fp16-autocast' on `device`, else None (bf16 and fp32 need none)."""
+    check_precision(precision)
+    if precision != "fp16-autocast":
+        return None
+    return torch.amp.GradScaler(torch.device(device).type)
+
+
+def prepare_model(model: nn.Module, precision: str) -> nn.Module:
+    """Cast the model's floating-point weights for `precision` (only 'bf16' changes them) and return it."""
+    check_precision(precision)
+    if precision == "bf16":
+        model.to(torch.bfloat16)
+    return model
+
+
+def backward_and_step(
+    loss: torch.Tensor,
+    optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler | None,
+    *,
+    step: bool = True,
+) -> None:
+    """Run backward on `loss` (scaled when a scaler is given) and, if `step`, the optimizer step."""
+    if scaler is None:
+        loss.backward()
+        if step:
+            optimizer.step()
+        return
+    scaler.scale(loss).backward()
+    if step:
+        scaler.step(optimizer)  # unscales, skips the step when a gradient is inf or NaN
+        scaler.update()
+
+
+def fp16_supported(device: torch.device | str) -> bool:
+    """Return whether a float16 matmul with backward runs on `device` (CPU builds may lack kernels)."""
+    dev = torch.device(device)
+    try:
+        a = torch.randn(4, 4, device=dev, requires_grad=True)
+        with torch.autocast(device_type=dev.type, dtype=torch.float16):
+            out = a @ a
+        out.float().sum().backward()
+    except RuntimeError:
+        return False
+    return True
+
