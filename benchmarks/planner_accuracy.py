@@ -28,9 +28,12 @@ OUT = Path(__file__).resolve().parent / "results" / "planner_accuracy.json"
 
 GRID = {
     "size": ["tiny", "small", "medium"],
-    "batch": [1, 4, 8],
+    "batch": [2, 8],
     "seq_len": [32, 128],
-    "recipe": [{}, {"optimizer": "sgd"}, {"attention": "naive"}],
+    "recipe": [
+        {}, {"optimizer": "sgd"}, {"attention": "naive"}, {"precision": "bf16-autocast"}, {"checkpointing": "full"},
+        {"accumulation_steps": 2}, {"lora_rank": 4}, {"optimizer": "adamw8bit"},
+    ],
 }
 QUICK = {"size": ["tiny", "small"], "batch": [1, 4], "seq_len": [32], "recipe": [{}, {"attention": "naive"}]}
 

@@ -199,20 +199,68 @@ def activation_bytes(model: torch.nn.Module, batch: int, seq: int, *, bytes_per_
     return blocks + embeddings_and_head
 
 
+def _linear_weights(model: torch.nn.Module, targets: tuple[str, ...] | None) -> list[tuple[str, torch.nn.Linear]]:
+    """Return the Linear layers a recipe quantizes or adapts (`targets`: last name parts; None: all but the head)."""
+    out = []
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and not name.endswith("lm_head"):
+            if targets is None or name.rsplit(".", 1)[-1] in targets:
+                out.append((name, module))
+    return out
+
+
 def training_step_bytes(model: torch.nn.Module, batch: int, seq: int, recipe: Any) -> StepEstimate:
     """Return the analytic peak of one training step of `model` (built on any device, 'meta' too).
 
     Forward ends with parameters, optimizer state and all activations alive (gradients were freed
     by `zero_grad(set_to_none=True)`); backward trades activations for gradients; the optimizer step
     holds parameters, gradients, state and about one parameter tensor's worth of temporaries.
+    The recipe's fields are applied by rule: pure bf16 halves weights, gradients and state; autocast
+    stores activations at 2 bytes; checkpointing keeps each checkpointed block's input (s*b*h) plus
+    one block; accumulation divides activations by the micro-batches; quantization stores the block
+    linear weights by `quantized_weight_bytes`; LoRA trains r*(in+out) values per adapted layer only.
+    The planner uses this where a step cannot be traced, and prints it beside every trace.
     """
     params = _unique(model.parameters())
-    trainable = [p for p in params if p.requires_grad]
-    p_bytes = param_bytes(params)
-    g_bytes = param_bytes(trainable)
-    o_bytes = optimizer_state_bytes(trainable, recipe.optimizer)
-    act = activation_bytes(model, batch, seq)
-    largest = max((p.numel() * p.element_size() for p in trainable), default=0)
+    elem = 2 if getattr(recipe, "precision", "fp32") == "bf16" else 4
+    n_all = sum(p.numel() for p in params)
+    p_bytes = elem * n_all
+    quant = getattr(recipe, "quantization", None) if getattr(recipe, "quantization_phase", "all") == "all" else None
+    linears = _linear_weights(model, None)
+    if quant is not None:
+        for _, lin in linears:
+            w = lin.weight
+            p_bytes += quantized_weight_bytes(w.numel(), quant, out_features=w.shape[0]) - elem * w.numel()
+    rank = getattr(recipe, "lora_rank", 0)
+    if rank:
+        adapted = _linear_weights(model, tuple(getattr(recipe, "lora_targets", ())))
+        n_trainable = sum(rank * (lin.in_features + lin.out_features) for _, lin in adapted)
+        p_bytes += 4 * n_trainable  # adapters stay fp32
+        g_bytes = 4 * n_trainable
+        o_bytes = n_trainable * OPTIMIZER_STATE_BYTES.get(recipe.optimizer.removesuffix("_in_backward"), 8)
+        largest = max((4 * rank * (lin.in_features + lin.out_features) for _, lin in adapted), default=0)
+    else:
+        trainable = [p for p in params if p.requires_grad]
+        g_bytes = elem * sum(p.numel() for p in trainable)
+        if recipe.optimizer == "adam_mini":
+            d = _dims(model)
+            o_bytes = optimizer_state_bytes(list(model.named_parameters()), "adam_mini", n_head=d["heads"])
+        else:
+            o_bytes = optimizer_state_bytes(trainable, recipe.optimizer)
+        o_bytes = o_bytes * elem // 4
+        largest = max((elem * p.numel() for p in trainable), default=0)
+    precision = getattr(recipe, "precision", "fp32")
+    value_bytes = 2 if precision in ("bf16", "bf16-autocast", "fp16-autocast") else 4
+    micro = -(-batch // max(1, getattr(recipe, "accumulation_steps", 1)))
+    act = activation_bytes(model, micro, seq, bytes_per_value=value_bytes)
+    policy = getattr(recipe, "checkpointing", "none")
+    if policy != "none" or getattr(recipe, "compression_checkpointing", False):
+        d = _dims(model)
+        per_block = (act - 3 * micro * seq * d["hidden"] * value_bytes - 2 * micro * seq * d["vocab"] * value_bytes) // max(1, d["layers"])
+        kept = d["layers"] // max(1, getattr(recipe, "checkpoint_interval", 1)) if policy == "every_n" else d["layers"]
+        act -= kept * per_block - (kept * micro * seq * d["hidden"] * value_bytes + per_block)
+    if getattr(recipe, "optimizer", "").endswith("_in_backward"):
+        g_bytes = largest  # each gradient is freed once its parameter steps
     forward = {"parameters": p_bytes, "optimizer_state": o_bytes, "activations": act}
     backward = {"parameters": p_bytes, "optimizer_state": o_bytes, "gradients": g_bytes, "activations": act // 2, "temporaries": largest}
     optimizer = {"parameters": p_bytes, "optimizer_state": o_bytes, "gradients": g_bytes, "temporaries": 2 * largest}
@@ -221,7 +269,7 @@ def training_step_bytes(model: torch.nn.Module, batch: int, seq: int, recipe: An
     peak_phase = max(totals, key=totals.get)
     by_category = {c: phases[peak_phase].get(c, 0) for c in ("parameters", "buffers", "gradients", "optimizer_state", "activations", "temporaries", "other")}
     return StepEstimate(totals[peak_phase], by_category, totals, phases)
-# -- Notebook 07 (weight quantization) -------------------------------------------------------------
+
 
 def quantized_weight_bytes(numel: int, scheme: str, *, out_features: int = 1, blocksize: int = 64) -> int:
     """Return the bytes of one weight matrix of `numel` values stored with `scheme`.

@@ -253,7 +253,7 @@ def _fake_safe_module_to() -> Iterator[None]:
 class _Tracer:
     """Build the model once under fake tensors, warm it up, then trace steps at any batch size."""
 
-    def __init__(self, model_factory: Callable[[], nn.Module], recipe: Recipe, seq_len: int, *, cuda_rounding: bool) -> None:
+    def __init__(self, model_factory: Callable[[], nn.Module], recipe: Recipe, seq_len: int, *, cuda_rounding: bool, batch: int = 1) -> None:
         from torch._subclasses.fake_tensor import FakeTensorMode
         from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
@@ -267,7 +267,9 @@ class _Tracer:
             model = model_factory()
             self.model, self.optimizer = recipe.build(model)
             self.batches = _FakeBatches(_vocab_size(self.model))
-            self._step(1)()  # creates the optimizer state and the gradients, as a real warm-up does
+            # A warm-up step creates the optimizer state and the gradients, as a real warm-up does.
+            # Fake tensors cost the same at any batch, so warm up at the batch that is planned.
+            self._step(batch)()
 
     def _step(self, batch: int) -> Callable[[], Any]:
         return make_train_step(self.model, self.optimizer, self.batches, batch_size=batch, seq_len=self.seq_len, recipe=self.recipe)
@@ -338,12 +340,25 @@ def _linear_max_batch(trace: _Trace, batch: int, budget_bytes: int) -> int:
     return int(best) if best != math.inf else _BATCH_CAP
 
 
-def _verified_max_batch(fits: Callable[[int], bool], guess: int, max_traces: int = 16) -> tuple[int, bool]:
-    """Return (largest batch that fits, whether the boundary was found), starting from a guess.
+def _traceable(recipe: Recipe) -> Recipe:
+    """Return the recipe to trace: fp16 autocast as bf16 autocast (GradScaler's overflow check branches
+    on a tensor's value, which fake tensors cannot; the bytes of the step are the same)."""
+    changes = {}
+    if recipe.precision == "fp16-autocast":
+        changes["precision"] = "bf16-autocast"
+    if recipe.eval_precision == "fp16-autocast":
+        changes["eval_precision"] = "bf16-autocast"
+    return recipe.with_(**changes) if changes else recipe
 
-    `fits` traces one step. The linear guess is usually right within one, so this gallops away
-    from it (1, 2, 4, ... batches) until the answer changes, then bisects: two traces when the
-    guess is right, about 2*log2(error) otherwise.
+
+def _verified_max_batch(
+    fits: Callable[[int], bool], guess: int, max_traces: int = 16, *, lower: int = 1
+) -> tuple[int, bool]:
+    """Return (largest batch >= `lower` that fits, or 0 if none; whether the boundary was found).
+
+    `fits` traces one step. The guess is usually right within one, so this gallops away from it
+    (1, 2, 4, ... batches) until the answer changes, then bisects: two traces when the guess is
+    right, about 2*log2(error) otherwise. Batches below `lower` (the accumulation steps) are not valid.
     """
     traces = 0
 
@@ -352,7 +367,7 @@ def _verified_max_batch(fits: Callable[[int], bool], guess: int, max_traces: int
         traces += 1
         return fits(b)
 
-    guess = max(guess, 1)
+    guess = max(guess, lower)
     step = 1
     if probe(guess):
         lo, hi = guess, None
@@ -365,23 +380,23 @@ def _verified_max_batch(fits: Callable[[int], bool], guess: int, max_traces: int
     else:
         lo, hi = None, guess
         while lo is None and traces < max_traces:
-            b = hi - step
-            if b < 1:
-                lo = 0
+            b = max(lower, hi - step)
+            if b == hi:  # `lower` itself does not fit
+                lo = lower - 1
             elif probe(b):
                 lo = b
             else:
                 hi = b
                 step *= 2
     if lo is None or hi is None:
-        return (lo or 0), False
+        return (lo if lo is not None and lo >= lower else 0), False
     while hi - lo > 1 and traces < max_traces:
         mid = (lo + hi) // 2
         if probe(mid):
             lo = mid
         else:
             hi = mid
-    return lo, hi - lo <= 1
+    return (lo if lo >= lower else 0), hi - lo <= 1
 
 
 def _host_costs(recipe: Recipe, batch: int, seq_len: int) -> list[Cost]:
@@ -433,6 +448,9 @@ def plan(
         raise ValueError(f"method must be 'auto', 'trace' or 'analytic', got {method!r}")
     tgt = get_target(target)
     rec = recipe if isinstance(recipe, Recipe) else Recipe.from_dict(recipe or {})
+    if batch < rec.accumulation_steps:
+        raise ValueError(f"batch {batch} is smaller than recipe.accumulation_steps={rec.accumulation_steps}: "
+                         "the batch is the effective batch, split into that many micro-batches")
     name = model_factory if isinstance(model_factory, str) else getattr(model_factory, "__name__", "model")
     if isinstance(model_factory, str):
         limit = architectures.max_seq_len(model_factory)
@@ -450,12 +468,15 @@ def plan(
         Cost("CUDA context", tgt.cuda_context_bytes, "assumed (0.5-2 GB seen on Colab; measure with NVML on your card)")
     ] if tgt.cuda else []
     warn: list[str] = []
+    if rec.precision == "fp16-autocast" or rec.eval_precision == "fp16-autocast":
+        warn.append("fp16 autocast is traced as bf16 autocast (the same 2-byte activations); the GradScaler's "
+                    "few scalars and its data-dependent skip of overflowing steps are not traced")
 
     used = "analytic"
     trace = None
     if method != "analytic":
         try:
-            tracer = _Tracer(model_factory, rec, seq_len, cuda_rounding=tgt.cuda)
+            tracer = _Tracer(model_factory, _traceable(rec), seq_len, cuda_rounding=tgt.cuda, batch=batch)
             trace = tracer.trace(batch)
             used = "trace"
         except Exception as exc:  # noqa: BLE001 - any failure to trace falls back, loudly
@@ -480,7 +501,9 @@ def plan(
             guess = _activation_max_batch(trace, batch, budget)
             if 0 < guess < _BATCH_CAP:
                 guess = _secant_step(tracer.trace(guess), guess, trace, budget)
-                guess, converged = _verified_max_batch(lambda b: tracer.trace(b).peak_bytes <= budget, guess)
+                guess, converged = _verified_max_batch(
+                    lambda b: tracer.trace(b).peak_bytes <= budget, guess, lower=rec.accumulation_steps
+                )
                 if not converged:
                     warn.append(f"max_batch {guess} is the largest traced batch that fits; the search stopped before the boundary")
         else:

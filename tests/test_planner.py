@@ -145,3 +145,46 @@ def test_cli_json_and_exit_codes(capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli(["plan", "--batch", "1"])
     assert exit_info.value.code == 2
+
+
+TRACED_RECIPES = [
+    {"precision": "bf16-autocast"},
+    {"precision": "fp16-autocast"},
+    {"precision": "bf16"},
+    {"checkpointing": "full"},
+    {"checkpointing": "selective"},
+    {"accumulation_steps": 2},
+    {"attention_window": 16},
+    {"attention": "semiseparable"},
+    {"optimizer": "lion"},
+    {"optimizer": "adam_mini"},
+    {"optimizer": "adamw_in_backward"},
+    {"lora_rank": 4},
+]
+
+
+@pytest.mark.parametrize("fields", TRACED_RECIPES, ids=lambda f: ",".join(f"{k}={v}" for k, v in f.items()))
+def test_plan_honours_each_technique_exactly(corpus, fields):
+    recipe = cm.Recipe.from_dict(fields)
+    plan = planner.plan(lambda: cm.build_model("tiny"), 4, seq_len=64, recipe=recipe, target=CPU_TARGET, find_max_batch=False)
+    assert plan.method == "trace", plan.warnings
+    assert plan.peak_bytes == _measured("tiny", 4, 64, recipe, corpus).peak_bytes
+
+
+@pytest.mark.parametrize("fields", [{"optimizer": "adamw8bit"}, {"quantization": "nf4", "lora_rank": 4}])
+def test_untraceable_techniques_fall_back_close(corpus, fields):
+    recipe = cm.Recipe.from_dict(fields)
+    with pytest.warns(UserWarning, match="analytic estimate"):
+        plan = planner.plan(lambda: cm.build_model("tiny"), 4, seq_len=64, recipe=recipe, target=CPU_TARGET, find_max_batch=False)
+    measured = _measured("tiny", 4, 64, recipe, corpus).peak_bytes
+    assert plan.method == "analytic"
+    assert abs(plan.peak_bytes - measured) / measured < 0.10
+
+
+def test_accumulation_bounds_the_batch():
+    with pytest.raises(ValueError, match="smaller than recipe.accumulation_steps=4"):
+        planner.plan("tiny", 2, seq_len=32, recipe={"accumulation_steps": 4})
+    result = planner.plan("tiny", 4, seq_len=64, recipe={"accumulation_steps": 4}, target=dict(CPU_TARGET, device_bytes=30 * 2**20), headroom=0)
+    assert result.max_batch >= 4
+    assert planner._verified_max_batch(lambda b: b <= 3, 9, lower=4) == (0, True)
+    assert planner._verified_max_batch(lambda b: b <= 6, 9, lower=4) == (6, True)
