@@ -8,12 +8,15 @@ writes build/notebook_seconds.json, and fails the run when a notebook exceeds it
 from __future__ import annotations
 
 import json
+import os
 from collections import defaultdict
 from pathlib import Path
 
-from colab_memopt.runner import REPO_ROOT, load_cpu_parameters
+from colab_memopt.runner import CPU_PARAMS_FILE, REPO_ROOT, load_cpu_parameters
 
-SECONDS_FILE = REPO_ROOT / "build" / "notebook_seconds.json"
+# Both can be pointed elsewhere by the plugin's own test.
+SECONDS_FILE = Path(os.environ.get("NBVAL_BUDGET_SECONDS_FILE", REPO_ROOT / "build" / "notebook_seconds.json"))
+PARAMS_FILE = Path(os.environ.get("NBVAL_BUDGET_PARAMS_FILE", CPU_PARAMS_FILE))
 _seconds: dict[str, float] = defaultdict(float)
 
 
@@ -28,7 +31,7 @@ def pytest_sessionfinish(session, exitstatus):  # noqa: ANN001 - pytest hook
         return
     SECONDS_FILE.parent.mkdir(parents=True, exist_ok=True)
     SECONDS_FILE.write_text(json.dumps(dict(_seconds), indent=2) + "\n")
-    budgets = load_cpu_parameters()
+    budgets = load_cpu_parameters(PARAMS_FILE)
     over = {name: (sec, budgets[name]["budget_seconds"]) for name, sec in _seconds.items()
             if name in budgets and sec > budgets[name]["budget_seconds"]}
     width = max(len(n) for n in _seconds)
