@@ -82,16 +82,24 @@ def main() -> None:
     plan_1b = {"model": "1b", "params": cm.get_config("1b").n_params, "batch": 1, "seq_len": 2048,
                "seconds": float(out[0]), "max_rss_bytes": int(out[1]), "method": out[2], "max_batch": int(out[3])}
     worst = max(rows, key=lambda r: abs(r["rel_error_pct"]))
+    worst_by_method = {
+        method: max(abs(r["rel_error_pct"]) for r in rows if r["method"] == method)
+        for method in sorted({r["method"] for r in rows})
+    }
     device_name = f"{device} ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else f"cpu ({platform.machine()})"
     result = {
         "device": device_name, "torch": torch.__version__, "rows": rows, "plan_1b": plan_1b,
-        "worst_rel_error_pct": worst["rel_error_pct"], "target_rel_error_pct": 5.0 if device.type == "cuda" else 1.0,
+        "worst_rel_error_pct": worst["rel_error_pct"], "worst_abs_error_pct_by_method": worst_by_method,
+        "target_rel_error_pct": 5.0 if device.type == "cuda" else 1.0,
     }
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text(json.dumps(result, indent=2) + "\n")
     print(f"\nplanning the 1B model ({plan_1b['params'] / 1e9:.2f}B params, batch 1 x 2048): {plan_1b['seconds']:.1f} s, "
           f"{cm.format_bytes(plan_1b['max_rss_bytes'])} peak RSS, method {plan_1b['method']}")
     print(f"wrote {OUT}")
+    for method, err in worst_by_method.items():
+        n = sum(r["method"] == method for r in rows)
+        print(f"  {method:8s}: {n} configurations, worst |error| {err:.3f}%")
     print(f"worst relative error over {len(rows)} configurations on {device_name}: {worst['rel_error_pct']:+.3f}% "
           f"({worst['size']}, batch {worst['batch']}, seq {worst['seq_len']}, {worst['recipe']}); target {result['target_rel_error_pct']}%")
 
