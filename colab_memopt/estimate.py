@@ -179,12 +179,15 @@ def _dims(model: torch.nn.Module) -> dict[str, int]:
     }
 
 
-def activation_bytes(model: torch.nn.Module, batch: int, seq: int, *, bytes_per_value: int = 4) -> int:
-    """Return the activations one forward keeps for backward, without recomputation.
+def activation_bytes(model: torch.nn.Module, batch: int, seq: int, *, bytes_per_value: int = 4,
+                     checkpointing: bool = False) -> int:
+    """Return the activations one forward keeps for backward (without recomputation by default).
 
     Exact per block for the reference model (`block_activation_bytes`); for other transformers an
     approximation from the config: per token and layer 7h + 3h_kv + 4i values with a gated MLP
     (LLaMA-style), 8h + 2i without, plus logits and the loss's log-softmax (b*s*V each).
+    With `checkpointing` (each block recomputed in backward, Korthikanti et al. 2022 full
+    recomputation): each block's input (b*s*h values) plus one block's activations.
     """
     d = _dims(model)
     b, s, h = batch, seq, d["hidden"]
@@ -195,8 +198,38 @@ def activation_bytes(model: torch.nn.Module, batch: int, seq: int, *, bytes_per_
         kv_h = h * d["kv_heads"] // d["heads"]
         per_token = (7 * h + 3 * kv_h + 4 * d["inter"]) if gated else (8 * h + 2 * d["inter"])
         blocks = d["layers"] * b * s * per_token * bytes_per_value
+    if checkpointing:
+        blocks = d["layers"] * b * s * h * bytes_per_value + blocks // d["layers"]
     embeddings_and_head = 3 * b * s * h * bytes_per_value + 2 * b * s * d["vocab"] * bytes_per_value
     return blocks + embeddings_and_head
+
+
+def _recipe_params(model: torch.nn.Module, recipe: Any) -> tuple[list[torch.Tensor], list[torch.Tensor], int]:
+    """Return (parameters, trainable parameters, parameter bytes) of `model` as `recipe` would leave it.
+
+    Notebook 07: with `recipe.quantization` (phase 'all') every nn.Linear but the output layer counts
+    `quantized_weight_bytes`; with `recipe.lora_rank` r, each Linear named in `recipe.lora_targets`
+    gets two fp32 adapters (r x in, out x r: shape-only meta tensors), the only trainable parameters.
+    """
+    params = _unique(model.parameters())
+    scheme = getattr(recipe, "quantization", None) if getattr(recipe, "quantization_phase", "all") == "all" else None
+    rank = int(getattr(recipe, "lora_rank", 0) or 0)
+    if scheme is None and rank == 0:
+        return params, [p for p in params if p.requires_grad], param_bytes(params)
+    quantized, adapters, q_bytes = set(), [], 0
+    targets = tuple(getattr(recipe, "lora_targets", ()))
+    for name, mod in model.named_modules():
+        if not isinstance(mod, torch.nn.Linear):
+            continue
+        if scheme is not None and "lm_head" not in name and id(mod.weight) not in quantized:
+            quantized.add(id(mod.weight))
+            q_bytes += quantized_weight_bytes(mod.weight.numel(), scheme, out_features=mod.out_features)
+        if rank and name.rpartition(".")[2] in targets:
+            adapters += [torch.empty(rank, mod.in_features, device="meta", requires_grad=True),
+                         torch.empty(mod.out_features, rank, device="meta", requires_grad=True)]
+    rest = [p for p in params if id(p) not in quantized]
+    trainable = adapters if rank else [p for p in rest if p.requires_grad]
+    return params, trainable, q_bytes + param_bytes(rest) + param_bytes(adapters)
 
 
 def training_step_bytes(model: torch.nn.Module, batch: int, seq: int, recipe: Any) -> StepEstimate:
@@ -206,12 +239,10 @@ def training_step_bytes(model: torch.nn.Module, batch: int, seq: int, recipe: An
     by `zero_grad(set_to_none=True)`); backward trades activations for gradients; the optimizer step
     holds parameters, gradients, state and about one parameter tensor's worth of temporaries.
     """
-    params = _unique(model.parameters())
-    trainable = [p for p in params if p.requires_grad]
-    p_bytes = param_bytes(params)
+    params, trainable, p_bytes = _recipe_params(model, recipe)
     g_bytes = param_bytes(trainable)
     o_bytes = optimizer_state_bytes(trainable, recipe.optimizer)
-    act = activation_bytes(model, batch, seq)
+    act = activation_bytes(model, batch, seq, checkpointing=bool(getattr(recipe, "compression_checkpointing", False)))
     largest = max((p.numel() * p.element_size() for p in trainable), default=0)
     forward = {"parameters": p_bytes, "optimizer_state": o_bytes, "activations": act}
     backward = {"parameters": p_bytes, "optimizer_state": o_bytes, "gradients": g_bytes, "activations": act // 2, "temporaries": largest}
