@@ -179,12 +179,15 @@ def _dims(model: torch.nn.Module) -> dict[str, int]:
     }
 
 
-def activation_bytes(model: torch.nn.Module, batch: int, seq: int, *, bytes_per_value: int = 4) -> int:
-    """Return the activations one forward keeps for backward, without recomputation.
+def activation_bytes(model: torch.nn.Module, batch: int, seq: int, *, bytes_per_value: int = 4,
+                     checkpointing: bool = False) -> int:
+    """Return the activations one forward keeps for backward (without recomputation by default).
 
     Exact per block for the reference model (`block_activation_bytes`); for other transformers an
     approximation from the config: per token and layer 7h + 3h_kv + 4i values with a gated MLP
     (LLaMA-style), 8h + 2i without, plus logits and the loss's log-softmax (b*s*V each).
+    With `checkpointing` (each block recomputed in backward, Korthikanti et al. 2022 full
+    recomputation): each block's input (b*s*h values) plus one block's activations.
     """
     d = _dims(model)
     b, s, h = batch, seq, d["hidden"]
@@ -195,18 +198,38 @@ def activation_bytes(model: torch.nn.Module, batch: int, seq: int, *, bytes_per_
         kv_h = h * d["kv_heads"] // d["heads"]
         per_token = (7 * h + 3 * kv_h + 4 * d["inter"]) if gated else (8 * h + 2 * d["inter"])
         blocks = d["layers"] * b * s * per_token * bytes_per_value
+    if checkpointing:
+        blocks = d["layers"] * b * s * h * bytes_per_value + blocks // d["layers"]
     embeddings_and_head = 3 * b * s * h * bytes_per_value + 2 * b * s * d["vocab"] * bytes_per_value
     return blocks + embeddings_and_head
 
 
-def _linear_weights(model: torch.nn.Module, targets: tuple[str, ...] | None) -> list[tuple[str, torch.nn.Linear]]:
-    """Return the Linear layers a recipe quantizes or adapts (`targets`: last name parts; None: all but the head)."""
-    out = []
-    for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear) and not name.endswith("lm_head"):
-            if targets is None or name.rsplit(".", 1)[-1] in targets:
-                out.append((name, module))
-    return out
+def _recipe_params(model: torch.nn.Module, recipe: Any) -> tuple[list[torch.Tensor], list[torch.Tensor], int]:
+    """Return (parameters, trainable parameters, parameter bytes) of `model` as `recipe` would leave it.
+
+    Notebook 07: with `recipe.quantization` (phase 'all') every nn.Linear but the output layer counts
+    `quantized_weight_bytes`; with `recipe.lora_rank` r, each Linear named in `recipe.lora_targets`
+    gets two fp32 adapters (r x in, out x r: shape-only meta tensors), the only trainable parameters.
+    """
+    params = _unique(model.parameters())
+    scheme = getattr(recipe, "quantization", None) if getattr(recipe, "quantization_phase", "all") == "all" else None
+    rank = int(getattr(recipe, "lora_rank", 0) or 0)
+    if scheme is None and rank == 0:
+        return params, [p for p in params if p.requires_grad], param_bytes(params)
+    quantized, adapters, q_bytes = set(), [], 0
+    targets = tuple(getattr(recipe, "lora_targets", ()))
+    for name, mod in model.named_modules():
+        if not isinstance(mod, torch.nn.Linear):
+            continue
+        if scheme is not None and "lm_head" not in name and id(mod.weight) not in quantized:
+            quantized.add(id(mod.weight))
+            q_bytes += quantized_weight_bytes(mod.weight.numel(), scheme, out_features=mod.out_features)
+        if rank and name.rpartition(".")[2] in targets:
+            adapters += [torch.empty(rank, mod.in_features, device="meta", requires_grad=True),
+                         torch.empty(mod.out_features, rank, device="meta", requires_grad=True)]
+    rest = [p for p in params if id(p) not in quantized]
+    trainable = adapters if rank else [p for p in rest if p.requires_grad]
+    return params, trainable, q_bytes + param_bytes(rest) + param_bytes(adapters)
 
 
 def training_step_bytes(model: torch.nn.Module, batch: int, seq: int, recipe: Any) -> StepEstimate:
@@ -221,34 +244,17 @@ def training_step_bytes(model: torch.nn.Module, batch: int, seq: int, recipe: An
     linear weights by `quantized_weight_bytes`; LoRA trains r*(in+out) values per adapted layer only.
     The planner uses this where a step cannot be traced, and prints it beside every trace.
     """
-    params = _unique(model.parameters())
     elem = 2 if getattr(recipe, "precision", "fp32") == "bf16" else 4
-    n_all = sum(p.numel() for p in params)
-    p_bytes = elem * n_all
-    quant = getattr(recipe, "quantization", None) if getattr(recipe, "quantization_phase", "all") == "all" else None
-    linears = _linear_weights(model, None)
-    if quant is not None:
-        for _, lin in linears:
-            w = lin.weight
-            p_bytes += quantized_weight_bytes(w.numel(), quant, out_features=w.shape[0]) - elem * w.numel()
-    rank = getattr(recipe, "lora_rank", 0)
-    if rank:
-        adapted = _linear_weights(model, tuple(getattr(recipe, "lora_targets", ())))
-        n_trainable = sum(rank * (lin.in_features + lin.out_features) for _, lin in adapted)
-        p_bytes += 4 * n_trainable  # adapters stay fp32
-        g_bytes = 4 * n_trainable
-        o_bytes = n_trainable * OPTIMIZER_STATE_BYTES.get(recipe.optimizer.removesuffix("_in_backward"), 8)
-        largest = max((4 * rank * (lin.in_features + lin.out_features) for _, lin in adapted), default=0)
+    params, trainable, p_bytes = _recipe_params(model, recipe)
+    if elem == 2:  # pure bf16: weights, gradients and optimizer state at 2 bytes
+        p_bytes //= 2
+    g_bytes = param_bytes(trainable) * elem // 4
+    if recipe.optimizer == "adam_mini" and not getattr(recipe, "lora_rank", 0):
+        o_bytes = optimizer_state_bytes(list(model.named_parameters()), "adam_mini", n_head=_dims(model)["heads"])
     else:
-        trainable = [p for p in params if p.requires_grad]
-        g_bytes = elem * sum(p.numel() for p in trainable)
-        if recipe.optimizer == "adam_mini":
-            d = _dims(model)
-            o_bytes = optimizer_state_bytes(list(model.named_parameters()), "adam_mini", n_head=d["heads"])
-        else:
-            o_bytes = optimizer_state_bytes(trainable, recipe.optimizer)
-        o_bytes = o_bytes * elem // 4
-        largest = max((elem * p.numel() for p in trainable), default=0)
+        o_bytes = optimizer_state_bytes(trainable, recipe.optimizer)
+    o_bytes = o_bytes * elem // 4
+    largest = max((p.numel() * elem for p in trainable), default=0)
     precision = getattr(recipe, "precision", "fp32")
     value_bytes = 2 if precision in ("bf16", "bf16-autocast", "fp16-autocast") else 4
     micro = -(-batch // max(1, getattr(recipe, "accumulation_steps", 1)))

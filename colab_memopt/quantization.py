@@ -159,12 +159,17 @@ def quantize_model(model: nn.Module, scheme: str, *, skip: Sequence[str] = ("lm_
     return model
 
 
-def _quant_state_tensors(weight: torch.Tensor) -> list[torch.Tensor]:
-    """Return the tensors bitsandbytes keeps beside a quantized weight (scales, absmax, code book)."""
+def _quant_state_tensors(weight: torch.Tensor, module: nn.Module | None = None) -> list[torch.Tensor]:
+    """Return the tensors bitsandbytes keeps beside a quantized weight (scales, absmax, code book).
+
+    Linear8bitLt moves its row scales (SCB) from the weight to `module.state` at the first forward,
+    so both places are looked at.
+    """
     out = []
-    scb = getattr(weight, "SCB", None)
-    if isinstance(scb, torch.Tensor):
-        out.append(scb)
+    state = getattr(module, "state", None)
+    for scb in (getattr(weight, "SCB", None), getattr(state, "SCB", None)):
+        if isinstance(scb, torch.Tensor):
+            out.append(scb)
     qs = getattr(weight, "quant_state", None)
     while qs is not None:
         out += [t for t in (getattr(qs, "absmax", None), getattr(qs, "offset", None)) if isinstance(t, torch.Tensor)]
@@ -197,7 +202,7 @@ def linear_weight_bytes(model: nn.Module, *, skip: Sequence[str] = ()) -> int:
             add(mod.weight_scale)
         elif isinstance(mod, nn.Linear) and not hasattr(mod, "lora_A"):  # bnb layers subclass nn.Linear
             add(mod.weight)
-            for t in _quant_state_tensors(mod.weight):
+            for t in _quant_state_tensors(mod.weight, mod):
                 add(t)
     return total
 

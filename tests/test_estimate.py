@@ -52,3 +52,17 @@ def test_precision_and_attention_formulas():
     assert est.attention_scores_bytes(8192, 32) == 8 * 2**30
     with pytest.raises(ValueError, match="precision must be one of"):
         est.precision_state_bytes_per_param("fp8")
+def test_training_step_bytes_honours_quantization_lora_and_checkpointing():
+    from colab_memopt.quantization import add_lora, linear_weight_bytes
+
+    full = estimate.training_step_bytes(cm.build_model("tiny", device="meta"), 2, 32, cm.Recipe())
+    qlora = cm.Recipe(quantization="bnb_int8", lora_rank=4)
+    est = estimate.training_step_bytes(cm.build_model("tiny", device="meta"), 2, 32, qlora)
+    real = add_lora(cm.build_model("tiny"), 4)
+    lora_bytes = sum(p.numel() * 4 for p in real.parameters() if p.requires_grad)
+    assert est.phase_categories["backward"]["gradients"] == lora_bytes
+    assert est.by_category["optimizer_state"] == 2 * lora_bytes + 4 * sum(1 for p in real.parameters() if p.requires_grad)
+    fp32_linear = linear_weight_bytes(cm.build_model("tiny"), skip=("lm_head",))
+    assert est.by_category["parameters"] < full.by_category["parameters"] - 0.5 * fp32_linear  # int8: 1/4 of the bytes, adapters added
+    ckpt = estimate.training_step_bytes(cm.build_model("tiny", device="meta"), 2, 32, cm.Recipe(compression_checkpointing=True))
+    assert ckpt.by_category["activations"] < full.by_category["activations"]

@@ -40,6 +40,10 @@ REQUIRED_METRICS = {
     },
     "01_will_it_fit": {"max_rel_error_pct", "configs_checked"},
     "06_lean_optimizers": {"state_bytes_per_param", "peak_saving_pct_8bit", "peak_saving_pct_fused", "final_loss"},
+    "07_weight_quantization": {"weight_saving_pct_int8", "weight_saving_pct_nf4", "peak_saving_pct_qlora", "loss_delta_pct_qlora"},
+    "08_activation_compression": {
+        "activation_saving_pct_int8", "grad_rel_error_int8", "activation_saving_pct_int8_plus_checkpointing",
+    },
     "11_memory_profiling_and_monitoring": {"profiling_overhead_pct", "leak_detected_at_step", "spikes_found"},
     "12_dynamic_batch_size_and_oom": {"max_batch_found", "recoveries", "samples_lost", "loss_max_abs_diff"},
     "13_semiseparable_matrices": {

@@ -61,6 +61,23 @@ def test_quantize_model_shrinks_weights_and_runs(scheme):
     assert abs(cm.evaluate(model, corpus, batch_size=2, seq_len=32, batches=1) - loss_fp32) < 0.05
 
 
+@pytest.mark.parametrize("scheme", ["int8_channel", "bnb_int8", "nf4"])
+def test_linear_weight_bytes_counts_scales_after_a_forward(scheme):
+    # Linear8bitLt moves its row scales from the weight to module.state at the first forward.
+    model = quantize_model(cm.build_model("tiny"), scheme)
+    before = linear_weight_bytes(model, skip=("lm_head",))
+    x = torch.randint(0, model.config.vocab_size, (1, 8))
+    model(x, labels=x)
+    assert linear_weight_bytes(model, skip=("lm_head",)) == before
+    expected = sum(estimate.quantized_weight_bytes(m.weight.numel() if scheme != "nf4" else m.in_features * m.out_features,
+                                                   scheme, out_features=m.out_features)
+                   for n, m in cm.build_model("tiny").named_modules() if type(m) is nn.Linear and "lm_head" not in n)
+    if scheme == "nf4":  # double quantization: 1-byte absmax per block plus a second level, below the fp32-absmax figure
+        assert before <= expected
+    else:
+        assert before == expected
+
+
 @pytest.mark.parametrize("scheme", [None, "nf4"])
 def test_lora_trains_only_adapters(scheme):
     model = cm.build_model("tiny")
