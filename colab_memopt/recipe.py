@@ -49,6 +49,15 @@ class Recipe:
     # -- 08_activation_compression
     activation_compression: str | None = None
     compression_checkpointing: bool = False
+    # -- 09_cpu_offload: stream the blocks from host memory (`offload.LayerStreamer`); 0 keeps them on the device
+    layer_offload_active: int = 0
+    layer_offload_prefetch: int = 1
+    # strategy for the optimizer state in phases without backward (`offload.OptimizerStateOffloader`)
+    optimizer_state_offload: str = "keep"
+    # -- 10_deepspeed_zero: a DeepSpeed engine (`zero.initialize`) with this ZeRO stage and offload
+    zero_stage: int = 0
+    offload_optimizer: bool = False
+    offload_param: bool = False
 
     def __post_init__(self) -> None:
         self.validate()
@@ -86,6 +95,43 @@ class Recipe:
             )
         if not isinstance(self.compression_checkpointing, bool):
             raise ValueError(f"recipe.compression_checkpointing must be True or False, got {self.compression_checkpointing!r}")
+        # 09_cpu_offload
+        from colab_memopt.offload import STRATEGIES
+
+        for name in ("layer_offload_active", "layer_offload_prefetch"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"recipe.{name} must be an integer >= 0, got {value!r}")
+        if self.optimizer_state_offload not in STRATEGIES:
+            raise ValueError(f"recipe.optimizer_state_offload must be one of {STRATEGIES}, got {self.optimizer_state_offload!r}")
+        # 10_deepspeed_zero
+        if isinstance(self.zero_stage, bool) or self.zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"recipe.zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
+        for name in ("offload_optimizer", "offload_param"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"recipe.{name} must be True or False, got {getattr(self, name)!r}")
+        if self.offload_optimizer and self.zero_stage == 0:
+            raise ValueError("recipe.offload_optimizer needs zero_stage 1, 2 or 3 (ZeRO-Offload), got zero_stage=0")
+        if self.offload_param and self.zero_stage != 3:
+            raise ValueError(f"recipe.offload_param needs zero_stage=3 (only stage 3 partitions parameters), got {self.zero_stage}")
+        if self.uses_deepspeed and self.optimizer != "adamw":
+            raise ValueError(f"recipe.zero_stage / offload run DeepSpeed with AdamW: set optimizer='adamw', got {self.optimizer!r}")
+        if self.uses_deepspeed and self.layer_offload_active:
+            raise ValueError("recipe.layer_offload_active and DeepSpeed (zero_stage, offload_*) cannot be combined: pick one")
+
+    @property
+    def uses_deepspeed(self) -> bool:
+        """Return True when the step runs in a DeepSpeed engine (zero_stage >= 1 or any offload)."""
+        return self.zero_stage > 0 or self.offload_optimizer or self.offload_param
+
+    @property
+    def untraceable_reason(self) -> str | None:
+        """Return why the planner cannot trace this recipe on fake tensors (None when it can)."""
+        if self.uses_deepspeed:
+            return "DeepSpeed engines (zero_stage, offload_optimizer, offload_param) need a process group and real tensors"
+        if self.layer_offload_active:
+            return "layer streaming resizes tensor storage, which fake tensors do not model"
+        return None
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> Recipe:
@@ -107,7 +153,16 @@ class Recipe:
         return asdict(self)
 
     def build(self, model: nn.Module) -> tuple[nn.Module, torch.optim.Optimizer]:
-        """Apply the recipe's model-side techniques and return (model, optimizer)."""
+        """Apply the recipe's model-side techniques and return (model, optimizer).
+
+        With DeepSpeed fields (notebook 10) the model is a DeepSpeed engine and the optimizer its
+        ZeRO optimizer; with `layer_offload_active` (notebook 09) the blocks stream from host memory
+        and the optimizer steps their host copies (`offload.StreamingOptimizer`).
+        """
+        if self.uses_deepspeed:
+            from colab_memopt import zero
+
+            return zero.initialize(model, self)
         if self.attention is not None:
             if not hasattr(model, "blocks"):
                 raise ValueError("recipe.attention applies to the reference model only; leave it None")
@@ -119,6 +174,11 @@ class Recipe:
             add_lora(model, self.lora_rank, targets=self.lora_targets)
         if self.activation_compression is not None or self.compression_checkpointing:
             compress_activations(model, self.activation_compression, checkpoint_blocks=self.compression_checkpointing)
+        if self.layer_offload_active:
+            from colab_memopt.offload import LayerStreamer
+
+            streamer = LayerStreamer(model, self.layer_offload_active, self.layer_offload_prefetch)
+            return model, streamer.optimizer(lambda ps: make_optimizer(self.optimizer, ps, lr=self.lr))
         trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         params = trainable if self.optimizer == "adam_mini" else [p for _, p in trainable]
         return model, make_optimizer(self.optimizer, params, lr=self.lr, model=None if self.lora_rank else model)

@@ -82,9 +82,12 @@ def make_train_step(
     `recipe` carries the step-side techniques (none yet at this layer: the default is plain fp32);
     the model-side ones are applied by `Recipe.build` before the step is made.
     """
-    del recipe  # no step-side technique implemented yet; each technique issue adds its own here
     device = next(model.parameters()).device
     batches = corpus.batches(batch_size, seq_len, seed=seed, device=device)
+    if recipe is not None and recipe.uses_deepspeed:  # notebook 10: the model is a DeepSpeed engine
+        from colab_memopt.zero import engine_train_step
+
+        return lambda: engine_train_step(model, next(batches))
 
     def step() -> float:
         return train_step(model, optimizer, next(batches))
