@@ -9,7 +9,7 @@ Plots and widgets live in `colab_memopt.plots` and `colab_memopt.widgets` (they 
 and ipywidgets, which the core does not need). Importing the package changes no global state.
 """
 
-from colab_memopt import batching, compression, estimate, monitor, oom, optimizers, quantization
+from colab_memopt import batching, compression, estimate, monitor, offload, oom, optimizers, quantization, zero
 from colab_memopt.data import TextCorpus, load_corpus
 from colab_memopt.env import (
     COLAB_HOST_RAM_BYTES,
@@ -80,6 +80,7 @@ __all__ = [
     "make_optimizer",
     "make_train_step",
     "monitor",
+    "offload",
     "oom",
     "measure_step",
     "optimizers",
@@ -90,4 +91,5 @@ __all__ = [
     "train",
     "train_step",
     "train_with_oom_recovery",
+    "zero",
 ]
