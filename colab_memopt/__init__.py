@@ -24,6 +24,7 @@ from colab_memopt import (
     quantization,
     structured,
 )
+from colab_memopt import offload, zero
 from colab_memopt.data import TextCorpus, load_corpus
 from colab_memopt.env import (
     COLAB_HOST_RAM_BYTES,
@@ -103,6 +104,7 @@ __all__ = [
     "make_optimizer",
     "make_train_step",
     "monitor",
+    "offload",
     "oom",
     "measure_step",
     "optimizers",
@@ -114,4 +116,5 @@ __all__ = [
     "train",
     "train_step",
     "train_with_oom_recovery",
+    "zero",
 ]

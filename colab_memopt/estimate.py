@@ -267,6 +267,12 @@ def training_step_bytes(model: torch.nn.Module, batch: int, seq: int, recipe: An
         act -= kept * per_block - (kept * micro * seq * d["hidden"] * value_bytes + per_block)
     if getattr(recipe, "optimizer", "").endswith("_in_backward"):
         g_bytes = largest  # each gradient is freed once its parameter steps
+    # Notebook 10, ZeRO-Offload: the optimizer state (and with offload_param the weights, but the
+    # gathered layer) live in host RAM; the planner adds their host bytes (zero_offload_bytes).
+    if getattr(recipe, "offload_optimizer", False):
+        o_bytes = 0
+    if getattr(recipe, "offload_param", False):
+        p_bytes = g_bytes = 2 * largest
     forward = {"parameters": p_bytes, "optimizer_state": o_bytes, "activations": act}
     backward = {"parameters": p_bytes, "optimizer_state": o_bytes, "gradients": g_bytes, "activations": act // 2, "temporaries": largest}
     optimizer = {"parameters": p_bytes, "optimizer_state": o_bytes, "gradients": g_bytes, "temporaries": 2 * largest}
@@ -452,3 +458,45 @@ def attention_scores_bytes(seq: int, heads: int, *, batch: int = 1, bytes_per_va
     if seq < 1 or heads < 1 or batch < 1:
         raise ValueError(f"seq, heads and batch must be >= 1, got seq={seq}, heads={heads}, batch={batch}")
     return batch * heads * seq * seq * bytes_per_value
+
+
+# -- notebooks 09-10: CPU offload and DeepSpeed ZeRO ------------------------------------------------
+
+
+def zero_offload_bytes(n_params: int, *, zero_stage: int, offload_optimizer: bool, offload_param: bool = False,
+                       largest_layer_params: int = 0, world_size: int = 1) -> dict[str, int]:
+    """Return DeepSpeed's own estimate of model-state bytes on the device and in host RAM, per rank.
+
+    Stage 1-2: `deepspeed.runtime.zero.stage_1_and_2.estimate_zero2_model_states_mem_needs`
+    (with optimizer offload about 24 B/param of host RAM at 1.5x buffers: fp32 master, m, v, grads;
+    the device keeps the 2-byte weights); stage 3: `stage3.estimate_zero3_model_states_mem_needs`
+    (`largest_layer_params` sizes the gathered layer). Without offload at stage 0 the device holds
+    DeepSpeed's 16 B/param of mixed-precision AdamW and the host nothing.
+    """
+    if zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
+    if offload_param and zero_stage != 3:
+        raise ValueError(f"offload_param needs zero_stage=3, got {zero_stage}")
+    if zero_stage == 0:
+        return {"device_bytes": 16 * n_params, "host_bytes": 0}
+    if zero_stage in (1, 2):
+        from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+        host, device = estimate_zero2_model_states_mem_needs(n_params, num_gpus_per_node=world_size, num_nodes=1,
+                                                             cpu_offload=offload_optimizer)
+        return {"device_bytes": int(device), "host_bytes": int(host)}
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+
+    host, device, _ = estimate_zero3_model_states_mem_needs(n_params, largest_layer_params or n_params // 10,
+                                                            num_gpus_per_node=world_size, num_nodes=1,
+                                                            cpu_offload=offload_optimizer, cpu_offload_params=offload_param)
+    return {"device_bytes": int(device), "host_bytes": int(host)}
+
+
+def layer_streaming_param_bytes(block_bytes: int, n_blocks: int, resident_bytes: int, *, max_active_layers: int,
+                                prefetch_distance: int) -> int:
+    """Return the device bytes of weights under layer streaming: resident weights plus active and prefetched blocks."""
+    if n_blocks < 1 or max_active_layers < 1 or prefetch_distance < 0:
+        raise ValueError(f"need n_blocks >= 1, max_active_layers >= 1, prefetch_distance >= 0; got "
+                         f"{n_blocks}, {max_active_layers}, {prefetch_distance}")
+    return resident_bytes + min(n_blocks, max_active_layers + prefetch_distance) * block_bytes

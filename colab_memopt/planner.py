@@ -399,13 +399,18 @@ def _verified_max_batch(
     return (lo if lo >= lower else 0), hi - lo <= 1
 
 
-def _host_costs(recipe: Recipe, batch: int, seq_len: int) -> list[Cost]:
+def _host_costs(recipe: Recipe, batch: int, seq_len: int, n_params: int = 0) -> list[Cost]:
     rss = host_memory().rss_bytes
-    return [
+    costs = [
         Cost("this process", rss, "measured: this Python process's RSS now (torch, the model code, the notebook)"),
         Cost("data pipeline", estimate.dataloader_prefetch_bytes(1, 1, batch, seq_len, 8),
              "one batch of int64 token ids in flight (estimate.dataloader_prefetch_bytes)"),
     ]
+    if recipe.offload_optimizer or recipe.offload_param:  # notebook 10: ZeRO-Offload keeps model states in host RAM
+        ds = estimate.zero_offload_bytes(n_params, zero_stage=recipe.zero_stage, offload_optimizer=recipe.offload_optimizer,
+                                         offload_param=recipe.offload_param)
+        costs.append(Cost("offloaded states", ds["host_bytes"], "DeepSpeed's estimate_zero*_model_states_mem_needs (estimate.zero_offload_bytes)"))
+    return costs
 
 
 def plan(
@@ -474,7 +479,11 @@ def plan(
 
     used = "analytic"
     trace = None
-    if method != "analytic":
+    if method != "analytic" and rec.untraceable_reason:
+        if method == "trace":
+            raise ValueError(f"cannot trace this recipe: {rec.untraceable_reason}")
+        warn.append(f"not traced: {rec.untraceable_reason}; the figures are the analytic estimate")
+    elif method != "analytic":
         try:
             tracer = _Tracer(model_factory, _traceable(rec), seq_len, cuda_rounding=tgt.cuda, batch=batch)
             trace = tracer.trace(batch)
@@ -491,7 +500,8 @@ def plan(
     result = Plan(
         model=name, batch=batch, seq_len=seq_len, recipe=rec.to_dict(), target=tgt, method=used,
         peak_bytes=trace.peak_bytes, by_category=trace.by_category, by_phase=trace.by_phase,
-        by_phase_category=trace.phase_categories, device_costs=device_costs, host_costs=_host_costs(rec, batch, seq_len), headroom_fraction=headroom,
+        by_phase_category=trace.phase_categories, device_costs=device_costs, host_costs=_host_costs(rec, batch, seq_len, sum(p.numel() for p in estimate._unique(shape_model.parameters()))),
+        headroom_fraction=headroom,
         analytic_peak_bytes=analytic.peak_bytes, warnings=warn,
     )
     if find_max_batch:

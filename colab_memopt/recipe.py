@@ -75,6 +75,15 @@ class Recipe:
     accumulation_steps: int = 1
     # 05_memory_efficient_attention
     attention_window: int | None = None
+    # -- 09_cpu_offload: stream the blocks from host memory (`offload.LayerStreamer`); 0 keeps them on the device
+    layer_offload_active: int = 0
+    layer_offload_prefetch: int = 1
+    # strategy for the optimizer state in phases without backward (`offload.OptimizerStateOffloader`)
+    optimizer_state_offload: str = "keep"
+    # -- 10_deepspeed_zero: a DeepSpeed engine (`zero.initialize`) with this ZeRO stage and offload
+    zero_stage: int = 0
+    offload_optimizer: bool = False
+    offload_param: bool = False
 
     def __post_init__(self) -> None:
         self.validate()
@@ -146,6 +155,48 @@ class Recipe:
         w = self.attention_window
         if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1):
             raise ValueError(f"recipe.attention_window must be None or an integer >= 1 (tokens), got {w!r}")
+        # 09_cpu_offload
+        from colab_memopt.offload import STRATEGIES
+
+        for name in ("layer_offload_active", "layer_offload_prefetch"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"recipe.{name} must be an integer >= 0, got {value!r}")
+        if self.optimizer_state_offload not in STRATEGIES:
+            raise ValueError(f"recipe.optimizer_state_offload must be one of {STRATEGIES}, got {self.optimizer_state_offload!r}")
+        # 10_deepspeed_zero
+        if isinstance(self.zero_stage, bool) or self.zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"recipe.zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
+        for name in ("offload_optimizer", "offload_param"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"recipe.{name} must be True or False, got {getattr(self, name)!r}")
+        if self.offload_optimizer and self.zero_stage == 0:
+            raise ValueError("recipe.offload_optimizer needs zero_stage 1, 2 or 3 (ZeRO-Offload), got zero_stage=0")
+        if self.offload_param and self.zero_stage != 3:
+            raise ValueError(f"recipe.offload_param needs zero_stage=3 (only stage 3 partitions parameters), got {self.zero_stage}")
+        if self.uses_deepspeed and self.optimizer != "adamw":
+            raise ValueError(f"recipe.zero_stage / offload run DeepSpeed with AdamW: set optimizer='adamw', got {self.optimizer!r}")
+        if self.uses_deepspeed and (self.precision != "fp32" or self.accumulation_steps != 1):
+            raise ValueError(
+                "recipe.precision and accumulation_steps do not reach a DeepSpeed engine: leave them at 'fp32' and 1 "
+                f"and pass precision= and grad_accum_steps= to zero.deepspeed_config (got {self.precision!r}, {self.accumulation_steps})"
+            )
+        if self.uses_deepspeed and self.layer_offload_active:
+            raise ValueError("recipe.layer_offload_active and DeepSpeed (zero_stage, offload_*) cannot be combined: pick one")
+
+    @property
+    def uses_deepspeed(self) -> bool:
+        """Return True when the step runs in a DeepSpeed engine (zero_stage >= 1 or any offload)."""
+        return self.zero_stage > 0 or self.offload_optimizer or self.offload_param
+
+    @property
+    def untraceable_reason(self) -> str | None:
+        """Return why the planner cannot trace this recipe on fake tensors (None when it can)."""
+        if self.uses_deepspeed:
+            return "DeepSpeed engines (zero_stage, offload_optimizer, offload_param) need a process group and real tensors"
+        if self.layer_offload_active:
+            return "layer streaming resizes tensor storage, which fake tensors do not model"
+        return None
 
     def forward_precision(self) -> str:
         """Return the precision of forward-only phases: `eval_precision`, else the training one's autocast.
@@ -182,7 +233,14 @@ class Recipe:
         state is bf16 too); quantization of the linear layers and LoRA adapters; activation
         compression; the checkpointing policy on the model's repeated blocks; then the optimizer over
         the trainable parameters.
+        With DeepSpeed fields (notebook 10) the model is a DeepSpeed engine and the optimizer its
+        ZeRO optimizer; with `layer_offload_active` (notebook 09) the blocks stream from host memory
+        and the optimizer steps their host copies (`offload.StreamingOptimizer`).
         """
+        if self.uses_deepspeed:
+            from colab_memopt import zero
+
+            return zero.initialize(model, self)
         if self.attention is not None or self.attention_window is not None:
             if not hasattr(model, "blocks"):
                 raise ValueError("recipe.attention and attention_window apply to the reference model only; leave them None")
@@ -198,6 +256,11 @@ class Recipe:
         if self.activation_compression is not None or self.compression_checkpointing:
             compress_activations(model, self.activation_compression, checkpoint_blocks=self.compression_checkpointing)
         apply_checkpointing(model, self.checkpointing, self.checkpoint_interval)
+        if self.layer_offload_active:
+            from colab_memopt.offload import LayerStreamer
+
+            streamer = LayerStreamer(model, self.layer_offload_active, self.layer_offload_prefetch)
+            return model, streamer.optimizer(lambda ps: make_optimizer(self.optimizer, ps, lr=self.lr))
         trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         params = trainable if self.optimizer == "adam_mini" else [p for _, p in trainable]
         return model, make_optimizer(self.optimizer, params, lr=self.lr, model=None if self.lora_rank else model)

@@ -118,6 +118,10 @@ def make_train_step(
     device = next(model.parameters()).device
     scaler = make_grad_scaler(precision, device)
     batches = corpus.batches(batch_size, seq_len, seed=seed, device=device)
+    if recipe is not None and recipe.uses_deepspeed:  # notebook 10: the model is a DeepSpeed engine
+        from colab_memopt.zero import engine_train_step
+
+        return lambda: engine_train_step(model, next(batches))
     if recipe is not None and recipe.phase_offload is not None:  # notebook 14: phase-aware training
         from colab_memopt.phases import PhaseConfig, PhaseTrainer
 

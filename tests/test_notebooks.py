@@ -44,6 +44,8 @@ REQUIRED_METRICS = {
     "08_activation_compression": {
         "activation_saving_pct_int8", "grad_rel_error_int8", "activation_saving_pct_int8_plus_checkpointing",
     },
+    "09_cpu_offload": {"device_param_saving_pct", "slowdown_x", "optimizer_offload_saving_pct"},
+    "10_deepspeed_zero": {"rank_state_bytes", "max_formula_rel_error_pct", "world_size"},
     "11_memory_profiling_and_monitoring": {"profiling_overhead_pct", "leak_detected_at_step", "spikes_found"},
     "12_dynamic_batch_size_and_oom": {"max_batch_found", "recoveries", "samples_lost", "loss_max_abs_diff"},
     "13_semiseparable_matrices": {

@@ -1,0 +1,140 @@
+import copy
+
+import pytest
+import torch
+
+import colab_memopt as cm
+from colab_memopt import estimate, offload
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return cm.build_model("tiny", seed=0, n_layer=4)
+
+
+@pytest.mark.parametrize("active,prefetch", [(1, 0), (1, 1), (2, 2), (4, 0)])
+def test_streamer_outputs_and_gradients_are_exact(reference, active, prefetch):
+    x = cm.load_corpus().batch(2, 16, generator=torch.Generator().manual_seed(0))
+    plain = copy.deepcopy(reference)
+    out = plain(x, labels=x)
+    out.loss.backward()
+    model = copy.deepcopy(reference)
+    streamer = offload.LayerStreamer(model, active, prefetch)
+    got = model(x, labels=x)
+    got.loss.backward()
+    assert torch.equal(out.logits, got.logits)
+    for p, q in zip(plain.parameters(), model.parameters()):
+        g = streamer.host[q].grad if q in streamer.host else q.grad
+        assert torch.equal(p.grad, g)
+    # blocks were loaded in forward and again in backward, every gradient went to the host
+    assert streamer.stats.to_device >= 2 * len(model.blocks) - active - prefetch
+    assert streamer.stats.to_host == sum(1 for b in model.blocks for _ in b.parameters())
+
+
+def test_streamer_trains_like_the_plain_model(reference):
+    corpus = cm.load_corpus()
+    plain, opt = cm.Recipe().build(copy.deepcopy(reference))
+    streamed, sopt = cm.Recipe(layer_offload_active=1, layer_offload_prefetch=1).build(copy.deepcopy(reference))
+    a = cm.make_train_step(plain, opt, corpus, batch_size=2, seq_len=16)
+    b = cm.make_train_step(streamed, sopt, corpus, batch_size=2, seq_len=16)
+    for _ in range(3):
+        assert a() == b()
+
+
+def test_streamer_holds_fewer_weights_on_the_device(reference):
+    corpus = cm.load_corpus()
+    reports = {}
+    for active in (None, 1):
+        recipe = cm.Recipe() if active is None else cm.Recipe(layer_offload_active=1, layer_offload_prefetch=0)
+        model, opt = recipe.build(copy.deepcopy(reference))
+        step = cm.make_train_step(model, opt, corpus, batch_size=2, seq_len=16)
+        reports[active] = cm.measure_step(step, model=model, optimizer=getattr(opt, "device_optimizer", opt), repeat=1)
+    block = estimate.param_bytes(reference.blocks[0].parameters())
+    all_params = estimate.param_bytes(reference.parameters())
+    assert reports[None].category_peaks["parameters"] == all_params
+    # resident weights plus at most one active block and the one being loaded
+    assert reports[1].category_peaks["parameters"] <= all_params - (len(reference.blocks) - 2) * block
+
+
+def test_streamer_rejects_bad_arguments(reference):
+    with pytest.raises(ValueError, match="max_active_layers"):
+        offload.LayerStreamer(copy.deepcopy(reference), 0)
+    with pytest.raises(ValueError, match="prefetch_distance"):
+        offload.LayerStreamer(copy.deepcopy(reference), 1, -1)
+    with pytest.raises(ValueError, match="blocks"):
+        offload.LayerStreamer(torch.nn.Linear(2, 2), 1)
+
+
+def test_offload_manager_round_trip_and_statistics():
+    m = offload.OffloadManager()
+    a, b = torch.randn(10, 4), torch.randn(3)
+    m.offload("a", a)
+    m.offload("b", b)
+    back = m.load("a", "cpu")
+    assert torch.equal(back, a) and back.data_ptr() != a.data_ptr()
+    s = m.get_statistics()
+    assert (s.to_host, s.to_device) == (2, 1)
+    assert s.bytes_to_host == 4 * (40 + 3) and s.bytes_to_device == 160
+    assert s.mean_seconds_to_host >= 0 and m.host_bytes == 4 * 43
+    m.remove("a")
+    assert "a" not in m and m.names() == ["b"]
+    with pytest.raises(KeyError, match="no tensor offloaded"):
+        m.load("a", "cpu")
+    with pytest.raises(ValueError):
+        m.offload("", a)
+    with pytest.raises(TypeError):
+        m.offload("x", [1, 2])
+
+
+def _trained_optimizer():
+    model = cm.build_model("tiny", seed=0)
+    opt = torch.optim.AdamW(model.parameters())
+    cm.make_train_step(model, opt, cm.load_corpus(), batch_size=2, seq_len=16)()
+    return model, opt
+
+
+@pytest.mark.parametrize("strategy", offload.STRATEGIES)
+def test_state_offload_strategies(strategy):
+    _, opt = _trained_optimizer()
+    before = {(id(p), k): v.clone() for p, s in opt.state.items() for k, v in s.items()}
+    full = sum(v.numel() * v.element_size() for s in opt.state.values() for k, v in s.items() if k != "step")
+    off = offload.OptimizerStateOffloader(opt, strategy)
+    off.offload()
+    on_device = off.device_state_bytes()
+    off.restore(non_blocking=True)
+    off.wait()
+    after = {(id(p), k): v for p, s in opt.state.items() for k, v in s.items()}
+    if strategy == "keep":
+        assert on_device == full
+    elif strategy in ("cpu", "pinned_cpu", "drop"):
+        assert on_device == 0
+    else:
+        assert on_device < 0.3 * full
+    if strategy == "drop":
+        assert not after
+    elif strategy == "int8":
+        assert before.keys() == after.keys()
+        assert max(float((before[k] - after[k]).abs().max()) for k in before) < 1e-2
+    else:
+        assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_state_offloader_rejects_unknown_strategy():
+    _, opt = _trained_optimizer()
+    with pytest.raises(ValueError, match="strategy must be one of"):
+        offload.OptimizerStateOffloader(opt, "gpu")
+
+
+def test_recipe_fields_are_validated():
+    with pytest.raises(ValueError, match="layer_offload_active"):
+        cm.Recipe(layer_offload_active=-1)
+    with pytest.raises(ValueError, match="optimizer_state_offload"):
+        cm.Recipe(optimizer_state_offload="disk")
+    assert cm.Recipe(layer_offload_active=2).untraceable_reason
+
+
+def test_layer_streaming_estimate():
+    assert estimate.layer_streaming_param_bytes(10, 32, 5, max_active_layers=2, prefetch_distance=1) == 35
+    assert estimate.layer_streaming_param_bytes(10, 2, 5, max_active_layers=2, prefetch_distance=1) == 25
+    with pytest.raises(ValueError):
+        estimate.layer_streaming_param_bytes(10, 2, 5, max_active_layers=0, prefetch_distance=1)

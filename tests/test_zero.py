@@ -1,0 +1,82 @@
+import pytest
+
+import colab_memopt as cm
+from colab_memopt import estimate, zero
+
+
+def test_formulas_match_the_zero_paper_and_the_7b_example():
+    # Rajbhandari et al. 2020: 2 + 2 + K/N, 2 + (2 + K)/N, (2 + 2 + K)/N bytes per parameter
+    for stage, per_param in ((0, 16), (1, 4 + 12 / 8), (2, 2 + 14 / 8), (3, 16 / 8)):
+        assert zero.zero_state_bytes(1, stage, 8)["total"] == pytest.approx(per_param)
+    gb = [zero.zero_state_bytes(7e9, s, 8, optimizer_bytes=4)["total"] / 1e9 for s in range(4)]
+    assert gb == pytest.approx([56, 31.5, 19.25, 7])
+    assert zero.zero_state_bytes(100, 3, 2, weight_bytes=4, persistent_params=10)["parameters"] == 4 * (50 + 10)
+    assert zero.zero_reduction_x(3, 64) == pytest.approx(16 / (16 / 64))
+
+
+def test_formula_rejects_bad_input():
+    with pytest.raises(ValueError, match="stage"):
+        zero.zero_state_bytes(1, 4, 2)
+    with pytest.raises(ValueError, match="world_size"):
+        zero.zero_state_bytes(1, 1, 0)
+
+
+@pytest.mark.parametrize("stage,off_opt,off_param", [(0, False, False), (1, False, False), (2, False, False), (3, False, False),
+                                                     (1, True, False), (2, True, False), (3, True, False), (3, True, True)])
+def test_config_for_every_stage_and_offload_is_accepted_by_deepspeed(stage, off_opt, off_param):
+    recipe = cm.Recipe(zero_stage=stage, offload_optimizer=off_opt, offload_param=off_param)
+    config = zero.deepspeed_config(recipe, micro_batch_size=2, grad_accum_steps=4, precision="bf16")
+    z = config["zero_optimization"]
+    assert z["stage"] == stage
+    assert ("offload_optimizer" in z) == off_opt and ("offload_param" in z) == off_param
+    assert config["train_micro_batch_size_per_gpu"] == 2 and config["gradient_accumulation_steps"] == 4
+    assert config["bf16"] == {"enabled": True}
+
+
+def test_config_rejects_bad_values():
+    with pytest.raises(ValueError, match="precision"):
+        zero.deepspeed_config(cm.Recipe(zero_stage=1), precision="fp8")
+    with pytest.raises(ValueError, match="micro_batch_size"):
+        zero.deepspeed_config(cm.Recipe(zero_stage=1), micro_batch_size=0)
+    with pytest.raises(ValueError, match="DeepSpeed rejects"):
+        zero.validate_config({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 7}})
+
+
+def test_recipe_zero_fields_are_validated():
+    with pytest.raises(ValueError, match="zero_stage"):
+        cm.Recipe(zero_stage=4)
+    with pytest.raises(ValueError, match="offload_optimizer needs zero_stage"):
+        cm.Recipe(offload_optimizer=True)
+    with pytest.raises(ValueError, match="offload_param needs zero_stage=3"):
+        cm.Recipe(zero_stage=2, offload_param=True)
+    with pytest.raises(ValueError, match="optimizer='adamw'"):
+        cm.Recipe(zero_stage=2, optimizer="sgd")
+    assert cm.Recipe(zero_stage=2).uses_deepspeed and not cm.Recipe().uses_deepspeed
+
+
+def test_offload_host_bytes_follow_deepspeed_estimator():
+    ds = estimate.zero_offload_bytes(10**9, zero_stage=2, offload_optimizer=True)
+    assert ds["host_bytes"] == 24 * 10**9 and ds["device_bytes"] == 2 * 10**9
+    assert estimate.zero_offload_bytes(10**9, zero_stage=0, offload_optimizer=False)["host_bytes"] == 0
+
+
+def test_plan_reports_host_ram_for_offload_recipes():
+    p = cm.plan(lambda: cm.build_model("small"), 1, seq_len=32,
+                recipe=cm.Recipe(zero_stage=2, offload_optimizer=True), find_max_batch=False)
+    assert p.method == "analytic" and any("not traced" in w for w in p.warnings)
+    line = [c for c in p.host_costs if c.name == "offloaded states"]
+    assert line and line[0].bytes == 24 * cm.get_config("small").n_params
+    assert p.by_category["optimizer_state"] == 0
+
+
+def test_two_ranks_match_the_formulas():
+    job = zero.ZeroJob(model_size="tiny", steps=2, stages=(1, 3), bucket_elements=200000, param_persistence_threshold=1000)
+    result = zero.run_zero(job, world_size=2, timeout_s=240)
+    n = result.n_params
+    for rank in range(2):
+        b1 = result.bytes_of("zero1", rank)
+        assert b1["parameters"] == 4 * n and b1["optimizer_state"] == pytest.approx(12 * n / 2, rel=0.02)
+        b3 = result.bytes_of("zero3", rank)
+        want = zero.zero_state_bytes(n, 3, 2, weight_bytes=4, grad_bytes=4, optimizer_bytes=12, persistent_params=b3["persistent_params"])
+        for cat in ("parameters", "gradients", "optimizer_state"):
+            assert b3[cat] == pytest.approx(want[cat], rel=0.02)
