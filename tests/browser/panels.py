@@ -32,6 +32,7 @@ CHROMIUM_FLAGS = (
     "--disable-component-update", "--disable-sync", "--no-first-run",
 )
 TRACEBACK = "Traceback (most recent call last)"
+KINDS = ("select", "toggle", "slider")
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,7 @@ class Change:
         value: the option to select or the number to type; unused for "toggle".
         plot: whether the panel draws a plot (its image must be there before and differ after).
         expect: text the panel's output must contain after the change ("" for none).
+        expect_gone: text the panel's output shows before the change and must not show after ("" for none).
     """
 
     control: str
@@ -51,12 +53,21 @@ class Change:
     value: str = ""
     plot: bool = False
     expect: str = ""
+    expect_gone: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"Change.kind {self.kind!r}: use one of {KINDS}")
+        if self.kind == "slider" and not self.value.lstrip("-").isdigit():
+            raise ValueError(f"Change.value {self.value!r}: a slider needs an integer to type into its readout")
+        if self.kind == "select" and not self.value:
+            raise ValueError("Change.value '': name the option to select")
 
 
 # notebook stem -> the change the browser test makes. Pick a change that is cheap at the CI parameters.
 PANELS: dict[str, Change] = {
-    "00_where_the_memory_goes": Change("optimizer", "select", "sgd", plot=True, expect="sgd"),
-    "01_will_it_fit": Change("optimizer", "select", "sgd", expect="sgd"),
+    "00_where_the_memory_goes": Change("optimizer", "select", "sgd", plot=True, expect="sgd", expect_gone="optimizer_state"),
+    "01_will_it_fit": Change("optimizer", "select", "sgd", expect_gone="optimizer_state"),
     "02_mixed_precision": Change("precision", "select", "bf16", plot=True, expect="bf16"),
     "03_activation_checkpointing": Change("policy", "select", "selective", plot=True, expect="selective"),
     "04_gradient_accumulation": Change("steps", "slider", "4", plot=True, expect="4 steps"),
@@ -127,6 +138,11 @@ def jupyter_lab(root: Path, *, start_timeout_s: float = 120) -> Iterator[Lab]:
     settings = home / "settings" / "@jupyterlab" / "apputils-extension"
     settings.mkdir(parents=True)
     (settings / "notification.jupyterlab-settings").write_text('{"checkForUpdates": false, "fetchNews": "false"}')
+    # Attach and paint every cell: the default ('contentVisibility') may skip painting a redrawn plot, and
+    # screenshots of the panel must show what was drawn.
+    notebook_settings = home / "settings" / "@jupyterlab" / "notebook-extension"
+    notebook_settings.mkdir(parents=True)
+    (notebook_settings / "tracker.jupyterlab-settings").write_text('{"windowingMode": "none"}')
     cmd = [sys.executable, "-m", "jupyter", "lab", "--no-browser", "--ServerApp.ip=127.0.0.1",
            f"--ServerApp.port={port}", "--ServerApp.port_retries=0", f"--IdentityProvider.token={token}",
            f"--ServerApp.root_dir={root}", "--LabApp.expose_app_in_browser=True",
@@ -229,6 +245,24 @@ def _panel_state(panel) -> dict:  # noqa: ANN001 - a Playwright locator
     return panel.evaluate(_PANEL_STATE)
 
 
+def _screenshot(panel, path: Path) -> None:  # noqa: ANN001 - a Playwright locator
+    """Screenshot the panel once its images are decoded and painted."""
+    panel.scroll_into_view_if_needed()
+    panel.evaluate("""async (el) => {
+      await Promise.all([...el.querySelectorAll('img')].map((img) => img.decode().catch(() => null)));
+      await new Promise((r) => requestAnimationFrame(() => requestAnimationFrame(r)));
+    }""")
+    # Under load the compositor paints a large image in tiles: wait until two shots agree (at most ~10 s).
+    shot = panel.screenshot()
+    for _ in range(20):
+        panel.page.wait_for_timeout(500)
+        again = panel.screenshot()
+        if again == shot:
+            break
+        shot = again
+    path.write_bytes(shot)
+
+
 def _change(panel, change: Change) -> None:  # noqa: ANN001 - a Playwright locator
     if change.kind == "select":
         control = panel.locator(".widget-dropdown").filter(has=panel.page.get_by_text(change.control, exact=True))
@@ -272,14 +306,15 @@ def check_panel(context, lab: Lab, notebook: Path, change: Change, screenshots: 
         panel = panels.first
         panel.scroll_into_view_if_needed()
         page.wait_for_function(_KERNEL_IDLE, timeout=60_000)
-        if change.plot:
-            with contextlib.suppress(Exception):  # asserted just below
-                page.wait_for_function("(el) => { const img = el.querySelector('.%s img'); "
-                                       "return !!img && img.complete && img.naturalWidth > 0; }" % OUTPUT_CLASS,
-                                       arg=panel.element_handle(), timeout=30_000)
+        with contextlib.suppress(Exception):  # the output (and plot) arrive after the cell: asserted just below
+            page.wait_for_function("([el, plot]) => { const out = el.querySelector('.%s');"
+                                   " if (!out || !out.innerText.trim()) return false; if (!plot) return true;"
+                                   " const img = out.querySelector('img');"
+                                   " return !!img && img.complete && img.naturalWidth > 0; }" % OUTPUT_CLASS,
+                                   arg=[panel.element_handle(), change.plot], timeout=60_000)
         before = _panel_state(panel)
         screenshots.mkdir(parents=True, exist_ok=True)
-        panel.screenshot(path=str(screenshots / f"{stem}_before.png"))
+        _screenshot(panel, screenshots / f"{stem}_before.png")
         assert before["text"].strip(), f"{stem}: the panel's output is empty before any change"
         assert TRACEBACK not in before["text"], f"{stem}: the panel shows an error before any change:\n{before['text'][-1500:]}"
         if change.plot:
@@ -303,17 +338,20 @@ def check_panel(context, lab: Lab, notebook: Path, change: Change, screenshots: 
                 arg=[handle, before["text"], change.plot], timeout=change_timeout_s * 1000, polling=250,
             )
         except Exception as exc:  # Playwright's TimeoutError
-            panel.screenshot(path=str(screenshots / f"{stem}_after.png"))
+            _screenshot(panel, screenshots / f"{stem}_after.png")
             raise AssertionError(f"{stem}: the panel's output did not change within {change_timeout_s:.0f} s "
                                  f"after setting {change.control!r}" + (" (or drew no plot)" if change.plot else "")) from exc
         page.wait_for_timeout(500)  # let the last display messages land
         page.wait_for_function(_KERNEL_IDLE, timeout=60_000)
         change_seconds = time.monotonic() - start
         after = _panel_state(panel)
-        panel.screenshot(path=str(screenshots / f"{stem}_after.png"))
+        _screenshot(panel, screenshots / f"{stem}_after.png")
         assert TRACEBACK not in after["text"], f"{stem}: the callback failed after the change:\n{after['text'][-1500:]}"
         if change.expect:
             assert change.expect in after["text"], f"{stem}: expected {change.expect!r} in the output after the change:\n{after['text'][-1500:]}"
+        if change.expect_gone:
+            assert change.expect_gone in before["text"], f"{stem}: expected {change.expect_gone!r} in the output before the change"
+            assert change.expect_gone not in after["text"], f"{stem}: {change.expect_gone!r} still in the output after the change:\n{after['text'][-1500:]}"
         if change.plot:
             assert after["image"], f"{stem}: the panel's plot is gone after the change"
             assert after["image"] != before["image"], f"{stem}: the panel's plot did not change after setting {change.control!r}"

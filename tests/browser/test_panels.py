@@ -48,6 +48,20 @@ def test_change_names_a_control_of_the_panel(stem):
         f"{stem}: its panel has no {widget} described {change.control!r}")
 
 
+def test_change_rejects_what_it_cannot_do():
+    with pytest.raises(ValueError, match="kind 'click'"):
+        panels.Change("n", "click")
+    with pytest.raises(ValueError, match="integer"):
+        panels.Change("n", "slider", "four")
+    with pytest.raises(ValueError, match="option"):
+        panels.Change("n", "select")
+
+
+def test_missing_browser_is_reported(monkeypatch, tmp_path):
+    monkeypatch.setattr(panels, "CHROMIUM", tmp_path / "no-chromium")
+    assert "make test-browser" in panels.chromium_missing_reason()
+
+
 @pytest.fixture(scope="module")
 def browser_context():
     reason = panels.chromium_missing_reason()
