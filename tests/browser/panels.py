@@ -8,6 +8,7 @@ notebook is covered by adding one line here.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import hashlib
 import os
@@ -245,11 +246,23 @@ def _panel_state(panel) -> dict:  # noqa: ANN001 - a Playwright locator
     return panel.evaluate(_PANEL_STATE)
 
 
+def _save_plot(src: str, path: Path) -> None:
+    """Write the panel's plot as the kernel sent it (a data: URL of a PNG), next to the screenshot."""
+    head, _, data = src.partition(",")
+    if head.startswith("data:image/png;base64"):
+        path.write_bytes(base64.b64decode(data))
+
+
 def _screenshot(panel, path: Path) -> None:  # noqa: ANN001 - a Playwright locator
     """Screenshot the panel once its images are decoded and painted."""
     panel.scroll_into_view_if_needed()
     panel.evaluate("""async (el) => {
-      await Promise.all([...el.querySelectorAll('img')].map((img) => img.decode().catch(() => null)));
+      // Swap each image for a freshly decoded copy: under load Chromium may keep a half-painted decode.
+      await Promise.all([...el.querySelectorAll('img')].map(async (img) => {
+        const copy = img.cloneNode();
+        await copy.decode().catch(() => null);
+        img.replaceWith(copy);
+      }));
       await new Promise((r) => requestAnimationFrame(() => requestAnimationFrame(r)));
     }""")
     # Under load the compositor paints a large image in tiles: wait until two shots agree (at most ~10 s).
@@ -315,6 +328,7 @@ def check_panel(context, lab: Lab, notebook: Path, change: Change, screenshots: 
         before = _panel_state(panel)
         screenshots.mkdir(parents=True, exist_ok=True)
         _screenshot(panel, screenshots / f"{stem}_before.png")
+        _save_plot(before["image"], screenshots / f"{stem}_before_plot.png")
         assert before["text"].strip(), f"{stem}: the panel's output is empty before any change"
         assert TRACEBACK not in before["text"], f"{stem}: the panel shows an error before any change:\n{before['text'][-1500:]}"
         if change.plot:
@@ -346,6 +360,7 @@ def check_panel(context, lab: Lab, notebook: Path, change: Change, screenshots: 
         change_seconds = time.monotonic() - start
         after = _panel_state(panel)
         _screenshot(panel, screenshots / f"{stem}_after.png")
+        _save_plot(after["image"], screenshots / f"{stem}_after_plot.png")
         assert TRACEBACK not in after["text"], f"{stem}: the callback failed after the change:\n{after['text'][-1500:]}"
         if change.expect:
             assert change.expect in after["text"], f"{stem}: expected {change.expect!r} in the output after the change:\n{after['text'][-1500:]}"
