@@ -1,5 +1,6 @@
 # make run   : execute every notebook headless and summarise the measurements (build/results.json)
 # make test  : unit tests and every notebook, headless (what CI runs)
+# make test-browser : the widget panels in JupyterLab, driven by headless Chromium (installs both)
 # make lab   : JupyterLab on notebooks/
 # A fresh machine needs only Python 3.11+ and make: the first target creates .venv and installs.
 
@@ -17,7 +18,7 @@ export TORCH_EXTENSIONS_DIR ?= $(HOME)/.cache/torch_extensions
 export MPLBACKEND ?= Agg
 export PYTHONUNBUFFERED := 1
 
-.PHONY: install run test test-unit test-notebooks lab clean
+.PHONY: install run test test-unit test-notebooks test-browser browser-deps lab clean
 
 install: $(STAMP)
 
@@ -34,14 +35,15 @@ run: $(STAMP)
 # Unit tests and static notebook checks; then every notebook executed once by nbval, on copies papermill
 # prepared with the CI parameters (timed against each notebook's budget); then each notebook's results.
 test: $(STAMP)
-	$(PY) -m pytest tests -m "not notebook" -q
+	$(PY) -m pytest tests -m "not notebook and not browser" -q
 	rm -rf build/ci_notebooks build/results build/notebook_seconds.json
 	$(PY) -m colab_memopt.runner --prepare-only build/ci_notebooks
 	PYTHONPATH=tests $(PY) -m pytest -q -p nbval_budget -p no:cacheprovider --nbval-lax --nbval-current-env build/ci_notebooks
 	$(PY) -m pytest tests -m notebook -q
+	$(BROWSER_TEST_IF_AVAILABLE)
 
 test-unit: $(STAMP)
-	$(PY) -m pytest tests -m "not notebook" -q
+	$(PY) -m pytest tests -m "not notebook and not browser" -q
 
 test-notebooks: $(STAMP)
 	rm -rf build/ci_notebooks build/results build/notebook_seconds.json
@@ -49,8 +51,35 @@ test-notebooks: $(STAMP)
 	PYTHONPATH=tests $(PY) -m pytest -q -p nbval_budget -p no:cacheprovider --nbval-lax --nbval-current-env build/ci_notebooks
 	$(PY) -m pytest tests -m notebook -q
 
+# The widget panels in a real browser. Debian's chromium (apt, needs root, as in CI) and the Python
+# playwright package from requirements-browser.txt; Playwright's browser download is not used.
+BROWSER_STAMP := $(VENV)/.browser-installed
+CHROMIUM ?= /usr/bin/chromium
+export CHROMIUM
+BROWSER_TEST := $(PY) -m pytest tests/browser -m browser -q -s -p no:cacheprovider
+# make test runs the browser test only where Chromium and playwright are installed, and says so otherwise.
+define BROWSER_TEST_IF_AVAILABLE
+@if [ -x "$(CHROMIUM)" ] && $(PY) -c "import playwright" 2>/dev/null; then \
+	echo "browser test: $(CHROMIUM) and playwright found"; $(BROWSER_TEST); \
+else \
+	echo "browser test SKIPPED: no $(CHROMIUM) or no playwright in $(VENV) (run 'make test-browser' to install both and run it)"; \
+fi
+endef
+
+browser-deps: $(BROWSER_STAMP)
+
+$(BROWSER_STAMP): $(STAMP) requirements-browser.txt
+	@test -x "$(CHROMIUM)" || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium; }
+	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements-browser.txt 2>&1 | { grep -v "$(PIP_NOISE)" || true; }
+	"$(CHROMIUM)" --version
+	@touch $(BROWSER_STAMP)
+
+test-browser: $(BROWSER_STAMP)
+	$(BROWSER_TEST)
+
+# MPLBACKEND=Agg (exported above for headless runs) would hide the notebooks' plots in the lab.
 lab: $(STAMP)
-	$(PY) -m jupyter lab notebooks/
+	env -u MPLBACKEND $(PY) -m jupyter lab notebooks/
 
 clean:
 	rm -rf build .pytest_cache

@@ -9,6 +9,9 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+PANEL_CLASS = "cm-panel"
+OUTPUT_CLASS = "cm-panel-output"
+
 
 def panel(callback: Callable[..., Any], controls: Mapping[str, Any], *, title: str = "") -> Any:
     """Return a VBox of `controls` above an output area that shows `callback(**values)`.
@@ -26,4 +29,7 @@ def panel(callback: Callable[..., Any], controls: Mapping[str, Any], *, title: s
     header = [widgets.HTML(f"<b>{title}</b>")] if title else []
     box = widgets.VBox([*header, widgets.HBox(list(controls.values()), layout=widgets.Layout(flex_flow="row wrap")), out])
     box.output = out  # for tests: the rendered result lives here
+    # For the browser test (tests/browser): CSS classes that find the panel and its output in the page.
+    box.add_class(PANEL_CLASS)
+    out.add_class(OUTPUT_CLASS)
     return box

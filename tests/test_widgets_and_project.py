@@ -13,6 +13,7 @@ def test_panel_runs_callback_with_defaults_then_on_change():
     slider.value = 5
     assert calls[-1] == (5, "a")
     assert box.output is not None
+    assert widgets.PANEL_CLASS in box._dom_classes and widgets.OUTPUT_CLASS in box.output._dom_classes
     with pytest.raises(ValueError, match="at least one control"):
         widgets.panel(lambda: None, {})
 

@@ -1,0 +1,118 @@
+"""The widget panels as a person uses them: JupyterLab on localhost, driven by headless Chromium.
+
+For each notebook in panels.PANELS: run all cells in JupyterLab (CI parameters), check the panel renders as
+widgets, change one control, check the output text and plot change. Screenshots go to build/screenshots/.
+Needs Debian's chromium and the Python playwright package (`make test-browser` installs both); without
+them the browser tests skip and say why. The coverage check runs everywhere.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import nbformat
+import pytest
+
+from colab_memopt.runner import CPU_PARAMS_FILE, NOTEBOOK_DIR, REPO_ROOT, load_cpu_parameters, parameters_for, prepare_notebook
+
+import panels
+
+BUILD = REPO_ROOT / "build" / "browser"
+SCREENSHOTS = REPO_ROOT / "build" / "screenshots"
+NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
+CHANGE_TIMEOUT_S = 150  # one callback at CI size, on a loaded 2-core machine
+
+
+def _panel_source(path):
+    nb = nbformat.read(path, as_version=4)
+    return "\n".join(c.source for c in nb.cells if c.cell_type == "code" and "widgets.panel(" in c.source)
+
+
+def test_every_panel_is_covered_or_excluded():
+    with_panel = {p.stem for p in NOTEBOOKS if _panel_source(p)}
+    listed = set(panels.PANELS) | set(panels.EXCLUDED)
+    missing = with_panel - listed
+    assert not missing, f"notebooks with a panel that the browser test neither covers nor excludes: {sorted(missing)}; add them to tests/browser/panels.py"
+    assert not listed - with_panel, f"tests/browser/panels.py names notebooks without a panel: {sorted(listed - with_panel)}"
+    assert not set(panels.PANELS) & set(panels.EXCLUDED)
+    assert all(reason.strip() for reason in panels.EXCLUDED.values()), "every exclusion needs a reason"
+
+
+@pytest.mark.parametrize("stem", sorted(panels.PANELS))
+def test_change_names_a_control_of_the_panel(stem):
+    change = panels.PANELS[stem]
+    source = _panel_source(NOTEBOOK_DIR / f"{stem}.ipynb")
+    widget = {"select": "Dropdown", "toggle": "Checkbox", "slider": "IntSlider"}[change.kind]
+    assert re.search(rf'ipw\.{widget}\([^\n]*description="{re.escape(change.control)}"', source), (
+        f"{stem}: its panel has no {widget} described {change.control!r}")
+
+
+def test_change_rejects_what_it_cannot_do():
+    with pytest.raises(ValueError, match="kind 'click'"):
+        panels.Change("n", "click")
+    with pytest.raises(ValueError, match="integer"):
+        panels.Change("n", "slider", "four")
+    with pytest.raises(ValueError, match="option"):
+        panels.Change("n", "select")
+
+
+def test_missing_browser_is_reported(monkeypatch, tmp_path):
+    monkeypatch.setattr(panels, "CHROMIUM", tmp_path / "no-chromium")
+    assert "make test-browser" in panels.chromium_missing_reason()
+
+
+@pytest.fixture(scope="module")
+def browser_context():
+    reason = panels.chromium_missing_reason()
+    if reason:
+        print(f"\nbrowser test SKIPPED: {reason}")
+        pytest.skip(f"browser test skipped: {reason}")
+    with panels.chromium() as context:
+        yield context
+
+
+@pytest.fixture(scope="module")
+def lab(browser_context):
+    BUILD.mkdir(parents=True, exist_ok=True)
+    with panels.jupyter_lab(REPO_ROOT) as server:
+        yield server
+
+
+@pytest.mark.browser
+@pytest.mark.parametrize("stem", sorted(panels.PANELS))
+def test_panel_renders_and_redraws(stem, lab, browser_context):
+    budget_s = load_cpu_parameters(CPU_PARAMS_FILE).get(stem, {}).get("budget_seconds", 150)
+    path = prepare_notebook(NOTEBOOK_DIR / f"{stem}.ipynb", BUILD / "notebooks", BUILD / "results",
+                            parameters_for(stem, gpu=False, cpu_params=load_cpu_parameters(CPU_PARAMS_FILE)))
+    result = panels.check_panel(browser_context, lab, path, panels.PANELS[stem], SCREENSHOTS,
+                                run_timeout_s=2 * budget_s, change_timeout_s=CHANGE_TIMEOUT_S)
+    print(f"\n{stem}: run all {result.run_seconds:.1f} s, redraw {result.change_seconds:.1f} s, "
+          f"plot {result.before_image_sha or '-'} -> {result.after_image_sha or '-'}")
+    (BUILD / f"{stem}.json").write_text(json.dumps(result.__dict__, indent=2) + "\n")
+
+
+BROKEN = {
+    # The callback raises once the control moves: the panel shows a traceback instead of a result.
+    "raises": "    if n != 3:\n        raise RuntimeError('broken on purpose')\n    print(f'n = {n}')\n",
+    # The callback ignores the control: the panel never redraws with the new value.
+    "ignores_the_control": "    print('n = 3')\n",
+}
+
+
+@pytest.mark.browser
+@pytest.mark.parametrize("kind", sorted(BROKEN))
+def test_broken_callback_fails_the_check(kind, lab, browser_context):
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nb.cells = [nbformat.v4.new_code_cell(
+        "import ipywidgets as ipw\nfrom colab_memopt import widgets\n\n\n"
+        f"def explore(n):\n{BROKEN[kind]}\n\n"
+        'widgets.panel(explore, {"n": ipw.IntSlider(value=3, min=1, max=9, description="n")}, title="broken")'
+    )]
+    path = BUILD / "notebooks" / f"broken_{kind}.ipynb"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    nbformat.write(nb, path)
+    with pytest.raises(AssertionError, match="callback failed|did not change"):
+        panels.check_panel(browser_context, lab, path, panels.Change("n", "slider", "5", expect="n = 5"),
+                           SCREENSHOTS / "broken", run_timeout_s=120, change_timeout_s=20)
