@@ -191,10 +191,19 @@ def apply_checkpointing(model: nn.Module, policy: str, interval: int = 1) -> nn.
 
 
 def remove_checkpointing(model: nn.Module) -> nn.Module:
-    """Restore the blocks' own forward methods; return the model."""
+    """Undo what `apply_checkpointing` installed on the blocks; return the model.
+
+    Only blocks this module patched are touched, and each gets back the forward it had before, so a
+    patch installed by another technique first (activation compression) survives.
+    """
     for block in find_blocks(model):
-        block.__dict__.pop("forward", None)
-        block.__dict__.pop(_ORIGINAL, None)
+        original = block.__dict__.pop(_ORIGINAL, None)
+        if original is None:
+            continue  # not checkpointed here: leave other patches alone
+        if getattr(original, "__self__", None) is block and getattr(original, "__func__", None) is type(block).forward:
+            block.__dict__.pop("forward", None)  # it was the class's own forward
+        else:
+            block.forward = original
     return model
 
 

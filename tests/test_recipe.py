@@ -46,3 +46,27 @@ def test_recipe_quantization_lora_compression_fields():
     m = build_model("tiny")
     assert r.build(m)[0] is m and r.forward_model(m) is not m
     assert Recipe.from_dict({"lora_rank": 2, "lora_targets": ["qkv"]}).lora_targets == ("qkv",)
+
+
+def test_compression_survives_the_default_checkpointing_policy(corpus):
+    # Recipe.build applies checkpointing (policy 'none') after compression; it must not undo it.
+    def activation_peak(recipe):
+        model, opt = recipe.build(cm.build_model("tiny"))
+        step = cm.make_train_step(model, opt, corpus, batch_size=4, seq_len=64, recipe=recipe)
+        return cm.measure_step(step, model=model, optimizer=opt, repeat=1).category_peaks["activations"]
+
+    plain = activation_peak(cm.Recipe())
+    assert activation_peak(cm.Recipe(activation_compression="int8_channel")) < 0.8 * plain
+
+
+def test_checkpointing_removal_restores_the_forward_it_replaced():
+    from colab_memopt.checkpointing import apply_checkpointing, remove_checkpointing
+
+    model = cm.build_model("tiny")
+    marker = model.blocks[0].forward
+    model.blocks[0].forward = lambda x: marker(x)  # another technique's patch
+    patched = model.blocks[0].forward
+    apply_checkpointing(model, "full")
+    remove_checkpointing(model)
+    assert model.blocks[0].forward is patched
+    assert "forward" not in model.blocks[1].__dict__
