@@ -3,8 +3,8 @@
     python benchmarks/technique_costs.py [--model small] [--batch 8] [--seq 128] [--rounds 7]
 
 Times one training step of the reference model per technique of `costs.TECHNIQUES` (each alone,
-through `Recipe.build` + `make_train_step`), interleaved round by round with the plain fp32 AdamW
-step, and writes the ratios of the fastest rounds with the device named to benchmarks/results/technique_costs.json.
+through `Recipe.build` + `make_train_step`), paired round by round with the plain fp32 AdamW
+step, and writes the median ratio per technique (each step timed right after a plain step) with the device named to benchmarks/results/technique_costs.json.
 `recommend` reads them. Ratios measured on a CPU describe that CPU, not a T4: run this on the GPU
 you target (Colab: `!python benchmarks/technique_costs.py`) to recommend for it.
 """

@@ -2,8 +2,8 @@
 
 `measure_technique_costs` times one training step of the reference model with each technique of
 `TECHNIQUES` turned on alone (the same `Recipe.build` + `train.make_train_step` path every
-notebook measures), interleaved round by round against the plain fp32 AdamW step so that a busy
-machine slows both alike, and returns the ratios of the fastest rounds, with the device named.
+notebook measures), each step right after a plain fp32 AdamW step so that a busy machine slows both
+alike, and returns the median of the pairs' ratios, with the device named.
 `benchmarks/technique_costs.py` writes them to `benchmarks/results/technique_costs.json`;
 `expected_slowdown` multiplies the ratios of the techniques a recipe turns on. A technique with no
 measured ratio counts as 1.0 and is named in the result's `unmeasured`.
@@ -14,6 +14,7 @@ A new technique (a new Recipe field) plugs in with one entry in `TECHNIQUES`.
 from __future__ import annotations
 
 import json
+import statistics
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -128,26 +129,36 @@ def measure_technique_costs(
             if name == "baseline":
                 raise
             failed.append(f"{name} ({type(exc).__name__}: {str(exc)[:80]})")
+    def timed(step) -> float:
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        start = time.perf_counter()
+        step()
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        return time.perf_counter() - start
+
+    # Each technique's step right after a plain step, round after round: the pair sees the same load,
+    # so the ratio per pair is fair on a busy machine; the median over rounds drops the outliers.
     times: dict[str, list[float]] = {n: [] for n in steps}
+    pair_ratios: dict[str, list[float]] = {n: [] for n in steps if n != "baseline"}
     for _ in range(rounds):
         for name, step in steps.items():
-            if dev.type == "cuda":
-                torch.cuda.synchronize(dev)
-            start = time.perf_counter()
-            step()
-            if dev.type == "cuda":
-                torch.cuda.synchronize(dev)
-            times[name].append(time.perf_counter() - start)
-    # The fastest of the rounds per technique over the fastest plain step: a busy machine only ever adds
-    # time, so the minimum is the least disturbed figure (what timeit reports).
-    ratios = {n: min(times[n]) / min(times["baseline"]) for n in steps if n != "baseline"}
+            if name == "baseline":
+                continue
+            base = timed(steps["baseline"])
+            t = timed(step)
+            times["baseline"].append(base)
+            times[name].append(t)
+            pair_ratios[name].append(t / base)
+    ratios = {n: statistics.median(r) for n, r in pair_ratios.items()}
     source = (f"measure_technique_costs(model_size={model_size!r}, n_layer={n_layer}, batch={batch}, seq_len={seq_len}, "
               f"rounds={rounds})")
     if failed:
         source += "; not measurable here: " + ", ".join(failed)
     return TechniqueCosts(
         ratios=ratios, device=_device_name(dev), model=model_size, batch=batch, seq_len=seq_len,
-        step_seconds={n: min(t) for n, t in times.items()}, rounds=rounds, source=source,
+        step_seconds={n: statistics.median(t) for n, t in times.items()}, rounds=rounds, source=source,
     )
 
 

@@ -210,7 +210,8 @@ def recommend(
             fits, else LoRA, else QLoRA (the reasoning says why each mode before was passed over).
         headroom: fraction of device memory kept free.
         costs: measured technique ratios (default: benchmarks/results/technique_costs.json).
-        method: the planner's method for the confirming plans ('auto', 'trace', 'analytic').
+        method: the planner's method for the confirming plans ('auto', 'trace', 'analytic'); with
+            'trace', candidates that cannot be traced (bitsandbytes, Adafactor) are skipped.
         max_plans: at most this many candidates are confirmed with the planner.
 
     Raises:
@@ -264,11 +265,21 @@ def recommend(
     passed = [c for c in cands if c.analytic_need_bytes <= limit]
     reasoning.append(f"analytic screen: {len(passed)} of {len(cands)} fit")
     chosen = None
-    for c in passed[:max_plans]:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the plan keeps its own warnings
-            c.plan = plan(factory, batch, seq_len=seq_len, recipe=c.recipe, target=tgt, headroom=headroom,
-                          find_max_batch=False, method=method)
+    planned = 0
+    for c in passed:
+        if planned >= max_plans:
+            break
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # the plan keeps its own warnings
+                c.plan = plan(factory, batch, seq_len=seq_len, recipe=c.recipe, target=tgt, headroom=headroom,
+                              find_max_batch=False, method=method)
+        except Exception as exc:  # noqa: BLE001 - method='trace' skips what cannot be traced, and says so
+            if method != "trace":
+                raise
+            reasoning.append(f"skipped {c.name}: cannot be traced ({type(exc).__name__}) and method='trace'")
+            continue
+        planned += 1
         reasoning.append(f"planned {c.name}: need {format_bytes(c.plan.device_need_bytes)} ({c.plan.method}) -> "
                          + ("fits" if c.plan.fits else f"short by {format_bytes(c.short_bytes)}"))
         if c.plan.fits:
