@@ -49,6 +49,9 @@ from colab_memopt.measure import (
     time_interleaved,
 )
 from colab_memopt.planner import Plan, Target, plan
+# 15_fit_the_biggest_model: presets, technique costs, the recommender, capacity
+from colab_memopt import capacity, costs, presets
+from colab_memopt.recommender import NoRecipeFits, Recommendation, recommend
 from colab_memopt.recipe import Recipe
 from colab_memopt.models import MODEL_SIZES, GPT, GPTConfig, build_model, count_parameters, get_config
 from colab_memopt.monitor import MemoryMonitor, MemoryProfiler
@@ -117,4 +120,11 @@ __all__ = [
     "train_step",
     "train_with_oom_recovery",
     "zero",
+    # 15_fit_the_biggest_model
+    "capacity",
+    "costs",
+    "presets",
+    "NoRecipeFits",
+    "Recommendation",
+    "recommend",
 ]

@@ -218,6 +218,19 @@ class Recipe:
             values = {**values, "lora_targets": tuple(values["lora_targets"])}
         return cls(**values)
 
+    @classmethod
+    def preset(cls, name: str, *, target: Any = "t4", mode: str = "full", model: str | None = None,
+               **overrides: Any) -> Recipe:
+        """Return a preset recipe ('conservative', 'balanced', 'aggressive', 'maximum'; see `presets`).
+
+        `mode` is 'full', 'lora' or 'qlora' (`model`, a real architecture's name, picks its LoRA target
+        layers); `target` picks fp16 (T4) or bf16 autocast; explicit
+        field overrides apply last, e.g. `Recipe.preset('balanced', accumulation_steps=4)`.
+        """
+        from colab_memopt.presets import preset_fields
+
+        return cls.from_dict(preset_fields(name, target=target, mode=mode, model=model, **overrides))
+
     def with_(self, **changes: Any) -> Recipe:
         """Return a copy with fields changed (validated)."""
         return replace(self, **changes)

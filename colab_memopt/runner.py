@@ -126,6 +126,14 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(summary_table(merged))
     print(f"\nwrote {out / 'results.json'}")
+    from colab_memopt.rollup import claims_markdown, index_markdown, update_readme
+
+    (out / "claims.md").write_text(claims_markdown(merged))
+    print(f"wrote {out / 'claims.md'}")
+    if not args.names:  # a partial run would blank the other notebooks' rows
+        readme = REPO_ROOT / "README.md"
+        readme.write_text(update_readme(readme, index_markdown(merged)))
+        print(f"updated the notebook index in {readme}")
     return 0
 
 

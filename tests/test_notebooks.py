@@ -61,6 +61,10 @@ REQUIRED_METRICS = {
         "activation_saving_pct_full", "time_overhead_pct_full", "activation_saving_pct_selective",
     },
     "04_gradient_accumulation": {"peak_saving_pct", "max_grad_rel_diff"},
+    "15_fit_the_biggest_model": {
+        "largest_full_params_512", "largest_qlora_params_longest", "recommended_slowdown", "costs_device",
+        "baseline_oom", "final_loss_recommended", "technique_ratios",
+    },
     "05_memory_efficient_attention": {
         "attention_saving_pct_longest", "longest_seq", "naive_growth_exponent", "sdpa_growth_exponent",
     },

@@ -1,0 +1,118 @@
+"""The largest model that fits a free Colab T4, per training mode and sequence length, under the best recipe.
+
+    python benchmarks/capacity.py [--target t4] [--seq 512 2048]
+
+For full fine-tuning, LoRA and QLoRA at each sequence length: the largest of the named real
+architectures that fits under the leanest candidate recipe of `recommend` (batch 1, 10% headroom),
+and a coarse search over size: the base architecture's depth bisected (Llama-3.2-1B's shape for full
+fine-tuning, Llama-3.1-8B's for the adapters). Every figure is the analytic estimate (the planner's
+fallback path; a trace of an 8B model takes tens of seconds here), plus the target's CUDA context.
+Writes benchmarks/results/capacity.json and prints the table last.
+Targets: full fine-tuning of >= 2B parameters at 512 tokens; QLoRA of >= 8B at 2048 tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+from colab_memopt import capacity
+from colab_memopt.measure import format_bytes
+from colab_memopt.planner import get_target
+
+OUT = Path(__file__).resolve().parent / "results" / "capacity.json"
+MODELS = ["smollm2-135m", "smollm2-360m", "qwen2.5-0.5b", "llama-3.2-1b", "qwen2.5-1.5b", "smollm2-1.7b", "llama-3.2-3b", "llama-3.1-8b"]
+SCALE_BASE = {"full": "llama-3.2-1b", "lora": "llama-3.1-8b", "qlora": "llama-3.1-8b"}
+TARGETS = {("full", 512): 2e9, ("qlora", 2048): 8e9}
+
+
+def _why(fit: capacity.Fit) -> str:
+    """Return the categories at the analytic peak of a fit's recipe, largest first."""
+    parts = sorted(((c, b) for c, b in fit.categories().items() if b), key=lambda cb: -cb[1])
+    return ", ".join(f"{c} {format_bytes(b)}" for c, b in parts)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", default="t4")
+    parser.add_argument("--seq", type=int, nargs="+", default=[512, 2048])
+    parser.add_argument("--modes", nargs="+", default=["full", "lora", "qlora"])
+    parser.add_argument("--out", default=str(OUT))
+    args = parser.parse_args(argv)
+    warnings.simplefilter("ignore")
+    start = time.perf_counter()
+    tgt = get_target(args.target)
+    models = sorted(MODELS, key=capacity.model_params)
+    rows = []
+    for mode in args.modes:
+        for seq in args.seq:
+            named = None
+            first_miss = None
+            for m in models:
+                f = capacity.best_fit(m, mode=mode, seq_len=seq, target=tgt)
+                if f.fits:
+                    named = f
+                else:
+                    first_miss = f
+                    break
+            deepest, too_deep = capacity.largest_scaled(SCALE_BASE[mode], mode=mode, seq_len=seq, target=tgt, max_layers=128)
+            best_params = max(named.params if named else 0, deepest.params if deepest else 0)
+            row = {
+                "mode": mode, "seq_len": seq, "limit_bytes": (named or first_miss).limit_bytes,
+                "largest_named_model": named.model if named else None, "largest_named_params": named.params if named else 0,
+                "largest_named_need_bytes": named.need_bytes if named else None,
+                "largest_named_recipe": named.recipe_name if named else None,
+                "next_named_model": first_miss.model if first_miss else None,
+                "next_named_short_bytes": first_miss.need_bytes - first_miss.limit_bytes if first_miss else None,
+                "scaled_base": SCALE_BASE[mode], "largest_scaled_params": deepest.params if deepest else 0,
+                "largest_scaled_layers": int(deepest.model.rsplit("-", 1)[1][:-1]) if deepest else 0,
+                "largest_params": best_params,
+            }
+            goal = TARGETS.get((mode, seq))
+            if goal is not None:
+                row["target_params"] = goal
+                row["target_met"] = best_params >= goal
+                if not row["target_met"]:
+                    # The base shape deepened to the target size: what it needs and what dominates.
+                    base = SCALE_BASE[mode]
+                    per_layer = (capacity.model_params(capacity.scaled(base, 2)) - capacity.model_params(capacity.scaled(base, 1)))
+                    layers = max(1, round((goal - capacity.model_params(capacity.scaled(base, 1))) / per_layer) + 1)
+                    at_goal = capacity.best_fit(capacity.scaled(base, layers), mode=mode, seq_len=seq, target=tgt)
+                    row["at_target"] = {
+                        "model": at_goal.model, "params": at_goal.params, "need_bytes": at_goal.need_bytes,
+                        "short_bytes": at_goal.need_bytes - at_goal.limit_bytes, "recipe": at_goal.recipe_name,
+                        "why": _why(at_goal),
+                    }
+            rows.append(row)
+    seconds = time.perf_counter() - start
+    out = {
+        "target": tgt.name, "device_bytes": tgt.device_bytes, "host_bytes": tgt.host_bytes, "headroom": 0.10,
+        "method": "analytic estimate (estimate.training_step_bytes) + CUDA context, leanest candidate recipe of recommend()",
+        "planned_on": f"cpu ({torch.get_num_threads()} threads)", "seconds": seconds, "rows": rows,
+    }
+    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+    print(f"largest model that fits a {tgt.name} ({format_bytes(tgt.device_bytes)}, 10% headroom), batch 1, analytic plans, "
+          f"{seconds:.0f} s:")
+    for r in rows:
+        line = (f"  {r['mode']:6s} {r['seq_len']:5d}: {r['largest_params'] / 1e9:5.2f}B "
+                f"(named: {r['largest_named_model'] or '-'}; {r['scaled_base']} shape: {r['largest_scaled_layers']} layers)")
+        if "target_params" in r:
+            line += f"  target >= {r['target_params'] / 1e9:.0f}B: " + ("met" if r["target_met"] else "NOT met")
+            if not r["target_met"]:
+                a = r["at_target"]
+                line += (f"; a {a['params'] / 1e9:.2f}B model needs {format_bytes(a['need_bytes'])}, short by "
+                         f"{format_bytes(a['short_bytes'])} ({a['why']}): fp32 weights and gradients alone are 8 bytes "
+                         "per parameter; a T4 has no native bf16, so it needs optimizer/weight offload to host memory")
+        print(line)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,175 @@
+"""The largest model that fits a target, per preset, training mode and sequence length.
+
+Each model is built once on the `meta` device (no memory) and every recipe is costed with the
+analytic estimate (`estimate.training_step_bytes`, the planner's fallback path: milliseconds per
+recipe, where a trace of an 8B model takes tens of seconds on a CPU), plus the target's CUDA context,
+against the target's memory less the headroom. `recommend` confirms a chosen recipe with a trace.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from functools import lru_cache
+from typing import Any
+
+import torch
+
+from colab_memopt import architectures, estimate
+from colab_memopt.planner import get_target
+from colab_memopt.presets import MODES, PRESETS, preset_fields
+from colab_memopt.recipe import Recipe
+
+
+@dataclass
+class Fit:
+    """One (model, recipe) costed on a target."""
+
+    model: str
+    params: int
+    mode: str
+    seq_len: int
+    recipe_name: str
+    need_bytes: int
+    limit_bytes: int
+    recipe: Recipe | None = None
+
+    @property
+    def fits(self) -> bool:
+        return self.need_bytes <= self.limit_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["recipe"] = _short(self.recipe) if self.recipe is not None else None
+        return {**d, "fits": self.fits}
+
+    def categories(self, batch: int = 1) -> dict[str, int]:
+        """Return the analytic peak's bytes by category for this fit's recipe."""
+        assert self.recipe is not None
+        return estimate.training_step_bytes(_meta_model(self.model), batch, self.seq_len, self.recipe).by_category
+
+
+# Architectures made by `scaled` (a named architecture with another depth), by name.
+_SCALED: dict[str, architectures.Architecture] = {}
+
+
+def scaled(base: str, num_layers: int) -> str:
+    """Return the name of `base` (a real architecture) with `num_layers` blocks, usable by the functions here."""
+    if base not in architectures.ARCHITECTURES:
+        raise ValueError(f"unknown architecture {base!r}; choose one of {list(architectures.ARCHITECTURES)}")
+    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
+        raise ValueError(f"num_layers must be an integer >= 1, got {num_layers!r}")
+    arch = architectures.ARCHITECTURES[base]
+    key = "n_layer" if arch.family == "gpt2" else "num_hidden_layers"
+    name = f"{base}-{num_layers}L"
+    _SCALED[name] = architectures.Architecture(name, arch.family, {**arch.config, key: num_layers}, f"{arch.source}, {num_layers} layers")
+    return name
+
+
+@lru_cache(maxsize=64)
+def _meta_model(name: str) -> torch.nn.Module:
+    with torch.device("meta"):
+        return _SCALED[name].build() if name in _SCALED else architectures.model_factory(name)()
+
+
+def base_name(name: str) -> str:
+    """Return the named architecture a (possibly `scaled`) model name comes from."""
+    return name.rsplit("-", 1)[0] if name in _SCALED else name
+
+
+def model_params(name: str) -> int:
+    """Return the parameter count of a named model (built on the meta device)."""
+    return sum(p.numel() for p in {id(p): p for p in _meta_model(name).parameters()}.values())
+
+
+def need_bytes(name: str, recipe: Recipe, *, batch: int = 1, seq_len: int = 512, target: Any = "t4") -> int:
+    """Return the analytic device need of one training step: tensors at the peak plus the CUDA context."""
+    tgt = get_target(target)
+    peak = estimate.training_step_bytes(_meta_model(name), batch, seq_len, recipe).peak_bytes
+    return peak + (tgt.cuda_context_bytes if tgt.cuda else 0)
+
+
+def fit(name: str, recipe_name: str, recipe: Recipe, *, mode: str, seq_len: int, batch: int = 1,
+        target: Any = "t4", headroom: float = 0.10) -> Fit:
+    """Return the `Fit` of one model and recipe on a target."""
+    tgt = get_target(target)
+    return Fit(name, model_params(name), mode, seq_len, recipe_name,
+               need_bytes(name, recipe, batch=batch, seq_len=seq_len, target=tgt), int(tgt.device_bytes * (1 - headroom)), recipe)
+
+
+def best_fit(name: str, *, mode: str, seq_len: int, batch: int = 1, target: Any = "t4", headroom: float = 0.10) -> Fit:
+    """Return the leanest candidate recipe (`recommend.candidate_recipes`) for a model: the best chance to fit."""
+    from colab_memopt.recommender import candidate_recipes
+
+    tgt = get_target(target)
+    fits = [fit(name, _short(r), r, mode=mode, seq_len=seq_len, batch=batch, target=tgt, headroom=headroom)
+            for r in candidate_recipes(batch, target=tgt, mode=mode, model=base_name(name))]
+    return min(fits, key=lambda f: f.need_bytes)
+
+
+def largest_scaled(base: str, *, mode: str, seq_len: int, batch: int = 1, target: Any = "t4",
+                   headroom: float = 0.10, max_layers: int = 256) -> tuple[Fit | None, Fit | None]:
+    """Return (the deepest `base`-shaped model that fits under its leanest recipe, the next depth that does not).
+
+    Bisects the number of blocks: a coarse search over model size at the base's width.
+    """
+    def probe(n: int) -> Fit:
+        return best_fit(scaled(base, n), mode=mode, seq_len=seq_len, batch=batch, target=target, headroom=headroom)
+
+    lo_fit = probe(1)
+    if not lo_fit.fits:
+        return None, lo_fit
+    lo, hi, hi_fit = 1, max_layers, probe(max_layers)
+    if hi_fit.fits:
+        return hi_fit, None
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        f = probe(mid)
+        if f.fits:
+            lo, lo_fit = mid, f
+        else:
+            hi, hi_fit = mid, f
+    return lo_fit, hi_fit
+
+
+def _short(recipe: Recipe) -> str:
+    base = Recipe().to_dict()
+    return ", ".join(f"{k}={v}" for k, v in recipe.to_dict().items() if base[k] != v) or "baseline"
+
+
+def capacity_table(
+    models: list[str],
+    *,
+    seq_lens: tuple[int, ...] = (512, 2048),
+    modes: tuple[str, ...] = tuple(MODES),
+    presets: tuple[str, ...] = tuple(PRESETS),
+    batch: int = 1,
+    target: Any = "t4",
+    headroom: float = 0.10,
+) -> list[dict[str, Any]]:
+    """Return one row per (preset, mode, seq_len): the largest model of `models` that fits, and its need.
+
+    Rows also hold the smallest model that does not fit and by how much it is short.
+    """
+    unknown = [m for m in models if m not in architectures.model_names() and m not in _SCALED]
+    if unknown:
+        raise ValueError(f"unknown model(s) {unknown}; choose from {architectures.model_names()}")
+    ordered = sorted(models, key=model_params)
+    rows = []
+    for preset in presets:
+        for mode in modes:
+            for seq in seq_lens:
+                fits = [fit(m, preset, Recipe.preset(preset, target=get_target(target), mode=mode, model=base_name(m)),
+                            mode=mode, seq_len=seq, batch=batch, target=target, headroom=headroom) for m in ordered]
+                ok = [f for f in fits if f.fits]
+                miss = [f for f in fits if not f.fits]
+                largest, first_miss = (ok[-1] if ok else None), (miss[0] if miss else None)
+                rows.append({
+                    "preset": preset, "mode": mode, "seq_len": seq,
+                    "largest_model": largest.model if largest else None,
+                    "largest_params": largest.params if largest else 0,
+                    "largest_need_bytes": largest.need_bytes if largest else None,
+                    "next_model": first_miss.model if first_miss else None,
+                    "next_short_bytes": first_miss.need_bytes - first_miss.limit_bytes if first_miss else None,
+                    "limit_bytes": fits[0].limit_bytes,
+                })
+    return rows

@@ -1,0 +1,128 @@
+"""Presets: conservative, balanced, aggressive, maximum, and the training modes (full, LoRA, QLoRA).
+
+The presets follow the "Optimization Stack Combinations" of the source document
+(shared/seeds/003_357464840a8e512e.txt): each turns on gradient checkpointing (more of it from
+conservative to maximum: 'checkpoint_interval' 8, 4, 2 in the document), quantization and, from
+balanced on, CPU offloading of layers. They map onto the Recipe fields that exist:
+
+- checkpointing: conservative uses 'selective' (saves the cheap-to-recompute tensors only; the
+  least recompute), the others 'every_n' with the document's interval (a block in N is checkpointed;
+  a smaller N saves more and recomputes more).
+- quantization: the document's 8-bit quantization becomes 8-bit optimizer state (bitsandbytes
+  AdamW8bit) for full fine-tuning; the weights are quantized only in QLoRA mode (nf4), because a
+  quantized weight is frozen.
+- precision: mixed precision everywhere: fp16 autocast + GradScaler on a T4 (sm_75 has no native
+  bf16), bf16 autocast on targets that have it.
+- offload (CPU offloading of layers and optimizer state): not a Recipe field yet. Add it to
+  `PRESETS[...].fields` below (one line per preset) when the offload fields exist.
+
+A preset is a starting point, combinable with explicit overrides: `Recipe.preset('balanced',
+accumulation_steps=4)`. Each preset's expected cost is the product of its techniques' measured
+step-time ratios (`costs.expected_slowdown`), never a typed-in figure.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+# Targets with native bf16 (Ampere and later); everything else gets fp16 autocast.
+BF16_TARGETS = ("l4", "a100-40gb", "a100-80gb", "h100-80gb")
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A named set of Recipe fields, what it turns on, and when to use it (from the source document)."""
+
+    name: str
+    fields: dict[str, Any]
+    turns_on: str
+    use_for: str
+    document: dict[str, str] = field(default_factory=dict)
+
+
+PRESETS: dict[str, Preset] = {
+    p.name: p
+    for p in [
+        Preset(
+            "conservative",
+            dict(checkpointing="selective", optimizer="adamw8bit"),
+            "mixed precision, selective checkpointing, 8-bit optimizer state",
+            "models that almost fit",
+            {"checkpointing": "enabled", "cpu_offloading": "disabled", "quantization": "enabled"},
+        ),
+        Preset(
+            "balanced",
+            dict(checkpointing="every_n", checkpoint_interval=8, optimizer="adamw8bit"),
+            "mixed precision, every 8th block checkpointed, 8-bit optimizer state",
+            "1B models on 16 GB GPUs",
+            {"checkpointing": "interval=8", "cpu_offloading": "max_active_layers=4", "quantization": "enabled"},
+        ),
+        Preset(
+            "aggressive",
+            dict(checkpointing="every_n", checkpoint_interval=4, optimizer="adamw8bit"),
+            "mixed precision, every 4th block checkpointed, 8-bit optimizer state",
+            "7B models on 24 GB GPUs",
+            {"checkpointing": "interval=4", "cpu_offloading": "max_active_layers=1-2", "quantization": "enabled"},
+        ),
+        Preset(
+            "maximum",
+            dict(checkpointing="every_n", checkpoint_interval=2, optimizer="paged_adamw8bit"),
+            "mixed precision, every 2nd block checkpointed, paged 8-bit optimizer state",
+            "the largest models, very slow but feasible",
+            {"checkpointing": "interval=2", "cpu_offloading": "max_active_layers=1", "quantization": "enabled"},
+        ),
+    ]
+}
+
+# Training modes: what is trained. QLoRA quantizes the frozen base to nf4; LoRA keeps it in fp32.
+MODES: dict[str, dict[str, Any]] = {
+    "full": {},
+    "lora": dict(lora_rank=16),
+    "qlora": dict(lora_rank=16, quantization="nf4"),
+}
+
+
+# LoRA adapters go on these Linear layers per architecture family (transformers' module names); the
+# reference model's are `quantization.DEFAULT_LORA_TARGETS`.
+LORA_TARGETS_BY_FAMILY: dict[str, tuple[str, ...]] = {
+    "llama": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+    "qwen2": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+}
+
+
+def preset_names() -> list[str]:
+    """Return the preset names, from least to most memory saved."""
+    return list(PRESETS)
+
+
+def mixed_precision(target: Any = "t4") -> str:
+    """Return the autocast precision for a target: 'fp16-autocast' on a T4 (no native bf16), else bf16."""
+    name = getattr(target, "name", target) if not isinstance(target, dict) else target.get("name")
+    return "bf16-autocast" if name in BF16_TARGETS else "fp16-autocast"
+
+
+def mode_fields(mode: str, model: str | None = None) -> dict[str, Any]:
+    """Return the Recipe fields of a training mode ('full', 'lora' or 'qlora'), for a named model's family."""
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}; choose one of {list(MODES)}")
+    values = dict(MODES[mode])
+    if values.get("lora_rank") and model is not None:
+        from colab_memopt.architectures import ARCHITECTURES
+
+        family = ARCHITECTURES[model].family if model in ARCHITECTURES else None
+        if family in LORA_TARGETS_BY_FAMILY:
+            values["lora_targets"] = LORA_TARGETS_BY_FAMILY[family]
+        elif family is not None:
+            raise ValueError(f"no LoRA targets known for {model!r} (family {family!r}); "
+                             f"families with targets: {list(LORA_TARGETS_BY_FAMILY)}")
+    return values
+
+
+def preset_fields(name: str, *, target: Any = "t4", mode: str = "full", model: str | None = None,
+                  **overrides: Any) -> dict[str, Any]:
+    """Return the Recipe fields of a preset for a target, mode and model, with explicit overrides applied last."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose one of {preset_names()}")
+    values: dict[str, Any] = {"precision": mixed_precision(target), **PRESETS[name].fields, **mode_fields(mode, model)}
+    return {**values, **overrides}

@@ -1,0 +1,300 @@
+"""Recommend a recipe: the one that fits a target with headroom at the least expected slowdown.
+
+`recommend` enumerates candidate recipes (`candidate_recipes`: the product of `CANDIDATE_AXES`, the
+training mode's fields and the accumulation steps that divide the batch), screens them all with the
+analytic estimate (one model built on the meta device, milliseconds per recipe), then confirms the
+cheapest ones that pass with the planner (`plan`: a trace on fake tensors where the step can be
+traced) until one fits. The slowdown of each candidate is the product of its techniques' step-time
+ratios measured on a device (`costs`), never a constant typed in; the result names that device.
+
+A new Recipe field (e.g. offload) plugs in with one axis in `CANDIDATE_AXES` and one entry per value
+in `costs.TECHNIQUES`.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from itertools import product
+from typing import Any
+
+import torch
+from torch import nn
+
+from colab_memopt import estimate
+from colab_memopt.costs import Slowdown, TechniqueCosts, expected_slowdown, load_technique_costs, techniques_used
+from colab_memopt.measure import format_bytes
+from colab_memopt.planner import Plan, Target, get_target, plan
+from colab_memopt.presets import MODES, PRESETS, mixed_precision, mode_fields, preset_fields
+from colab_memopt.recipe import Recipe
+
+MIXED = "<mixed>"  # replaced by the target's autocast precision (fp16 on a T4, bf16 where native)
+# One axis per technique family; a candidate takes one option from each axis.
+CANDIDATE_AXES: dict[str, list[dict[str, Any]]] = {
+    "precision": [dict(precision="fp32"), dict(precision=MIXED)],
+    "optimizer": [dict(optimizer="adamw"), dict(optimizer="adamw8bit"), dict(optimizer="paged_adamw8bit")],
+    "checkpointing": [
+        dict(checkpointing="none"),
+        dict(checkpointing="selective"),
+        dict(checkpointing="every_n", checkpoint_interval=8),
+        dict(checkpointing="every_n", checkpoint_interval=4),
+        dict(checkpointing="every_n", checkpoint_interval=2),
+        dict(checkpointing="full"),
+    ],
+}
+ACCUMULATION_STEPS = (1, 2, 4)
+OBJECTIVES = ("fastest", "least_memory")
+
+
+class NoRecipeFits(ValueError):
+    """No candidate recipe fits the target; the message says what the leanest one would need."""
+
+    def __init__(self, message: str, candidates: list[Candidate]) -> None:
+        super().__init__(message)
+        self.candidates = candidates
+
+
+@dataclass
+class Candidate:
+    """One recipe the recommender considered: what it needs, what it would cost, whether it fits."""
+
+    name: str
+    recipe: Recipe
+    slowdown: Slowdown
+    analytic_need_bytes: int
+    limit_bytes: int
+    plan: Plan | None = None
+
+    @property
+    def need_bytes(self) -> int:
+        return self.plan.device_need_bytes if self.plan is not None else self.analytic_need_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.plan.fits if self.plan is not None else self.analytic_need_bytes <= self.limit_bytes
+
+    @property
+    def short_bytes(self) -> int:
+        return max(0, self.need_bytes - self.limit_bytes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name, "recipe": _changed(self.recipe), "expected_slowdown": self.slowdown.ratio,
+            "slowdown_parts": self.slowdown.parts, "unmeasured": self.slowdown.unmeasured,
+            "analytic_need_bytes": self.analytic_need_bytes, "planned_need_bytes": self.plan.device_need_bytes if self.plan else None,
+            "method": self.plan.method if self.plan else "analytic screen", "limit_bytes": self.limit_bytes,
+            "fits": self.fits, "short_bytes": self.short_bytes,
+        }
+
+    def line(self) -> str:
+        how = f"planned ({self.plan.method})" if self.plan else "screened (analytic)"
+        verdict = "fits" if self.fits else f"short by {format_bytes(self.short_bytes)}"
+        return f"{self.name:58s} x{self.slowdown.ratio:5.2f}  needs {format_bytes(self.need_bytes):>10s} {how:20s} {verdict}"
+
+
+@dataclass
+class Recommendation:
+    """The chosen recipe, its plan and expected slowdown, and every candidate considered."""
+
+    model: str
+    batch: int
+    seq_len: int
+    mode: str
+    objective: str
+    target: Target
+    chosen: Candidate
+    candidates: list[Candidate]
+    costs_device: str
+    reasoning: list[str] = field(default_factory=list)
+
+    @property
+    def recipe(self) -> Recipe:
+        return self.chosen.recipe
+
+    @property
+    def plan(self) -> Plan:
+        assert self.chosen.plan is not None
+        return self.chosen.plan
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model, "batch": self.batch, "seq_len": self.seq_len, "mode": self.mode,
+            "objective": self.objective, "target": self.target.name, "chosen": self.chosen.name,
+            "recipe": self.recipe.to_dict(), "predicted_peak_bytes": self.plan.peak_bytes,
+            "predicted_need_bytes": self.plan.device_need_bytes, "device_limit_bytes": self.plan.device_limit_bytes,
+            "method": self.plan.method, "expected_slowdown": self.chosen.slowdown.ratio,
+            "slowdown_parts": self.chosen.slowdown.parts, "slowdown_measured_on": self.costs_device,
+            "reasoning": self.reasoning, "candidates": [c.to_dict() for c in self.candidates],
+        }
+
+    def __str__(self) -> str:
+        c = self.chosen
+        lines = [
+            f"recommendation for {self.model} ({self.mode}), batch {self.batch} x {self.seq_len} tokens on {self.target.name}, "
+            f"objective {self.objective}:",
+            f"  {c.name}",
+            f"  recipe: {_changed(c.recipe)}",
+            f"  predicted peak {format_bytes(self.plan.peak_bytes)}, need {format_bytes(self.plan.device_need_bytes)} of "
+            f"{format_bytes(self.plan.device_limit_bytes)} usable ({self.plan.method})",
+            f"  expected slowdown x{c.slowdown.ratio:.2f} vs fp32 AdamW (ratios measured on {self.costs_device})",
+            "reasoning:",
+            *[f"  {r}" for r in self.reasoning],
+            "candidates considered (cheapest first):",
+            *[f"  {x.line()}" for x in self.candidates],
+        ]
+        return "\n".join(lines)
+
+
+def _changed(recipe: Recipe) -> dict[str, Any]:
+    base = Recipe().to_dict()
+    return {k: v for k, v in recipe.to_dict().items() if base[k] != v}
+
+
+def _name(recipe: Recipe, target: Any, mode: str, model: str | None = None) -> str:
+    used, uncovered = techniques_used(recipe)
+    label = " + ".join(used + uncovered) or "fp32 AdamW (baseline)"
+    for preset in PRESETS:
+        if Recipe.from_dict(preset_fields(preset, target=target, mode=mode, model=model)) == recipe:
+            label += f"  [preset {preset}]"
+    return label
+
+
+def candidate_recipes(batch: int, *, target: Any = "t4", mode: str = "full", model: str | None = None) -> list[Recipe]:
+    """Return every candidate recipe: one option per axis, the mode's fields, accumulation dividing the batch."""
+    mixed = mixed_precision(target)
+    extra = mode_fields(mode, model)
+    out = []
+    for options in product(*CANDIDATE_AXES.values()):
+        values: dict[str, Any] = {}
+        for opt in options:
+            values.update({k: (mixed if v == MIXED else v) for k, v in opt.items()})
+        for acc in ACCUMULATION_STEPS:
+            if acc <= batch and batch % acc == 0:
+                out.append(Recipe.from_dict({**values, **extra, "accumulation_steps": acc}))
+    return list(dict.fromkeys(out))
+
+
+def _model(model: Callable[[], nn.Module] | str) -> tuple[str, Callable[[], nn.Module]]:
+    from colab_memopt import architectures
+
+    if isinstance(model, str):
+        return model, architectures.model_factory(model)
+    if not callable(model):
+        raise TypeError(f"model must be a model name or a zero-argument factory, got {type(model).__name__}")
+    return getattr(model, "__name__", "model"), model
+
+
+def recommend(
+    model: Callable[[], nn.Module] | str,
+    batch: int = 1,
+    *,
+    seq_len: int | None = None,
+    target: str | Target | dict[str, Any] = "t4",
+    objective: str = "fastest",
+    mode: str = "auto",
+    headroom: float = 0.10,
+    costs: TechniqueCosts | None = None,
+    method: str = "auto",
+    max_plans: int = 4,
+) -> Recommendation:
+    """Return the recipe that fits `target` with `headroom` at the least expected slowdown.
+
+    Args:
+        model: a model name (`architectures.model_names()`) or a zero-argument factory.
+        batch: the effective batch (sequences per optimizer step); accumulation may split it.
+        seq_len: tokens per sequence (default: the model's maximum).
+        target: 't4', 'l4', ... or a `Target` / dict (as `plan` takes).
+        objective: 'fastest' (least expected slowdown that fits) or 'least_memory' (smallest need).
+        mode: 'full', 'lora' or 'qlora' (what is trained), or 'auto': full fine-tuning if any recipe
+            fits, else LoRA, else QLoRA (the reasoning says why each mode before was passed over).
+        headroom: fraction of device memory kept free.
+        costs: measured technique ratios (default: benchmarks/results/technique_costs.json).
+        method: the planner's method for the confirming plans ('auto', 'trace', 'analytic'); with
+            'trace', candidates that cannot be traced (bitsandbytes, Adafactor) are skipped.
+        max_plans: at most this many candidates are confirmed with the planner.
+
+    Raises:
+        NoRecipeFits: no candidate fits; the message names the leanest one's need and the shortfall.
+    """
+    if mode == "auto":
+        passed_over: list[str] = []
+        for m in MODES:
+            try:
+                rec = recommend(model, batch, seq_len=seq_len, target=target, objective=objective, mode=m,
+                                headroom=headroom, costs=costs, method=method, max_plans=max_plans)
+            except NoRecipeFits as exc:
+                passed_over.append(f"mode {m} passed over: {exc}")
+                if m == list(MODES)[-1]:
+                    raise NoRecipeFits(" | ".join(passed_over), exc.candidates) from None
+                continue
+            rec.reasoning[:0] = passed_over
+            return rec
+    mode_fields(mode)  # validates the mode
+    if objective not in OBJECTIVES:
+        raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise ValueError(f"batch must be an integer >= 1, got {batch!r}")
+    if isinstance(max_plans, bool) or not isinstance(max_plans, int) or max_plans < 1:
+        raise ValueError(f"max_plans must be an integer >= 1, got {max_plans!r}")
+    tgt = get_target(target)
+    name, factory = _model(model)
+    if isinstance(model, str):
+        from colab_memopt import architectures
+
+        seq_len = architectures.max_seq_len(model) if seq_len is None else seq_len
+    if seq_len is None or isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
+        raise ValueError(f"seq_len must be an integer >= 1, got {seq_len!r}")
+    costs = costs if costs is not None else load_technique_costs()
+    with torch.device("meta"):
+        shape_model = factory()
+    limit = int(tgt.device_bytes * (1 - headroom))
+    fixed = tgt.cuda_context_bytes if tgt.cuda else 0
+    cands = []
+    arch = model if isinstance(model, str) else None
+    for rec in candidate_recipes(batch, target=tgt, mode=mode, model=arch):
+        need = estimate.training_step_bytes(shape_model, batch, seq_len, rec).peak_bytes + fixed
+        cands.append(Candidate(_name(rec, tgt, mode, arch), rec, expected_slowdown(rec, costs), need, limit))
+    key = (lambda c: (c.slowdown.ratio, c.analytic_need_bytes)) if objective == "fastest" else (lambda c: (c.analytic_need_bytes, c.slowdown.ratio))
+    cands.sort(key=key)
+    reasoning = [
+        f"{len(cands)} candidates ({' x '.join(CANDIDATE_AXES)} x accumulation {[a for a in ACCUMULATION_STEPS if a <= batch and batch % a == 0]}, "
+        f"mode {mode}); device limit {format_bytes(limit)} ({format_bytes(tgt.device_bytes)} less {headroom:.0%} headroom)",
+        f"slowdowns: products of step-time ratios measured on {costs.device} ({costs.source})",
+    ]
+    passed = [c for c in cands if c.analytic_need_bytes <= limit]
+    reasoning.append(f"analytic screen: {len(passed)} of {len(cands)} fit")
+    chosen = None
+    planned = 0
+    for c in passed:
+        if planned >= max_plans:
+            break
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # the plan keeps its own warnings
+                c.plan = plan(factory, batch, seq_len=seq_len, recipe=c.recipe, target=tgt, headroom=headroom,
+                              find_max_batch=False, method=method)
+        except Exception as exc:  # noqa: BLE001 - method='trace' skips what cannot be traced, and says so
+            if method != "trace":
+                raise
+            reasoning.append(f"skipped {c.name}: cannot be traced ({type(exc).__name__}) and method='trace'")
+            continue
+        planned += 1
+        reasoning.append(f"planned {c.name}: need {format_bytes(c.plan.device_need_bytes)} ({c.plan.method}) -> "
+                         + ("fits" if c.plan.fits else f"short by {format_bytes(c.short_bytes)}"))
+        if c.plan.fits:
+            chosen = c
+            break
+    if chosen is None:
+        leanest = min(cands, key=lambda c: c.need_bytes)
+        raise NoRecipeFits(
+            f"no recipe fits {name} ({mode}) at batch {batch} x {seq_len} tokens on {tgt.name}: the leanest candidate, "
+            f"{leanest.name}, needs {format_bytes(leanest.need_bytes)} of device memory and {tgt.name} allows "
+            f"{format_bytes(limit)} (short by {format_bytes(leanest.short_bytes)}). It would need a device with at least "
+            f"{format_bytes(int(leanest.need_bytes / (1 - headroom)))}, or a smaller batch or sequence, "
+            f"{'LoRA/QLoRA (mode=lora or qlora), ' if mode == 'full' else ''}or offloading to host memory.",
+            cands,
+        )
+    reasoning.append(f"chosen: {chosen.name}, expected slowdown x{chosen.slowdown.ratio:.2f}"
+                     + (f" (not measured: {chosen.slowdown.unmeasured}, counted as 1.0)" if chosen.slowdown.unmeasured else ""))
+    return Recommendation(name, batch, seq_len, mode, objective, tgt, chosen, cands, costs.device, reasoning)

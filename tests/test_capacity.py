@@ -1,0 +1,37 @@
+import pytest
+
+from colab_memopt import capacity
+from colab_memopt.recipe import Recipe
+
+
+def test_params_and_scaled_models():
+    assert capacity.model_params("smollm2-135m") == pytest.approx(134.5e6, rel=0.01)
+    one, two = capacity.model_params(capacity.scaled("smollm2-135m", 1)), capacity.model_params(capacity.scaled("smollm2-135m", 2))
+    assert two > one
+    with pytest.raises(ValueError, match="num_layers"):
+        capacity.scaled("smollm2-135m", 0)
+    with pytest.raises(ValueError, match="unknown architecture"):
+        capacity.scaled("tiny", 2)
+
+
+def test_leaner_recipes_fit_more():
+    full = capacity.fit("llama-3.2-1b", "baseline", Recipe(), mode="full", seq_len=512)
+    best = capacity.best_fit("llama-3.2-1b", mode="full", seq_len=512)
+    qlora = capacity.best_fit("llama-3.2-1b", mode="qlora", seq_len=512)
+    assert full.need_bytes > best.need_bytes > qlora.need_bytes and qlora.fits and not full.fits
+
+
+def test_capacity_table_rows_and_qlora_8b_at_512():
+    rows = capacity.capacity_table(["smollm2-135m", "llama-3.1-8b"], seq_lens=(512,), modes=("full", "qlora"), presets=("maximum",))
+    by_mode = {r["mode"]: r for r in rows}
+    assert by_mode["qlora"]["largest_model"] == "llama-3.1-8b"
+    assert by_mode["full"]["largest_model"] == "smollm2-135m" and by_mode["full"]["next_short_bytes"] > 0
+    assert by_mode["full"]["next_model"] == "llama-3.1-8b"
+    with pytest.raises(ValueError, match="unknown model"):
+        capacity.capacity_table(["gpt-9"])
+
+
+def test_largest_scaled_brackets_the_limit():
+    fit, miss = capacity.largest_scaled("llama-3.2-1b", mode="full", seq_len=512, max_layers=32)
+    assert fit is not None and fit.fits and miss is not None and not miss.fits
+    assert miss.params > fit.params

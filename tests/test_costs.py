@@ -1,0 +1,62 @@
+import json
+
+import pytest
+
+from colab_memopt.costs import (
+    TECHNIQUES, TechniqueCosts, expected_slowdown, load_technique_costs, measure_technique_costs, techniques_used,
+)
+from colab_memopt.recipe import Recipe
+
+
+def _costs(**ratios):
+    return TechniqueCosts(ratios=ratios, device="test device", model="tiny", batch=1, seq_len=8)
+
+
+def test_slowdown_multiplies_the_measured_ratios_of_the_techniques_used():
+    costs = _costs(**{"fp16-autocast": 1.5, "checkpoint-every-4": 1.2, "adamw8bit": 1.1})
+    s = expected_slowdown(Recipe.preset("aggressive"), costs)
+    assert s.ratio == pytest.approx(1.5 * 1.2 * 1.1)
+    assert s.parts == {"fp16-autocast": 1.5, "checkpoint-every-4": 1.2, "adamw8bit": 1.1}
+    assert s.unmeasured == [] and s.device == "test device"
+    assert expected_slowdown(Recipe(), costs).ratio == 1.0
+
+
+def test_unmeasured_techniques_are_named_not_hidden():
+    s = expected_slowdown(Recipe(optimizer="lion", checkpointing="full"), _costs())
+    assert s.ratio == 1.0
+    assert "checkpoint-full" in s.unmeasured and "optimizer='lion'" in s.unmeasured
+
+
+def test_qlora_is_one_technique_not_lora_plus_qlora():
+    used, uncovered = techniques_used(Recipe(lora_rank=16, quantization="nf4"))
+    assert used == ["qlora"] and uncovered == []
+    assert techniques_used(Recipe(lora_rank=4))[0] == ["lora"]
+
+
+def test_measure_times_techniques_against_the_plain_step(tmp_path):
+    costs = measure_technique_costs(model_size="tiny", batch=2, seq_len=16, rounds=1, device="cpu",
+                                    techniques=["checkpoint-full", "accumulation-2"], n_layer=2)
+    assert set(costs.ratios) == {"checkpoint-full", "accumulation-2"}
+    assert all(r > 0 for r in costs.ratios.values()) and costs.device.startswith("cpu")
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(costs.to_dict()))
+    assert load_technique_costs(path).ratios == costs.ratios
+
+
+def test_bad_input_is_rejected():
+    with pytest.raises(ValueError, match="unknown technique"):
+        measure_technique_costs(techniques=["warp-drive"])
+    with pytest.raises(ValueError, match="rounds"):
+        measure_technique_costs(rounds=0)
+    with pytest.raises(FileNotFoundError, match="technique_costs.py"):
+        load_technique_costs("/nonexistent/costs.json")
+
+
+def test_every_technique_is_a_valid_recipe():
+    for fields in TECHNIQUES.values():
+        Recipe().with_(**fields)
+
+
+def test_committed_costs_name_their_device():
+    costs = load_technique_costs()
+    assert costs.device and costs.ratios and set(costs.ratios) <= set(TECHNIQUES)

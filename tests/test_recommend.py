@@ -1,0 +1,92 @@
+import json
+import warnings
+
+import pytest
+
+from colab_memopt.__main__ import main
+from colab_memopt.costs import TECHNIQUES, TechniqueCosts
+from colab_memopt.models import build_model
+from colab_memopt.recommender import CANDIDATE_AXES, NoRecipeFits, candidate_recipes, recommend
+
+# Made-up ratios for the logic tests (the committed, measured ones are used by the CLI test).
+COSTS = TechniqueCosts(ratios={k: 1.0 + 0.1 * i for i, k in enumerate(TECHNIQUES)}, device="test", model="tiny", batch=1, seq_len=8)
+
+
+def _small():
+    return build_model("small", device="cpu")
+
+
+def test_candidates_cover_the_axes_and_accumulation_divides_the_batch():
+    cands = candidate_recipes(4)
+    n_axes = 1
+    for options in CANDIDATE_AXES.values():
+        n_axes *= len(options)
+    assert len(cands) == n_axes * 3  # accumulation 1, 2, 4
+    assert {c.accumulation_steps for c in candidate_recipes(3)} == {1}
+    assert all(c.precision in ("fp32", "fp16-autocast") for c in cands)
+    assert all(c.lora_rank == 16 and c.quantization == "nf4" for c in candidate_recipes(1, mode="qlora"))
+
+
+def test_a_roomy_target_gets_the_cheapest_recipe_and_a_traced_plan():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        r = recommend(_small, 2, seq_len=32, target="a100-80gb", mode="full", costs=COSTS)
+    assert r.chosen.slowdown.ratio == 1.0 and r.recipe.optimizer == "adamw" and r.recipe.checkpointing == "none"
+    assert r.plan.fits and r.plan.method == "trace" and r.costs_device == "test"
+    d = r.to_dict()
+    assert d["expected_slowdown"] == 1.0 and d["predicted_peak_bytes"] > 0 and d["slowdown_measured_on"] == "test"
+
+
+def test_a_tight_target_forces_a_leaner_recipe_that_still_fits():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        roomy = recommend(_small, 8, seq_len=64, target="t4", mode="full", costs=COSTS)
+        budget = int(roomy.plan.peak_bytes * 0.8)
+        tight = recommend(_small, 8, seq_len=64, mode="full", costs=COSTS,
+                          target={"name": "tiny-gpu", "device_bytes": budget, "host_bytes": 2**36, "cuda_context_bytes": 0, "cuda": False})
+    assert tight.chosen.slowdown.ratio > 1.0
+    assert tight.plan.device_need_bytes <= tight.plan.device_limit_bytes
+    failed = [c for c in tight.candidates if not c.fits]
+    assert failed and all(c.short_bytes > 0 for c in failed)
+    assert any("screen" in line for line in tight.reasoning)
+
+
+def test_auto_mode_moves_to_lora_then_qlora_and_says_why():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        r = recommend("llama-3.1-8b", 1, seq_len=512, target="t4", costs=COSTS, method="analytic")
+    assert r.mode == "qlora" and r.recipe.quantization == "nf4" and r.recipe.lora_targets[0] == "q_proj"
+    assert r.reasoning[0].startswith("mode full passed over") and r.reasoning[1].startswith("mode lora passed over")
+
+
+def test_no_fit_says_what_would_be_needed():
+    with pytest.raises(NoRecipeFits, match=r"needs .* of device memory .* would need a device with at least") as info:
+        recommend("llama-3.1-8b", 1, seq_len=512, mode="full", costs=COSTS,
+                  target={"name": "small-gpu", "device_bytes": 2**32, "host_bytes": 2**34})
+    assert info.value.candidates and all(not c.fits for c in info.value.candidates)
+
+
+def test_bad_input_is_rejected():
+    with pytest.raises(ValueError, match="objective"):
+        recommend("gpt2", 1, seq_len=64, objective="cheapest", costs=COSTS)
+    with pytest.raises(ValueError, match="unknown model"):
+        recommend("gpt-9", 1, costs=COSTS)
+    with pytest.raises(ValueError, match="mode"):
+        recommend("smollm2-135m", 1, seq_len=64, mode="prefix", costs=COSTS)
+    with pytest.raises(ValueError, match="batch"):
+        recommend("smollm2-135m", 0, seq_len=64, costs=COSTS)
+
+
+def test_cli_prints_the_recipe_its_peak_and_its_slowdown(capsys):
+    assert main(["recommend", "--model", "smollm2-135m", "--seq", "128", "--target", "t4", "--method", "analytic", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["recipe"]["optimizer"] and out["predicted_peak_bytes"] > 0 and out["expected_slowdown"] > 0
+    assert out["slowdown_measured_on"]
+
+
+def test_cli_reports_unknown_models_and_impossible_targets(capsys):
+    assert main(["recommend", "--model", "gpt-9"]) == 2
+    assert "unknown model" in capsys.readouterr().err
+    assert main(["recommend", "--model", "llama-3.1-8b", "--seq", "512", "--device-bytes", str(2**30),
+                 "--host-bytes", str(2**34), "--method", "analytic"]) == 1
+    assert "would need a device with at least" in capsys.readouterr().err

@@ -1,0 +1,72 @@
+import re
+
+import pytest
+
+from colab_memopt.project import colab_url
+from colab_memopt.rollup import INDEX_END, INDEX_START, claims_markdown, index_markdown, measured_effect, notebook_title, update_readme
+from colab_memopt.runner import NOTEBOOK_DIR
+
+README = NOTEBOOK_DIR.parent / "README.md"
+NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("[0-9][0-9]_*.ipynb"))
+
+MERGED = {
+    "device": "cpu", "torch": "2.x",
+    "notebooks": {
+        "02_mixed_precision": {
+            "device": "cpu", "baseline": {"label": "fp32", "peak_bytes": 2**21, "step_seconds": 1.0},
+            "optimized": {"label": "bf16", "peak_bytes": 2**20, "step_seconds": 1.5}, "saving_pct": 50.0, "time_ratio": 1.5,
+            "claims": [{"claim": "halves | memory", "source": "s", "measured": "m", "verdict": "holds"}],
+        },
+        "01_will_it_fit": {
+            "device": "cpu", "baseline": {"label": "b", "peak_bytes": 10}, "optimized": None, "saving_pct": None,
+            "claims": [{"claim": "c", "source": "s", "measured": "x" * 300, "verdict": "does not hold"}],
+        },
+    },
+}
+
+
+def test_claims_table_has_every_claim_with_verdict_and_device():
+    text = claims_markdown(MERGED)
+    rows = [l for l in text.splitlines() if l.startswith("| 0")]
+    assert len(rows) == 2
+    assert "halves \\| memory" in rows[0] and "**holds**" in rows[0] and rows[0].endswith("| cpu |")
+    assert "holds: 1" in text and "does not hold: 1" in text and "total 2" in text
+
+
+def test_measured_effect_lines():
+    assert measured_effect(MERGED["notebooks"]["02_mixed_precision"]) == "fp32 2.00 MiB -> bf16 1.00 MiB (50% less), step time x1.50"
+    assert measured_effect(MERGED["notebooks"]["01_will_it_fit"]).endswith("...")
+    assert "not run" in measured_effect(None)
+
+
+def test_update_readme_needs_the_markers(tmp_path):
+    p = tmp_path / "README.md"
+    p.write_text("no markers")
+    with pytest.raises(ValueError, match="markers"):
+        update_readme(p, "x")
+    p.write_text(f"a\n{INDEX_START}\nold\n{INDEX_END}\nb")
+    assert update_readme(p, f"{INDEX_START}\nnew\n{INDEX_END}") == f"a\n{INDEX_START}\nnew\n{INDEX_END}\nb"
+
+
+def _readme_index() -> str:
+    text = README.read_text()
+    assert INDEX_START in text and INDEX_END in text, "README.md lost its notebook index markers"
+    return text.split(INDEX_START, 1)[1].split(INDEX_END, 1)[0]
+
+
+def test_readme_index_has_one_row_per_notebook_present():
+    index = _readme_index()
+    linked = re.findall(r"^\| \[[^\]]+\]\((notebooks/\d\d_[a-z0-9_]+\.ipynb)\)", index, re.M)
+    assert sorted(linked) == [f"notebooks/{p.name}" for p in NOTEBOOKS], (
+        "the README's notebook index does not match notebooks/: run `python -m colab_memopt.rollup` (or `make run`)"
+    )
+    for path in NOTEBOOKS:
+        row = next(l for l in index.splitlines() if f"](notebooks/{path.name})" in l)
+        assert notebook_title(path) in row.replace("\\|", "|"), f"{path.name}: title changed, regenerate the index"
+        assert colab_url(f"notebooks/{path.name}") in row
+
+
+def test_generated_index_matches_the_notebooks():
+    index = index_markdown(MERGED)
+    assert index.startswith(INDEX_START) and index.endswith(INDEX_END)
+    assert sum(1 for l in index.splitlines() if l.startswith("| [")) == len(NOTEBOOKS)
