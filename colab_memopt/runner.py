@@ -107,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    out = Path(args.out)
+    # Absolute: papermill runs each notebook in its own folder, where a relative path would point elsewhere.
+    out = Path(args.out).resolve()
     results_dir = out / "results"
     gpu = torch.cuda.is_available() and not args.cpu_sized
     cpu_params = load_cpu_parameters(Path(args.cpu_params))
