@@ -45,11 +45,12 @@ test: $(STAMP)
 test-unit: $(STAMP)
 	$(PY) -m pytest tests -m "not notebook and not browser" -q
 
+# make test-notebooks NOTEBOOKS="10 13": only those (stems, number prefixes or paths); all by default.
 test-notebooks: $(STAMP)
 	rm -rf build/ci_notebooks build/results build/notebook_seconds.json
 	$(PY) -m colab_memopt.runner --prepare-only build/ci_notebooks $(NOTEBOOKS)
 	PYTHONPATH=tests $(PY) -m pytest -q -p nbval_budget -p no:cacheprovider --nbval-lax --nbval-current-env build/ci_notebooks
-	$(PY) -m pytest tests -m notebook -q
+	CM_NOTEBOOKS="$(NOTEBOOKS)" $(PY) -m pytest tests -m notebook -q
 
 # The widget panels in a real browser. Debian's chromium (apt, needs root, as in CI) and the Python
 # playwright package from requirements-browser.txt; Playwright's browser download is not used.

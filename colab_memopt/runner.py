@@ -22,10 +22,11 @@ CPU_PARAMS_FILE = REPO_ROOT / "tests" / "notebook_parameters.yaml"
 
 
 def notebook_paths(names: list[str] | None = None) -> list[Path]:
-    """Return the notebooks to run: all of `notebooks/NN_*.ipynb`, or those named (stem or prefix)."""
+    """Return the notebooks to run: all of `notebooks/NN_*.ipynb`, or those named (stem, prefix or path)."""
     paths = sorted(NOTEBOOK_DIR.glob("[0-9][0-9]_*.ipynb"))
     if not names:
         return paths
+    names = [Path(n).stem if n.endswith(".ipynb") else n for n in names]  # notebooks/10_x.ipynb -> 10_x
     chosen = [p for p in paths if any(p.stem == n or p.stem.startswith(n) for n in names)]
     missing = [n for n in names if not any(p.stem == n or p.stem.startswith(n) for p in paths)]
     if missing:

@@ -5,9 +5,8 @@ Notebook 13 measures what this structure saves and what it costs. The module hol
 - `HierarchicalSemiseparable`: off-diagonal blocks low rank, diagonal blocks recursing;
 - `partition_rows` and `distributed_matvec`: the low-rank factors split by rows over ranks
   (torch.distributed, gloo on loopback), the "ZeRO partitioner for low-rank factors";
-- `HostOffloadManager`: the factors kept in host memory and streamed in chunks, with transfer
-  statistics. `colab_memopt.offload` does not exist on this branch, so this is the minimal manager
-  the notebook needs, not a general offloading engine;
+- `OffloadedSemiseparable`: the factors kept in host memory by `offload.OffloadManager` and
+  streamed to the device in row chunks, with its transfer statistics;
 - `causal_semiseparable_mixing`: a causal sequence-mixing layer whose mixing matrix is semiseparable
   (row-normalised tril(phi(Q) phi(K)^T), as in linear attention), the reference model's
   `attention="semiseparable"`.
@@ -18,16 +17,18 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from colab_memopt import ranks
+from colab_memopt.offload import OffloadManager
 
 LOWRANK_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -324,20 +325,15 @@ def local_matvec(S: SemiseparableMatrix, x: torch.Tensor, start: int, stop: int)
     return z, y
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _matvec_worker(rank: int, world_size: int, port: int, workdir: str, timeout_s: float) -> None:
     """Run on each rank: keep only this rank's rows of U and V, all-reduce V^T x, gather y."""
     import torch.distributed as dist
 
+    ranks.redirect_output(workdir, rank)
     if sys.platform.startswith("linux"):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+        "gloo", init_method=f"tcp://{ranks.LOOPBACK}:{port}", rank=rank, world_size=world_size,
         timeout=timedelta(seconds=timeout_s),
     )
     try:
@@ -361,8 +357,9 @@ def _matvec_worker(rank: int, world_size: int, port: int, workdir: str, timeout_
         pieces = [torch.zeros(width) for _ in spans]
         dist.all_gather(pieces, F.pad(y_local, (0, width - y_local.numel())))
         y = torch.cat([piece[: b - a] for piece, (a, b) in zip(pieces, spans)])
-        torch.save({"y": y, "factor_bytes": shard_bytes, "band_bytes": band_bytes},
-                   Path(workdir, f"rank{rank}.pt"))
+        partial = Path(workdir, f"rank{rank}.pt.partial")  # renamed when whole: its presence means done
+        torch.save({"y": y, "factor_bytes": shard_bytes, "band_bytes": band_bytes}, partial)
+        partial.rename(Path(workdir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
@@ -384,27 +381,14 @@ def distributed_matvec(S: SemiseparableMatrix, x: torch.Tensor, *, world_size: i
     and all-gathers y. The workers are spawned and always end: after `timeout_s` they are
     terminated and a TimeoutError is raised.
     """
-    import torch.multiprocessing as mp
-
     if world_size < 1 or world_size > S.n:
         raise ValueError(f"world_size must be in [1, {S.n}], got {world_size}")
     start_time = time.perf_counter()
     with tempfile.TemporaryDirectory() as workdir:
         torch.save({"tensors": [t.cpu() for t in S.tensors()], "x": x.detach().cpu().float()}, Path(workdir, "input.pt"))
-        ctx = mp.start_processes(
-            _matvec_worker, args=(world_size, _free_port(), workdir, timeout_s), nprocs=world_size,
-            join=False, start_method="spawn",
-        )
-        deadline = time.monotonic() + timeout_s
-        try:
-            while not ctx.join(timeout=max(0.1, min(1.0, deadline - time.monotonic()))):
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"distributed matvec did not finish within {timeout_s} s")
-        finally:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.terminate()
-                    p.join(5)
+        ranks.launch(_matvec_worker, world_size, (ranks.free_port(), workdir, timeout_s), workdir=workdir,
+                     result_file="rank{rank}.pt", timeout_s=timeout_s, what="distributed matvec ranks",
+                     threads_per_rank=max(1, torch.get_num_threads() // world_size))
         outs = [torch.load(Path(workdir, f"rank{r}.pt")) for r in range(world_size)]
     return DistributedResult(
         y=outs[0]["y"],
@@ -417,65 +401,26 @@ def distributed_matvec(S: SemiseparableMatrix, x: torch.Tensor, *, world_size: i
 # -- offloading the factors to host memory -----------------------------------------------------------
 
 
-@dataclass
-class HostOffloadManager:
-    """Keep named tensors in host memory and copy them to the device on demand, counting transfers.
-
-    Pinned host memory (for asynchronous copies) is used on CUDA only; on the CPU the "device" is
-    host memory too, so a load is a plain copy and the statistics time memcpy, not PCIe.
-    """
-
-    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-    store: dict[str, torch.Tensor] = field(default_factory=dict)
-    stats: dict[str, float] = field(default_factory=lambda: dict.fromkeys(
-        ("num_transfers_to_host", "num_transfers_to_device", "bytes_to_host", "bytes_to_device", "transfer_seconds"), 0))
-
-    def offload(self, name: str, tensor: torch.Tensor) -> None:
-        """Copy `tensor` to host memory under `name` (pinned on CUDA)."""
-        host = tensor.detach().to("cpu", copy=True)
-        if self.device.type == "cuda":
-            host = host.pin_memory()
-        self.store[name] = host
-        self.stats["num_transfers_to_host"] += 1
-        self.stats["bytes_to_host"] += host.numel() * host.element_size()
-
-    def load(self, name: str) -> torch.Tensor:
-        """Return a device copy of the tensor stored under `name`."""
-        if name not in self.store:
-            raise KeyError(f"nothing offloaded under {name!r}; have {sorted(self.store)}")
-        start = time.perf_counter()
-        host = self.store[name]
-        out = host.to(self.device, non_blocking=self.device.type == "cuda", copy=True)
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
-        self.stats["transfer_seconds"] += time.perf_counter() - start
-        self.stats["num_transfers_to_device"] += 1
-        self.stats["bytes_to_device"] += host.numel() * host.element_size()
-        return out
-
-    def host_bytes(self) -> int:
-        """Return the bytes held in host memory."""
-        return sum(t.numel() * t.element_size() for t in self.store.values())
-
-    def statistics(self) -> dict[str, float]:
-        """Return the transfer counts, bytes and the mean milliseconds per load."""
-        out = dict(self.stats)
-        n = out["num_transfers_to_device"]
-        out["avg_transfer_ms"] = 1e3 * out["transfer_seconds"] / n if n else 0.0
-        return out
-
-
 class OffloadedSemiseparable:
     """A semiseparable matrix whose factors live in host memory, streamed to the device by row chunks.
 
-    Only the band, x and y and one chunk of U or V are on the device during `matvec`.
+    The factors go through an `offload.OffloadManager` (pinned host memory on CUDA; its statistics
+    count every transfer). Only the band, x and y and one chunk of U or V are on the device during
+    `matvec`.
+
+    Example:
+        >>> manager = OffloadManager()
+        >>> off = OffloadedSemiseparable(S, manager, device="cuda", chunk_rows=256)
+        >>> y = off.matvec(x); manager.get_statistics().to_device
     """
 
-    def __init__(self, S: SemiseparableMatrix, manager: HostOffloadManager, *, chunk_rows: int = 256) -> None:
-        if chunk_rows < 1:
-            raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
+    def __init__(self, S: SemiseparableMatrix, manager: OffloadManager, *, device: str | torch.device | None = None,
+                 chunk_rows: int = 256) -> None:
+        if isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or chunk_rows < 1:
+            raise ValueError(f"chunk_rows must be an integer >= 1, got {chunk_rows!r}")
         self.n, self.manager, self.chunk_rows = S.n, manager, chunk_rows
-        self.band = SemiseparableMatrix(S.diag.to(manager.device), S.sub.to(manager.device), S.sup.to(manager.device),
+        self.device = torch.device(device) if device is not None else S.diag.device
+        self.band = SemiseparableMatrix(S.diag.to(self.device), S.sub.to(self.device), S.sup.to(self.device),
                                         S.U[:0], S.V[:0])
         self.chunks = [(a, min(a + chunk_rows, S.n)) for a in range(0, S.n, chunk_rows)]
         for a, b in self.chunks:
@@ -494,12 +439,12 @@ class OffloadedSemiseparable:
         y[:-1] += band.sup.float() * x[1:]
         z = None
         for a, b in self.chunks:
-            Vc = self.manager.load(f"V:{a}")
+            Vc = self.manager.load(f"V:{a}", self.device)
             part = Vc.T.float() @ x[a:b]
             z = part if z is None else z + part
             del Vc
         for a, b in self.chunks:
-            Uc = self.manager.load(f"U:{a}")
+            Uc = self.manager.load(f"U:{a}", self.device)
             y[a:b] += Uc.float() @ z
             del Uc
         return y

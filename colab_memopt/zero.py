@@ -1,9 +1,8 @@
 """ZeRO with DeepSpeed (notebook 10): configs from a recipe, real multi-rank runs on loopback, per-rank bytes.
 
 `deepspeed_config` turns a `Recipe` (zero_stage, offload_optimizer, offload_param) into a DeepSpeed
-config that DeepSpeed's own config classes validate. `run_zero` launches ranks with
-`torch.multiprocessing.start_processes` (spawn; the worker lives here, so it is importable), the gloo
-backend on 127.0.0.1, and reads on every rank the bytes DeepSpeed's engine and optimizer hold:
+config that DeepSpeed's own config classes validate. `run_zero` launches ranks with `ranks.launch`
+(spawned processes; the worker lives here, so it is importable), the gloo backend on 127.0.0.1, and reads on every rank the bytes DeepSpeed's engine and optimizer hold:
 parameters, gradients and optimizer state (`rank_state_bytes`). `zero_state_bytes` is the ZeRO
 paper's formula (Rajbhandari et al. 2020) to compare them with.
 """
@@ -12,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import tempfile
 import time
 from collections.abc import Iterable
@@ -22,12 +20,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from colab_memopt import ranks
+from colab_memopt.ranks import LOOPBACK, free_port
+
 if TYPE_CHECKING:
     from colab_memopt.recipe import Recipe
 
 ZERO_STAGES = (0, 1, 2, 3)
 PRECISIONS = ("fp32", "bf16", "fp16")
-LOOPBACK = "127.0.0.1"
 
 
 # -- the formulas ---------------------------------------------------------------------------------
@@ -290,13 +290,6 @@ def rank_state_bytes(engine: Any) -> dict[str, int]:
 
 # -- running ranks --------------------------------------------------------------------------------
 
-def free_port() -> int:
-    """Return a free TCP port on the loopback address."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((LOOPBACK, 0))
-        return s.getsockname()[1]
-
-
 @dataclass
 class ZeroJob:
     """What each rank runs: the model, the data, which stages, and the extras."""
@@ -415,9 +408,14 @@ def _checkpoint_run(job: ZeroJob, rank: int) -> dict[str, Any]:
 
 
 def _zero_worker(rank: int, world_size: int, port: int, job_dict: dict[str, Any], out_dir: str) -> None:
-    """One rank: init gloo on loopback, run each stage (and FSDP2, offload, checkpoint), write rank<N>.json."""
+    """One rank: init gloo on loopback, run each stage (and FSDP2, offload, checkpoint), write rank<N>.json.
+
+    The rank's stdout and stderr go to rank<N>.log, which `run_zero` quotes when the rank fails; the
+    result file appears whole (written, then renamed), so its presence means the rank's work is done.
+    """
     import logging
 
+    ranks.redirect_output(out_dir, rank)
     torch.set_num_threads(1)
     job = ZeroJob(**job_dict)
     init_distributed(rank, world_size, port)
@@ -438,7 +436,9 @@ def _zero_worker(rank: int, world_size: int, port: int, job_dict: dict[str, Any]
         out["runs"]["fsdp2"] = _fsdp_run(job, rank)
     if job.checkpoint_stage is not None:
         out["checkpoint"] = _checkpoint_run(job, rank)
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(out))
+    partial = Path(out_dir, f"rank{rank}.json.partial")
+    partial.write_text(json.dumps(out))
+    partial.rename(Path(out_dir, f"rank{rank}.json"))
     import torch.distributed as dist
 
     dist.barrier()
@@ -448,14 +448,15 @@ def _zero_worker(rank: int, world_size: int, port: int, job_dict: dict[str, Any]
 def run_zero(job: ZeroJob | None = None, *, world_size: int = 2, timeout_s: float = 300.0) -> ZeroResult:
     """Run the job on `world_size` CPU ranks (spawned, gloo on 127.0.0.1) and return what each rank measured.
 
-    Ranks that outlive `timeout_s` are killed and a TimeoutError raised; a rank that fails raises its error here.
+    Ranks that outlive `timeout_s` are killed and a TimeoutError raised; a rank that fails raises its error
+    here, with the end of what it printed. A rank that dies after every rank has written its results (in
+    the process group's teardown, where gloo can abort when a peer has already closed its sockets) does
+    not cost the measurement: its results are kept and a RuntimeWarning quotes its log.
 
     Example:
         >>> result = run_zero(ZeroJob(model_size="tiny", stages=(0, 1, 2, 3)), world_size=2)
         >>> result.bytes_of("zero2", rank=1)
     """
-    import torch.multiprocessing as mp
-
     job = job or ZeroJob()
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
@@ -467,30 +468,11 @@ def run_zero(job: ZeroJob | None = None, *, world_size: int = 2, timeout_s: floa
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="colab_memopt_zero_") as tmp:
         job_dict = {**job.__dict__, "checkpoint_dir": job.checkpoint_dir or str(Path(tmp, "checkpoint"))}
-        env_backup = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS",)}
-        os.environ["OMP_NUM_THREADS"] = "1"
-        try:
-            ctx = mp.start_processes(_zero_worker, args=(world_size, free_port(), job_dict, tmp), nprocs=world_size,
-                                     join=False, start_method="spawn")
-        finally:
-            for k, v in env_backup.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
-        deadline = time.monotonic() + timeout_s
-        try:
-            while not ctx.join(timeout=0.5):
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"ZeRO ranks did not finish within timeout_s={timeout_s} s; killed them")
-        finally:
-            for proc in ctx.processes:
-                if proc.is_alive():
-                    proc.kill()
-                    proc.join(5)
-        ranks = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(world_size)]
-    result = ZeroResult(world_size=world_size, n_params=ranks[0]["n_params"], seconds=time.perf_counter() - start)
-    for label in ranks[0]["runs"]:
-        result.runs[label] = [r["runs"][label] for r in ranks]
-    result.checkpoint = ranks[0].get("checkpoint", {})
+        ranks.launch(_zero_worker, world_size, (free_port(), job_dict, tmp), workdir=tmp, timeout_s=timeout_s,
+                     what="ZeRO ranks")
+        outs = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(world_size)]
+    result = ZeroResult(world_size=world_size, n_params=outs[0]["n_params"], seconds=time.perf_counter() - start)
+    for label in outs[0]["runs"]:
+        result.runs[label] = [r["runs"][label] for r in outs]
+    result.checkpoint = outs[0].get("checkpoint", {})
     return result

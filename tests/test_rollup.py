@@ -70,3 +70,14 @@ def test_generated_index_matches_the_notebooks():
     index = index_markdown(MERGED)
     assert index.startswith(INDEX_START) and index.endswith(INDEX_END)
     assert sum(1 for l in index.splitlines() if l.startswith("| [")) == len(NOTEBOOKS)
+
+
+def test_runner_names_notebooks_by_stem_prefix_or_path():
+    from colab_memopt.runner import notebook_paths
+
+    by_stem = notebook_paths(["10_deepspeed_zero"])
+    assert [p.stem for p in by_stem] == ["10_deepspeed_zero"]
+    assert notebook_paths(["10"]) == by_stem == notebook_paths(["notebooks/10_deepspeed_zero.ipynb"])
+    assert len(notebook_paths(None)) == len(notebook_paths([])) >= 16
+    with pytest.raises(ValueError, match=r"no notebook matches \['99_nothing'\]"):
+        notebook_paths(["99_nothing"])

@@ -5,6 +5,7 @@ import torch
 
 import colab_memopt as cm
 from colab_memopt import estimate, structured as st
+from colab_memopt.offload import OffloadManager
 
 
 def _tridiag_plus_rank(n, r, seed=0):
@@ -90,15 +91,15 @@ def test_partition_rows_covers_every_row_once():
 
 def test_offloaded_matvec_matches_and_counts_transfers():
     S = st.SemiseparableMatrix.factorize(st.smooth_kernel_plus_band(500))
-    manager = st.HostOffloadManager()
+    manager = OffloadManager()
     off = st.OffloadedSemiseparable(S, manager, chunk_rows=128)
     x = torch.randn(500)
     torch.testing.assert_close(off.matvec(x), S.matvec(x), rtol=1e-5, atol=1e-5)
-    stats = manager.statistics()
-    assert stats["num_transfers_to_host"] == 8 and stats["num_transfers_to_device"] == 8
-    assert stats["bytes_to_device"] == manager.host_bytes() == S.U.numel() * 8
-    with pytest.raises(KeyError, match="nothing offloaded"):
-        manager.load("W:0")
+    stats = manager.get_statistics()
+    assert stats.to_host == 8 and stats.to_device == 8  # U and V in 4 chunks of 128 rows, each way once
+    assert stats.bytes_to_device == manager.host_bytes == S.U.numel() * 8
+    with pytest.raises(ValueError, match="chunk_rows must be an integer >= 1, got 0"):
+        st.OffloadedSemiseparable(S, manager, chunk_rows=0)
 
 
 def test_causal_mixing_matches_dense_and_is_causal():

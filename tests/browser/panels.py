@@ -74,19 +74,19 @@ PANELS: dict[str, Change] = {
     "04_gradient_accumulation": Change("steps", "slider", "4", plot=True, expect="4 steps"),
     "05_memory_efficient_attention": Change("attention", "select", "naive", expect="naive"),
     "06_lean_optimizers": Change("optimizer", "select", "sgd_momentum", plot=True, expect="sgd_momentum"),
+    "07_weight_quantization": Change("base", "select", "fp4", plot=True, expect="fp4 r", expect_gone="nf4 r"),
+    "08_activation_compression": Change("checkpoint blocks", "toggle", plot=True, expect="+ckpt"),
+    "09_cpu_offload": Change("prefetch", "slider", "0", plot=True, expect="prefetch 0", expect_gone="prefetch 1"),
+    "10_deepspeed_zero": Change("stage", "select", "1"),
     "11_memory_profiling_and_monitoring": Change("leak", "toggle", plot=True),
     "12_dynamic_batch_size_and_oom": Change("pressure MiB", "slider", "0", expect="recoveries 0"),
     "13_semiseparable_matrices": Change("factors", "select", "float16", expect="float16 factors"),
     "14_phase_aware_training": Change("phase", "select", "full", plot=True),
+    "15_fit_the_biggest_model": Change("objective", "select", "least_memory", expect="objective least_memory",
+                                       expect_gone="objective fastest"),
 }
 # notebook stem -> why its panel is not driven in the browser.
-EXCLUDED: dict[str, str] = {
-    "07_weight_quantization": "merged after the browser test was written; its panel has not been driven in the browser yet (add a Change to PANELS)",
-    "08_activation_compression": "merged after the browser test was written; its panel has not been driven in the browser yet (add a Change to PANELS)",
-    "09_cpu_offload": "merged after the browser test was written; its panel has not been driven in the browser yet (add a Change to PANELS)",
-    "10_deepspeed_zero": "merged after the browser test was written; its panel has not been driven in the browser yet (add a Change to PANELS)",
-    "15_fit_the_biggest_model": "merged after the browser test was written; its panel has not been driven in the browser yet (add a Change to PANELS)",
-}
+EXCLUDED: dict[str, str] = {}
 
 
 def chromium_missing_reason() -> str:

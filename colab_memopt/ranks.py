@@ -1,0 +1,125 @@
+"""Run a worker on several ranks of this machine: spawned processes, gloo on the loopback address.
+
+`zero.run_zero` (DeepSpeed ZeRO, notebook 10) and `structured.distributed_matvec` (notebook 13) use
+`launch`. A worker must live in an importable module (spawn re-imports it; a function defined in a
+notebook fails), is called as `worker(rank, world_size, *args)`, writes its results to a file in the
+work directory when it has finished, and calls `redirect_output` first, so that what it prints, C++
+aborts included, lands in `rank<N>.log` and is quoted when the rank fails.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+LOOPBACK = "127.0.0.1"
+
+
+def free_port() -> int:
+    """Return a TCP port on the loopback address that nothing listens on now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((LOOPBACK, 0))
+        return s.getsockname()[1]
+
+
+def log_path(workdir: str | Path, rank: int) -> Path:
+    """Return where rank `rank` writes what it prints."""
+    return Path(workdir, f"rank{rank}.log")
+
+
+def redirect_output(workdir: str | Path, rank: int) -> None:
+    """Send this process's stdout and stderr to `log_path(workdir, rank)`, at the file-descriptor level."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    fd = os.open(log_path(workdir, rank), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
+def log_tail(workdir: str | Path, rank: int, chars: int = 3000) -> str:
+    """Return the end of what rank `rank` printed, or a note that it printed nothing."""
+    path = log_path(workdir, rank)
+    if not path.exists():
+        return f"(rank {rank} wrote no log)"
+    # DeepSpeed prints this line once per process on a machine without a GPU: it says nothing about the failure.
+    lines = [line for line in path.read_text(errors="replace").splitlines() if "Setting accelerator to CPU" not in line]
+    return "\n".join(lines)[-chars:] or f"(rank {rank}'s log is empty)"
+
+
+def launch(
+    worker: Callable[..., None],
+    world_size: int,
+    args: Sequence[Any] = (),
+    *,
+    workdir: str | Path,
+    result_file: str = "rank{rank}.json",
+    timeout_s: float = 300.0,
+    what: str = "ranks",
+    threads_per_rank: int = 1,
+) -> None:
+    """Run `worker(rank, world_size, *args)` on `world_size` spawned processes and wait for all of them.
+
+    Args:
+        worker: a function of an importable module; rank r writes `workdir/result_file.format(rank=r)`
+            when its work is done.
+        world_size: number of ranks (>= 1).
+        args: further arguments, picklable.
+        workdir: where the ranks write their results and logs.
+        timeout_s: the ranks are killed after this many seconds and a TimeoutError raised.
+        what: names the job in errors ("ZeRO ranks").
+        threads_per_rank: OMP_NUM_THREADS of each rank (ranks share the machine's cores).
+
+    Raises:
+        RuntimeError: a rank raised, or died before every rank had written its result; the message
+            quotes the end of that rank's log.
+        TimeoutError: the ranks outlived `timeout_s`.
+
+    A rank that dies after every rank has written its result (in the process group's teardown, where
+    gloo can abort when a peer has already closed its sockets) costs nothing that was measured: the
+    launch returns and a RuntimeWarning quotes that rank's log.
+    """
+    import torch.multiprocessing as mp
+
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
+    if not timeout_s > 0:
+        raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+    if isinstance(threads_per_rank, bool) or not isinstance(threads_per_rank, int) or threads_per_rank < 1:
+        raise ValueError(f"threads_per_rank must be an integer >= 1, got {threads_per_rank!r}")
+    saved = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = str(threads_per_rank)  # read by the children when they start
+    try:
+        ctx = mp.start_processes(worker, args=(world_size, *args), nprocs=world_size, join=False, start_method="spawn")
+    finally:
+        if saved is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = saved
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not ctx.join(timeout=max(0.1, min(0.5, deadline - time.monotonic()))):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{what} did not finish within timeout_s={timeout_s} s; killed them")
+    except mp.ProcessRaisedException as exc:  # a Python error in a rank: its traceback is in the message
+        raise RuntimeError(f"{what}: rank {exc.error_index} failed: {exc}\n"
+                           f"its log ends:\n{log_tail(workdir, exc.error_index)}") from exc
+    except mp.ProcessExitedException as exc:  # killed by a signal, or exited with a code and no Python error
+        done = all(Path(workdir, result_file.format(rank=r)).exists() for r in range(world_size))
+        if not done:
+            raise RuntimeError(f"{what}: rank {exc.error_index} died before every rank had written its result "
+                               f"({exc}); its log ends:\n{log_tail(workdir, exc.error_index)}") from exc
+        warnings.warn(f"{what}: rank {exc.error_index} died after every rank had written its result ({exc}); "
+                      f"the results are kept. Its log ends:\n{log_tail(workdir, exc.error_index)}",
+                      RuntimeWarning, stacklevel=2)
+    finally:
+        for proc in ctx.processes:
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)

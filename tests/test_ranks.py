@@ -1,0 +1,97 @@
+"""ranks.launch: results, and every way a rank can fail (the workers live here so spawn can import them)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from colab_memopt import ranks
+
+
+def _write_result(workdir: str, rank: int, world_size: int) -> None:
+    Path(workdir, f"rank{rank}.json").write_text(json.dumps({"rank": rank, "world_size": world_size,
+                                                             "threads": os.environ.get("OMP_NUM_THREADS")}))
+
+
+def _ok_worker(rank: int, world_size: int, workdir: str) -> None:
+    ranks.redirect_output(workdir, rank)
+    print(f"rank {rank} says hello")
+    _write_result(workdir, rank, world_size)
+
+
+def _raise_worker(rank: int, world_size: int, workdir: str) -> None:
+    ranks.redirect_output(workdir, rank)
+    if rank == 1:
+        print("rank 1 is about to raise")
+        raise ValueError("broken on purpose")
+    _write_result(workdir, rank, world_size)
+
+
+def _abort_before_worker(rank: int, world_size: int, workdir: str) -> None:
+    ranks.redirect_output(workdir, rank)
+    if rank == 1:
+        print("rank 1 aborts before its result", flush=True)
+        os.abort()
+    _write_result(workdir, rank, world_size)
+
+
+def _abort_after_worker(rank: int, world_size: int, workdir: str) -> None:
+    ranks.redirect_output(workdir, rank)
+    _write_result(workdir, rank, world_size)
+    if rank == 1:
+        while not Path(workdir, "rank0.json").exists():  # the teardown case: every result is written
+            time.sleep(0.05)
+        print("rank 1 aborts in teardown", flush=True)
+        os.abort()
+
+
+def _hang_worker(rank: int, world_size: int, workdir: str) -> None:
+    ranks.redirect_output(workdir, rank)
+    time.sleep(600)
+
+
+def test_launch_runs_every_rank_with_its_threads(tmp_path):
+    ranks.launch(_ok_worker, 2, (str(tmp_path),), workdir=tmp_path, timeout_s=120, threads_per_rank=1)
+    for r in range(2):
+        out = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert out == {"rank": r, "world_size": 2, "threads": "1"}
+        assert f"rank {r} says hello" in ranks.log_tail(tmp_path, r)
+
+
+def test_a_rank_that_raises_names_itself_and_quotes_its_log(tmp_path):
+    with pytest.raises(RuntimeError, match=r"(?s)test ranks: rank 1 failed.*broken on purpose.*rank 1 is about to raise"):
+        ranks.launch(_raise_worker, 2, (str(tmp_path),), workdir=tmp_path, timeout_s=120, what="test ranks")
+
+
+def test_a_rank_that_dies_before_its_result_fails_with_its_log(tmp_path):
+    with pytest.raises(RuntimeError, match=r"(?s)rank 1 died before every rank had written its result.*SIGABRT.*aborts before its result"):
+        ranks.launch(_abort_before_worker, 2, (str(tmp_path),), workdir=tmp_path, timeout_s=120)
+
+
+def test_a_rank_that_dies_in_teardown_keeps_the_results_and_warns(tmp_path):
+    with pytest.warns(RuntimeWarning, match=r"(?s)rank 1 died after every rank had written its result.*aborts in teardown"):
+        ranks.launch(_abort_after_worker, 2, (str(tmp_path),), workdir=tmp_path, timeout_s=120)
+    assert all((tmp_path / f"rank{r}.json").exists() for r in range(2))
+
+
+def test_ranks_past_the_timeout_are_killed(tmp_path):
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match="hanging ranks did not finish within timeout_s=5"):
+        ranks.launch(_hang_worker, 2, (str(tmp_path),), workdir=tmp_path, timeout_s=5, what="hanging ranks")
+    assert time.monotonic() - start < 60
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"world_size": 0}, "world_size must be an integer >= 1, got 0"),
+    ({"world_size": True}, "world_size must be an integer >= 1, got True"),
+    ({"timeout_s": 0}, "timeout_s must be > 0, got 0"),
+    ({"threads_per_rank": 0}, "threads_per_rank must be an integer >= 1, got 0"),
+])
+def test_bad_arguments_are_named(tmp_path, kwargs, match):
+    args = {"world_size": 2, "timeout_s": 10, "threads_per_rank": 1, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        ranks.launch(_ok_worker, args.pop("world_size"), (str(tmp_path),), workdir=tmp_path, **args)
