@@ -44,6 +44,12 @@ TECHNIQUES: dict[str, dict[str, Any]] = {
     "lora": dict(lora_rank=16, quantization=None),
     "qlora": dict(lora_rank=16, quantization="nf4"),
 }
+# Techniques that only add work to the plain step: recomputation, the same tokens in more and smaller
+# passes, (de)quantizing the optimizer state. No device runs them faster than the plain step, so a ratio
+# measured below 1 is timing noise; `expected_slowdown` counts it as 1.0 and names it. Precision and
+# LoRA can really be faster (tensor cores; no weight gradients), so their ratios are taken as measured.
+ADDS_WORK = frozenset({"checkpoint-selective", "checkpoint-every-8", "checkpoint-every-4", "checkpoint-every-2",
+                       "checkpoint-full", "adamw8bit", "paged_adamw8bit", "accumulation-2", "accumulation-4"})
 # Fields whose default value means "off": a recipe with another value there needs a measured technique.
 _DEFAULTS = {f: getattr(Recipe(), f) for f in ("precision", "checkpointing", "optimizer", "accumulation_steps", "lora_rank", "quantization")}
 
@@ -76,6 +82,12 @@ class Slowdown:
     parts: dict[str, float]
     unmeasured: list[str]
     device: str
+    floored: list[str] = field(default_factory=list)  # in ADDS_WORK and measured below 1: counted as 1.0
+
+    @property
+    def n_techniques(self) -> int:
+        """Return how many techniques the recipe turns on (measured or not)."""
+        return len(self.parts) + len(self.unmeasured)
 
 
 def _device_name(device: torch.device) -> str:
@@ -193,13 +205,16 @@ def expected_slowdown(recipe: Recipe | dict[str, Any], costs: TechniqueCosts) ->
 
     Ratios measured alone are multiplied as if independent (an approximation: the notebooks measure
     pairs where it matters). A technique the recipe uses but `costs` lacks counts as 1.0 and is named.
+    A technique of `ADDS_WORK` measured below 1.0 (timing noise) counts as 1.0 and is named in `floored`.
     LoRA's rank is matched on the measured rank only; another rank reuses that ratio.
     """
     rec = recipe if isinstance(recipe, Recipe) else Recipe.from_dict(dict(recipe))
     used, uncovered = techniques_used(rec)
-    parts = {n: costs.ratios[n] for n in used if n in costs.ratios}
+    measured = {n: costs.ratios[n] for n in used if n in costs.ratios}
+    floored = [n for n, r in measured.items() if n in ADDS_WORK and r < 1.0]
+    parts = {n: 1.0 if n in floored else r for n, r in measured.items()}
     unmeasured = [n for n in used if n not in costs.ratios] + uncovered
     ratio = 1.0
     for r in parts.values():
         ratio *= r
-    return Slowdown(ratio, parts, unmeasured, costs.device)
+    return Slowdown(ratio, parts, unmeasured, costs.device, floored)

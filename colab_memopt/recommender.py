@@ -255,13 +255,18 @@ def recommend(
     for rec in candidate_recipes(batch, target=tgt, mode=mode, model=arch):
         need = estimate.training_step_bytes(shape_model, batch, seq_len, rec).peak_bytes + fixed
         cands.append(Candidate(_name(rec, tgt, mode, arch), rec, expected_slowdown(rec, costs), need, limit))
-    key = (lambda c: (c.slowdown.ratio, c.analytic_need_bytes)) if objective == "fastest" else (lambda c: (c.analytic_need_bytes, c.slowdown.ratio))
+    # Fastest: least slowdown, then fewest techniques (equal expected time: take the simpler recipe), then memory.
+    key = ((lambda c: (c.slowdown.ratio, c.slowdown.n_techniques, c.analytic_need_bytes)) if objective == "fastest"
+           else (lambda c: (c.analytic_need_bytes, c.slowdown.ratio)))
     cands.sort(key=key)
     reasoning = [
         f"{len(cands)} candidates ({' x '.join(CANDIDATE_AXES)} x accumulation {[a for a in ACCUMULATION_STEPS if a <= batch and batch % a == 0]}, "
         f"mode {mode}); device limit {format_bytes(limit)} ({format_bytes(tgt.device_bytes)} less {headroom:.0%} headroom)",
         f"slowdowns: products of step-time ratios measured on {costs.device} ({costs.source})",
     ]
+    floored = sorted({n for c in cands for n in c.slowdown.floored})
+    if floored:
+        reasoning.append(f"counted as x1.00: {floored} (measured below 1, but they only add work: timing noise)")
     passed = [c for c in cands if c.analytic_need_bytes <= limit]
     reasoning.append(f"analytic screen: {len(passed)} of {len(cands)} fit")
     chosen = None

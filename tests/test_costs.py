@@ -21,6 +21,14 @@ def test_slowdown_multiplies_the_measured_ratios_of_the_techniques_used():
     assert expected_slowdown(Recipe(), costs).ratio == 1.0
 
 
+def test_a_technique_that_only_adds_work_is_never_counted_faster():
+    costs = _costs(**{"checkpoint-every-2": 0.76, "fp16-autocast": 0.5, "lora": 0.9})
+    s = expected_slowdown(Recipe(checkpointing="every_n", checkpoint_interval=2, precision="fp16-autocast"), costs)
+    assert s.parts == {"fp16-autocast": 0.5, "checkpoint-every-2": 1.0} and s.ratio == 0.5  # tensor cores may be faster
+    assert s.floored == ["checkpoint-every-2"] and s.n_techniques == 2
+    assert expected_slowdown(Recipe(lora_rank=16), costs).ratio == 0.9 and not expected_slowdown(Recipe(lora_rank=16), costs).floored
+
+
 def test_unmeasured_techniques_are_named_not_hidden():
     s = expected_slowdown(Recipe(optimizer="lion", checkpointing="full"), _costs())
     assert s.ratio == 1.0

@@ -37,6 +37,16 @@ def test_a_roomy_target_gets_the_cheapest_recipe_and_a_traced_plan():
     assert d["expected_slowdown"] == 1.0 and d["predicted_peak_bytes"] > 0 and d["slowdown_measured_on"] == "test"
 
 
+def test_fastest_takes_the_plain_recipe_over_noise_that_says_checkpointing_is_faster():
+    noisy = TechniqueCosts(ratios={**COSTS.ratios, "checkpoint-every-2": 0.76, "checkpoint-selective": 0.99},
+                           device="test", model="tiny", batch=1, seq_len=8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        r = recommend(_small, 2, seq_len=32, target="a100-80gb", mode="full", costs=noisy)
+    assert r.recipe.checkpointing == "none" and r.chosen.slowdown.ratio == 1.0 and r.chosen.slowdown.n_techniques == 0
+    assert any("counted as x1.00" in line and "checkpoint-every-2" in line for line in r.reasoning)
+
+
 def test_a_tight_target_forces_a_leaner_recipe_that_still_fits():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

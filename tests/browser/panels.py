@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import hashlib
+import json
 import os
 import shutil
 import signal
@@ -346,21 +347,28 @@ def check_panel(context, lab: Lab, notebook: Path, change: Change, screenshots: 
         handle = panel.element_handle()
         try:
             page.wait_for_function(
-                """([el, beforeText, plot]) => {
+                """([el, beforeText, plot, expect]) => {
                     const out = el.querySelector('.%s');
                     const nb = window.jupyterapp.shell.currentWidget;
                     const kernel = nb.sessionContext.session.kernel;
                     if (!out || !out.innerText.trim() || out.innerText === beforeText || kernel.status !== 'idle') return false;
+                    // stdout from a widget callback can land after the kernel reports idle (ipykernel flushes it
+                    // on a timer) and after stderr: wait for the expected text itself where there is one.
+                    if (out.innerText.includes(%s)) return true;  // a failed callback: reported below
+                    if (expect && !out.innerText.includes(expect)) return false;
                     if (!plot) return true;
                     const img = out.querySelector('img');  // drawn and decoded, so the screenshot shows it
                     return !!img && img.complete && img.naturalWidth > 0;
-                }""" % OUTPUT_CLASS,
-                arg=[handle, before["text"], change.plot], timeout=change_timeout_s * 1000, polling=250,
+                }""" % (OUTPUT_CLASS, json.dumps(TRACEBACK)),
+                arg=[handle, before["text"], change.plot, change.expect], timeout=change_timeout_s * 1000, polling=250,
             )
         except Exception as exc:  # Playwright's TimeoutError
             _screenshot(panel, screenshots / f"{stem}_after.png")
+            now = _panel_state(panel)["text"]
             raise AssertionError(f"{stem}: the panel's output did not change within {change_timeout_s:.0f} s "
-                                 f"after setting {change.control!r}" + (" (or drew no plot)" if change.plot else "")) from exc
+                                 f"after setting {change.control!r}" + (" (or drew no plot)" if change.plot else "")
+                                 + (f" (or never showed {change.expect!r})" if change.expect else "")
+                                 + f"; it shows:\n{now[-1500:]}") from exc
         page.wait_for_timeout(500)  # let the last display messages land
         page.wait_for_function(_KERNEL_IDLE, timeout=60_000)
         change_seconds = time.monotonic() - start
