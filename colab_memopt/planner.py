@@ -250,6 +250,36 @@ def _fake_safe_module_to() -> Iterator[None]:
         nn.Module.to = original  # type: ignore[method-assign]
 
 
+@contextlib.contextmanager
+def _fake_safe_bitsandbytes(mode: Any, optimizer: str) -> Iterator[None]:
+    """Let a bitsandbytes 8-bit optimizer be built under fake tensors, for the duration.
+
+    Its constructor builds the 256-value quantization code book with `.tolist()` on a tensor, a value
+    fake tensors cannot give; here the code book is built for real and handed to the fake mode. The
+    step itself traces: bitsandbytes registers fake implementations of its update ops.
+    """
+    from colab_memopt.optimizers import BNB_OPTIMIZERS, IN_BACKWARD_SUFFIX
+
+    if optimizer.removesuffix(IN_BACKWARD_SUFFIX) not in BNB_OPTIMIZERS:
+        yield
+        return
+    import bitsandbytes.functional as bnb_functional
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    original = bnb_functional.create_dynamic_map
+
+    def create_dynamic_map(*args: Any, **kwargs: Any) -> torch.Tensor:
+        with unset_fake_temporarily():
+            real = original(*args, **kwargs)
+        return mode.from_tensor(real, static_shapes=True)
+
+    bnb_functional.create_dynamic_map = create_dynamic_map
+    try:
+        yield
+    finally:
+        bnb_functional.create_dynamic_map = original
+
+
 class _Tracer:
     """Build the model once under fake tensors, warm it up, then trace steps at any batch size."""
 
@@ -263,7 +293,7 @@ class _Tracer:
         self.recipe = recipe
         self.cuda_rounding = cuda_rounding
         self._cache: dict[int, _Trace] = {}
-        with self.mode, _fake_safe_module_to():
+        with self.mode, _fake_safe_module_to(), _fake_safe_bitsandbytes(self.mode, recipe.optimizer):
             model = model_factory()
             self.model, self.optimizer = recipe.build(model)
             self.batches = _FakeBatches(_vocab_size(self.model))

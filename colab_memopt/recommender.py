@@ -211,7 +211,7 @@ def recommend(
         headroom: fraction of device memory kept free.
         costs: measured technique ratios (default: benchmarks/results/technique_costs.json).
         method: the planner's method for the confirming plans ('auto', 'trace', 'analytic'); with
-            'trace', candidates that cannot be traced (bitsandbytes, Adafactor) are skipped.
+            'trace', candidates that cannot be traced (bitsandbytes' 4-bit weights, Adafactor) are skipped.
         max_plans: at most this many candidates are confirmed with the planner.
 
     Raises:
