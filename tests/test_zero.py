@@ -80,3 +80,14 @@ def test_two_ranks_match_the_formulas():
         want = zero.zero_state_bytes(n, 3, 2, weight_bytes=4, grad_bytes=4, optimizer_bytes=12, persistent_params=b3["persistent_params"])
         for cat in ("parameters", "gradients", "optimizer_state"):
             assert b3[cat] == pytest.approx(want[cat], rel=0.02)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"world_size": 0}, "world_size must be an integer >= 1, got 0"),
+    ({"timeout_s": -1}, "timeout_s must be > 0, got -1"),
+])
+def test_run_zero_names_bad_arguments_before_launching(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        zero.run_zero(zero.ZeroJob(model_size="tiny", stages=(0,)), **kwargs)
+    with pytest.raises(ValueError, match=r"ZeRO stages must be in \(0, 1, 2, 3\), got \[4\]"):
+        zero.run_zero(zero.ZeroJob(model_size="tiny", stages=(4,)))
