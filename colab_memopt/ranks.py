@@ -2,8 +2,8 @@
 
 `zero.run_zero` (DeepSpeed ZeRO, notebook 10) and `structured.distributed_matvec` (notebook 13) use
 `launch`. A worker must live in an importable module (spawn re-imports it; a function defined in a
-notebook fails), is called as `worker(rank, world_size, *args)`, writes its results to a file in the
-work directory when it has finished, and calls `redirect_output` first, so that what it prints, C++
+notebook fails), is called as `worker(rank, world_size, *args)`, writes its result with `write_result`
+when it has finished, and calls `redirect_output` first, so that what it prints, C++
 aborts included, lands in `rank<N>.log` and is quoted when the rank fails.
 """
 
@@ -26,6 +26,20 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((LOOPBACK, 0))
         return s.getsockname()[1]
+
+
+def write_result(path: str | Path, save: Callable[[Path], None]) -> None:
+    """Write a rank's result whole: `save` writes a partial file, renamed to `path` once complete.
+
+    `launch` takes the presence of every result file to mean every rank has finished its work.
+
+    Example:
+        >>> write_result(Path(workdir, f"rank{rank}.json"), lambda p: p.write_text(json.dumps(out)))
+    """
+    path = Path(path)
+    partial = path.with_name(path.name + ".partial")
+    save(partial)
+    partial.rename(path)
 
 
 def log_path(workdir: str | Path, rank: int) -> Path:
@@ -68,7 +82,7 @@ def launch(
 
     Args:
         worker: a function of an importable module; rank r writes `workdir/result_file.format(rank=r)`
-            when its work is done.
+            with `write_result` when its work is done.
         world_size: number of ranks (>= 1).
         args: further arguments, picklable.
         workdir: where the ranks write their results and logs.

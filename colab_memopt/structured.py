@@ -357,9 +357,8 @@ def _matvec_worker(rank: int, world_size: int, port: int, workdir: str, timeout_
         pieces = [torch.zeros(width) for _ in spans]
         dist.all_gather(pieces, F.pad(y_local, (0, width - y_local.numel())))
         y = torch.cat([piece[: b - a] for piece, (a, b) in zip(pieces, spans)])
-        partial = Path(workdir, f"rank{rank}.pt.partial")  # renamed when whole: its presence means done
-        torch.save({"y": y, "factor_bytes": shard_bytes, "band_bytes": band_bytes}, partial)
-        partial.rename(Path(workdir, f"rank{rank}.pt"))
+        result = {"y": y, "factor_bytes": shard_bytes, "band_bytes": band_bytes}
+        ranks.write_result(Path(workdir, f"rank{rank}.pt"), lambda path: torch.save(result, path))
     finally:
         dist.destroy_process_group()
 

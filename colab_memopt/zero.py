@@ -2,7 +2,8 @@
 
 `deepspeed_config` turns a `Recipe` (zero_stage, offload_optimizer, offload_param) into a DeepSpeed
 config that DeepSpeed's own config classes validate. `run_zero` launches ranks with `ranks.launch`
-(spawned processes; the worker lives here, so it is importable), the gloo backend on 127.0.0.1, and reads on every rank the bytes DeepSpeed's engine and optimizer hold:
+(spawned processes; the worker lives here, so it is importable), the gloo backend on 127.0.0.1,
+and reads on every rank the bytes DeepSpeed's engine and optimizer hold:
 parameters, gradients and optimizer state (`rank_state_bytes`). `zero_state_bytes` is the ZeRO
 paper's formula (Rajbhandari et al. 2020) to compare them with.
 """
@@ -410,8 +411,7 @@ def _checkpoint_run(job: ZeroJob, rank: int) -> dict[str, Any]:
 def _zero_worker(rank: int, world_size: int, port: int, job_dict: dict[str, Any], out_dir: str) -> None:
     """One rank: init gloo on loopback, run each stage (and FSDP2, offload, checkpoint), write rank<N>.json.
 
-    The rank's stdout and stderr go to rank<N>.log, which `run_zero` quotes when the rank fails; the
-    result file appears whole (written, then renamed), so its presence means the rank's work is done.
+    The rank's stdout and stderr go to rank<N>.log, which `run_zero` quotes when the rank fails.
     """
     import logging
 
@@ -436,9 +436,7 @@ def _zero_worker(rank: int, world_size: int, port: int, job_dict: dict[str, Any]
         out["runs"]["fsdp2"] = _fsdp_run(job, rank)
     if job.checkpoint_stage is not None:
         out["checkpoint"] = _checkpoint_run(job, rank)
-    partial = Path(out_dir, f"rank{rank}.json.partial")
-    partial.write_text(json.dumps(out))
-    partial.rename(Path(out_dir, f"rank{rank}.json"))
+    ranks.write_result(Path(out_dir, f"rank{rank}.json"), lambda path: path.write_text(json.dumps(out)))
     import torch.distributed as dist
 
     dist.barrier()

@@ -3,7 +3,7 @@ import json
 import pytest
 
 from colab_memopt.costs import (
-    TECHNIQUES, TechniqueCosts, expected_slowdown, load_technique_costs, measure_technique_costs, techniques_used,
+    ADDS_WORK, TECHNIQUES, TechniqueCosts, expected_slowdown, load_technique_costs, measure_technique_costs, techniques_used,
 )
 from colab_memopt.recipe import Recipe
 
@@ -27,6 +27,11 @@ def test_a_technique_that_only_adds_work_is_never_counted_faster():
     assert s.parts == {"fp16-autocast": 0.5, "checkpoint-every-2": 1.0} and s.ratio == 0.5  # tensor cores may be faster
     assert s.floored == ["checkpoint-every-2"] and s.n_techniques == 2
     assert expected_slowdown(Recipe(lora_rank=16), costs).ratio == 0.9 and not expected_slowdown(Recipe(lora_rank=16), costs).floored
+
+
+def test_adds_work_names_measured_techniques():
+    assert ADDS_WORK <= set(TECHNIQUES), ADDS_WORK - set(TECHNIQUES)
+    assert not ADDS_WORK & {"fp16-autocast", "bf16-autocast", "lora", "qlora"}  # these can really be faster
 
 
 def test_unmeasured_techniques_are_named_not_hidden():

@@ -13,8 +13,8 @@ from colab_memopt import ranks
 
 
 def _write_result(workdir: str, rank: int, world_size: int) -> None:
-    Path(workdir, f"rank{rank}.json").write_text(json.dumps({"rank": rank, "world_size": world_size,
-                                                             "threads": os.environ.get("OMP_NUM_THREADS")}))
+    out = {"rank": rank, "world_size": world_size, "threads": os.environ.get("OMP_NUM_THREADS")}
+    ranks.write_result(Path(workdir, f"rank{rank}.json"), lambda path: path.write_text(json.dumps(out)))
 
 
 def _ok_worker(rank: int, world_size: int, workdir: str) -> None:
@@ -60,6 +60,7 @@ def test_launch_runs_every_rank_with_its_threads(tmp_path):
         out = json.loads((tmp_path / f"rank{r}.json").read_text())
         assert out == {"rank": r, "world_size": 2, "threads": "1"}
         assert f"rank {r} says hello" in ranks.log_tail(tmp_path, r)
+    assert not list(tmp_path.glob("*.partial"))
 
 
 def test_a_rank_that_raises_names_itself_and_quotes_its_log(tmp_path):
