@@ -2,6 +2,9 @@
 
     python -m colab_memopt plan --model gpt2 --batch 8 --seq 1024 --target t4 [--json]
     python -m colab_memopt recommend --model llama-3.2-1b --seq 512 --target t4 [--mode auto] [--json]
+    python -m colab_memopt doctor --model Qwen/Qwen2.5-0.5B --recipe precision=bf16-autocast --target t4 [--json]
+
+--model takes one of our names, a Hugging Face id, a local folder or a config.json.
 """
 
 from __future__ import annotations
@@ -28,7 +31,9 @@ def _recipe_fields(items: list[str]) -> dict[str, Any]:
         if "=" not in item:
             raise ValueError(f"--recipe takes field=value pairs, got {item!r}")
         key, value = item.split("=", 1)
-        fields[key.strip()] = _value(value.strip())
+        key = key.strip()
+        # lora_targets=q_proj,v_proj: a tuple of module names
+        fields[key] = tuple(v.strip() for v in value.split(",") if v.strip()) if key == "lora_targets" else _value(value.strip())
     return fields
 
 
@@ -66,6 +71,15 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--costs", default=None, help="technique_costs.json to read (default: benchmarks/results/)")
     r.add_argument("--method", default="auto", choices=["auto", "trace", "analytic"], help="planner method for the confirming plans")
     r.add_argument("--json", action="store_true", help="print one JSON object")
+
+    d = sub.add_parser("doctor", help="the T4 pitfalls of a model and recipe, found before the first step")
+    d.add_argument("--model", required=True, help="a name, a Hugging Face id, a local folder or a config.json")
+    d.add_argument("--recipe", nargs="*", default=[], metavar="FIELD=VALUE", help="recipe fields, e.g. precision=bf16-autocast")
+    d.add_argument("--target", default="t4", help=f"one of {', '.join(TARGETS)} or auto (this GPU, else a T4)")
+    d.add_argument("--batch", type=int, default=1, help="sequences per step (default 1)")
+    d.add_argument("--seq", type=int, default=None, help="tokens per sequence (default: min(512, the model's maximum))")
+    d.add_argument("--method", default="auto", choices=["auto", "trace", "analytic"])
+    d.add_argument("--json", action="store_true", help="print one JSON object")
     return parser
 
 
@@ -96,10 +110,27 @@ def _recommend(args: argparse.Namespace) -> int:
     return 0
 
 
+def _doctor(args: argparse.Namespace) -> int:
+    from colab_memopt.doctor import doctor, to_json
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            result = doctor(args.model, recipe=_recipe_fields(args.recipe), target=args.target, batch=args.batch,
+                            seq_len=args.seq, method=args.method)
+    except (ValueError, TypeError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(to_json(result) if args.json else result)
+    return 0 if result.ok else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "recommend":
         return _recommend(args)
+    if args.command == "doctor":
+        return _doctor(args)
     from colab_memopt.planner import plan
 
     try:

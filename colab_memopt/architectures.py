@@ -24,13 +24,17 @@ class Architecture:
     config: dict[str, Any]
     source: str
 
+    def hf_config(self) -> Any:
+        """Return the transformers config of this architecture."""
+        import transformers
+
+        return getattr(transformers, _CLASSES[self.family][0])(**self.config)
+
     def build(self) -> nn.Module:
         """Return the model with random weights on the current default device."""
         import transformers
 
-        config_cls, model_cls = _CLASSES[self.family]
-        config = getattr(transformers, config_cls)(**self.config)
-        return getattr(transformers, model_cls)(config)
+        return getattr(transformers, _CLASSES[self.family][1])(self.hf_config())
 
     @property
     def max_seq_len(self) -> int:
@@ -85,7 +89,8 @@ def model_factory(name: str, **overrides: Any) -> Callable[[], nn.Module]:
     """Return a zero-argument function that builds the named model with random weights.
 
     Reference sizes ('tiny' ... '1b') build `models.GPT` (overrides are config fields); real
-    architectures ('llama-3.2-1b', 'qwen2.5-0.5b', ...) build the transformers model.
+    architectures ('llama-3.2-1b', 'qwen2.5-0.5b', ...) build the transformers model; anything else
+    `resolve_model` accepts (a Hugging Face id, a folder or config.json) builds from its config.
     """
     if name in MODEL_SIZES:
         return lambda: build_model(name, device="cpu", **overrides)
@@ -93,7 +98,9 @@ def model_factory(name: str, **overrides: Any) -> Callable[[], nn.Module]:
         if overrides:
             raise ValueError(f"overrides apply to reference sizes only, got {sorted(overrides)} for {name!r}")
         return ARCHITECTURES[name].build
-    raise ValueError(f"unknown model {name!r}; choose one of {model_names()}")
+    if overrides:
+        raise ValueError(f"overrides apply to reference sizes only, got {sorted(overrides)} for {name!r}")
+    return resolve_model(name).build
 
 
 def max_seq_len(name: str) -> int:
@@ -102,4 +109,198 @@ def max_seq_len(name: str) -> int:
         return MODEL_SIZES[name].seq_len
     if name in ARCHITECTURES:
         return ARCHITECTURES[name].max_seq_len
-    raise ValueError(f"unknown model {name!r}; choose one of {model_names()}")
+    limit = resolve_model(name).max_seq_len
+    if limit is None:
+        raise ValueError(f"model {name!r} has no maximum sequence length in its config: give seq_len")
+    return limit
+
+
+# -- Any causal LM: our names, a Hugging Face model id, a local folder or config.json, a config, a factory.
+
+HUB_HOST = "huggingface.co"
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model the planner, the recommender and the loader can use: how to build it and what it is.
+
+    `build` returns the model with random weights on the current default device (`meta` or fake
+    tensors for planning); `family` is transformers' `model_type` ('llama', 'qwen2', ...) where known;
+    `config` the `PretrainedConfig` where there is one; `source` says where it came from.
+    """
+
+    name: str
+    build: Callable[[], nn.Module]
+    max_seq_len: int | None
+    family: str | None
+    config: Any = None
+    source: str = ""
+    path: str | None = None  # a local folder that may also hold weights and a tokenizer
+
+
+# Models resolved from ids, folders and configs, by name: `model_factory`, `max_seq_len` and
+# `family_of` find them again (the recommender and capacity pass names around).
+_RESOLVED: dict[str, ModelSpec] = {}
+
+
+def _hub_reachable(timeout_s: float = 3.0) -> bool:
+    """Return whether the Hugging Face hub answers at all (one TCP connection, `timeout_s` at most)."""
+    import os
+    import socket
+
+    if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes"):
+        return False
+    try:
+        socket.create_connection((HUB_HOST, 443), timeout=timeout_s).close()
+    except OSError:
+        return False
+    return True
+
+
+def _config_seq_len(config: Any) -> int | None:
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def _from_config(name: str, config: Any, source: str, path: str | None = None) -> ModelSpec:
+    """Return the spec of a transformers causal LM built from `config` (fp32 weights, whatever the checkpoint's dtype)."""
+    import torch
+    import transformers
+
+    from_config = transformers.AutoModelForCausalLM.from_config
+    try:
+        transformers.AutoModelForCausalLM._model_mapping[type(config)]
+    except KeyError:
+        raise ValueError(
+            f"{name!r} is a {config.model_type!r} model, which transformers {transformers.__version__} cannot build as a "
+            "causal language model (AutoModelForCausalLM); give a causal LM's id, folder or config"
+        ) from None
+
+    def build() -> nn.Module:
+        # Training keeps fp32 master weights; the recipe (not the checkpoint's dtype) decides the precision.
+        return from_config(config, dtype=torch.float32)
+
+    build.__name__ = name
+    spec = ModelSpec(name, build, _config_seq_len(config), getattr(config, "model_type", None), config, source, path)
+    _RESOLVED[name] = spec
+    return spec
+
+
+def _read_config(path: Any) -> Any:
+    import transformers
+
+    try:
+        return transformers.AutoConfig.from_pretrained(str(path))
+    except (OSError, ValueError, KeyError) as exc:
+        raise ValueError(f"cannot read a transformers config from {str(path)!r}: {str(exc).splitlines()[0]}") from None
+
+
+def resolve_model(model: Any) -> ModelSpec:
+    """Return the `ModelSpec` of a model given in any of the accepted forms.
+
+    Args:
+        model: one of our names (`model_names()`); a local folder holding a `config.json` or the path of
+            a `config.json`; a Hugging Face model id such as 'Qwen/Qwen2.5-0.5B' (its config is read
+            with `transformers.AutoConfig`: from the local cache, else from the hub); a
+            `transformers.PretrainedConfig`; or a zero-argument function that builds an `nn.Module`.
+
+    Raises:
+        ValueError: an unknown name, a folder without a config, a config transformers cannot build as
+            a causal LM, or a hub id on a machine that cannot reach the hub (the message says so).
+
+    Example:
+        >>> spec = resolve_model("path/to/folder")        # folder with config.json
+        >>> plan(spec.build, 1, seq_len=128)               # or simply plan("path/to/folder", ...)
+    """
+    from pathlib import Path
+
+    if isinstance(model, ModelSpec):
+        return model
+    if isinstance(model, str):
+        if model in MODEL_SIZES or model in ARCHITECTURES:
+            arch = ARCHITECTURES.get(model)
+            return ModelSpec(model, model_factory(model), max_seq_len(model), arch.family if arch else None,
+                             arch.hf_config() if arch else None, source="colab_memopt.architectures")
+        if model in _RESOLVED:
+            return _RESOLVED[model]
+        path = Path(model).expanduser()
+        if path.is_dir() or path.is_file():
+            folder = path if path.is_dir() else path.parent
+            if path.is_file() and path.name != "config.json":
+                raise ValueError(f"a model file must be a config.json, got {model!r}")
+            if not (folder / "config.json").is_file():
+                raise ValueError(f"the folder {str(folder)!r} holds no config.json: give a folder saved with save_pretrained")
+            return _from_config(model, _read_config(folder), f"local config {folder / 'config.json'}", str(folder))
+        if model.count("/") == 1 and not model.startswith((".", "/", "~")) and all(model.split("/")):
+            return _from_hub(model)
+        raise ValueError(
+            f"unknown model {model!r}: not one of our names ({', '.join(model_names())}), not a local folder or "
+            "config.json, and not a Hugging Face id ('org/name')"
+        )
+    try:
+        from transformers import PretrainedConfig
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        PretrainedConfig = ()  # type: ignore[assignment,misc]
+    if PretrainedConfig and isinstance(model, PretrainedConfig):
+        name = getattr(model, "name_or_path", "") or f"{model.model_type}-config-{id(model):x}"
+        return _from_config(name, model, f"PretrainedConfig ({type(model).__name__})")
+    if callable(model):
+        name = getattr(model, "__name__", "model")
+        return ModelSpec(name, model, None, None, source="factory")
+    raise TypeError(
+        f"model must be a name, a Hugging Face id, a folder or config.json, a PretrainedConfig or a zero-argument "
+        f"factory, got {type(model).__name__}"
+    )
+
+
+def _from_hub(model_id: str) -> ModelSpec:
+    """Return the spec of a hub model from its config: the local cache first, then the hub if it answers."""
+    import transformers
+
+    try:
+        config = transformers.AutoConfig.from_pretrained(model_id, local_files_only=True)
+    except (OSError, ValueError):
+        if not _hub_reachable():
+            raise ValueError(
+                f"cannot read the config of Hugging Face model {model_id!r}: no network (huggingface.co unreachable) "
+                "and not in the local cache; download it where there is a network, or give a local folder or config.json"
+            ) from None
+        try:
+            config = transformers.AutoConfig.from_pretrained(model_id)
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"cannot read the config of Hugging Face model {model_id!r}: {str(exc).splitlines()[0]}") from None
+    return _from_config(model_id, config, f"Hugging Face config {model_id}", None)
+
+
+def family_of(model: Any) -> str | None:
+    """Return the transformers `model_type` of a model (None for the reference model and factories)."""
+    return resolve_model(model).family
+
+
+# Small configs of transformers families, for tests and CI runs: a few hundred thousand parameters.
+SMALL_FAMILIES = ("llama", "qwen2", "mistral", "phi3", "gemma2", "gpt_neox")
+
+
+def small_config(family: str, **overrides: Any) -> Any:
+    """Return a small `PretrainedConfig` of a transformers family (2 layers, width 64, vocabulary 512).
+
+    For tests and CI: save it with `.save_pretrained(folder)` and pass the folder wherever a model is
+    taken. `overrides` replace config fields (e.g. num_hidden_layers=4).
+    """
+    import transformers
+
+    if not isinstance(family, str) or family not in transformers.CONFIG_MAPPING:
+        raise ValueError(f"unknown transformers family {family!r}; for example one of {SMALL_FAMILIES}")
+    values: dict[str, Any] = dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=512, pad_token_id=0, bos_token_id=1, eos_token_id=2, max_position_embeddings=2048,
+    )
+    if family == "gemma2":
+        values.update(head_dim=16, sliding_window=64)
+    if family == "gpt_neox":
+        values.pop("num_key_value_heads")
+    values.update(overrides)
+    return transformers.AutoConfig.for_model(family, **values)

@@ -131,6 +131,15 @@ def largest_scaled(base: str, *, mode: str, seq_len: int, batch: int = 1, target
     return lo_fit, hi_fit
 
 
+def _resolves(model: str) -> bool:
+    """Return whether `model` is a name, id, folder or config.json that `architectures.resolve_model` takes."""
+    try:
+        architectures.resolve_model(model)
+    except ValueError:
+        return False
+    return True
+
+
 def _short(recipe: Recipe) -> str:
     base = Recipe().to_dict()
     return ", ".join(f"{k}={v}" for k, v in recipe.to_dict().items() if base[k] != v) or "baseline"
@@ -150,9 +159,10 @@ def capacity_table(
 
     Rows also hold the smallest model that does not fit and by how much it is short.
     """
-    unknown = [m for m in models if m not in architectures.model_names() and m not in _SCALED]
+    unknown = [m for m in models if m not in _SCALED and not _resolves(m)]
     if unknown:
-        raise ValueError(f"unknown model(s) {unknown}; choose from {architectures.model_names()}")
+        raise ValueError(f"unknown model(s) {unknown}; choose from {architectures.model_names()}, "
+                         "or give a Hugging Face id, a folder or a config.json")
     ordered = sorted(models, key=model_params)
     rows = []
     for preset in presets:

@@ -35,9 +35,9 @@ LAYERS: tuple[Layer, ...] = (
            "checkpointing", "accumulation", "optimizers", "quantization", "compression", "offload",
            "zero", "phases", "batching")),
     Layer("recipe", "the Recipe, its presets and the training step that apply the techniques",
-          ("recipe", "presets", "train")),
+          ("recipe", "presets", "train", "loading")),
     Layer("planning", "what fits before a run, and what went wrong after one",
-          ("estimate", "planner", "costs", "recommender", "capacity", "monitor", "oom")),
+          ("estimate", "planner", "costs", "recommender", "capacity", "monitor", "oom", "doctor")),
     Layer("tooling", "the notebooks' runner, roll-up, plots and widgets, and the command line",
           ("runner", "rollup", "project", "plots", "widgets", "layers", "__main__")),
 )

@@ -405,3 +405,54 @@ def compare(reports: Mapping[str, MemoryReport]) -> Comparison:
         row["time_ratio"] = rep.step_seconds / base.step_seconds if base.step_seconds else float("nan")
         rows.append(row)
     return Comparison(rows)
+
+
+class HostPeak:
+    """Sample this process's resident memory (RSS) in a thread and keep its peak, inside a `with` block.
+
+    For host RAM, which no allocator counts: loading a model, building a corpus. Sampled every
+    `interval_s` seconds (a peak shorter than that can be missed), plus once at entry and exit.
+
+    Example:
+        >>> with HostPeak() as host:
+        ...     model = load_model(path).model
+        >>> host.peak_bytes, host.added_bytes   # peak RSS; peak less the RSS at entry
+    """
+
+    def __init__(self, interval_s: float = 0.005) -> None:
+        if not interval_s > 0:
+            raise ValueError(f"interval_s must be > 0, got {interval_s}")
+        self.interval_s = interval_s
+        self.start_bytes = 0
+        self.peak_bytes = 0
+        self.end_bytes = 0
+        self._stop: Any = None
+        self._thread: Any = None
+
+    def _sample(self) -> None:
+        import psutil
+
+        process = psutil.Process()
+        while not self._stop.is_set():
+            self.peak_bytes = max(self.peak_bytes, process.memory_info().rss)
+            self._stop.wait(self.interval_s)
+
+    def __enter__(self) -> HostPeak:
+        import threading
+
+        self.start_bytes = self.peak_bytes = host_memory().rss_bytes
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.end_bytes = host_memory().rss_bytes
+        self.peak_bytes = max(self.peak_bytes, self.end_bytes)
+
+    @property
+    def added_bytes(self) -> int:
+        """Return the peak less the RSS at entry: what the block needed on top of the process."""
+        return self.peak_bytes - self.start_bytes

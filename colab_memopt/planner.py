@@ -444,7 +444,7 @@ def _host_costs(recipe: Recipe, batch: int, seq_len: int, n_params: int = 0) -> 
 
 
 def plan(
-    model_factory: Callable[[], nn.Module] | str,
+    model_factory: Callable[[], nn.Module] | str | Any,
     batch: int,
     *,
     seq_len: int | None = None,
@@ -458,8 +458,9 @@ def plan(
 
     Args:
         model_factory: a zero-argument function that builds the model (any `nn.Module` with
-            `model(input_ids, labels=...)` -> `.loss` and `.config.vocab_size`), or a model name
-            from `architectures.model_names()`.
+            `model(input_ids, labels=...)` -> `.loss` and `.config.vocab_size`), a model name
+            from `architectures.model_names()`, a Hugging Face model id, a local folder or
+            config.json, or a `transformers.PretrainedConfig` (see `architectures.resolve_model`).
         batch: sequences per step (>= 1).
         seq_len: tokens per sequence (>= 1; default: the reference model's seq_len).
         recipe: the techniques applied (a `Recipe` or a dict of its fields).
@@ -486,13 +487,12 @@ def plan(
     if batch < rec.accumulation_steps:
         raise ValueError(f"batch {batch} is smaller than recipe.accumulation_steps={rec.accumulation_steps}: "
                          "the batch is the effective batch, split into that many micro-batches")
-    name = model_factory if isinstance(model_factory, str) else getattr(model_factory, "__name__", "model")
-    if isinstance(model_factory, str):
-        limit = architectures.max_seq_len(model_factory)
+    spec = architectures.resolve_model(model_factory)  # a name, hub id, folder, config.json, config or factory
+    name, limit, model_factory = spec.name, spec.max_seq_len, spec.build
+    if limit is not None:
         seq_len = limit if seq_len is None else seq_len
         if isinstance(seq_len, int) and seq_len > limit:
-            raise ValueError(f"seq_len {seq_len} exceeds {model_factory!r}'s maximum of {limit}")
-        model_factory = architectures.model_factory(model_factory)
+            raise ValueError(f"seq_len {seq_len} exceeds {name!r}'s maximum of {limit}")
     if seq_len is None or isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
         raise ValueError(f"seq_len must be an integer >= 1, got {seq_len!r}")
 

@@ -85,9 +85,11 @@ MODES: dict[str, dict[str, Any]] = {
 
 # LoRA adapters go on these Linear layers per architecture family (transformers' module names); the
 # reference model's are `quantization.DEFAULT_LORA_TARGETS`.
+_LLAMA_LIKE = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 LORA_TARGETS_BY_FAMILY: dict[str, tuple[str, ...]] = {
-    "llama": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
-    "qwen2": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+    **{family: _LLAMA_LIKE for family in ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3_text", "olmo", "olmo2")},
+    "phi3": ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"),
+    "gpt_neox": ("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"),
 }
 
 
@@ -108,9 +110,9 @@ def mode_fields(mode: str, model: str | None = None) -> dict[str, Any]:
         raise ValueError(f"unknown mode {mode!r}; choose one of {list(MODES)}")
     values = dict(MODES[mode])
     if values.get("lora_rank") and model is not None:
-        from colab_memopt.architectures import ARCHITECTURES
+        from colab_memopt.architectures import family_of
 
-        family = ARCHITECTURES[model].family if model in ARCHITECTURES else None
+        family = family_of(model)  # our names, and ids, folders and configs already resolved
         if family in LORA_TARGETS_BY_FAMILY:
             values["lora_targets"] = LORA_TARGETS_BY_FAMILY[family]
         elif family is not None:

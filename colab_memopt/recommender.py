@@ -175,14 +175,11 @@ def candidate_recipes(batch: int, *, target: Any = "t4", mode: str = "full", mod
     return list(dict.fromkeys(out))
 
 
-def _model(model: Callable[[], nn.Module] | str) -> tuple[str, Callable[[], nn.Module]]:
+def _model(model: Callable[[], nn.Module] | str | Any) -> tuple[str, Callable[[], nn.Module]]:
     from colab_memopt import architectures
 
-    if isinstance(model, str):
-        return model, architectures.model_factory(model)
-    if not callable(model):
-        raise TypeError(f"model must be a model name or a zero-argument factory, got {type(model).__name__}")
-    return getattr(model, "__name__", "model"), model
+    spec = architectures.resolve_model(model)  # a name, hub id, folder, config.json, config or factory
+    return spec.name, spec.build
 
 
 def recommend(
@@ -201,7 +198,8 @@ def recommend(
     """Return the recipe that fits `target` with `headroom` at the least expected slowdown.
 
     Args:
-        model: a model name (`architectures.model_names()`) or a zero-argument factory.
+        model: a model name (`architectures.model_names()`), a Hugging Face id, a folder or config.json,
+            a `PretrainedConfig`, or a zero-argument factory (`architectures.resolve_model`).
         batch: the effective batch (sequences per optimizer step); accumulation may split it.
         seq_len: tokens per sequence (default: the model's maximum).
         target: 't4', 'l4', ... or a `Target` / dict (as `plan` takes).
@@ -239,10 +237,10 @@ def recommend(
         raise ValueError(f"max_plans must be an integer >= 1, got {max_plans!r}")
     tgt = get_target(target)
     name, factory = _model(model)
-    if isinstance(model, str):
+    if seq_len is None and not callable(model):
         from colab_memopt import architectures
 
-        seq_len = architectures.max_seq_len(model) if seq_len is None else seq_len
+        seq_len = architectures.max_seq_len(name)
     if seq_len is None or isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
         raise ValueError(f"seq_len must be an integer >= 1, got {seq_len!r}")
     costs = costs if costs is not None else load_technique_costs()
@@ -251,7 +249,7 @@ def recommend(
     limit = int(tgt.device_bytes * (1 - headroom))
     fixed = tgt.cuda_context_bytes if tgt.cuda else 0
     cands = []
-    arch = model if isinstance(model, str) else None
+    arch = name if not callable(model) else None  # named, id, folder or config: LoRA targets by family
     for rec in candidate_recipes(batch, target=tgt, mode=mode, model=arch):
         need = estimate.training_step_bytes(shape_model, batch, seq_len, rec).peak_bytes + fixed
         cands.append(Candidate(_name(rec, tgt, mode, arch), rec, expected_slowdown(rec, costs), need, limit))

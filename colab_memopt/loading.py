@@ -1,0 +1,253 @@
+"""Load your own model without running out of host RAM: the dtype, device and path a recipe needs.
+
+Colab's free tier has 12.7 GB of host RAM for a 14.74 GiB T4: the classic way to load a model
+(random fp32 weights, then the whole state dict beside them, then `.to("cuda")`) needs 4 bytes per
+parameter plus the checkpoint in host RAM, and a 3B model's load kills the runtime before training
+starts (NSQL#9). `load_model` loads through transformers' meta-device initialisation (nothing is
+allocated before the weights are read) shard by shard, straight to the device, in the dtype the
+recipe needs:
+
+- frozen base weights (LoRA) in fp16 on a GPU without native bf16 (a T4), bf16 where it is native;
+- trainable weights (full fine-tuning) in fp32: they are the master weights that fp16 autocast and
+  the GradScaler need (fp16 trainable weights fail with "Attempting to unscale FP16 gradients");
+- 4-bit bitsandbytes weights (nf4/fp4) for QLoRA, quantized shard by shard on the GPU
+  (`BitsAndBytesConfig`); on the CPU, after loading, with `quantization.quantize_model`;
+- peft LoRA adapters, checkpointing and the optimizer per the recipe.
+
+`load_host_bytes` gives the host RAM each path needs, for the plan and the doctor.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from colab_memopt.architectures import ModelSpec, resolve_model
+from colab_memopt.env import bf16_native, pick_device
+from colab_memopt.measure import HostPeak, format_bytes
+from colab_memopt.quantization import DEFAULT_LORA_TARGETS, add_lora, quantize_model
+from colab_memopt.recipe import Recipe
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+_DTYPE_BYTES = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 2}
+
+
+def _unique_params(model: nn.Module) -> int:
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+
+def _checkpoint_dtype(config: Any) -> torch.dtype:
+    values = vars(config) if config is not None else {}
+    value = values.get("dtype") or values.get("torch_dtype")  # transformers 5 says dtype, 4 torch_dtype
+    if isinstance(value, str):
+        value = getattr(torch, value, None)
+    return value if isinstance(value, torch.dtype) and value in _DTYPE_BYTES else torch.float32
+
+
+def load_dtype(recipe: Recipe, device_type: str, native_bf16: bool = False) -> torch.dtype:
+    """Return the dtype the weights are loaded in: fp32 where they train, 16-bit where they stay frozen on a GPU.
+
+    Frozen base weights (LoRA) take fp16 on a GPU without native bf16 (a T4), bf16 where it is native;
+    trained weights stay fp32 (the master copy mixed precision needs), and so does everything on the CPU.
+    """
+    if recipe.precision == "bf16":
+        return torch.bfloat16
+    if device_type == "cuda" and recipe.lora_rank:
+        return torch.bfloat16 if native_bf16 else torch.float16
+    return torch.float32
+
+
+@dataclass
+class LoadPlan:
+    """What loading a model's weights needs in host RAM, by the path `load_model` takes and the classic one."""
+
+    model: str
+    params: int
+    checkpoint_bytes: int  # on disk (or params x the config's dtype where the files are not here)
+    largest_shard_bytes: int
+    checkpoint_dtype: str
+    load_dtype: str
+    device: str
+    four_bit: bool
+    host_bytes: int  # load_model's path: meta-device init, shard by shard, straight to `device`
+    classic_host_bytes: int  # random fp32 init, then the whole state dict beside it, then .to(device)
+    path: str
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+    def __str__(self) -> str:
+        return (f"loading {self.model} ({self.params / 1e6:.1f}M parameters, checkpoint {format_bytes(self.checkpoint_bytes)} "
+                f"in {self.checkpoint_dtype}, largest shard {format_bytes(self.largest_shard_bytes)}) to {self.device} in "
+                f"{self.load_dtype}{' (4-bit)' if self.four_bit else ''}: host RAM {format_bytes(self.host_bytes)} by {self.path}; "
+                f"the classic load (fp32 init + state dict) would need {format_bytes(self.classic_host_bytes)}")
+
+
+def _weight_files(folder: str | None) -> list[Path]:
+    if folder is None:
+        return []
+    return sorted(p for p in Path(folder).iterdir() if p.suffix in WEIGHT_SUFFIXES and p.is_file())
+
+
+def load_host_bytes(model: Any, recipe: Recipe | None = None, device: str | torch.device = "cuda", *,
+                    native_bf16: bool = False) -> LoadPlan:
+    """Return the host RAM that loading `model`'s weights needs, on `load_model`'s path and the classic one.
+
+    Args:
+        model: anything `architectures.resolve_model` takes (a Hugging Face id, a folder, ...).
+        recipe: decides the load dtype and 4-bit quantization (default: full fine-tuning in fp32).
+        device: where the weights go: 'cuda' (the default: plan for the GPU even on a CPU) or 'cpu'.
+        native_bf16: whether that GPU has native bf16 (a T4 has not: frozen weights load in fp16).
+
+    The figures: the checkpoint's files on disk where they are local (else parameters x the config's
+    dtype); straight to a GPU, the host holds about one shard at a time; to the CPU, the whole model
+    in the load dtype plus the shard being read; the classic path holds fp32 random weights plus the
+    whole state dict.
+    """
+    recipe = recipe or Recipe()
+    spec = resolve_model(model)
+    dev = torch.device(device) if not isinstance(device, torch.device) else device
+    with torch.device("meta"):
+        params = _unique_params(spec.build())
+    ckpt_dtype = _checkpoint_dtype(spec.config)
+    files = _weight_files(spec.path)
+    notes = []
+    if files:
+        sizes = [p.stat().st_size for p in files]
+        checkpoint, largest = sum(sizes), max(sizes)
+    else:
+        checkpoint = largest = params * _DTYPE_BYTES[ckpt_dtype]
+        notes.append("no weight files here: checkpoint size from the parameter count and the config's dtype, one shard assumed")
+    dtype = load_dtype(recipe, dev.type, native_bf16)
+    four_bit = recipe.quantization in ("nf4", "fp4") and recipe.quantization_phase == "all"
+    if dev.type == "cuda":
+        host = largest
+        path = "meta-device init, shards straight to the GPU (device_map)"
+    else:
+        host = params * _DTYPE_BYTES[dtype] + largest
+        path = "meta-device init, the model in host RAM, one shard read at a time"
+    classic = params * 4 + checkpoint
+    return LoadPlan(spec.name, params, checkpoint, largest, str(ckpt_dtype).removeprefix("torch."),
+                    str(dtype).removeprefix("torch."), str(dev), four_bit, host, classic, path, notes)
+
+
+@dataclass
+class LoadedModel:
+    """A loaded model with the recipe applied, its optimizer, and what loading took."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    recipe: Recipe
+    dtype: torch.dtype
+    device: torch.device
+    random_weights: bool
+    host_peak_bytes: int  # this process's peak RSS while loading (sampled)
+    host_added_bytes: int  # that peak less the RSS before loading
+    seconds: float
+    source: str
+    notes: list[str] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+        return (f"loaded {self.source} to {self.device} in {str(self.dtype).removeprefix('torch.')}"
+                f"{' (random weights: no checkpoint)' if self.random_weights else ''} in {self.seconds:.1f} s; "
+                f"host RAM peak {format_bytes(self.host_peak_bytes)} (+{format_bytes(self.host_added_bytes)}); "
+                f"{trainable / 1e6:.2f}M trainable parameters" + "".join(f"\n  note: {n}" for n in self.notes))
+
+
+def _bnb_config(recipe: Recipe, dtype: torch.dtype) -> Any:
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=recipe.quantization,
+                              bnb_4bit_compute_dtype=torch.float32 if dtype == torch.float32 else dtype,
+                              llm_int8_skip_modules=["lm_head"])
+
+
+def load_model(id_or_path: Any, recipe: Recipe | dict[str, Any] | None = None, device: str | torch.device = "auto") -> LoadedModel:
+    """Load a causal LM's weights without a host-RAM spike, apply the recipe, and return it with its optimizer.
+
+    Args:
+        id_or_path: a Hugging Face model id, a folder saved with `save_pretrained` (weights and
+            config.json), or anything else `architectures.resolve_model` takes (a config or one of our
+            names: random weights, said in `notes`).
+        recipe: the techniques (a `Recipe` or a dict of its fields); LoRA targets default to the
+            model family's (`presets.LORA_TARGETS_BY_FAMILY`) when the recipe keeps the reference model's.
+        device: 'auto' (CUDA if present), 'cpu' or 'cuda'.
+
+    Returns:
+        `LoadedModel`: `.model` (adapters, quantization and checkpointing applied), `.optimizer` over
+        the trainable parameters, the load dtype and the host RAM the load took (peak RSS, sampled).
+
+    Example:
+        >>> loaded = load_model("Qwen/Qwen2.5-0.5B", Recipe.preset("balanced", mode="qlora", model="qwen2.5-0.5b"))
+        >>> step = make_train_step(loaded.model, loaded.optimizer, corpus, batch_size=4, seq_len=512, recipe=loaded.recipe)
+    """
+    rec = recipe if isinstance(recipe, Recipe) else Recipe.from_dict(recipe or {})
+    if rec.uses_deepspeed or rec.layer_offload_active:
+        raise ValueError("load_model applies in-process recipes; DeepSpeed (zero_stage, offload_*) and layer streaming "
+                         "build their own engines: load with load_model(..., Recipe()) and pass the model to Recipe.build")
+    dev = pick_device(device)
+    spec: ModelSpec = resolve_model(id_or_path)
+    if spec.config is None:
+        raise ValueError(f"load_model loads transformers causal LMs (an id, a folder or a config); {spec.name!r} is "
+                         "the reference model or a factory: build it and call Recipe.build")
+    if rec.lora_rank and rec.lora_targets == DEFAULT_LORA_TARGETS:
+        from colab_memopt.presets import mode_fields
+
+        rec = rec.with_(**{k: v for k, v in mode_fields("lora", spec.name).items() if k == "lora_targets"})
+    dtype = load_dtype(rec, dev.type, bf16_native(dev))
+    four_bit = rec.quantization in ("nf4", "fp4") and rec.quantization_phase == "all"
+    notes: list[str] = []
+    import transformers
+
+    source = spec.path or spec.name
+    hub_id = spec.path is None and spec.source.startswith("Hugging Face config")  # weights on the hub
+    weights = hub_id or bool(_weight_files(spec.path))
+    start = time.perf_counter()
+    with HostPeak() as host:
+        if weights:
+            kwargs: dict[str, Any] = dict(dtype=dtype)
+            if dev.type == "cuda":
+                kwargs["device_map"] = {"": dev.index or 0}
+                if four_bit:
+                    kwargs["quantization_config"] = _bnb_config(rec, dtype)
+            model = transformers.AutoModelForCausalLM.from_pretrained(source, **kwargs)
+        else:
+            notes.append("no weight files: random weights from the config")
+            model = transformers.AutoModelForCausalLM.from_config(spec.config, dtype=dtype)
+        if dev.type != "cuda" or not weights:
+            model.to(dev)
+        if four_bit and not (weights and dev.type == "cuda"):
+            quantize_model(model, rec.quantization)  # bitsandbytes Linear4bit, quantized when moved to the device
+            model.to(dev)
+    if rec.lora_rank:
+        add_lora(model, rec.lora_rank, targets=rec.lora_targets)
+        for p in model.parameters():  # adapters train in fp32 (master weights) whatever the base's dtype
+            if p.requires_grad and p.dtype != torch.float32:
+                p.data = p.data.float()
+    seconds = time.perf_counter() - start
+    rest = rec.with_(quantization=None, lora_rank=0, lora_targets=DEFAULT_LORA_TARGETS)
+    model, optimizer = rest.build(model)
+    return LoadedModel(model, optimizer, rec, dtype, dev, not weights, host.peak_bytes, host.added_bytes, seconds,
+                       source, notes)
+
+
+def save_random_model(model: Any, folder: str | Path, *, max_shard_size: str | int = "2GB") -> Path:
+    """Save a causal LM with random weights, built from `model`'s config, to `folder` (`save_pretrained`).
+
+    For tests and CI, which have no network: `model` is a config, a family name's `small_config` or
+    anything `architectures.resolve_model` takes. Returns the folder.
+    """
+    spec = resolve_model(model)
+    if spec.config is None:
+        raise ValueError(f"save_random_model needs a transformers config, got {spec.name!r}")
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    spec.build().save_pretrained(folder, max_shard_size=max_shard_size)
+    return folder
