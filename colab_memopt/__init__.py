@@ -44,6 +44,7 @@ from colab_memopt.measure import (
     LiveMemory,
     MemoryBudget,
     MemoryReport,
+    HostPeak,
     compare,
     format_bytes,
     host_memory,
@@ -55,6 +56,11 @@ from colab_memopt.planner import Plan, Target, plan
 from colab_memopt import capacity, costs, presets
 from colab_memopt.recommender import NoRecipeFits, Recommendation, recommend
 from colab_memopt.recipe import Recipe
+# 18_your_own_model: any causal LM by id or folder, loading without a host-RAM spike, the doctor
+from colab_memopt import architectures, loading
+from colab_memopt.architectures import resolve_model
+from colab_memopt.doctor import Checkup, Finding, doctor
+from colab_memopt.loading import LoadedModel, load_model
 from colab_memopt.models import MODEL_SIZES, GPT, GPTConfig, build_model, count_parameters, get_config
 from colab_memopt.monitor import MemoryMonitor, MemoryProfiler
 from colab_memopt.oom import diagnose
@@ -131,4 +137,14 @@ __all__ = [
     "NoRecipeFits",
     "Recommendation",
     "recommend",
+    # 18_your_own_model
+    "architectures",
+    "loading",
+    "resolve_model",
+    "Checkup",
+    "Finding",
+    "doctor",
+    "LoadedModel",
+    "load_model",
+    "HostPeak",
 ]

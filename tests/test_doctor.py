@@ -1,0 +1,187 @@
+"""The doctor: each finding produced by building its pitfall for real, and absent on a healthy setup."""
+
+from __future__ import annotations
+
+import functools
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+import colab_memopt as cm
+from colab_memopt.doctor import CODES, QLORA_MIN_SAVING, deepspeed_ops, doctor
+from colab_memopt import env, loading
+from colab_memopt.__main__ import main as cli
+from colab_memopt.architectures import small_config
+from colab_memopt.quantization import add_lora
+
+CPU_BIG = {"name": "cpu-big", "device_bytes": 64 * 2**30, "host_bytes": 256 * 2**30, "cuda": False}
+LLAMA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _hf_model(layers: int = 2):
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_config(small_config("llama", num_hidden_layers=layers))
+
+
+def _lora_model(layers: int = 2):
+    return add_lora(_hf_model(layers), 4, targets=LLAMA_TARGETS).train()
+
+
+def test_a_healthy_lora_setup_has_no_finding(corpus):
+    recipe = cm.Recipe(lora_rank=4, lora_targets=LLAMA_TARGETS, checkpointing="full", precision="fp16-autocast")
+    model, opt = recipe.build(_hf_model())
+    result = doctor(model, opt, recipe, target="t4", seq_len=64)
+    assert result.codes == [] and result.ok, str(result)
+    assert set(result.checked) == set(CODES)
+    assert "no pitfall found" in str(result)
+
+
+def test_bf16_on_a_t4_is_found_and_not_on_an_ampere_target(tmp_path):
+    small_config("qwen2").save_pretrained(tmp_path)
+    recipe = cm.Recipe(precision="bf16-autocast")
+    assert "bf16-not-native" in doctor(str(tmp_path), recipe=recipe, target="t4", seq_len=64)
+    assert "bf16-not-native" not in doctor(str(tmp_path), recipe=recipe, target="l4", seq_len=64)
+    assert "bf16-not-native" not in doctor(str(tmp_path), recipe=cm.Recipe(precision="fp16-autocast"), target="t4", seq_len=64)
+    model = cm.build_model("tiny").to(torch.bfloat16)  # bf16 weights, whatever the recipe
+    found = doctor(model, target="t4", seq_len=32)
+    assert "bf16-not-native" in found and "parameters stored in bfloat16" in str(found)
+
+
+def test_target_auto_reads_this_gpus_capability(monkeypatch, tmp_path):
+    """On a CPU, emulate a T4 (capability 7.5) and an A100 (8.0) behind target='auto'."""
+    small_config("llama").save_pretrained(tmp_path)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(total_memory=cm.T4_USABLE_BYTES))
+    monkeypatch.setattr(env, "gpu_name", lambda d=None: "Tesla T4")
+    recipe = cm.Recipe(precision="bf16-autocast")
+    for capability, expected in (((7, 5), True), ((8, 0), False)):
+        monkeypatch.setattr(env, "compute_capability", lambda d=None, c=capability: c)
+        result = doctor(str(tmp_path), recipe=recipe, target="auto", seq_len=64, method="analytic")
+        assert ("bf16-not-native" in result) is expected and result.target == "Tesla T4"
+
+
+def test_fp16_trainable_parameters_fail_the_step_and_are_found_before_it(corpus):
+    recipe = cm.Recipe(lora_rank=4, lora_targets=LLAMA_TARGETS, precision="fp16-autocast")
+    model = _lora_model().half()  # the pitfall: the whole model, adapters included, in fp16
+    opt = cm.make_optimizer("adamw", [p for p in model.parameters() if p.requires_grad])
+    found = doctor(model, opt, recipe, target="t4", seq_len=32)
+    assert "fp16-trainable-params" in found
+    step = cm.make_train_step(model, opt, corpus, batch_size=1, seq_len=16, recipe=recipe)
+    with pytest.raises(ValueError, match="Attempting to unscale FP16 gradients"):
+        step()
+    # The fix: frozen base in fp16, adapters in fp32; the same step trains.
+    for p in model.parameters():
+        if p.requires_grad:
+            p.data = p.data.float()
+    opt = cm.make_optimizer("adamw", [p for p in model.parameters() if p.requires_grad])
+    assert "fp16-trainable-params" not in doctor(model, opt, recipe, target="t4", seq_len=32)
+    step = cm.make_train_step(model, opt, corpus, batch_size=1, seq_len=16, recipe=recipe)
+    assert step() > 0
+
+
+def _reentrant(model, every_n_layers=1):
+    """Checkpoint the blocks as transformers before 4.35 did by default: reentrant, no input-grad hook."""
+    model._set_gradient_checkpointing(enable=True, every_n_layers=every_n_layers,
+                                      gradient_checkpointing_func=functools.partial(checkpoint, use_reentrant=True))
+    return model
+
+
+def test_lora_with_reentrant_checkpointing_leaves_adapters_untrained(corpus):
+    model = _reentrant(_lora_model(layers=2), every_n_layers=2)  # block 0 checkpointed, block 1 not
+    opt = cm.make_optimizer("adamw", [p for p in model.parameters() if p.requires_grad])
+    before = doctor(model, opt, cm.Recipe(lora_rank=4, lora_targets=LLAMA_TARGETS), target=CPU_BIG, seq_len=32)
+    assert {"checkpointing-frozen-inputs", "adapters-not-training"} <= set(before.codes), str(before)
+    assert all(p.grad is None for p in model.parameters())  # the probe step left no gradient behind
+    # For real: one training step runs without an error, and block 0's adapters get no gradient.
+    step = cm.make_train_step(model, opt, corpus, batch_size=2, seq_len=32)
+    step()
+    missing = [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]
+    assert missing and all("layers.0." in n for n in missing)
+    after = doctor(model, opt, target=CPU_BIG, seq_len=32)
+    assert "adapters-not-training" in after
+    assert set(after.findings[after.codes.index("adapters-not-training")].details["missing"]) == set(missing)
+    # The fix: inputs that require grad; every adapter trains.
+    model.enable_input_require_grads()
+    opt.zero_grad(set_to_none=True)  # the last step's gradients are from before the fix: probe afresh
+    assert not {"checkpointing-frozen-inputs", "adapters-not-training"} & set(
+        doctor(model, opt, target=CPU_BIG, seq_len=32, probe=True).codes)
+    step()
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
+def test_a_plan_that_does_not_fit_gets_the_recommenders_fix(tmp_path):
+    small_config("llama", num_hidden_layers=4).save_pretrained(tmp_path)
+    need = cm.plan(str(tmp_path), 1, seq_len=128, target=CPU_BIG, find_max_batch=False).peak_bytes
+    small = {"name": "small-gpu", "device_bytes": int(need * 0.75), "host_bytes": 256 * 2**30, "cuda": False}
+    result = doctor(str(tmp_path), target=small, seq_len=128, headroom=0.0)
+    assert "does-not-fit" in result
+    finding = result.findings[result.codes.index("does-not-fit")]
+    assert "recommender" in finding.fix and finding.details["recommended"]
+    fixed = cm.Recipe.from_dict(finding.details["recommended"])
+    assert "does-not-fit" not in doctor(str(tmp_path), recipe=fixed, target=small, seq_len=128, headroom=0.0)
+    assert "does-not-fit" not in doctor(str(tmp_path), target=CPU_BIG, seq_len=128)
+
+
+def test_host_ram_too_small_for_the_classic_load(tmp_path):
+    folder = loading.save_random_model(small_config("llama", hidden_size=256, num_hidden_layers=4, vocab_size=8192,
+                                                    intermediate_size=688), tmp_path / "model")
+    load = loading.load_host_bytes(str(folder), device="cuda")
+    rss = cm.host_memory().rss_bytes
+    # host RAM between the lean path's need and the classic path's (with headroom 0)
+    host = rss + (load.host_bytes + load.classic_host_bytes) // 2
+    gpu = {"name": "small-host", "device_bytes": 16 * 2**30, "host_bytes": host, "cuda": True}
+    result = doctor(str(folder), target=gpu, seq_len=64, headroom=0.0, method="analytic")
+    assert "host-ram-load" in result
+    finding = result.findings[result.codes.index("host-ram-load")]
+    assert finding.severity == "warning" and "load_model" in finding.fix
+    assert "host-ram-load" not in doctor(str(folder), target=dict(gpu, host_bytes=256 * 2**30), seq_len=64,
+                                             method="analytic")
+
+
+def test_qlora_that_saves_little_over_lora(tmp_path):
+    small_config("mistral").save_pretrained(tmp_path)
+    qlora = cm.Recipe(lora_rank=8, quantization="nf4", lora_targets=LLAMA_TARGETS)
+    result = doctor(str(tmp_path), recipe=qlora, target="t4", seq_len=512, method="analytic")
+    assert "qlora-small-saving" in result
+    assert result.findings[result.codes.index("qlora-small-saving")].details["saving_fraction"] < QLORA_MIN_SAVING
+    big = doctor("llama-3.2-1b", recipe=qlora, target="t4", seq_len=128, method="analytic")
+    assert "qlora-small-saving" not in big
+    assert "qlora-small-saving" not in doctor(str(tmp_path), recipe=qlora.with_(quantization=None), target="t4",
+                                                  seq_len=512, method="analytic")
+
+
+def test_deepspeed_ops_not_built_yet(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))  # an empty extensions cache: a fresh Colab runtime
+    offload = cm.Recipe(zero_stage=2, offload_optimizer=True)
+    result = doctor("tiny", recipe=offload, target="t4", seq_len=32)
+    assert "deepspeed-op-build" in result and "cpu_adam" in str(result)
+    assert deepspeed_ops(cm.Recipe(zero_stage=2), cuda=True) == ["fused_adam"]
+    (tmp_path / "py311_cpu" / "cpu_adam").mkdir(parents=True)
+    (tmp_path / "py311_cpu" / "cpu_adam" / "cpu_adam.so").write_bytes(b"")
+    assert "deepspeed-op-build" not in doctor("tiny", recipe=offload, target="t4", seq_len=32)
+    assert "deepspeed-op-build" not in doctor("tiny", target="t4", seq_len=32)
+
+
+def test_cli_doctor_prints_findings_and_exits_1_on_an_error(tmp_path, capsys):
+    small_config("gemma2").save_pretrained(tmp_path)
+    assert cli(["doctor", "--model", str(tmp_path), "--recipe", "precision=bf16-autocast", "--target", "t4",
+                "--seq", "64", "--json"]) == 1
+    out = json.loads(capsys.readouterr().out)
+    assert out["codes"] == ["bf16-not-native"] and not out["ok"]
+    assert cli(["doctor", "--model", str(tmp_path), "--recipe", "precision=fp16-autocast", "--target", "t4", "--seq", "64"]) == 0
+    assert "no pitfall found" in capsys.readouterr().out
+    assert cli(["doctor", "--model", "gpt-9"]) == 2
+    assert "unknown model 'gpt-9'" in capsys.readouterr().err
+
+
+def test_bad_arguments_are_named():
+    with pytest.raises(ValueError, match="batch must be an integer >= 1, got 0"):
+        doctor("tiny", batch=0)
+    with pytest.raises(ValueError, match="unknown target"):
+        doctor("tiny", target="v100")
+    with pytest.raises(ValueError, match="unknown recipe field"):
+        doctor("tiny", recipe={"precison": "fp32"})
