@@ -246,6 +246,10 @@ def resolve_model(model: Any) -> ModelSpec:
         PretrainedConfig = ()  # type: ignore[assignment,misc]
     if PretrainedConfig and isinstance(model, PretrainedConfig):
         name = getattr(model, "name_or_path", "") or f"{model.model_type}-config-{id(model):x}"
+        if Path(name).is_dir():  # read from a folder (a loaded model's config): its weights are there
+            return _from_config(name, model, f"local config {Path(name) / 'config.json'}", name)
+        if name.count("/") == 1 and not Path(name).exists():  # read from the hub
+            return _from_config(name, model, f"Hugging Face config {name}")
         return _from_config(name, model, f"PretrainedConfig ({type(model).__name__})")
     if callable(model):
         name = getattr(model, "__name__", "model")

@@ -95,6 +95,11 @@ def _weight_files(folder: str | None) -> list[Path]:
     return sorted(p for p in Path(folder).iterdir() if p.suffix in WEIGHT_SUFFIXES and p.is_file())
 
 
+def has_weights(spec: ModelSpec) -> bool:
+    """Return whether a model has a checkpoint to load: a hub id, or a local folder with weight files."""
+    return spec.source.startswith("Hugging Face config") or bool(_weight_files(spec.path))
+
+
 def load_host_bytes(model: Any, recipe: Recipe | None = None, device: str | torch.device = "cuda", *,
                     native_bf16: bool = False) -> LoadPlan:
     """Return the host RAM that loading `model`'s weights needs, on `load_model`'s path and the classic one.
@@ -207,8 +212,7 @@ def load_model(id_or_path: Any, recipe: Recipe | dict[str, Any] | None = None, d
     import transformers
 
     source = spec.path or spec.name
-    hub_id = spec.path is None and spec.source.startswith("Hugging Face config")  # weights on the hub
-    weights = hub_id or bool(_weight_files(spec.path))
+    weights = has_weights(spec)
     start = time.perf_counter()
     with HostPeak() as host:
         if weights:

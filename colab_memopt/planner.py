@@ -443,6 +443,19 @@ def _host_costs(recipe: Recipe, batch: int, seq_len: int, n_params: int = 0) -> 
     return costs
 
 
+def _load_costs(spec: Any, recipe: Recipe, target: Target) -> list[Cost]:
+    """Return the host RAM of loading a checkpoint (a hub id, or a folder with weights), by `loading.load_model`'s path."""
+    from colab_memopt.loading import has_weights, load_host_bytes
+    from colab_memopt.presets import BF16_TARGETS
+
+    if not has_weights(spec):
+        return []
+    load = load_host_bytes(spec, recipe, "cuda" if target.cuda else "cpu", native_bf16=target.name in BF16_TARGETS)
+    return [Cost("loading weights", load.host_bytes,
+                 f"loading.load_host_bytes: {load.path}, {load.load_dtype} (the classic load would need "
+                 f"{format_bytes(load.classic_host_bytes)})")]
+
+
 def plan(
     model_factory: Callable[[], nn.Module] | str | Any,
     batch: int,
@@ -534,6 +547,7 @@ def plan(
         headroom_fraction=headroom,
         analytic_peak_bytes=analytic.peak_bytes, warnings=warn,
     )
+    result.host_costs += _load_costs(spec, rec, tgt)
     if find_max_batch:
         budget = result.device_limit_bytes - sum(c.bytes for c in device_costs)
         if used == "trace":
