@@ -1,7 +1,10 @@
-"""A real text corpus that needs no download: the Python standard library's own source files.
+"""A real text corpus that needs no download: the Python standard library's own source files, or yours.
 
 Byte-level tokens (vocabulary 256), a deterministic train/validation split, and seeded batches.
 The text differs between Python versions, so losses are comparable within one environment.
+`load_corpus(source=...)` takes your own text instead: a text file, a folder of text files, or a
+`datasets` dataset; `tokenizer=` tokenizes it with a model's tokenizer (a tokenizer object, or a
+Hugging Face id or folder to read one from), byte tokens where there is none.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import sysconfig
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -34,6 +38,7 @@ class TextCorpus:
     val: torch.Tensor
     source: str
     vocab_size: int = 256
+    tokenizer: str = "bytes"  # what made the tokens: 'bytes', or the tokenizer's name
 
     def _split(self, split: str) -> torch.Tensor:
         if split not in ("train", "val"):
@@ -78,18 +83,150 @@ class TextCorpus:
             yield self.batch(batch_size, seq_len, split=split, generator=generator, device=device)
 
 
-@functools.lru_cache(maxsize=4)
-def load_corpus(max_bytes: int = DEFAULT_MAX_BYTES, val_fraction: float = 0.1) -> TextCorpus:
-    """Return the standard-library corpus, at most `max_bytes` long, the last `val_fraction` held out.
+TEXT_SUFFIXES = (".txt", ".text", ".md", ".rst", ".py", ".json", ".jsonl", ".csv", ".tsv", ".html", ".xml", ".tex", "")
+
+
+def load_corpus(
+    max_bytes: int = DEFAULT_MAX_BYTES,
+    val_fraction: float = 0.1,
+    *,
+    source: Any = None,
+    tokenizer: Any = None,
+    text_column: str | None = None,
+) -> TextCorpus:
+    """Return a corpus, at most `max_bytes` of text, the last `val_fraction` held out.
+
+    Args:
+        max_bytes: bytes of text read (>= 1024).
+        val_fraction: the held-out tail, in (0, 0.5).
+        source: None (the standard library's source files), a text file, a folder of text files (read
+            in sorted order, recursively, files ending in one of `TEXT_SUFFIXES`), or a `datasets`
+            Dataset / DatasetDict (its 'train' split; the `text_column`, default 'text' or the first
+            string column).
+        tokenizer: None (byte tokens, vocabulary 256), a tokenizer (anything with `encode` and a
+            length), or a Hugging Face id or folder to load one from with `AutoTokenizer`: byte
+            tokens, said in `.tokenizer`, where none can be loaded.
 
     Example:
         >>> corpus = load_corpus()
         >>> x = corpus.batch(8, 64)  # (8, 64) byte tokens
+        >>> mine = load_corpus(source="my_notes.txt", tokenizer="HuggingFaceTB/SmolLM2-135M")
     """
+    if source is None and tokenizer is None:
+        return _stdlib_corpus(max_bytes, val_fraction)
+    _check(max_bytes, val_fraction)
+    raw, where = (_stdlib_text(max_bytes) if source is None else _read_text(source, max_bytes, text_column))
+    if not raw:
+        raise ValueError(f"the corpus source {where} holds no text")
+    tok, tok_name = _tokenizer(tokenizer)
+    if tok is None:
+        tokens = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+        vocab = 256
+    else:
+        ids = tok.encode(raw.decode("utf-8", errors="replace"), add_special_tokens=False)
+        tokens = torch.tensor(ids, dtype=torch.int32)  # (N,) token ids
+        vocab = len(tok)
+    n_val = int(len(tokens) * val_fraction)
+    if n_val < 2:
+        raise ValueError(f"the corpus from {where} has {len(tokens)} tokens: too few for a validation split "
+                         f"of {val_fraction}; give more text")
+    return TextCorpus(train=tokens[:-n_val].clone(), val=tokens[-n_val:].clone(), source=where, vocab_size=vocab,
+                      tokenizer=tok_name)
+
+
+def _check(max_bytes: int, val_fraction: float) -> None:
     if max_bytes < 1024:
         raise ValueError(f"max_bytes must be >= 1024, got {max_bytes}")
     if not 0.0 < val_fraction < 0.5:
         raise ValueError(f"val_fraction must be in (0, 0.5), got {val_fraction}")
+
+
+def _read_text(source: Any, max_bytes: int, text_column: str | None) -> tuple[bytes, str]:
+    """Return (at most `max_bytes` of UTF-8 text, where it came from) from a file, a folder or a dataset."""
+    if isinstance(source, (str, Path)):
+        path = Path(source).expanduser()
+        if path.is_file():
+            return path.read_bytes()[:max_bytes], f"text file {path}"
+        if path.is_dir():
+            files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES
+                           and not any(part.startswith(".") for part in p.relative_to(path).parts))
+            if not files:
+                raise ValueError(f"the folder {str(path)!r} holds no text files (suffixes {TEXT_SUFFIXES})")
+            chunks, total = [], 0
+            for f in files:
+                chunks.append(f.read_bytes()[: max_bytes - total])
+                total += len(chunks[-1])
+                if total >= max_bytes:
+                    break
+            return b"".join(chunks), f"{len(chunks)} text files of {path}"
+        raise ValueError(f"corpus source {str(source)!r} is neither a file nor a folder")
+    if hasattr(source, "column_names"):
+        return _dataset_text(source, max_bytes, text_column)
+    raise TypeError(f"source must be None, a text file, a folder or a datasets Dataset, got {type(source).__name__}")
+
+
+def _dataset_text(dataset: Any, max_bytes: int, text_column: str | None) -> tuple[bytes, str]:
+    names = dataset.column_names
+    if isinstance(names, dict):  # a DatasetDict: {split: [columns]}
+        if "train" not in names:
+            raise ValueError(f"the dataset has no 'train' split; splits: {sorted(names)}")
+        dataset, names = dataset["train"], names["train"]
+    column = text_column or ("text" if "text" in names else None)
+    if column is None:
+        features = getattr(dataset, "features", {}) or {}
+        column = next((c for c in names if getattr(features.get(c), "dtype", None) in ("string", "large_string")), None)
+    if column is None or column not in names:
+        raise ValueError(f"no text column {text_column or 'text'!r} in the dataset; columns: {list(names)} (give text_column=)")
+    chunks, total = [], 0
+    for row in dataset:
+        data = (str(row[column]) + "\n\n").encode("utf-8")[: max_bytes - total]
+        chunks.append(data)
+        total += len(data)
+        if total >= max_bytes:
+            break
+    return b"".join(chunks), f"dataset column {column!r} ({len(chunks)} rows)"
+
+
+def _tokenizer(tokenizer: Any) -> tuple[Any, str]:
+    """Return (a tokenizer or None for bytes, its name)."""
+    if tokenizer is None:
+        return None, "bytes"
+    if isinstance(tokenizer, (str, Path)):
+        try:
+            from transformers import AutoTokenizer
+
+            local = Path(tokenizer).expanduser().exists()
+            tok = AutoTokenizer.from_pretrained(str(tokenizer), local_files_only=local or _offline())
+        except Exception as exc:  # noqa: BLE001 - no tokenizer there: byte tokens, and say why
+            return None, f"bytes (no tokenizer at {str(tokenizer)!r}: {type(exc).__name__})"
+        return tok, getattr(tok, "name_or_path", str(tokenizer)) or str(tokenizer)
+    if not (hasattr(tokenizer, "encode") and hasattr(tokenizer, "__len__")):
+        raise TypeError(f"tokenizer must be None, an id or folder, or a tokenizer with encode() and len(), got {type(tokenizer).__name__}")
+    return tokenizer, getattr(tokenizer, "name_or_path", type(tokenizer).__name__) or type(tokenizer).__name__
+
+
+def _offline() -> bool:
+    """Return True where the Hugging Face hub cannot be reached (so loading does not retry for half a minute)."""
+    from colab_memopt.architectures import _hub_reachable
+
+    return not _hub_reachable()
+
+
+def _stdlib_text(max_bytes: int) -> tuple[bytes, str]:
+    chunks, total = [], 0
+    for path in stdlib_source_files():
+        data = path.read_bytes()
+        chunks.append(data[: max_bytes - total])
+        total += len(chunks[-1])
+        if total >= max_bytes:
+            break
+    return b"".join(chunks), f"{len(chunks)} files of {Path(sysconfig.get_paths()['stdlib'])}"
+
+
+@functools.lru_cache(maxsize=4)
+def _stdlib_corpus(max_bytes: int = DEFAULT_MAX_BYTES, val_fraction: float = 0.1) -> TextCorpus:
+    """Return the standard-library corpus (cached: every notebook reads the same one)."""
+    _check(max_bytes, val_fraction)
     chunks, total = [], 0
     for path in stdlib_source_files():
         data = path.read_bytes()
