@@ -255,3 +255,24 @@ def save_random_model(model: Any, folder: str | Path, *, max_shard_size: str | i
     folder.mkdir(parents=True, exist_ok=True)
     spec.build().save_pretrained(folder, max_shard_size=max_shard_size)
     return folder
+
+
+def save_trained(model: nn.Module, folder: str | Path, recipe: Recipe) -> list[Path]:
+    """Save what was trained: the LoRA adapters (peft's `adapter_model.safetensors` and `adapter_config.json`)
+    under a LoRA recipe, else the whole model (`save_pretrained`). Returns the files written."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    if recipe.lora_rank:
+        from peft import get_peft_model_state_dict
+        from safetensors.torch import save_file
+
+        state = {k: v.detach().to("cpu").contiguous() for k, v in get_peft_model_state_dict(model).items()}
+        if not state:
+            raise ValueError("the recipe has lora_rank > 0 but the model holds no LoRA adapters")
+        save_file(state, str(folder / "adapter_model.safetensors"))
+        config = getattr(model, "peft_config", {}).get("default")
+        if config is not None:
+            config.save_pretrained(str(folder))
+    else:
+        model.save_pretrained(folder)
+    return sorted(p for p in folder.iterdir() if p.is_file())

@@ -112,3 +112,17 @@ def test_bad_input_is_named():
         cm.load_model("tiny", device="cpu")
     with pytest.raises(ValueError, match="unknown model"):
         cm.load_model("gpt-9", device="cpu")
+
+
+def test_save_trained_writes_adapters_or_the_model(saved, tmp_path):
+    loaded = cm.load_model(str(saved), cm.Recipe(lora_rank=4), "cpu")
+    files = [p.name for p in loading.save_trained(loaded.model, tmp_path / "adapter", loaded.recipe)]
+    assert "adapter_model.safetensors" in files and "adapter_config.json" in files
+    from safetensors.torch import load_file
+
+    state = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
+    assert state and all("lora_" in k for k in state)
+    small = tmp_path / "small"
+    loading.save_random_model(small_config("qwen2"), small)
+    full = cm.load_model(str(small), cm.Recipe(), "cpu")
+    assert "config.json" in [p.name for p in loading.save_trained(full.model, tmp_path / "full", full.recipe)]

@@ -66,6 +66,9 @@ REQUIRED_METRICS = {
         "largest_full_params_512", "largest_qlora_params_longest", "recommended_slowdown", "costs_device",
         "baseline_oom", "final_loss_recommended", "technique_ratios",
     },
+    "18_your_own_model": {
+        "planned_peak_bytes", "measured_peak_bytes", "plan_rel_error_pct", "findings", "final_loss", "host_peak_bytes_load",
+    },
     "05_memory_efficient_attention": {
         "attention_saving_pct_longest", "longest_seq", "naive_growth_exponent", "sdpa_growth_exponent",
     },
