@@ -126,3 +126,18 @@ def test_recommend_and_capacity_take_a_folder(tmp_path):
     assert fit.fits and fit.params == capacity.model_params(str(tmp_path)) > 0
     rows = capacity.capacity_table([str(tmp_path), "smollm2-135m"], seq_lens=(64,), modes=("full",), presets=("maximum",))
     assert rows[0]["largest_model"] == "smollm2-135m"
+
+
+def test_full_checkpointing_at_long_sequences_is_exact_on_a_gqa_model(corpus):
+    """Without a KV cache transformers probes the positions for packing; on fake tensors it cannot read them,
+    assumed packing and built a (B, 1, T, T) mask (no causal kernel, keys repeated per head): +49% at 1024 tokens."""
+    spec = resolve_model(small_config("llama"))  # 4 heads, 2 key-value heads
+    recipe = cm.Recipe(checkpointing="full")
+    plan = planner.plan(spec.build, 3, seq_len=1024, recipe=recipe, target=CPU_TARGET, find_max_batch=False)
+    model, opt = recipe.build(spec.build())
+    step = cm.make_train_step(model, opt, corpus, batch_size=3, seq_len=1024, recipe=recipe)
+    measured = cm.measure_step(step, model=model, optimizer=opt, repeat=1)
+    assert plan.method == "trace" and plan.peak_bytes == measured.peak_bytes
+    from transformers import masking_utils
+
+    assert masking_utils.find_packed_sequence_indices.__name__ == "find_packed_sequence_indices"  # restored after
