@@ -498,6 +498,7 @@ def plan(
 
     with torch.device("meta"):
         shape_model = model_factory()
+    rec.check_model(shape_model)  # a plan only for what can run: what Recipe.build refuses, plan refuses
     analytic = estimate.training_step_bytes(shape_model, batch, seq_len, rec)
     device_costs = [
         Cost("CUDA context", tgt.cuda_context_bytes, "assumed (0.5-2 GB seen on Colab; measure with NVML on your card)")

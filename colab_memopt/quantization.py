@@ -197,6 +197,18 @@ def linear_layers(model: nn.Module, skip: Sequence[str] = ("lm_head",)) -> list[
             if (isinstance(mod, nn.Linear) or _is_conv1d(mod)) and not _is_quantized(mod) and name not in kept]
 
 
+def check_quantizable(model: nn.Module, skip: Sequence[str] = ("lm_head",)) -> list[tuple[str, nn.Module]]:
+    """Return `linear_layers(model, skip)`; raise ValueError naming the model and what was kept when there are none."""
+    targets = linear_layers(model, skip)
+    if not targets:
+        kept = sorted(kept_in_high_precision(model, skip))
+        raise ValueError(
+            f"quantize_model found no linear layer to quantize in {type(model).__name__} "
+            f"(nn.Linear, its subclasses or transformers' Conv1D); kept in high precision: {kept or 'none'}; skip={tuple(skip)}"
+        )
+    return targets
+
+
 def quantize_model(model: nn.Module, scheme: str, *, skip: Sequence[str] = ("lm_head",)) -> nn.Module:
     """Replace every linear layer of `model` (in place) by a frozen quantized one; return the model.
 
@@ -207,13 +219,7 @@ def quantize_model(model: nn.Module, scheme: str, *, skip: Sequence[str] = ("lm_
     """
     if scheme not in SCHEMES:
         raise ValueError(f"scheme must be one of {SCHEMES}, got {scheme!r}")
-    targets = linear_layers(model, skip)
-    if not targets:
-        kept = sorted(kept_in_high_precision(model, skip))
-        raise ValueError(
-            f"quantize_model found no linear layer to quantize in {type(model).__name__} "
-            f"(nn.Linear, its subclasses or transformers' Conv1D); kept in high precision: {kept or 'none'}; skip={tuple(skip)}"
-        )
+    targets = check_quantizable(model, skip)
     for name, mod in targets:
         if not mod.weight.is_floating_point():
             raise ValueError(f"quantize_model: {name} ({type(mod).__name__}) has a {mod.weight.dtype} weight; "
@@ -272,6 +278,23 @@ def linear_weight_bytes(model: nn.Module, *, skip: Sequence[str] = ()) -> int:
     return total
 
 
+def check_lora_targets(model: nn.Module, targets: Iterable[str]) -> list[str]:
+    """Return the targets as a list; raise ValueError when none of `model`'s modules matches them.
+
+    A module matches a target as in peft: its name is the target or ends with '.' + target.
+    """
+    targets = list(targets)
+    if not targets:
+        raise ValueError("targets must name at least one module, got none")
+    names = [name for name, _ in model.named_modules()]
+    if not any(name == t or name.endswith(f".{t}") for name in names for t in targets):
+        leaves = sorted({name.rpartition(".")[2] for name, m in model.named_modules()
+                         if name and (isinstance(m, nn.Linear) or _is_conv1d(m))})
+        raise ValueError(f"no module matched the LoRA targets {targets} in {type(model).__name__}; "
+                         f"its linear layers are named {leaves[:12]}")
+    return targets
+
+
 def add_lora(model: nn.Module, rank: int, *, targets: Iterable[str] = DEFAULT_LORA_TARGETS, alpha: int | None = None) -> nn.Module:
     """Inject peft LoRA adapters of `rank` into the modules named `targets`; freeze everything else.
 
@@ -280,9 +303,7 @@ def add_lora(model: nn.Module, rank: int, *, targets: Iterable[str] = DEFAULT_LO
     """
     if not isinstance(rank, int) or rank < 1:
         raise ValueError(f"rank must be an integer >= 1, got {rank!r}")
-    targets = list(targets)
-    if not targets:
-        raise ValueError("targets must name at least one module, got none")
+    targets = check_lora_targets(model, targets)
     from peft import LoraConfig, inject_adapter_in_model
 
     for p in model.parameters():
