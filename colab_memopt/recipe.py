@@ -15,14 +15,22 @@ import torch
 from torch import nn
 
 from colab_memopt import zero
-from colab_memopt.checkpointing import POLICIES, apply_checkpointing
+from colab_memopt.checkpointing import POLICIES, apply_checkpointing, find_blocks
 from colab_memopt.compression import MODES as COMPRESSION_MODES
-from colab_memopt.compression import compress_activations
-from colab_memopt.offload import STRATEGIES, LayerStreamer
+from colab_memopt.compression import check_compressible, compress_activations
+from colab_memopt.offload import STRATEGIES, LayerStreamer, check_streamable
 from colab_memopt.optimizers import OPTIMIZERS, make_optimizer
 from colab_memopt.phases import OFFLOAD_STRATEGIES
 from colab_memopt.precision import FORWARD_PRECISIONS, check_precision, prepare_model
-from colab_memopt.quantization import DEFAULT_LORA_TARGETS, SCHEMES, add_lora, quantize_model, quantized_copy
+from colab_memopt.quantization import (
+    DEFAULT_LORA_TARGETS,
+    SCHEMES,
+    add_lora,
+    check_lora_targets,
+    check_quantizable,
+    quantize_model,
+    quantized_copy,
+)
 
 
 @dataclass(frozen=True)
@@ -229,6 +237,27 @@ class Recipe:
         """Return the fields as a plain dict."""
         return asdict(self)
 
+    def check_model(self, model: nn.Module) -> None:
+        """Raise ValueError, with `build`'s own message, where this recipe cannot be applied to `model`.
+
+        `build` calls it first, and so does the planner (on a meta-device copy of the model), so a recipe
+        that cannot run is refused before anything is planned. It changes nothing.
+        """
+        if self.uses_deepspeed:  # DeepSpeed wraps any module
+            return
+        if (self.attention is not None or self.attention_window is not None) and not hasattr(model, "blocks"):
+            raise ValueError("recipe.attention and attention_window apply to the reference model only; leave them None")
+        if self.quantization is not None and self.quantization_phase == "all":
+            check_quantizable(model)
+        if self.lora_rank:
+            check_lora_targets(model, self.lora_targets)
+        if self.activation_compression is not None or self.compression_checkpointing:
+            check_compressible(model)
+        if self.checkpointing != "none":
+            find_blocks(model)
+        if self.layer_offload_active:
+            check_streamable(model)
+
     def build(self, model: nn.Module) -> tuple[nn.Module, torch.optim.Optimizer]:
         """Apply the recipe's model-side techniques and return (model, optimizer).
 
@@ -240,11 +269,10 @@ class Recipe:
         ZeRO optimizer; with `layer_offload_active` (notebook 09) the blocks stream from host memory
         and the optimizer steps their host copies (`offload.StreamingOptimizer`).
         """
+        self.check_model(model)
         if self.uses_deepspeed:
             return zero.initialize(model, self)
         if self.attention is not None or self.attention_window is not None:
-            if not hasattr(model, "blocks"):
-                raise ValueError("recipe.attention and attention_window apply to the reference model only; leave them None")
             for block in model.blocks:
                 if self.attention is not None:
                     block.attn.attention = self.attention
