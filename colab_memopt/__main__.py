@@ -44,7 +44,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m colab_memopt", description="colab-memopt tools")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("plan", help="predict a training step's peak memory on a target, without a GPU")
-    p.add_argument("--model", required=True, help=f"one of: {', '.join(model_names())}")
+    p.add_argument("--model", required=True, help=f"one of: {', '.join(model_names())}; or a Hugging Face id, a local folder or a config.json")
     p.add_argument("--batch", type=int, required=True, help="sequences per step (>= 1)")
     p.add_argument("--seq", type=int, default=None, help="tokens per sequence (default: the model's maximum)")
     p.add_argument("--target", default="t4", help=f"one of {', '.join(TARGETS)} (or give --device-bytes and --host-bytes)")
@@ -59,7 +59,7 @@ def _parser() -> argparse.ArgumentParser:
     from colab_memopt.recommender import OBJECTIVES
 
     r = sub.add_parser("recommend", help="the recipe that fits a target at the least expected slowdown")
-    r.add_argument("--model", required=True, help=f"one of: {', '.join(model_names())}")
+    r.add_argument("--model", required=True, help=f"one of: {', '.join(model_names())}; or a Hugging Face id, a local folder or a config.json")
     r.add_argument("--batch", type=int, default=1, help="effective batch (sequences per optimizer step; default 1)")
     r.add_argument("--seq", type=int, default=None, help="tokens per sequence (default: the model's maximum)")
     r.add_argument("--target", default="t4", help=f"one of {', '.join(TARGETS)} (or give --device-bytes and --host-bytes)")
