@@ -85,6 +85,7 @@ PANELS: dict[str, Change] = {
     "14_phase_aware_training": Change("phase", "select", "full", plot=True),
     "15_fit_the_biggest_model": Change("objective", "select", "least_memory", expect="objective least_memory",
                                        expect_gone="objective fastest"),
+    "18_your_own_model": Change("mode", "select", "full", expect="(full)", expect_gone="(lora)"),
 }
 # notebook stem -> why its panel is not driven in the browser.
 EXCLUDED: dict[str, str] = {}
