@@ -3,7 +3,8 @@
 A language model's loss is usually `F.cross_entropy(hidden @ weight.T, labels)`: it materialises the
 logits (N, V), their log-softmax and, in backward, their gradient, each N x V values (upcast to fp32
 as transformers does). At Llama-3's vocabulary of 128,256 and 16,384 tokens one such fp32 tensor is
-8.4 GB, more than half a free T4. `chunked_cross_entropy` goes through the tokens by chunks: for
+16384 x 128256 x 4 bytes = 8.4 GB, more than half of a free T4's 14.74 GiB, and the plain loss holds
+three at its peak (traced in the benchmark). `chunked_cross_entropy` goes through the tokens by chunks: for
 each chunk it computes the logits in fp32, their logsumexp, the loss contribution and at once the
 gradient with respect to the hidden states and the head's weight (and bias), then drops the chunk's
 logits. Only the gradients (N, H) and (V, H), which any method returns, outlive a chunk; backward
@@ -12,21 +13,26 @@ only scales them by the incoming gradient. The figures are in `benchmarks/result
 
 The field's versions of the same idea, both GPU kernels:
 - Liger Kernel's fused linear cross-entropy (Hsu et al. 2024, `liger-kernel` on PyPI), Triton; it
-  moved transformers' limit from 4K to 16K tokens. On this project's CPU-only machine it does not
+  moved transformers' limit from 4K to 16K tokens (reported). On this project's CPU-only machine it does not
   run (checked with liger-kernel 0.8.5): without Triton `from liger_kernel.transformers import
   LigerFusedLinearCrossEntropyLoss` fails with "ModuleNotFoundError: No module named 'triton'"; with
   triton 3.9.0 installed the import works and the first call on CPU tensors fails in the Triton
   launcher with "RuntimeError: 0 active drivers ([]). There should only be one." So no comparison
   with it was measured here.
 - Apple's Cut Cross-Entropy (Wijmans et al. 2024, `cut-cross-entropy`): computes the logsumexp in
-  on-chip memory and never writes any logits; Gemma-2-2B's loss from 24 GB to 1 MB (Ampere-only).
+  on-chip memory and never writes any logits; Gemma-2-2B's loss from 24 GB to 1 MB (reported;
+  Ampere-only kernel).
 
 This module is plain PyTorch, so it runs on the CPU, on a T4 and under fake tensors (the planner's
-trace). It costs one extra pass over the head's weight per chunk compared with one big matmul, and
-the weight's gradient is computed in forward even if backward never runs.
+trace). It does the same three matmuls as the plain loss, but reads the head's weight once per
+chunk instead of once per step. The gradients are computed in forward, even if backward never runs;
+under `torch.no_grad()` none are, and evaluation holds one chunk's logits and nothing else. With an
+fp32 weight its gradient is accumulated in fp32, also under autocast (an fp32 matmul for that part).
+Labels are checked against the vocabulary on real tensors (one device sync per call), not under fake
+tensors.
 
 Example:
-    >>> loss = causal_lm_loss(hidden, model.lm_head.weight, input_ids, chunk_tokens=1024)
+    >>> loss = causal_lm_loss(hidden, model.lm_head.weight, input_ids, chunk_tokens=128)
     >>> loss.backward()
 """
 
@@ -45,10 +51,14 @@ __all__ = [
     "make_loss_step",
 ]
 
-# Tokens per chunk. Picked from `benchmarks/chunked_loss.py`'s sweep on this project's 2-core CPU
-# (see "chunk_sweep" in benchmarks/results/chunked_loss.json): the time per token stops improving
-# from this size on, while the chunk's memory keeps growing linearly with it.
-DEFAULT_CHUNK_TOKENS = 1024
+# Tokens per chunk. Picked by `benchmarks/chunked_loss.py`'s sweep on this project's 2-core CPU
+# ("chunk_sweep" in benchmarks/results/chunked_loss.json, 2048 tokens x vocabulary 16,384 x hidden
+# 256): 128 and 256 tokens were the fastest (their order swapped between reruns by up to 3.5%), 32
+# and 64 slower (more, smaller matmuls), 512 to 2048 about 10% slower (the chunk's logits leave the
+# cache), and the chunk's memory grows linearly with it; 128 is the smallest within 5% of the
+# fastest. At vocabulary 128,256 a chunk's fp32 logits are then 63 MiB. Not timed on a GPU: rerun
+# the benchmark there to check.
+DEFAULT_CHUNK_TOKENS = 128
 REDUCTIONS = ("mean", "sum")
 
 
@@ -82,9 +92,11 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         chunk_tokens: int,
         reduction: str,
         ignore_index: int,
+        grad_enabled: bool,
     ) -> torch.Tensor:
         cdt = _compute_dtype(hidden, weight)
-        need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+        # forward runs with grad mode off: whether the caller's had it on comes in `grad_enabled`
+        need_h, need_w, need_b = (grad_enabled and needs for needs in ctx.needs_input_grad[:3])
         n_tokens = hidden.shape[0]
         with torch.autocast(hidden.device.type, enabled=False):
             w_c = weight.to(cdt)  # (V, H); no copy when the dtypes agree (autocast makes the same copy)
@@ -106,6 +118,8 @@ class ChunkedCrossEntropy(torch.autograd.Function):
                 lse = torch.logsumexp(logits, dim=1)  # (C,)
                 target = logits.gather(1, safe_labels[start:end, None]).squeeze(1)  # (C,)
                 loss += ((lse - target) * valid[start:end]).sum()
+                if not (need_h or need_w or need_b):  # no_grad or nothing trainable: the loss only
+                    continue
                 # d loss / d logits = (softmax - onehot) * row weight, built in the logits' buffer
                 grad_logits = logits.sub_(lse[:, None]).exp_()
                 grad_logits.scatter_add_(
@@ -142,7 +156,7 @@ class ChunkedCrossEntropy(torch.autograd.Function):
                 grad.mul_(grad_output.to(grad.dtype))  # in place: no second (V, H) buffer
             grads.append(grad)
         grad_hidden, grad_weight, grad_bias = grads
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
 
 
 def _check_chunk_tokens(chunk_tokens: object) -> int:
@@ -203,7 +217,9 @@ def chunked_cross_entropy(
     if not hidden.dtype.is_floating_point or not weight.dtype.is_floating_point:
         raise ValueError(f"hidden and weight must be floating point, got {hidden.dtype} and {weight.dtype}")
     _check_label_range(labels, weight.shape[0], ignore_index)
-    return ChunkedCrossEntropy.apply(hidden, weight, bias, labels.long(), chunk_tokens, reduction, ignore_index)
+    return ChunkedCrossEntropy.apply(
+        hidden, weight, bias, labels.long(), chunk_tokens, reduction, ignore_index, torch.is_grad_enabled()
+    )
 
 
 def _check_label_range(labels: torch.Tensor, vocab: int, ignore_index: int) -> None:

@@ -167,7 +167,7 @@ class GPT(nn.Module):
     are never held, and the output's `logits` is None. None (the default) keeps the plain loss.
 
     Example:
-        >>> model = build_model("tiny"); model.loss_chunk_tokens = 1024
+        >>> model = build_model("tiny"); model.loss_chunk_tokens = 128
         >>> model(ids, labels=ids).loss.backward()  # same loss and gradients, logits None
     """
 
