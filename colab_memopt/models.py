@@ -205,6 +205,8 @@ class GPT(nn.Module):
         if chunk is not None:
             if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
                 raise ValueError(f"loss_chunk_tokens must be None or an integer >= 1 (tokens per chunk), got {chunk!r}")
+            if type(self.lm_head) is not nn.Linear:  # a quantized head has no plain weight to chunk over
+                raise ValueError(f"loss_chunk_tokens needs lm_head to be an nn.Linear, got {type(self.lm_head).__name__}")
             if labels is not None:
                 loss = causal_lm_loss(x, self.lm_head.weight, labels, bias=self.lm_head.bias, chunk_tokens=chunk)
                 return CausalLMOutput(loss=loss, logits=None)

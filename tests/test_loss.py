@@ -306,3 +306,12 @@ def test_model_step_traced_on_fake_tensors_equals_measurement(chunk):
         with tracker:
             step()
     assert tracker.peak_bytes == measured
+
+
+def test_model_chunked_loss_refuses_a_replaced_head():
+    model = build_model("tiny")
+    model.loss_chunk_tokens = 16
+    model.lm_head = torch.nn.Sequential(model.lm_head)
+    ids = torch.zeros(1, 8, dtype=torch.long)
+    with pytest.raises(ValueError, match="loss_chunk_tokens needs lm_head to be an nn.Linear, got Sequential"):
+        model(ids, labels=ids)
