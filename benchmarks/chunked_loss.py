@@ -17,7 +17,7 @@ Parts:
 2. chunk_sweep: time (fastest of interleaved rounds) and measured memory for several chunk sizes at a
    moderate size on this CPU (each round's times kept: the machine is shared and they vary);
    `picked_chunk_tokens` is the smallest chunk whose fastest round is within 5% of the fastest chunk's
-   (quiet reruns swapped 128 and 256 for first place by up to 3.5%: closer than that is noise),
+   (closer timings changed order between reruns on this shared machine),
    and `colab_memopt.loss.DEFAULT_CHUNK_TOKENS` is set from it (a test checks they agree).
 3. large: traced at Llama-3.2-1B's head (vocabulary 128,256, hidden 2048) and 16,384 tokens, where
    the plain loss would need about 24 GiB: trainable head, frozen head (LoRA/QLoRA), fp16 autocast

@@ -52,12 +52,12 @@ __all__ = [
 ]
 
 # Tokens per chunk. Picked by `benchmarks/chunked_loss.py`'s sweep on this project's 2-core CPU
-# ("chunk_sweep" in benchmarks/results/chunked_loss.json, 2048 tokens x vocabulary 16,384 x hidden
-# 256): 128 and 256 tokens were the fastest (their order swapped between reruns by up to 3.5%), 32
-# and 64 slower (more, smaller matmuls), 512 to 2048 about 10% slower (the chunk's logits leave the
-# cache), and the chunk's memory grows linearly with it; 128 is the smallest within 5% of the
-# fastest. At vocabulary 128,256 a chunk's fp32 logits are then 63 MiB. Not timed on a GPU: rerun
-# the benchmark there to check.
+# ("chunk_sweep" in benchmarks/results/chunked_loss.json: 2048 tokens x vocabulary 16,384 x hidden
+# 256, chunks of 32 to 2048 tokens): the smallest chunk within 5% of the fastest. The chunk's memory
+# grows linearly with it (at vocabulary 128,256 a 128-token chunk's fp32 logits are 63 MiB), while
+# smaller chunks pay for more, smaller matmuls. The machine is shared and the recorded sweep ran
+# while other work raised its load (the JSON keeps the load average and every round's times): rerun
+# it on a quiet machine, and on a GPU, before trusting the time ranking.
 DEFAULT_CHUNK_TOKENS = 128
 REDUCTIONS = ("mean", "sum")
 
