@@ -152,12 +152,18 @@ class CheckpointOffloader:
     Device memory of the checkpoints: at most two block inputs at a time (the one being recomputed
     and the one prefetched) instead of one per block; host memory: one per block (`peak_host_bytes`).
 
-    Compared with what ships elsewhere (measured on this project's CPU, see tests/test_checkpointing.py):
+    Measured on the 2-core CPU (tests/test_checkpointing.py; tiny reference model, 6 blocks, 4 x 64
+    tokens, fp32): the activation peak falls from 1,319,432 bytes under 'full' to 926,216, by the six
+    inputs (393,216 bytes, now in host memory); gradients are bit-equal. The step's total peak did not
+    move at that size: it falls at the end of backward, where the gradients dominate.
+
+    Compared with what ships elsewhere:
     - `torch.autograd.graph.save_on_cpu` around the whole step (recipe.activation_compression=
       'cpu_offload' without checkpointing) moves every saved tensor to the host: no recomputation,
       but all of a block's saved activations (about 34 s*b*h bytes per layer in 16-bit, Korthikanti
-      et al.) cross the bus twice and sit in host RAM, which is Colab's tighter limit (12.7 GB); here
-      only s*b*h values per layer do.
+      et al.) cross the bus twice and sit in host RAM, which is Colab's tighter limit (12.7 GB).
+      Counted on the same step: 8,639,460 bytes in 157 saved tensors against 393,216 here (22x).
+      (On the CPU its copy is `tensor.cpu()`, which returns the tensor itself: it moves nothing there.)
     - transformers (5.x) `model.activation_checkpointing_enable(offload=True)` wraps each layer's
       checkpoint in `save_on_cpu(pin_memory=True)`: the same bytes as here, but both copies run on
       the compute stream when the tensor is needed (no prefetch, so no overlap), with one device
