@@ -479,18 +479,37 @@ def zero_offload_bytes(n_params: int, *, zero_stage: int, offload_optimizer: boo
         raise ValueError(f"offload_param needs zero_stage=3, got {zero_stage}")
     if zero_stage == 0:
         return {"device_bytes": 16 * n_params, "host_bytes": 0}
-    if zero_stage in (1, 2):
-        from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+    largest = largest_layer_params or n_params // 10
+    try:
+        if zero_stage in (1, 2):
+            from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
-        host, device = estimate_zero2_model_states_mem_needs(n_params, num_gpus_per_node=world_size, num_nodes=1,
-                                                             cpu_offload=offload_optimizer)
-        return {"device_bytes": int(device), "host_bytes": int(host)}
-    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+            host, device = estimate_zero2_model_states_mem_needs(n_params, num_gpus_per_node=world_size, num_nodes=1,
+                                                                 cpu_offload=offload_optimizer)
+        else:
+            from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
 
-    host, device, _ = estimate_zero3_model_states_mem_needs(n_params, largest_layer_params or n_params // 10,
-                                                            num_gpus_per_node=world_size, num_nodes=1,
-                                                            cpu_offload=offload_optimizer, cpu_offload_params=offload_param)
+            host, device, _ = estimate_zero3_model_states_mem_needs(n_params, largest, num_gpus_per_node=world_size,
+                                                                    num_nodes=1, cpu_offload=offload_optimizer,
+                                                                    cpu_offload_params=offload_param)
+    except ImportError:  # Colab has no DeepSpeed: the same formulas, copied (tests pin them to DeepSpeed's)
+        host, device = _deepspeed_estimate(n_params, zero_stage, offload_optimizer, offload_param, largest, world_size)
     return {"device_bytes": int(device), "host_bytes": int(host)}
+
+
+def _deepspeed_estimate(n: int, stage: int, offload_optimizer: bool, offload_param: bool, largest: int,
+                        gpus: int, buffer_factor: float = 1.5) -> tuple[int, int]:
+    """Return (host, device) bytes by DeepSpeed 0.19's `estimate_zero{2,3}_model_states_mem_needs` (one node, zero_init)."""
+    if stage in (1, 2):
+        if offload_optimizer:
+            return int(n * max(4 * gpus, 16) * buffer_factor), 2 * n
+        return int(n * 4 * gpus * buffer_factor), 2 * n + int(18 * n / gpus)
+    layer = 4 * largest
+    if offload_optimizer:
+        if offload_param:
+            return int(n * 18 * buffer_factor), layer
+        return int(n * 16 * buffer_factor), layer + int(2 * n / gpus)
+    return int(largest * 4 * gpus * buffer_factor), layer + int(18 * n / gpus)
 
 
 def layer_streaming_param_bytes(block_bytes: int, n_blocks: int, resident_bytes: int, *, max_active_layers: int,

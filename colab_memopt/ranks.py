@@ -67,6 +67,16 @@ def log_tail(workdir: str | Path, rank: int, chars: int = 3000) -> str:
     return "\n".join(lines)[-chars:] or f"(rank {rank}'s log is empty)"
 
 
+def rank_environment(threads_per_rank: int = 1) -> dict[str, str]:
+    """Return the environment variables `launch` sets for its ranks: CPU only, `threads_per_rank` threads.
+
+    The ranks run on the CPU with gloo whatever the machine has: `CUDA_VISIBLE_DEVICES=""` hides the
+    GPU, and `DS_ACCELERATOR=cpu` makes DeepSpeed pick its CPU accelerator (on a GPU machine it would
+    otherwise pick CUDA and call `set_device(local_rank)`: rank 1 -> cuda:1, an invalid device on one GPU).
+    """
+    return {"OMP_NUM_THREADS": str(threads_per_rank), "CUDA_VISIBLE_DEVICES": "", "DS_ACCELERATOR": "cpu"}
+
+
 def launch(
     worker: Callable[..., None],
     world_size: int,
@@ -90,6 +100,8 @@ def launch(
         what: names the job in errors ("ZeRO ranks").
         threads_per_rank: OMP_NUM_THREADS of each rank (ranks share the machine's cores).
 
+    The ranks see no GPU (`rank_environment`): they run on the CPU, also on a CUDA machine.
+
     Raises:
         RuntimeError: a rank raised, or died before every rank had written its result; the message
             quotes the end of that rank's log.
@@ -107,15 +119,17 @@ def launch(
         raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
     if isinstance(threads_per_rank, bool) or not isinstance(threads_per_rank, int) or threads_per_rank < 1:
         raise ValueError(f"threads_per_rank must be an integer >= 1, got {threads_per_rank!r}")
-    saved = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = str(threads_per_rank)  # read by the children when they start
+    child_env = rank_environment(threads_per_rank)
+    saved = {name: os.environ.get(name) for name in child_env}
+    os.environ.update(child_env)  # read by the children when they start
     try:
         ctx = mp.start_processes(worker, args=(world_size, *args), nprocs=world_size, join=False, start_method="spawn")
     finally:
-        if saved is None:
-            os.environ.pop("OMP_NUM_THREADS", None)
-        else:
-            os.environ["OMP_NUM_THREADS"] = saved
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
     deadline = time.monotonic() + timeout_s
     try:
         while not ctx.join(timeout=max(0.1, min(0.5, deadline - time.monotonic()))):

@@ -13,7 +13,8 @@ from colab_memopt import ranks
 
 
 def _write_result(workdir: str, rank: int, world_size: int) -> None:
-    out = {"rank": rank, "world_size": world_size, "threads": os.environ.get("OMP_NUM_THREADS")}
+    out = {"rank": rank, "world_size": world_size, "threads": os.environ.get("OMP_NUM_THREADS"),
+           "cuda_visible": os.environ.get("CUDA_VISIBLE_DEVICES"), "ds_accelerator": os.environ.get("DS_ACCELERATOR")}
     ranks.write_result(Path(workdir, f"rank{rank}.json"), lambda path: path.write_text(json.dumps(out)))
 
 
@@ -54,13 +55,18 @@ def _hang_worker(rank: int, world_size: int, workdir: str) -> None:
     time.sleep(600)
 
 
-def test_launch_runs_every_rank_with_its_threads(tmp_path):
+def test_launch_runs_every_rank_with_its_threads_and_no_gpu(tmp_path, monkeypatch):
+    # The parent may see a GPU; the ranks must not (review A1: DeepSpeed would pick cuda:<rank>).
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    monkeypatch.delenv("DS_ACCELERATOR", raising=False)
     ranks.launch(_ok_worker, 2, (str(tmp_path),), workdir=tmp_path, timeout_s=120, threads_per_rank=1)
     for r in range(2):
         out = json.loads((tmp_path / f"rank{r}.json").read_text())
-        assert out == {"rank": r, "world_size": 2, "threads": "1"}
+        assert out == {"rank": r, "world_size": 2, "threads": "1", "cuda_visible": "", "ds_accelerator": "cpu"}
         assert f"rank {r} says hello" in ranks.log_tail(tmp_path, r)
     assert not list(tmp_path.glob("*.partial"))
+    # The parent's own environment is left as it was.
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "0" and "DS_ACCELERATOR" not in os.environ
 
 
 def test_a_rank_that_raises_names_itself_and_quotes_its_log(tmp_path):
