@@ -4,7 +4,8 @@
 
 Times one training step of the reference model per technique of `costs.TECHNIQUES` (each alone,
 through `Recipe.build` + `make_train_step`), paired round by round with the plain fp32 AdamW
-step, and writes the median ratio per technique (each step timed right after a plain step) with the device named to benchmarks/results/technique_costs.json.
+step, and writes the median ratio per technique (each step timed right after a plain step) with the device named to colab_memopt/technique_costs.json (package data:
+the recommender's default, shipped in the wheel).
 `recommend` reads them. Ratios measured on a CPU describe that CPU, not a T4: run this on the GPU
 you target (Colab: `!python benchmarks/technique_costs.py`) to recommend for it.
 """

@@ -63,7 +63,7 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--mode", default="auto", choices=["auto", *MODES], help="what is trained (auto: full, else LoRA, else QLoRA)")
     r.add_argument("--objective", default="fastest", choices=list(OBJECTIVES))
     r.add_argument("--headroom", type=float, default=0.10, help="fraction of device memory kept free (default 0.10)")
-    r.add_argument("--costs", default=None, help="technique_costs.json to read (default: benchmarks/results/)")
+    r.add_argument("--costs", default=None, help="technique_costs.json to read (default: the one shipped in the package)")
     r.add_argument("--method", default="auto", choices=["auto", "trace", "analytic"], help="planner method for the confirming plans")
     r.add_argument("--json", action="store_true", help="print one JSON object")
     return parser

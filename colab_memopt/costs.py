@@ -4,7 +4,7 @@
 `TECHNIQUES` turned on alone (the same `Recipe.build` + `train.make_train_step` path every
 notebook measures), each step right after a plain fp32 AdamW step so that a busy machine slows both
 alike, and returns the median of the pairs' ratios, with the device named.
-`benchmarks/technique_costs.py` writes them to `benchmarks/results/technique_costs.json`;
+`benchmarks/technique_costs.py` writes them to `colab_memopt/technique_costs.json` (package data);
 `expected_slowdown` multiplies the ratios of the techniques a recipe turns on. A technique with no
 measured ratio counts as 1.0 and is named in the result's `unmeasured`.
 
@@ -25,7 +25,8 @@ import torch
 
 from colab_memopt.recipe import Recipe
 
-COSTS_FILE = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "technique_costs.json"
+# The default ratios ship inside the package (package data), so an installed wheel has them.
+COSTS_FILE = Path(__file__).resolve().parent / "technique_costs.json"
 
 # Technique name -> the Recipe fields that turn it on (each measured alone against Recipe()).
 # A recipe "uses" a technique when all its fields match; 'lora' and 'qlora' are the training modes.
@@ -175,7 +176,7 @@ def measure_technique_costs(
 
 
 def load_technique_costs(path: str | Path | None = None) -> TechniqueCosts:
-    """Read measured ratios (default: benchmarks/results/technique_costs.json); say how to make them if absent."""
+    """Read measured ratios (default: the package's technique_costs.json); say how to make them if absent."""
     p = Path(path) if path is not None else COSTS_FILE
     if not p.exists():
         raise FileNotFoundError(

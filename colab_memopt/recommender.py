@@ -209,7 +209,7 @@ def recommend(
         mode: 'full', 'lora' or 'qlora' (what is trained), or 'auto': full fine-tuning if any recipe
             fits, else LoRA, else QLoRA (the reasoning says why each mode before was passed over).
         headroom: fraction of device memory kept free.
-        costs: measured technique ratios (default: benchmarks/results/technique_costs.json).
+        costs: measured technique ratios (default: the package's technique_costs.json).
         method: the planner's method for the confirming plans ('auto', 'trace', 'analytic'); with
             'trace', candidates that cannot be traced (bitsandbytes' 4-bit weights, Adafactor) are skipped.
         max_plans: at most this many candidates are confirmed with the planner.
