@@ -57,8 +57,33 @@ def param_bytes(params: Iterable[torch.Tensor]) -> int:
     return sum(p.numel() * p.element_size() for p in _unique(params))
 
 
+# Optimizers whose float32 `step` counter torch keeps on the CPU when the parameters are on CUDA (not
+# fused, not capturable: the project's default; torch/optim/adam.py `_init_group`, _adafactor.py).
+HOST_STEP_OPTIMIZERS = ("adam", "adamw", "adafactor")
+
+
+def optimizer_state_split(params: Iterable[Any], optimizer: str, *, device: str | torch.device,
+                          n_head: int | None = None) -> dict[str, int]:
+    """Return the optimizer-state bytes by where they live when training on `device`: {'device', 'host'}.
+
+    On CUDA, torch's Adam, AdamW and Adafactor keep their 4-byte `step` tensor per parameter tensor
+    on the CPU ('host'); everything else is device memory. bitsandbytes' paged states are unified
+    memory that lives on the GPU while the optimizer runs: counted as 'device' (`measure_step` reports
+    them the same way). On the CPU everything is 'device'.
+
+    Example:
+        >>> optimizer_state_split(model.parameters(), "adamw", device="cuda")  # {'device': 8N, 'host': 4 * tensors}
+    """
+    items = list(params)
+    total = optimizer_state_bytes(items, optimizer, n_head=n_head)
+    host = 0
+    if torch.device(device).type == "cuda" and optimizer.removesuffix("_in_backward") in HOST_STEP_OPTIMIZERS:
+        host = 4 * sum(1 for p in _unique(p[1] if isinstance(p, tuple) else p for p in items) if p.requires_grad)
+    return {"device": total - host, "host": host}
+
+
 def optimizer_state_bytes(params: Iterable[torch.Tensor], optimizer: str, *, n_head: int | None = None) -> int:
-    """Return the exact optimizer-state bytes the optimizer allocates for these parameters.
+    """Return the exact optimizer-state bytes the optimizer allocates for these parameters (wherever they live).
 
     Adam and AdamW keep exp_avg and exp_avg_sq in the parameter's dtype plus a 4-byte float32
     `step` tensor per parameter tensor; SGD with momentum keeps one momentum buffer; SGD nothing.
@@ -67,6 +92,7 @@ def optimizer_state_bytes(params: Iterable[torch.Tensor], optimizer: str, *, n_h
     float32 absmax per 256 values and a shared 256-entry code book per state, and 32-bit states for
     tensors under 4096 elements. Adam-mini needs (name, parameter) pairs and `n_head`.
     A name ending in '_in_backward' counts one optimizer per parameter (code books per tensor).
+    On CUDA part of this lives in host memory: `optimizer_state_split` says which part.
     """
     in_backward = optimizer.endswith("_in_backward")
     base = optimizer[: -len("_in_backward")] if in_backward else optimizer
