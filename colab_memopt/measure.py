@@ -230,6 +230,7 @@ def measure_step(
         allocator_peak = torch.cuda.max_memory_allocated(dev)
         peak, foreign, by_category = _cuda_step_peak(allocator_peak, allocated_at_reset, tracked_at_reset,
                                                      by_category, placement["paged"])
+        resident["optimizer_state"] += placement["paged"]
         method = ("torch.cuda.max_memory_allocated less foreign bytes (allocated at the reset, owned by no "
                   "tracked object), plus paged optimizer state; categories from the tensor tracker")
         device_name = f"{dev} ({torch.cuda.get_device_name(dev)})"

@@ -48,3 +48,21 @@ def test_preflight_reports(capsys, monkeypatch):
     assert info.torch_version == torch.__version__
     monkeypatch.setenv("COLAB_RELEASE_TAG", "release-x")
     assert cm.in_colab()
+
+
+def test_bf16_never_chosen_below_sm80_even_when_torch_says_supported(monkeypatch):
+    # A T4 (sm_75): torch.cuda.is_bf16_supported() may say True (it counts emulation). Simulated CUDA facts.
+    import colab_memopt as cm
+    from colab_memopt import env, presets
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, **k: (7, 5))
+    cuda = torch.device("cuda")
+    assert env.bf16_native(cuda) is False
+    assert env.autocast_dtype(cuda) == torch.float16
+    assert presets.mixed_precision("t4") == "fp16-autocast"
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, **k: (8, 0))
+    assert env.bf16_native(cuda) is True and env.autocast_dtype(cuda) == torch.bfloat16
+    assert cm.Recipe().precision == "fp32"
