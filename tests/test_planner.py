@@ -194,3 +194,48 @@ def test_accumulation_bounds_the_batch():
     assert result.max_batch >= 4
     assert planner._verified_max_batch(lambda b: b <= 3, 9, lower=4) == (0, True)
     assert planner._verified_max_batch(lambda b: b <= 6, 9, lower=4) == (6, True)
+
+
+@pytest.mark.parametrize("size,batch,seq_len,recipe", [("small", 1, 128, {}), ("tiny", 2, 32, {"optimizer": "adam"}),
+                                                         ("tiny", 2, 32, {"optimizer": "adamw_in_backward"})])
+def test_foreach_optimizer_trace_equals_a_forced_foreach_measurement(size, batch, seq_len, recipe):
+    # Review A5: on CUDA torch runs AdamW's foreach path, whose temporaries the single-tensor CPU path lacks.
+    # The same implementation forced on the CPU, traced and measured, agrees to the byte.
+    corpus = cm.load_corpus()
+    rec = cm.Recipe.from_dict(recipe)
+    cpu = {"name": "cpu", "device_bytes": 2**40, "host_bytes": 2**40, "cuda": False}
+    plans = {impl: planner.plan(lambda: cm.build_model(size), batch, seq_len=seq_len, recipe=rec, target=cpu,
+                                find_max_batch=False, optimizer_impl=impl) for impl in ("single-tensor", "foreach")}
+    model, opt = rec.build(cm.build_model(size))
+    planner.set_optimizer_impl(opt, "foreach")
+    step = cm.make_train_step(model, opt, corpus, batch_size=batch, seq_len=seq_len, recipe=rec)
+    measured = cm.measure_step(step, model=model, optimizer=opt, repeat=1)
+    assert plans["foreach"].optimizer_impl == "foreach"
+    assert plans["foreach"].peak_bytes == measured.peak_bytes
+    if recipe.get("optimizer") in (None, "adam"):
+        assert plans["foreach"].by_phase["optimizer"] > plans["single-tensor"].by_phase["optimizer"]
+
+
+def test_cuda_target_traces_foreach_and_plans_the_cublas_workspace():
+    p = planner.plan(lambda: cm.build_model("tiny"), 2, seq_len=32, target="t4", find_max_batch=False)
+    assert p.optimizer_impl == "foreach"
+    workspace = next(c for c in p.device_costs if c.name == "cuBLAS workspace")
+    assert workspace.bytes == 8_519_680 and workspace.in_allocator and "CublasHandlePool" in workspace.source
+    assert p.allocator_peak_bytes == p.peak_bytes + workspace.bytes
+    assert p.to_dict()["optimizer_impl"] == "foreach"
+    cpu = planner.plan(lambda: cm.build_model("tiny"), 2, seq_len=32, find_max_batch=False,
+                       target={"device_bytes": 2**40, "host_bytes": 2**40, "cuda": False})
+    assert cpu.optimizer_impl == "single-tensor" and cpu.device_costs == [] and cpu.allocator_peak_bytes == cpu.peak_bytes
+    with pytest.raises(ValueError, match="optimizer_impl must be one of"):
+        planner.plan(lambda: cm.build_model("tiny"), 2, seq_len=32, optimizer_impl="fused")
+
+
+def test_cublas_workspace_sizes_and_config_parsing():
+    assert planner.cublas_workspace_bytes((7, 5), config="")[0] == 4096 * 1024 * 2 + 16 * 1024 * 8
+    assert planner.cublas_workspace_bytes((9, 0), config="")[0] == 32 * 2**20
+    assert planner.cublas_workspace_bytes((7, 5), config=":4096:8")[0] == 32 * 2**20
+    assert planner.cublas_workspace_bytes(None, config=":4096:2:16:8")[0] == 8_519_680
+    with pytest.raises(ValueError, match="CUBLAS_WORKSPACE_CONFIG must be"):
+        planner.cublas_workspace_bytes((7, 5), config="4096x8")
+    with pytest.raises(ValueError, match="impl must be"):
+        planner.set_optimizer_impl(torch.optim.SGD([torch.zeros(1, requires_grad=True)]), "fused")
