@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from colab_memopt.env import pick_device
+from colab_memopt.env import device_label, pick_device
 from colab_memopt.tracker import CATEGORIES, PHASES, LiveBytesMode, TensorTracker
 
 __all__ = [
@@ -233,7 +233,7 @@ def measure_step(
         resident["optimizer_state"] += placement["paged"]
         method = ("torch.cuda.max_memory_allocated less foreign bytes (allocated at the reset, owned by no "
                   "tracked object), plus paged optimizer state; categories from the tensor tracker")
-        device_name = f"{dev} ({torch.cuda.get_device_name(dev)})"
+        device_name = f"{dev} ({device_label(dev)})"
     else:
         peak = tracker.peak_bytes
         method = "tensor tracker: peak of live tensor storage"

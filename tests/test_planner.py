@@ -33,10 +33,11 @@ def test_trace_predicts_the_cpu_measurement(corpus, size, batch, seq, recipe):
 
 def test_plan_accepts_names_and_cuda_rounding_adds_a_little():
     cpu = planner.plan("tiny", 2, seq_len=32, target=CPU_TARGET, find_max_batch=False)
-    cuda = planner.plan("tiny", 2, seq_len=32, target="t4", find_max_batch=False)
+    # Same implementation on both: only the CUDA allocator's 512-byte rounding differs.
+    cuda = planner.plan("tiny", 2, seq_len=32, target="t4", find_max_batch=False, optimizer_impl="single-tensor")
     assert 0 < cuda.peak_bytes - cpu.peak_bytes < 512 * 200
     assert cuda.peak_bytes % 512 == 0
-    assert [c.name for c in cuda.device_costs] == ["CUDA context"] and cpu.device_costs == []
+    assert [c.name for c in cuda.device_costs] == ["CUDA context", "cuBLAS workspace"] and cpu.device_costs == []
 
 
 def test_max_batch_is_the_boundary():
