@@ -593,7 +593,14 @@ def plan(
     warn: list[str] = []
     if rec.precision == "fp16-autocast" or rec.eval_precision == "fp16-autocast":
         warn.append("fp16 autocast is traced as bf16 autocast (the same 2-byte activations); the GradScaler's "
-                    "few scalars and its data-dependent skip of overflowing steps are not traced")
+                    "few scalars and its data-dependent skip of overflowing steps are not traced; CUDA autocast runs "
+                    "softmax, log_softmax, layer_norm and sum in fp32 where CPU autocast keeps bf16 (naive attention "
+                    "on CUDA holds a 4-byte softmax per score, not 2)")
+    uses_bf16 = "bf16" in (rec.precision, rec.eval_precision or "") or rec.precision == "bf16-autocast"
+    if tgt.cuda and uses_bf16 and tgt.compute_capability is not None and tuple(tgt.compute_capability) < (8, 0):
+        warn.append(f"{tgt.name} (sm_{tgt.compute_capability[0]}{tgt.compute_capability[1]}) has no native bf16: its "
+                    "matmuls are emulated and SDPA has no bf16 memory-efficient kernel there, so it falls back to math "
+                    "and builds the T x T scores the trace (CPU flash kernel) does not hold; use fp16-autocast")
 
     used = "analytic"
     trace = None

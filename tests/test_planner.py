@@ -240,3 +240,12 @@ def test_cublas_workspace_sizes_and_config_parsing():
         planner.cublas_workspace_bytes((7, 5), config="4096x8")
     with pytest.raises(ValueError, match="impl must be"):
         planner.set_optimizer_impl(torch.optim.SGD([torch.zeros(1, requires_grad=True)]), "fused")
+
+
+def test_bf16_on_a_t4_plan_warns_about_emulation_and_math_attention():
+    p = planner.plan(lambda: cm.build_model("tiny"), 2, seq_len=32, target="t4", find_max_batch=False,
+                     recipe=cm.Recipe(precision="bf16-autocast"))
+    assert any("no native bf16" in w and "math" in w for w in p.warnings), p.warnings
+    a100 = planner.plan(lambda: cm.build_model("tiny"), 2, seq_len=32, target="a100-40gb", find_max_batch=False,
+                        recipe=cm.Recipe(precision="bf16-autocast"))
+    assert not any("no native bf16" in w for w in a100.warnings)
