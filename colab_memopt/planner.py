@@ -134,7 +134,7 @@ def get_target(target: str | Target | dict[str, Any]) -> Target:
     if isinstance(target, Target):
         return target
     if isinstance(target, dict):
-        allowed = {"name", "device_bytes", "host_bytes", "cuda_context_bytes", "description", "cuda"}
+        allowed = {"name", "device_bytes", "host_bytes", "cuda_context_bytes", "description", "cuda", "compute_capability"}
         unknown = sorted(set(target) - allowed)
         if unknown or "device_bytes" not in target or "host_bytes" not in target:
             raise ValueError(f"a target dict needs device_bytes and host_bytes (allowed keys {sorted(allowed)}), got {sorted(target)}")
