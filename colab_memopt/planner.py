@@ -52,6 +52,7 @@ class Target:
     description: str = ""
     cuda: bool = True
     compute_capability: tuple[int, int] | None = None
+    optimizer_impl: str = "auto"  # how the device runs torch's optimizers; 'auto': foreach on CUDA, else single-tensor
 
     def __post_init__(self) -> None:
         if self.device_bytes <= 0 or self.host_bytes <= 0:
@@ -134,7 +135,8 @@ def get_target(target: str | Target | dict[str, Any]) -> Target:
     if isinstance(target, Target):
         return target
     if isinstance(target, dict):
-        allowed = {"name", "device_bytes", "host_bytes", "cuda_context_bytes", "description", "cuda", "compute_capability"}
+        allowed = {"name", "device_bytes", "host_bytes", "cuda_context_bytes", "description", "cuda", "compute_capability",
+                   "optimizer_impl"}
         unknown = sorted(set(target) - allowed)
         if unknown or "device_bytes" not in target or "host_bytes" not in target:
             raise ValueError(f"a target dict needs device_bytes and host_bytes (allowed keys {sorted(allowed)}), got {sorted(target)}")
@@ -546,8 +548,8 @@ def plan(
         headroom: fraction of device memory and host RAM kept free (allocator fragmentation).
         find_max_batch: also search for the largest batch that fits (a few more traces).
         method: 'auto' (trace, else analytic with a warning), 'trace' or 'analytic'.
-        optimizer_impl: 'auto' (foreach for a CUDA target, as torch picks there; single-tensor
-            otherwise, as on the CPU), 'foreach' or 'single-tensor'.
+        optimizer_impl: 'auto' (the target's `optimizer_impl`; by default foreach for a CUDA target,
+            as torch picks there, single-tensor otherwise, as on the CPU), 'foreach' or 'single-tensor'.
 
     Example:
         >>> p = plan("gpt2-small", 8, seq_len=512, target="t4")
@@ -565,7 +567,10 @@ def plan(
     if optimizer_impl not in OPTIMIZER_IMPLS:
         raise ValueError(f"optimizer_impl must be one of {OPTIMIZER_IMPLS}, got {optimizer_impl!r}")
     tgt = get_target(target)
-    impl = ("foreach" if tgt.cuda else "single-tensor") if optimizer_impl == "auto" else optimizer_impl
+    if tgt.optimizer_impl not in OPTIMIZER_IMPLS:
+        raise ValueError(f"target optimizer_impl must be one of {OPTIMIZER_IMPLS}, got {tgt.optimizer_impl!r}")
+    impl = optimizer_impl if optimizer_impl != "auto" else tgt.optimizer_impl
+    impl = ("foreach" if tgt.cuda else "single-tensor") if impl == "auto" else impl
     rec = recipe if isinstance(recipe, Recipe) else Recipe.from_dict(recipe or {})
     if batch < rec.accumulation_steps:
         raise ValueError(f"batch {batch} is smaller than recipe.accumulation_steps={rec.accumulation_steps}: "

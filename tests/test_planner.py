@@ -249,3 +249,10 @@ def test_bf16_on_a_t4_plan_warns_about_emulation_and_math_attention():
     a100 = planner.plan(lambda: cm.build_model("tiny"), 2, seq_len=32, target="a100-40gb", find_max_batch=False,
                         recipe=cm.Recipe(precision="bf16-autocast"))
     assert not any("no native bf16" in w for w in a100.warnings)
+
+
+def test_a_target_can_name_the_optimizer_implementation_its_device_runs():
+    t = {"device_bytes": 2**40, "host_bytes": 2**40, "cuda": False, "optimizer_impl": "foreach"}
+    assert planner.plan(lambda: cm.build_model("tiny"), 2, seq_len=32, target=t, find_max_batch=False).optimizer_impl == "foreach"
+    with pytest.raises(ValueError, match="target optimizer_impl must be one of"):
+        planner.plan(lambda: cm.build_model("tiny"), 2, seq_len=32, target=dict(t, optimizer_impl="fused"))
