@@ -148,6 +148,27 @@ def in_colab() -> bool:
     return "google.colab" in sys.modules or "COLAB_RELEASE_TAG" in os.environ
 
 
+@dataclass
+class HostMemory:
+    """This process's resident memory and the machine's RAM, in bytes."""
+
+    rss_bytes: int
+    available_bytes: int
+    total_bytes: int
+
+
+def host_memory() -> HostMemory:
+    """Return this process's RSS and the machine's available and total RAM."""
+    import psutil
+
+    vm = psutil.virtual_memory()
+    return HostMemory(
+        rss_bytes=psutil.Process().memory_info().rss,
+        available_bytes=vm.available,
+        total_bytes=vm.total,
+    )
+
+
 def usable_device_memory(device: torch.device | None = None) -> int:
     """Return the bytes a training step may use: the GPU's total capacity, or available host RAM on CPU."""
     dev = pick_device(device)
@@ -155,8 +176,6 @@ def usable_device_memory(device: torch.device | None = None) -> int:
         if emulated_gpu(dev) == "t4":  # the allocator cap of `apply_emulation`
             return T4_USABLE_BYTES - ASSUMED_T4_CONTEXT_BYTES
         return torch.cuda.get_device_properties(dev).total_memory
-    from colab_memopt.measure import host_memory
-
     return host_memory().available_bytes
 
 
@@ -217,8 +236,6 @@ def preflight(device: str | torch.device | None = "auto", *, verbose: bool = Tru
 
     With `CM_EMULATE=t4` on a CUDA GPU it first applies the T4 emulation (`apply_emulation`).
     """
-    from colab_memopt.measure import host_memory
-
     dev = pick_device(device)
     emulating = apply_emulation(dev)
     host = host_memory()

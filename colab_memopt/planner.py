@@ -587,6 +587,7 @@ def plan(
 
     with torch.device("meta"):
         shape_model = model_factory()
+    rec.check_model(shape_model)  # a plan only for what can run: what Recipe.build refuses, plan refuses
     analytic = estimate.training_step_bytes(shape_model, batch, seq_len, rec)
     device_costs = []
     if tgt.cuda:
