@@ -67,3 +67,19 @@ def test_summary_names_failed_steps_last():
     text = gpucheck.summary_table("NVIDIA H100 emulating t4", steps)
     assert text.splitlines()[0] == "make test-gpu on NVIDIA H100 emulating t4"
     assert "FAILED" in text and text.splitlines()[-1] == "1 of 2 steps passed; FAILED: notebook 05_x"
+
+
+def test_steps_time_out_fail_and_are_written(tmp_path):
+    env = gpucheck.child_env("none")
+    ok = gpucheck.run_command("ok", [sys.executable, "-c", "print('fine')"], env, 60, tmp_path / "ok.log")
+    slow = gpucheck.run_command("slow", [sys.executable, "-c", "import time; time.sleep(30)"], env, 1, tmp_path / "slow.log")
+    bad = gpucheck.run_command("bad", [sys.executable, "-c", "raise SystemExit(3)"], env, 60, tmp_path / "bad.log")
+    assert ok.status == "passed" and "fine" in ok.detail
+    assert slow.status == "failed" and "over its budget of 1 s" in slow.detail
+    assert bad.status == "failed" and "exit 3" in bad.detail
+    gpucheck.write_outputs(tmp_path, "NVIDIA H100 emulating t4", {"gpu": "NVIDIA H100"}, [ok, slow, bad])
+    import json
+
+    written = json.loads((tmp_path / "results.json").read_text())
+    assert written["label"] == "NVIDIA H100 emulating t4" and written["failed"] == ["slow", "bad"]
+    assert (tmp_path / "claims.md").read_text().startswith("# Claims checked on NVIDIA H100 emulating t4")
