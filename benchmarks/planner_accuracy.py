@@ -105,7 +105,8 @@ def _configs(grid_name: str, device: torch.device) -> list[tuple[str, int, int, 
         out = [(s, b, min(t, cm.get_config(s).seq_len), f, "foreach") for s, b, t, f in
                itertools.product(GRID["size"], GRID["batch"], GRID["seq_len"], GRID["recipe"])]
         out += [(s, b, t, f, "foreach") for s, b, t, f in CUDA_EXTRA]
-    return out
+    # The batch is the effective batch: a recipe that splits it needs at least that many rows.
+    return [c for c in out if c[1] >= c[3].get("accumulation_steps", 1)]
 
 
 def _passes(row: dict, cuda: bool) -> bool:
