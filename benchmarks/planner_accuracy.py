@@ -98,7 +98,7 @@ def measure(size: str, batch: int, seq_len: int, recipe: cm.Recipe, device: torc
 
 def _configs(grid_name: str, device: torch.device) -> list[tuple[str, int, int, dict, str]]:
     out = []
-    for grid, impl in GRIDS[grid_name]:
+    for grid, impl in GRIDS.get(grid_name, []):
         for size, batch, seq_len, fields in itertools.product(*grid.values()):
             out.append((size, batch, min(seq_len, cm.get_config(size).seq_len), fields, impl))
     if grid_name == "cuda":
