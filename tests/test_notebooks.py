@@ -130,7 +130,7 @@ def test_notebook_follows_the_standard(path):
     # The install cell installs only on Colab, before the first import of the package.
     sources = [c.source for c in _code(nb)]
     first_import = next(i for i, s in enumerate(sources) if re.search(r"^\s*(import|from) colab_memopt", s, re.M))
-    install = next(i for i, s in enumerate(sources) if install_command(notebook_extras(Path(path.stem)) in s)
+    install = next(i for i, s in enumerate(sources) if install_command(notebook_extras(path.stem)) in s)
     assert install < first_import and "google.colab" in sources[install]
 
     # Parameters: plain values, Colab defaults, results_dir None, device 'auto'.
