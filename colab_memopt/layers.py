@@ -5,7 +5,7 @@
     (c) recipe      the `Recipe`, its presets and the training step that apply the techniques
     (d) planning    what fits before a run (estimate, planner, recommender, capacity) and what went
                     wrong after one (monitor, oom)
-    (e) tooling     the notebooks' runner, roll-up, plots and widgets, and the command line
+    (e) tooling     the notebooks' runner, roll-up, plots and widgets, make test-gpu, and the command line
 
 Within a layer, modules may import each other, without cycles. `tests/test_layers.py` reads every
 module's imports (function-level ones included) and fails on an import cycle or on an import from a
@@ -39,7 +39,7 @@ LAYERS: tuple[Layer, ...] = (
     Layer("planning", "what fits before a run, and what went wrong after one",
           ("estimate", "planner", "costs", "recommender", "capacity", "monitor", "oom")),
     Layer("tooling", "the notebooks' runner, roll-up, plots and widgets, and the command line",
-          ("runner", "rollup", "project", "plots", "widgets", "layers", "__main__")),
+          ("runner", "rollup", "project", "plots", "widgets", "layers", "gpucheck", "__main__")),
 )
 FACADE = "__init__"
 
