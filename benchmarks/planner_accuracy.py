@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import platform
 import subprocess
 import sys
@@ -23,6 +22,7 @@ import torch
 
 import colab_memopt as cm
 from colab_memopt import planner
+from colab_memopt.fileio import write_json
 
 OUT = Path(__file__).resolve().parent / "results" / "planner_accuracy.json"
 
@@ -93,7 +93,7 @@ def main() -> None:
         "target_rel_error_pct": 5.0 if device.type == "cuda" else 1.0,
     }
     OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(OUT, result)
     print(f"\nplanning the 1B model ({plan_1b['params'] / 1e9:.2f}B params, batch 1 x 2048): {plan_1b['seconds']:.1f} s, "
           f"{cm.format_bytes(plan_1b['max_rss_bytes'])} peak RSS, method {plan_1b['method']}")
     print(f"wrote {OUT}")

@@ -9,7 +9,6 @@ the CPU-sized parameters of the parameters file. Every run injects `results_dir`
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from dataclasses import dataclass
@@ -96,6 +95,7 @@ def parameters_for(name: str, *, gpu: bool, cpu_params: dict[str, dict[str, Any]
 
 
 def main(argv: list[str] | None = None) -> int:
+    from colab_memopt.fileio import atomic_write_text, write_json
     from colab_memopt.report import merge_results, summary_table
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -124,17 +124,17 @@ def main(argv: list[str] | None = None) -> int:
         run = run_notebook(path, out / "notebooks", results_dir, parameters_for(path.stem, gpu=gpu, cpu_params=cpu_params))
         print(f"  {run.name}: {run.seconds:.1f} s -> {run.output.relative_to(out.parent) if out.is_relative_to(out.parent) else run.output}")
     merged = merge_results(results_dir)
-    (out / "results.json").write_text(json.dumps(merged, indent=2) + "\n")
+    write_json(out / "results.json", merged)
     print()
     print(summary_table(merged))
     print(f"\nwrote {out / 'results.json'}")
     from colab_memopt.rollup import claims_markdown, index_markdown, update_readme
 
-    (out / "claims.md").write_text(claims_markdown(merged))
+    atomic_write_text(out / "claims.md", claims_markdown(merged))
     print(f"wrote {out / 'claims.md'}")
     if not args.names:  # a partial run would blank the other notebooks' rows
         readme = REPO_ROOT / "README.md"
-        readme.write_text(update_readme(readme, index_markdown(merged)))
+        atomic_write_text(readme, update_readme(readme, index_markdown(merged)))
         print(f"updated the notebook index in {readme}")
     return 0
 
