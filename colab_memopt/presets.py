@@ -106,6 +106,11 @@ def mode_fields(mode: str, model: str | None = None) -> dict[str, Any]:
     """Return the Recipe fields of a training mode ('full', 'lora' or 'qlora'), for a named model's family."""
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; choose one of {list(MODES)}")
+    if model is not None:
+        from colab_memopt.architectures import model_names
+
+        if model not in model_names():
+            raise ValueError(f"unknown model {model!r}; choose one of {model_names()} (or None: the reference model)")
     values = dict(MODES[mode])
     if values.get("lora_rank") and model is not None:
         from colab_memopt.architectures import ARCHITECTURES
@@ -124,5 +129,8 @@ def preset_fields(name: str, *, target: Any = "t4", mode: str = "full", model: s
     """Return the Recipe fields of a preset for a target, mode and model, with explicit overrides applied last."""
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; choose one of {preset_names()}")
+    from colab_memopt.planner import get_target
+
+    get_target(target)  # an unknown target is named, not taken for a T4
     values: dict[str, Any] = {"precision": mixed_precision(target), **PRESETS[name].fields, **mode_fields(mode, model)}
     return {**values, **overrides}

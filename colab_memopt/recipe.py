@@ -92,6 +92,8 @@ class Recipe:
         """Raise ValueError naming the first field whose value is not allowed."""
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"recipe.optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
+        if isinstance(self.lr, bool) or not isinstance(self.lr, (int, float)) or self.lr != self.lr or self.lr == float("inf"):
+            raise ValueError(f"recipe.lr must be a finite number > 0, got {self.lr!r}")
         if not self.lr > 0:
             raise ValueError(f"recipe.lr must be > 0, got {self.lr}")
         # 07_weight_quantization
