@@ -572,7 +572,7 @@ def plan(
         except Exception as exc:  # noqa: BLE001 - any failure to trace falls back, loudly
             if method == "trace":
                 raise
-            warn.append(f"could not trace the step on fake tensors ({type(exc).__name__}: {str(exc)[:200]}); "
+            warn.append(f"could not trace the step on fake tensors ({type(exc).__name__}: {' '.join(str(exc).split())[:200]}); "
                         "the figures are the analytic estimate, not a trace")
             warnings.warn(warn[-1], stacklevel=2)
     if trace is None:

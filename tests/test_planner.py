@@ -1,4 +1,5 @@
 import json
+import re
 import warnings
 
 import pytest
@@ -193,3 +194,35 @@ def test_accumulation_bounds_the_batch():
     assert result.max_batch >= 4
     assert planner._verified_max_batch(lambda b: b <= 3, 9, lower=4) == (0, True)
     assert planner._verified_max_batch(lambda b: b <= 6, 9, lower=4) == (6, True)
+
+
+def test_probe_row_63_a_recipe_that_is_a_string_is_refused_as_such():
+    # was: unknown recipe field(s) ['a', 'd', 'm', 'w']
+    with pytest.raises(TypeError, match="recipe must be a Recipe or a dict of its fields, got str 'adamw'"):
+        planner.plan("tiny", 1, seq_len=16, recipe="adamw")
+
+
+@pytest.mark.parametrize("target, says", [
+    ({"device_bytes": "16GB", "host_bytes": 1}, "target device_bytes must be an integer number of bytes, got '16GB'"),  # row 65
+    ({"device_bytes": 2**30, "host_bytes": True}, "target host_bytes must be an integer number of bytes, got True"),
+    ({"device_bytes": 2**30, "host_bytes": 2**30, "cuda_context_bytes": -1}, "cuda_context_bytes must be >= 0"),
+])
+def test_probe_row_65_target_sizes_must_be_integers(target, says):
+    with pytest.raises(ValueError, match=re.escape(says)):
+        planner.plan("tiny", 1, seq_len=16, target=target)
+
+
+@pytest.mark.parametrize("factory, says", [
+    (lambda: 5, "model_factory must return a torch.nn.Module, it returned int"),  # row 66
+    (lambda n: None, "model_factory must be callable with no arguments"),  # row 67
+    (5, "model_factory must be a model name or a zero-argument function"),
+])
+def test_probe_rows_66_67_a_bad_factory_is_named(factory, says):
+    with pytest.raises(TypeError, match=says):
+        planner.plan(factory, 1, seq_len=16)
+
+
+def test_probe_row_69_a_factory_past_its_sequence_length_is_refused():
+    # was: fits=True by the analytic fallback, the reason only in warnings
+    with pytest.raises(ValueError, match="seq_len 100 exceeds 'GPT''s maximum of 64"):
+        planner.plan(lambda: cm.build_model("tiny"), 2, seq_len=100)

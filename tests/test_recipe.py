@@ -70,3 +70,10 @@ def test_checkpointing_removal_restores_the_forward_it_replaced():
     remove_checkpointing(model)
     assert model.blocks[0].forward is patched
     assert "forward" not in model.blocks[1].__dict__
+
+
+@pytest.mark.parametrize("lr", ["0.1", None, True, float("inf"), float("nan")])
+def test_probe_rows_74_75_lr_must_be_a_finite_number(lr):
+    # was: TypeError "'>' not supported between 'str' and 'int'" ('0.1', None); accepted (True, inf)
+    with pytest.raises(ValueError, match=r"recipe.lr must be a finite number > 0, got "):
+        cm.Recipe(lr=lr)
