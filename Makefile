@@ -1,4 +1,5 @@
-# make run   : execute every notebook headless and summarise the measurements (build/results.json)
+# make run   : execute every notebook headless and summarise the measurements (build/ only: the checkout stays clean)
+# make readme: refresh the README's notebook index from build/results.json (after make run, on purpose)
 # make test  : unit tests and every notebook, headless (what CI runs)
 # make test-browser : the widget panels in JupyterLab, driven by headless Chromium (installs both)
 # make lab   : JupyterLab on notebooks/
@@ -18,7 +19,7 @@ export TORCH_EXTENSIONS_DIR ?= $(HOME)/.cache/torch_extensions
 export MPLBACKEND ?= Agg
 export PYTHONUNBUFFERED := 1
 
-.PHONY: install run test test-unit test-notebooks test-browser browser-deps lab clean
+.PHONY: install run readme test test-unit test-notebooks test-browser browser-deps lab clean
 
 install: $(STAMP)
 
@@ -31,6 +32,10 @@ $(STAMP): requirements.txt pyproject.toml
 
 run: $(STAMP)
 	$(PY) -m colab_memopt.runner --out build
+
+# Rewrites README.md's notebook index (committed) from the last full `make run`; run it on purpose.
+readme: $(STAMP)
+	$(PY) -m colab_memopt.rollup --results build/results.json --claims build/claims.md --readme README.md
 
 # Unit tests and static notebook checks; then every notebook executed once by nbval, on copies papermill
 # prepared with the CI parameters (timed against each notebook's budget); then each notebook's results.

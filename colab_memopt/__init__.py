@@ -7,6 +7,8 @@
 
 Plots and widgets live in `colab_memopt.plots` and `colab_memopt.widgets` (they import matplotlib
 and ipywidgets, which the core does not need). Importing the package changes no global state.
+The modules form five layers, bottom to top (core, blocks, recipe, planning, tooling): see
+`colab_memopt.layers`.
 """
 
 from colab_memopt import (
@@ -57,7 +59,9 @@ from colab_memopt.models import MODEL_SIZES, GPT, GPTConfig, build_model, count_
 from colab_memopt.monitor import MemoryMonitor, MemoryProfiler
 from colab_memopt.oom import diagnose
 from colab_memopt.report import Claim, record
-from colab_memopt.train import evaluate, make_eval_step, make_optimizer, make_train_step, train, train_step
+from colab_memopt.evaluation import evaluate
+from colab_memopt.optimizers import make_optimizer
+from colab_memopt.train import make_eval_step, make_train_step, train, train_step
 
 __version__ = "0.1.0"
 

@@ -57,8 +57,12 @@ def _parser() -> argparse.ArgumentParser:
     from colab_memopt.architectures import model_names
     from colab_memopt.planner import TARGETS
 
-    from colab_memopt import __version__
+    from importlib.metadata import PackageNotFoundError, version
 
+    try:
+        __version__ = version("colab-memopt")
+    except PackageNotFoundError:  # run from a checkout that was not pip-installed
+        __version__ = "(not installed)"
     parser = _Parser(prog="python -m colab_memopt", description="colab-memopt tools. Exit codes: 0 an answer, "
                      "1 does not fit / no recipe fits, 2 bad input, 3 an internal error.")
     parser.add_argument("--version", action="version", version=f"colab-memopt {__version__}")

@@ -95,6 +95,12 @@ def _compressed_forward(forward: Callable[..., Any], mode: str | None, use_check
         return forward(*args, **kwargs)
 
 
+def check_compressible(model: nn.Module) -> None:
+    """Raise ValueError when `model` has no `blocks` list to compress (only the reference model has one)."""
+    if not hasattr(model, "blocks"):
+        raise ValueError("compress_activations applies to models with a `blocks` list (the reference model)")
+
+
 def compress_activations(model: nn.Module, mode: str | None, *, checkpoint_blocks: bool = False) -> nn.Module:
     """Make every block of `model` (its `blocks` list) save compressed activations; return the model.
 
@@ -107,8 +113,7 @@ def compress_activations(model: nn.Module, mode: str | None, *, checkpoint_block
     """
     if mode is not None and mode not in MODES:
         raise ValueError(f"mode must be None or one of {MODES}, got {mode!r}")
-    if not hasattr(model, "blocks"):
-        raise ValueError("compress_activations applies to models with a `blocks` list (the reference model)")
+    check_compressible(model)
     device = next(model.parameters()).device
     for block in model.blocks:
         original = block.__dict__.get("_uncompressed_forward", block.forward)

@@ -76,13 +76,32 @@ def in_colab() -> bool:
     return "google.colab" in sys.modules or "COLAB_RELEASE_TAG" in os.environ
 
 
+@dataclass
+class HostMemory:
+    """This process's resident memory and the machine's RAM, in bytes."""
+
+    rss_bytes: int
+    available_bytes: int
+    total_bytes: int
+
+
+def host_memory() -> HostMemory:
+    """Return this process's RSS and the machine's available and total RAM."""
+    import psutil
+
+    vm = psutil.virtual_memory()
+    return HostMemory(
+        rss_bytes=psutil.Process().memory_info().rss,
+        available_bytes=vm.available,
+        total_bytes=vm.total,
+    )
+
+
 def usable_device_memory(device: torch.device | None = None) -> int:
     """Return the bytes a training step may use: the GPU's total capacity, or available host RAM on CPU."""
     dev = pick_device(device)
     if dev.type == "cuda":
         return torch.cuda.get_device_properties(dev).total_memory
-    from colab_memopt.measure import host_memory
-
     return host_memory().available_bytes
 
 
@@ -138,8 +157,6 @@ class Preflight:
 
 def preflight(device: str | torch.device | None = "auto", *, verbose: bool = True) -> Preflight:
     """Print and return the device, usable memory, host RAM, torch version and autocast dtype."""
-    from colab_memopt.measure import host_memory
-
     dev = pick_device(device)
     host = host_memory()
     info = Preflight(

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from colab_memopt.env import pick_device
+from colab_memopt.env import HostMemory, host_memory, pick_device
 from colab_memopt.tracker import CATEGORIES, PHASES, LiveBytesMode, TensorTracker
 
 __all__ = [
@@ -330,27 +330,6 @@ class LiveMemory:
             torch.cuda.reset_peak_memory_stats(self.device)
         elif self._mode is not None:
             self._mode.peak = self._mode.live
-
-
-@dataclass
-class HostMemory:
-    """This process's resident memory and the machine's RAM, in bytes."""
-
-    rss_bytes: int
-    available_bytes: int
-    total_bytes: int
-
-
-def host_memory() -> HostMemory:
-    """Return this process's RSS and the machine's available and total RAM."""
-    import psutil
-
-    vm = psutil.virtual_memory()
-    return HostMemory(
-        rss_bytes=psutil.Process().memory_info().rss,
-        available_bytes=vm.available,
-        total_bytes=vm.total,
-    )
 
 
 @dataclass

@@ -250,6 +250,12 @@ class OptimizerStateOffloader:
 
 # -- layer streaming ------------------------------------------------------------------------------
 
+def check_streamable(model: nn.Module) -> None:
+    """Raise ValueError when `model` has no `.blocks` to stream (pass blocks=[...] to `LayerStreamer` then)."""
+    if not hasattr(model, "blocks"):
+        raise ValueError(f"{type(model).__name__} has no .blocks: pass blocks=[...] to stream")
+
+
 class LayerStreamer:
     """Stream a model's blocks between host and device memory during forward and backward.
 
@@ -281,8 +287,7 @@ class LayerStreamer:
         if isinstance(prefetch_distance, bool) or not isinstance(prefetch_distance, int) or prefetch_distance < 0:
             raise ValueError(f"prefetch_distance must be an integer >= 0, got {prefetch_distance!r}")
         if blocks is None:
-            if not hasattr(model, "blocks"):
-                raise ValueError(f"{type(model).__name__} has no .blocks: pass blocks=[...] to stream")
+            check_streamable(model)
             blocks = model.blocks
         self.model = model
         self.blocks = list(blocks)

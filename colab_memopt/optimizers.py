@@ -1,6 +1,7 @@
 """Lean optimizers: less optimizer state per parameter (notebook 06).
 
-What is here, by name (`LEAN_OPTIMIZERS`, dispatched from `train.make_optimizer`):
+`make_optimizer(name, params)` returns any optimizer of `OPTIMIZERS` by name: PyTorch's own
+('adamw', 'adam', 'sgd', 'sgd_momentum') and the lean ones (`LEAN_OPTIMIZERS`):
 - 'adafactor': `torch.optim.Adafactor` (torch >= 2.5): a factored second moment (one row and one
   column vector per matrix) and no first moment.
 - 'adam8bit', 'adamw8bit', 'paged_adamw8bit', 'lion8bit': bitsandbytes' block-wise 8-bit states.
@@ -28,6 +29,10 @@ BNB_OPTIMIZERS = {
 }
 LEAN_OPTIMIZERS = ("adafactor", *BNB_OPTIMIZERS, "lion", "adam_mini")
 IN_BACKWARD_SUFFIX = "_in_backward"
+BASE_OPTIMIZERS = ("adamw", "adam", "sgd", "sgd_momentum")
+# Any of these can have its step fused into backward ('<name>_in_backward').
+_FUSABLE = ("adamw", "adam", "sgd", "sgd_momentum", "lion", "adafactor", "adam8bit", "adamw8bit")
+OPTIMIZERS = BASE_OPTIMIZERS + LEAN_OPTIMIZERS + tuple(n + IN_BACKWARD_SUFFIX for n in _FUSABLE)
 
 
 def _check_lr(lr: float) -> None:
@@ -290,3 +295,35 @@ def make_lean_optimizer(
 
 def _plain(params: Iterable[Any]) -> list[Any]:
     return [p[1] if isinstance(p, tuple) else p for p in params]
+
+
+def make_optimizer(
+    name: str, params: Iterable[torch.nn.Parameter], *, lr: float = 1e-3, model: nn.Module | None = None
+) -> torch.optim.Optimizer:
+    """Return an optimizer by name (one of `OPTIMIZERS`).
+
+    'adamw', 'adam', 'sgd', 'sgd_momentum' are PyTorch's; the lean ones are `make_lean_optimizer`'s
+    ('adam_mini' reads parameter names and heads from `model`); '<name>_in_backward' fuses that
+    optimizer's step into backward (`OptimizerInBackward`).
+
+    Example:
+        >>> opt = make_optimizer("adamw8bit", model.parameters(), lr=2e-4)
+    """
+    if not lr > 0:
+        raise ValueError(f"lr must be > 0, got {lr}")
+    if name not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {name!r}; choose one of {OPTIMIZERS}")
+    if name.endswith(IN_BACKWARD_SUFFIX):
+        inner = name[: -len(IN_BACKWARD_SUFFIX)]
+        return OptimizerInBackward(params, lambda ps: make_optimizer(inner, ps, lr=lr))
+    if name in LEAN_OPTIMIZERS:
+        return make_lean_optimizer(name, params, lr=lr, model=model)
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
+    if name == "adam":
+        return torch.optim.Adam(params, lr=lr)
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr)
+    if name == "sgd_momentum":
+        return torch.optim.SGD(params, lr=lr, momentum=0.9)
+    raise ValueError(f"unknown optimizer {name!r}; choose one of {OPTIMIZERS}")

@@ -26,6 +26,7 @@ from torch import nn
 
 from colab_memopt.data import TextCorpus
 from colab_memopt.env import pick_device
+from colab_memopt.evaluation import evaluate
 
 PHASES = ("warmup", "full", "predict", "correct")
 FULL_PHASES = ("warmup", "full", "correct")
@@ -408,8 +409,6 @@ def train_phased(
     seed: int = 0,
 ) -> PhaseLog:
     """Train `steps` phase-aware steps on the corpus's seeded batches (those `train.train` uses)."""
-    from colab_memopt.train import evaluate
-
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
     trainer = PhaseTrainer(model, optimizer, config)

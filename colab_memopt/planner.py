@@ -549,6 +549,7 @@ def plan(
         check_seq_len(seq_len, None, name)
         meta_model = shape_model(model_factory)
         check_seq_len(seq_len, max_positions(meta_model), type(meta_model).__name__)
+    rec.check_model(meta_model)  # a plan only for what can run: what Recipe.build refuses, plan refuses
     analytic = estimate.training_step_bytes(meta_model, batch, seq_len, rec)
     device_costs = [
         Cost("CUDA context", tgt.cuda_context_bytes, "assumed (0.5-2 GB seen on Colab; measure with NVML on your card)")

@@ -28,6 +28,7 @@ from typing import Any
 
 # Targets with native bf16 (Ampere and later); everything else gets fp16 autocast.
 BF16_TARGETS = ("l4", "a100-40gb", "a100-80gb", "h100-80gb")
+TARGET_NAMES = ("t4", *BF16_TARGETS)  # the names of planner.TARGETS (a test keeps them equal)
 
 
 @dataclass(frozen=True)
@@ -129,8 +130,7 @@ def preset_fields(name: str, *, target: Any = "t4", mode: str = "full", model: s
     """Return the Recipe fields of a preset for a target, mode and model, with explicit overrides applied last."""
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; choose one of {preset_names()}")
-    from colab_memopt.planner import get_target
-
-    get_target(target)  # an unknown target is named, not taken for a T4
+    if isinstance(target, str) and target not in TARGET_NAMES:  # named, not taken for a T4
+        raise ValueError(f"unknown target {target!r}; choose one of {sorted(TARGET_NAMES)} or give a Target")
     values: dict[str, Any] = {"precision": mixed_precision(target), **PRESETS[name].fields, **mode_fields(mode, model)}
     return {**values, **overrides}

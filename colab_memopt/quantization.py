@@ -129,30 +129,101 @@ def _bnb_linear(linear: nn.Linear, scheme: str) -> nn.Module:
         return new.to(linear.weight.device)  # bitsandbytes quantizes when the module is moved
 
 
-def quantize_linear(linear: nn.Linear, scheme: str) -> nn.Module:
-    """Return a frozen quantized copy of `linear`: scheme in `SCHEMES`."""
+def _as_linear(module: nn.Module) -> nn.Linear:
+    """Return `module` as an nn.Linear: itself, or transformers' Conv1D (GPT-2's, weight stored (in, out)) converted."""
+    if isinstance(module, nn.Linear):
+        return module
+    in_features, out_features = module.weight.shape
+    linear = nn.Linear(in_features, out_features, bias=module.bias is not None,
+                       device=module.weight.device, dtype=module.weight.dtype)
+    with torch.no_grad():
+        linear.weight.copy_(module.weight.t())
+        if module.bias is not None:
+            linear.bias.copy_(module.bias)
+    return linear
+
+
+def _is_conv1d(module: nn.Module) -> bool:
+    return type(module).__name__ == "Conv1D" and type(module).__module__.startswith("transformers")
+
+
+def _is_quantized(module: nn.Module) -> bool:
+    return isinstance(module, Int8Linear) or type(module).__module__.startswith("bitsandbytes")
+
+
+def quantize_linear(linear: nn.Module, scheme: str) -> nn.Module:
+    """Return a frozen quantized copy of a linear layer (nn.Linear or a subclass, or transformers' Conv1D).
+
+    `scheme` is one of `SCHEMES`.
+    """
     if scheme not in SCHEMES:
         raise ValueError(f"scheme must be one of {SCHEMES}, got {scheme!r}")
-    if not isinstance(linear, nn.Linear):
-        raise TypeError(f"quantize_linear takes an nn.Linear, got {type(linear).__name__}")
+    if not (isinstance(linear, nn.Linear) or _is_conv1d(linear)):
+        raise TypeError(f"quantize_linear takes an nn.Linear (or a subclass, or transformers' Conv1D), got {type(linear).__name__}")
+    linear = _as_linear(linear)
     if scheme.startswith("int8_"):
         return Int8Linear.from_linear(linear, per=scheme.split("_")[1])
     return _bnb_linear(linear, scheme)
 
 
-def quantize_model(model: nn.Module, scheme: str, *, skip: Sequence[str] = ("lm_head",)) -> nn.Module:
-    """Replace every nn.Linear of `model` (in place) by a frozen quantized one; return the model.
+def kept_in_high_precision(model: nn.Module, skip: Sequence[str] = ("lm_head",)) -> set[str]:
+    """Return the names of the linear layers `quantize_model` leaves alone.
 
-    Modules whose name contains one of `skip` stay as they are (default: the output layer, tied to the
-    embedding in the reference model). Embeddings and LayerNorms stay in full precision.
+    Those whose name contains one of `skip`, the output head (`get_output_embeddings()`, often tied to
+    the embedding), and the modules a transformers model declares must stay in fp32
+    (`_keep_in_fp32_modules`, e.g. T5's 'wo', whose forward casts its input to the weight's dtype).
+    Embeddings and norms are not linear layers and are never quantized.
+    """
+    keep = set(getattr(model, "_keep_in_fp32_modules", None) or ()) | set(getattr(model, "_keep_in_fp32_modules_strict", None) or ())
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    out = set()
+    for name, mod in model.named_modules():
+        if not (isinstance(mod, nn.Linear) or _is_conv1d(mod)) or _is_quantized(mod):
+            continue
+        if any(s in name for s in skip) or mod is head or any(k in name.split(".") for k in keep):
+            out.add(name)
+    return out
+
+
+def linear_layers(model: nn.Module, skip: Sequence[str] = ("lm_head",)) -> list[tuple[str, nn.Module]]:
+    """Return (name, module) of every layer `quantize_model` quantizes, found by what it is, not its class name.
+
+    nn.Linear and its subclasses (a family's own `XLinear(nn.Linear)`), and transformers' Conv1D;
+    not layers that are already quantized, nor those `kept_in_high_precision`.
+    """
+    kept = kept_in_high_precision(model, skip)
+    return [(name, mod) for name, mod in model.named_modules()
+            if (isinstance(mod, nn.Linear) or _is_conv1d(mod)) and not _is_quantized(mod) and name not in kept]
+
+
+def check_quantizable(model: nn.Module, skip: Sequence[str] = ("lm_head",)) -> list[tuple[str, nn.Module]]:
+    """Return `linear_layers(model, skip)`; raise ValueError naming the model and what was kept when there are none."""
+    targets = linear_layers(model, skip)
+    if not targets:
+        kept = sorted(kept_in_high_precision(model, skip))
+        raise ValueError(
+            f"quantize_model found no linear layer to quantize in {type(model).__name__} "
+            f"(nn.Linear, its subclasses or transformers' Conv1D); kept in high precision: {kept or 'none'}; skip={tuple(skip)}"
+        )
+    return targets
+
+
+def quantize_model(model: nn.Module, scheme: str, *, skip: Sequence[str] = ("lm_head",)) -> nn.Module:
+    """Replace every linear layer of `model` (in place) by a frozen quantized one; return the model.
+
+    Which layers: `linear_layers` (nn.Linear and subclasses, transformers' Conv1D). Which stay:
+    `kept_in_high_precision` (names containing one of `skip`, default the output layer; the output
+    head; transformers' `_keep_in_fp32_modules`). Embeddings and norms stay in full precision.
+    Works on decoder-only and encoder-decoder transformers models and on the reference model.
     """
     if scheme not in SCHEMES:
         raise ValueError(f"scheme must be one of {SCHEMES}, got {scheme!r}")
-    targets = [(name, mod) for name, mod in model.named_modules()
-               if type(mod) is nn.Linear and not any(s in name for s in skip)]
-    if not targets:
-        raise ValueError("quantize_model found no nn.Linear to quantize")
+    targets = check_quantizable(model, skip)
     for name, mod in targets:
+        if not mod.weight.is_floating_point():
+            raise ValueError(f"quantize_model: {name} ({type(mod).__name__}) has a {mod.weight.dtype} weight; "
+                             "only floating-point weights can be quantized")
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, quantize_linear(mod, scheme))
@@ -200,11 +271,28 @@ def linear_weight_bytes(model: nn.Module, *, skip: Sequence[str] = ()) -> int:
         if isinstance(mod, Int8Linear):
             add(mod.weight_int8)
             add(mod.weight_scale)
-        elif isinstance(mod, nn.Linear) and not hasattr(mod, "lora_A"):  # bnb layers subclass nn.Linear
+        elif (isinstance(mod, nn.Linear) or _is_conv1d(mod)) and not hasattr(mod, "lora_A"):  # bnb layers subclass nn.Linear
             add(mod.weight)
             for t in _quant_state_tensors(mod.weight, mod):
                 add(t)
     return total
+
+
+def check_lora_targets(model: nn.Module, targets: Iterable[str]) -> list[str]:
+    """Return the targets as a list; raise ValueError when none of `model`'s modules matches them.
+
+    A module matches a target as in peft: its name is the target or ends with '.' + target.
+    """
+    targets = list(targets)
+    if not targets:
+        raise ValueError("targets must name at least one module, got none")
+    names = [name for name, _ in model.named_modules()]
+    if not any(name == t or name.endswith(f".{t}") for name in names for t in targets):
+        leaves = sorted({name.rpartition(".")[2] for name, m in model.named_modules()
+                         if name and (isinstance(m, nn.Linear) or _is_conv1d(m))})
+        raise ValueError(f"no module matched the LoRA targets {targets} in {type(model).__name__}; "
+                         f"its linear layers are named {leaves[:12]}")
+    return targets
 
 
 def add_lora(model: nn.Module, rank: int, *, targets: Iterable[str] = DEFAULT_LORA_TARGETS, alpha: int | None = None) -> nn.Module:
@@ -215,9 +303,7 @@ def add_lora(model: nn.Module, rank: int, *, targets: Iterable[str] = DEFAULT_LO
     """
     if not isinstance(rank, int) or rank < 1:
         raise ValueError(f"rank must be an integer >= 1, got {rank!r}")
-    targets = list(targets)
-    if not targets:
-        raise ValueError("targets must name at least one module, got none")
+    targets = check_lora_targets(model, targets)
     from peft import LoraConfig, inject_adapter_in_model
 
     for p in model.parameters():

@@ -14,12 +14,23 @@ from typing import Any
 import torch
 from torch import nn
 
+from colab_memopt import zero
+from colab_memopt.checkpointing import POLICIES, apply_checkpointing, find_blocks
 from colab_memopt.compression import MODES as COMPRESSION_MODES
-from colab_memopt.compression import compress_activations
-from colab_memopt.quantization import DEFAULT_LORA_TARGETS, SCHEMES, add_lora, quantize_model, quantized_copy
-from colab_memopt.checkpointing import POLICIES, apply_checkpointing
+from colab_memopt.compression import check_compressible, compress_activations
+from colab_memopt.offload import STRATEGIES, LayerStreamer, check_streamable
+from colab_memopt.optimizers import OPTIMIZERS, make_optimizer
+from colab_memopt.phases import OFFLOAD_STRATEGIES
 from colab_memopt.precision import FORWARD_PRECISIONS, check_precision, prepare_model
-from colab_memopt.train import OPTIMIZERS, make_optimizer
+from colab_memopt.quantization import (
+    DEFAULT_LORA_TARGETS,
+    SCHEMES,
+    add_lora,
+    check_lora_targets,
+    check_quantizable,
+    quantize_model,
+    quantized_copy,
+)
 
 
 @dataclass(frozen=True)
@@ -27,7 +38,7 @@ class Recipe:
     """Techniques applied to a training step. The defaults are plain fp32 training with AdamW.
 
     Attributes:
-        optimizer: an optimizer name known to `train.make_optimizer`.
+        optimizer: an optimizer name known to `optimizers.make_optimizer`.
         lr: learning rate (> 0).
         quantization: None, or a scheme of `quantization.SCHEMES` applied to the linear layers (frozen).
         quantization_phase: 'all' quantizes the trained model's base (with LoRA: QLoRA); 'forward_only'
@@ -53,7 +64,7 @@ class Recipe:
     optimizer: str = "adamw"
     lr: float = 1e-3
     attention: str | None = None
-    # -- 06_lean_optimizers: `optimizer` takes every name of train.OPTIMIZERS (8-bit, Lion, Adam-mini, ..._in_backward)
+    # -- 06_lean_optimizers: `optimizer` takes every name of optimizers.OPTIMIZERS (8-bit, Lion, Adam-mini, ..._in_backward)
     # -- 07_weight_quantization
     quantization: str | None = None
     quantization_phase: str = "all"
@@ -125,9 +136,6 @@ class Recipe:
             raise ValueError(
                 f"recipe.attention must be None, 'sdpa', 'naive' or 'semiseparable', got {self.attention!r}"
             )
-
-        from colab_memopt.phases import OFFLOAD_STRATEGIES
-
         if self.phase_offload is not None and self.phase_offload not in OFFLOAD_STRATEGIES:
             raise ValueError(
                 f"recipe.phase_offload must be None or one of {OFFLOAD_STRATEGIES}, got {self.phase_offload!r}"
@@ -158,8 +166,6 @@ class Recipe:
         if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1):
             raise ValueError(f"recipe.attention_window must be None or an integer >= 1 (tokens), got {w!r}")
         # 09_cpu_offload
-        from colab_memopt.offload import STRATEGIES
-
         for name in ("layer_offload_active", "layer_offload_prefetch"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -167,15 +173,7 @@ class Recipe:
         if self.optimizer_state_offload not in STRATEGIES:
             raise ValueError(f"recipe.optimizer_state_offload must be one of {STRATEGIES}, got {self.optimizer_state_offload!r}")
         # 10_deepspeed_zero
-        if isinstance(self.zero_stage, bool) or self.zero_stage not in (0, 1, 2, 3):
-            raise ValueError(f"recipe.zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
-        for name in ("offload_optimizer", "offload_param"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"recipe.{name} must be True or False, got {getattr(self, name)!r}")
-        if self.offload_optimizer and self.zero_stage == 0:
-            raise ValueError("recipe.offload_optimizer needs zero_stage 1, 2 or 3 (ZeRO-Offload), got zero_stage=0")
-        if self.offload_param and self.zero_stage != 3:
-            raise ValueError(f"recipe.offload_param needs zero_stage=3 (only stage 3 partitions parameters), got {self.zero_stage}")
+        zero.check_zero_fields(self.zero_stage, self.offload_optimizer, self.offload_param, prefix="recipe.")
         if self.uses_deepspeed and self.optimizer != "adamw":
             raise ValueError(f"recipe.zero_stage / offload run DeepSpeed with AdamW: set optimizer='adamw', got {self.optimizer!r}")
         if self.uses_deepspeed and (self.precision != "fp32" or self.accumulation_steps != 1):
@@ -241,6 +239,27 @@ class Recipe:
         """Return the fields as a plain dict."""
         return asdict(self)
 
+    def check_model(self, model: nn.Module) -> None:
+        """Raise ValueError, with `build`'s own message, where this recipe cannot be applied to `model`.
+
+        `build` calls it first, and so does the planner (on a meta-device copy of the model), so a recipe
+        that cannot run is refused before anything is planned. It changes nothing.
+        """
+        if self.uses_deepspeed:  # DeepSpeed wraps any module
+            return
+        if (self.attention is not None or self.attention_window is not None) and not hasattr(model, "blocks"):
+            raise ValueError("recipe.attention and attention_window apply to the reference model only; leave them None")
+        if self.quantization is not None and self.quantization_phase == "all":
+            check_quantizable(model)
+        if self.lora_rank:
+            check_lora_targets(model, self.lora_targets)
+        if self.activation_compression is not None or self.compression_checkpointing:
+            check_compressible(model)
+        if self.checkpointing != "none":
+            find_blocks(model)
+        if self.layer_offload_active:
+            check_streamable(model)
+
     def build(self, model: nn.Module) -> tuple[nn.Module, torch.optim.Optimizer]:
         """Apply the recipe's model-side techniques and return (model, optimizer).
 
@@ -252,13 +271,10 @@ class Recipe:
         ZeRO optimizer; with `layer_offload_active` (notebook 09) the blocks stream from host memory
         and the optimizer steps their host copies (`offload.StreamingOptimizer`).
         """
+        self.check_model(model)
         if self.uses_deepspeed:
-            from colab_memopt import zero
-
             return zero.initialize(model, self)
         if self.attention is not None or self.attention_window is not None:
-            if not hasattr(model, "blocks"):
-                raise ValueError("recipe.attention and attention_window apply to the reference model only; leave them None")
             for block in model.blocks:
                 if self.attention is not None:
                     block.attn.attention = self.attention
@@ -272,8 +288,6 @@ class Recipe:
             compress_activations(model, self.activation_compression, checkpoint_blocks=self.compression_checkpointing)
         apply_checkpointing(model, self.checkpointing, self.checkpoint_interval)
         if self.layer_offload_active:
-            from colab_memopt.offload import LayerStreamer
-
             streamer = LayerStreamer(model, self.layer_offload_active, self.layer_offload_prefetch)
             return model, streamer.optimizer(lambda ps: make_optimizer(self.optimizer, ps, lr=self.lr))
         trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]

@@ -2,9 +2,10 @@
 
     python -m colab_memopt.rollup [--results build/results.json] [--claims build/claims.md] [--readme README.md]
 
-`make run` calls it after executing the notebooks. The README's index sits between two marker lines
-and is generated from the notebooks present (title, Colab badge) and their results (the measured
-effect, the device); a notebook without results says so.
+`make readme` calls it, on purpose, after a full `make run` (which writes build/ only). The README's
+index sits between two marker lines and is generated from the notebooks present (title, Colab badge)
+and their results (the measured effect, the device). Results that lack a notebook (a partial run) are
+refused for the README, so a partial run never blanks the other notebooks' rows.
 """
 
 from __future__ import annotations
@@ -101,6 +102,13 @@ def index_markdown(merged: Mapping[str, Any] | None, notebook_dir: Path | None =
     return "\n".join(lines)
 
 
+def missing_notebooks(merged: Mapping[str, Any], notebook_dir: Path | None = None) -> list[str]:
+    """Return the stems of the notebooks present that have no entry in the merged results."""
+    notebook_dir = notebook_dir or REPO_ROOT / "notebooks"
+    results = merged.get("notebooks", {})
+    return [p.stem for p in sorted(notebook_dir.glob("[0-9][0-9]_*.ipynb")) if p.stem not in results]
+
+
 def update_readme(readme: Path, index: str) -> str:
     """Return the README text with the index between the markers replaced (the markers must be there)."""
     text = readme.read_text()
@@ -131,6 +139,11 @@ def main(argv: list[str] | None = None) -> int:
     atomic_write_text(args.claims, claims_markdown(merged))
     print(f"wrote {args.claims}")
     if not args.no_readme:
+        missing = missing_notebooks(merged)
+        if missing:
+            print(f"error: {results} has no results for {missing} (a partial run?): run `make run` for every "
+                  "notebook before `make readme`; the README was not changed", file=sys.stderr)
+            return 2
         readme = Path(args.readme)
         atomic_write_text(readme, update_readme(readme, index_markdown(merged)))
         print(f"updated the notebook index in {readme}")

@@ -4,6 +4,10 @@
 
 With a CUDA GPU present the notebooks run with their own (Colab-sized) defaults; without one, with
 the CPU-sized parameters of the parameters file. Every run injects `results_dir`.
+
+It writes under `--out` only (build/: the executed notebooks, results.json, claims.md), so a run
+leaves the checkout as it was. The README's notebook index is refreshed on purpose, from those
+results, by `make readme` (`python -m colab_memopt.rollup`).
 """
 
 from __future__ import annotations
@@ -128,14 +132,12 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(summary_table(merged))
     print(f"\nwrote {out / 'results.json'}")
-    from colab_memopt.rollup import claims_markdown, index_markdown, update_readme
+    from colab_memopt.rollup import claims_markdown
 
     atomic_write_text(out / "claims.md", claims_markdown(merged))
     print(f"wrote {out / 'claims.md'}")
-    if not args.names:  # a partial run would blank the other notebooks' rows
-        readme = REPO_ROOT / "README.md"
-        atomic_write_text(readme, update_readme(readme, index_markdown(merged)))
-        print(f"updated the notebook index in {readme}")
+    if not args.names:
+        print("the README's notebook index is unchanged: `make readme` refreshes it from these results")
     return 0
 
 

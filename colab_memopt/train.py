@@ -1,4 +1,4 @@
-"""The training step every notebook measures, and the optimizers it can use.
+"""The training step every notebook measures: one step function for every recipe.
 
 Baseline and technique run through the same step with one option changed, so a measured difference
 is the technique's and nothing else's.
@@ -6,7 +6,7 @@ is the technique's and nothing else's.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -15,46 +15,14 @@ from torch import nn
 
 from colab_memopt.accumulation import accumulate_gradients, micro_batch_sizes, split_micro_batches
 from colab_memopt.data import TextCorpus
-from colab_memopt.optimizers import IN_BACKWARD_SUFFIX, LEAN_OPTIMIZERS, OptimizerInBackward, make_lean_optimizer
+from colab_memopt.evaluation import evaluate
+# Optimizers by name live with the optimizers, evaluation in its own module; both re-exported here,
+# where earlier code found them.
+from colab_memopt.optimizers import OPTIMIZERS, make_optimizer  # noqa: F401
 from colab_memopt.precision import autocast_context, forward_context, make_grad_scaler
 
 if TYPE_CHECKING:
     from colab_memopt.recipe import Recipe
-
-BASE_OPTIMIZERS = ("adamw", "adam", "sgd", "sgd_momentum")
-# Notebook 06 (lean optimizers): colab_memopt.optimizers, and any of these with the step fused into backward.
-_FUSABLE = ("adamw", "adam", "sgd", "sgd_momentum", "lion", "adafactor", "adam8bit", "adamw8bit")
-OPTIMIZERS = BASE_OPTIMIZERS + LEAN_OPTIMIZERS + tuple(n + IN_BACKWARD_SUFFIX for n in _FUSABLE)
-
-
-def make_optimizer(
-    name: str, params: Iterable[torch.nn.Parameter], *, lr: float = 1e-3, model: nn.Module | None = None
-) -> torch.optim.Optimizer:
-    """Return an optimizer by name (one of `OPTIMIZERS`).
-
-    'adamw', 'adam', 'sgd', 'sgd_momentum' are PyTorch's; the lean ones live in
-    `colab_memopt.optimizers` ('adam_mini' reads parameter names and heads from `model`);
-    '<name>_in_backward' fuses that optimizer's step into backward (`optimizers.OptimizerInBackward`).
-    """
-    if not lr > 0:
-        raise ValueError(f"lr must be > 0, got {lr}")
-    if name not in OPTIMIZERS:
-        raise ValueError(f"unknown optimizer {name!r}; choose one of {OPTIMIZERS}")
-    if name.endswith(IN_BACKWARD_SUFFIX):
-        inner = name[: -len(IN_BACKWARD_SUFFIX)]
-        return OptimizerInBackward(params, lambda ps: make_optimizer(inner, ps, lr=lr))
-    if name in LEAN_OPTIMIZERS:
-        return make_lean_optimizer(name, params, lr=lr, model=model)
-    if name == "adamw":
-        return torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
-    if name == "adam":
-        return torch.optim.Adam(params, lr=lr)
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=lr)
-    if name == "sgd_momentum":
-        return torch.optim.SGD(params, lr=lr, momentum=0.9)
-    raise ValueError(f"unknown optimizer {name!r}; choose one of {OPTIMIZERS}")
-
 
 def train_step(
     model: nn.Module,
@@ -173,31 +141,6 @@ class TrainLog:
 
     train_loss: list[float] = field(default_factory=list)
     val_loss: float = float("nan")
-
-
-@torch.no_grad()
-def evaluate(
-    model: nn.Module,
-    corpus: TextCorpus,
-    *,
-    batch_size: int,
-    seq_len: int,
-    batches: int = 4,
-    seed: int = 1234,
-    precision: str = "fp32",
-) -> float:
-    """Return the mean validation loss over `batches` seeded batches.
-
-    `precision` is the forward-only phase's own: 'fp32', 'fp16-autocast' or 'bf16-autocast'.
-    """
-    was_training = model.training
-    model.eval()
-    device = next(model.parameters()).device
-    it = corpus.batches(batch_size, seq_len, split="val", seed=seed, device=device)
-    with forward_context(precision, device):
-        losses = [model(x, labels=x).loss.float().item() for x, _ in zip(it, range(batches))]
-    model.train(was_training)
-    return sum(losses) / len(losses)
 
 
 def train(

@@ -1,7 +1,7 @@
-"""ZeRO with DeepSpeed (notebook 10): configs from a recipe, real multi-rank runs on loopback, per-rank bytes.
+"""ZeRO with DeepSpeed (notebook 10): configs, real multi-rank runs on loopback, per-rank bytes.
 
-`deepspeed_config` turns a `Recipe` (zero_stage, offload_optimizer, offload_param) into a DeepSpeed
-config that DeepSpeed's own config classes validate. `run_zero` launches ranks with `ranks.launch`
+`deepspeed_config` turns ZeRO settings (`ZeroSettings`, or a `Recipe`, which has the same fields:
+zero_stage, offload_optimizer, offload_param, lr) into a DeepSpeed config that DeepSpeed's own config classes validate. `run_zero` launches ranks with `ranks.launch`
 (spawned processes; the worker lives here, so it is importable), the gloo backend on 127.0.0.1,
 and reads on every rank the bytes DeepSpeed's engine and optimizer hold:
 parameters, gradients and optimizer state (`rank_state_bytes`). `zero_state_bytes` is the ZeRO
@@ -17,18 +17,56 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from colab_memopt import ranks
 from colab_memopt.ranks import LOOPBACK, free_port
 
-if TYPE_CHECKING:
-    from colab_memopt.recipe import Recipe
-
 ZERO_STAGES = (0, 1, 2, 3)
 PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+class ZeroFields(Protocol):
+    """What the config and the engine read: a `ZeroSettings` here, or a `Recipe` in the training step."""
+
+    zero_stage: int
+    offload_optimizer: bool
+    offload_param: bool
+    lr: float
+
+
+def check_zero_fields(zero_stage: Any, offload_optimizer: Any, offload_param: Any, *, prefix: str = "") -> None:
+    """Raise ValueError naming the first ZeRO setting that is not allowed (`prefix` names its owner, e.g. 'recipe.')."""
+    if isinstance(zero_stage, bool) or zero_stage not in ZERO_STAGES:
+        raise ValueError(f"{prefix}zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
+    for name, value in (("offload_optimizer", offload_optimizer), ("offload_param", offload_param)):
+        if not isinstance(value, bool):
+            raise ValueError(f"{prefix}{name} must be True or False, got {value!r}")
+    if offload_optimizer and zero_stage == 0:
+        raise ValueError(f"{prefix}offload_optimizer needs zero_stage 1, 2 or 3 (ZeRO-Offload), got zero_stage=0")
+    if offload_param and zero_stage != 3:
+        raise ValueError(f"{prefix}offload_param needs zero_stage=3 (only stage 3 partitions parameters), got {zero_stage}")
+
+
+@dataclass(frozen=True)
+class ZeroSettings:
+    """A ZeRO stage, its offload options and the AdamW learning rate (validated on construction).
+
+    `Recipe(zero_stage=..., offload_optimizer=..., ...)` carries the same fields for the training step;
+    this is the same without the rest of a recipe, for using this module on its own.
+    """
+
+    zero_stage: int = 0
+    offload_optimizer: bool = False
+    offload_param: bool = False
+    lr: float = 1e-3
+
+    def __post_init__(self) -> None:
+        check_zero_fields(self.zero_stage, self.offload_optimizer, self.offload_param)
+        if not self.lr > 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
 
 
 # -- the formulas ---------------------------------------------------------------------------------
@@ -76,7 +114,7 @@ def zero_reduction_x(stage: int, world_size: int, *, weight_bytes: float = 2, gr
 # -- the config -----------------------------------------------------------------------------------
 
 def deepspeed_config(
-    recipe: Recipe,
+    recipe: ZeroFields,
     *,
     micro_batch_size: int = 1,
     grad_accum_steps: int = 1,
@@ -89,7 +127,7 @@ def deepspeed_config(
     """Return a DeepSpeed config for the recipe's ZeRO stage and offload options, validated by DeepSpeed.
 
     Args:
-        recipe: reads `zero_stage`, `offload_optimizer`, `offload_param`, `lr`.
+        recipe: a `ZeroSettings` or a `Recipe`: reads `zero_stage`, `offload_optimizer`, `offload_param`.
         micro_batch_size: sequences per rank per micro-step; grad_accum_steps: micro-steps per update.
         precision: 'fp32', 'bf16' or 'fp16' (fp16 needs CUDA: DeepSpeed refuses it on the CPU).
         bucket_elements: reduce / all-gather bucket size (elements); small models need small buckets.
@@ -177,11 +215,12 @@ def init_distributed(rank: int = 0, world_size: int = 1, port: int | None = None
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
 
 
-def initialize(model: torch.nn.Module, recipe: Recipe, **config_kwargs: Any) -> tuple[Any, Any]:
+def initialize(model: torch.nn.Module, recipe: ZeroFields, **config_kwargs: Any) -> tuple[Any, Any]:
     """Wrap the model in a DeepSpeed engine for the recipe; return (engine, the engine's optimizer).
 
     The optimizer is DeepSpeedCPUAdam (AdamW mode) when `recipe.offload_optimizer`, else PyTorch's
-    AdamW; weight decay 0.01 as `train.make_optimizer('adamw')`.
+    AdamW; weight decay 0.01 as `optimizers.make_optimizer('adamw')`. `recipe` is a `ZeroSettings` or a
+    `Recipe`.
     """
     import deepspeed
 
@@ -330,7 +369,7 @@ def _rank_batches(job: ZeroJob, rank: int) -> Any:
     return load_corpus().batches(job.batch_size, job.seq_len, seed=job.seed + 1000 * rank)
 
 
-def _run_engine(job: ZeroJob, rank: int, recipe: Recipe, steps: int, *, read_bytes: bool = True) -> tuple[Any, dict[str, Any]]:
+def _run_engine(job: ZeroJob, rank: int, recipe: ZeroSettings, steps: int, *, read_bytes: bool = True) -> tuple[Any, dict[str, Any]]:
     from colab_memopt.models import build_model
 
     engine, _ = initialize(build_model(job.model_size, seed=job.seed), recipe, micro_batch_size=job.batch_size,
@@ -386,9 +425,7 @@ def _fsdp_run(job: ZeroJob, rank: int) -> dict[str, Any]:
 
 def _checkpoint_run(job: ZeroJob, rank: int) -> dict[str, Any]:
     """Train, save at the middle, train on; then a fresh engine loads the checkpoint and trains the same batches."""
-    from colab_memopt.recipe import Recipe
-
-    recipe = Recipe(lr=job.lr, zero_stage=job.checkpoint_stage)
+    recipe = ZeroSettings(lr=job.lr, zero_stage=job.checkpoint_stage)
     half = max(1, job.steps)
     engine, _ = _run_engine(job, rank, recipe, half, read_bytes=False)
     engine.save_checkpoint(job.checkpoint_dir, tag="half")
@@ -423,14 +460,13 @@ def _zero_worker(rank: int, world_size: int, port: int, job_dict: dict[str, Any]
 
     ds_logger.setLevel(logging.ERROR)
     from colab_memopt.models import build_model
-    from colab_memopt.recipe import Recipe
 
     out: dict[str, Any] = {"rank": rank, "runs": {}, "n_params": sum(p.numel() for p in build_model(job.model_size).parameters())}
     for stage in job.stages:
-        _, out["runs"][f"zero{stage}"] = _run_engine(job, rank, Recipe(lr=job.lr, zero_stage=stage), job.steps)
+        _, out["runs"][f"zero{stage}"] = _run_engine(job, rank, ZeroSettings(lr=job.lr, zero_stage=stage), job.steps)
     for stage, off_opt, off_param in job.offload:
         label = f"zero{stage}" + ("+offload_optimizer" if off_opt else "") + ("+offload_param" if off_param else "")
-        recipe = Recipe(lr=job.lr, zero_stage=stage, offload_optimizer=off_opt, offload_param=off_param)
+        recipe = ZeroSettings(lr=job.lr, zero_stage=stage, offload_optimizer=off_opt, offload_param=off_param)
         _, out["runs"][label] = _run_engine(job, rank, recipe, job.steps)
     if job.fsdp:
         out["runs"]["fsdp2"] = _fsdp_run(job, rank)

@@ -7,7 +7,7 @@ import torch
 import colab_memopt as cm
 from colab_memopt import estimate
 from colab_memopt.optimizers import AdamMini, Lion, OptimizerInBackward, adam_mini_blocks
-from colab_memopt.train import OPTIMIZERS
+from colab_memopt.optimizers import OPTIMIZERS
 
 warnings.filterwarnings("ignore", message=".*kernels.*")
 

@@ -226,3 +226,28 @@ def test_probe_row_69_a_factory_past_its_sequence_length_is_refused():
     # was: fits=True by the analytic fallback, the reason only in warnings
     with pytest.raises(ValueError, match="seq_len 100 exceeds 'GPT''s maximum of 64"):
         planner.plan(lambda: cm.build_model("tiny"), 2, seq_len=100)
+
+
+@pytest.mark.parametrize("fields", [
+    {"attention_window": 64},                                   # reference model only
+    {"activation_compression": "int8_channel"},                 # needs a `blocks` list
+    {"lora_rank": 4, "lora_targets": ("nope",)},                # no module of that name
+    {"layer_offload_active": 1},                                # streams `.blocks`
+])
+def test_plan_refuses_what_build_refuses_with_the_same_message(fields):
+    """A plan only for what can run: build's refusal comes out of plan, word for word, before any estimate."""
+    from colab_memopt import architectures
+
+    recipe = cm.Recipe(**fields)
+    with pytest.raises(ValueError) as built:
+        recipe.build(architectures.model_factory("smollm2-135m")())
+    for method in ("auto", "analytic"):
+        with pytest.raises(ValueError) as planned:
+            planner.plan("smollm2-135m", 1, seq_len=32, recipe=recipe, method=method, find_max_batch=False)
+        assert str(planned.value) == str(built.value)
+
+
+def test_plan_and_build_accept_the_same_recipe_on_the_reference_model():
+    recipe = cm.Recipe(attention_window=16, activation_compression="int8_channel", lora_rank=2)
+    recipe.check_model(cm.build_model("tiny"))
+    assert planner.plan("tiny", 1, seq_len=32, recipe=recipe, find_max_batch=False).peak_bytes > 0

@@ -54,3 +54,10 @@ def test_probe_rows_79_80_an_unknown_target_or_model_is_named():
         Recipe.preset("balanced", target="nope")
     with pytest.raises(ValueError, match="unknown model 'nope'"):
         Recipe.preset("balanced", model="nope", mode="lora")
+
+
+def test_preset_target_names_are_the_planners():
+    from colab_memopt.planner import TARGETS
+    from colab_memopt.presets import TARGET_NAMES
+
+    assert sorted(TARGET_NAMES) == sorted(TARGETS)

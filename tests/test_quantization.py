@@ -98,3 +98,71 @@ def test_qlora_paper_figure():
     assert 32e9 < nbytes < 34e9
     with pytest.raises(ValueError, match="unknown scheme"):
         estimate.quantized_weight_bytes(10, "int2")
+
+
+def _quiet(fn):
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return fn()
+
+
+def test_quantize_model_finds_linear_layers_by_what_they_are():
+    """A family's own nn.Linear subclass and transformers' Conv1D (GPT-2) are quantized; the head is kept."""
+    from torch import nn
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers.pytorch_utils import Conv1D
+
+    from colab_memopt.quantization import Int8Linear, kept_in_high_precision, linear_layers, quantize_model
+
+    class FamilyLinear(nn.Linear):  # a transformers family that subclasses nn.Linear under its own name
+        pass
+
+    model = nn.Sequential(FamilyLinear(8, 8), nn.ReLU(), nn.Linear(8, 4))
+    quantize_model(model, "int8_channel")
+    assert [type(m).__name__ for m in model] == ["Int8Linear", "ReLU", "Int8Linear"]
+
+    torch.manual_seed(0)
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=128, n_positions=64)).eval()
+    conv = [n for n, m in gpt2.named_modules() if isinstance(m, Conv1D)]
+    assert len(conv) == 8 and sorted(n for n, _ in linear_layers(gpt2)) == sorted(conv)
+    assert kept_in_high_precision(gpt2) == {"lm_head"}
+    x = torch.randint(0, 128, (2, 16))
+    with torch.no_grad():
+        ref = gpt2(x).logits
+        quantize_model(gpt2, "int8_channel")
+        out = gpt2(x).logits
+    assert sum(isinstance(m, Int8Linear) for m in gpt2.modules()) == 8
+    assert not any(isinstance(m, Conv1D) for m in gpt2.modules())
+    assert (out - ref).abs().max() < 0.05 * ref.abs().max()  # int8 per channel: close, transposition right
+
+
+def test_quantize_model_works_on_an_encoder_decoder_model_with_qlora():
+    """T5 keeps 'wo' in fp32 (transformers' _keep_in_fp32_modules): quantizing it broke the forward (a dtype error)."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    from colab_memopt.quantization import add_lora, kept_in_high_precision, quantize_model
+
+    t5 = T5ForConditionalGeneration(T5Config(vocab_size=128, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+                                             decoder_start_token_id=0))
+    kept = kept_in_high_precision(t5)
+    assert "lm_head" in kept and {n.split(".")[-1] for n in kept} == {"lm_head", "wo"}
+    _quiet(lambda: quantize_model(t5, "nf4"))
+    add_lora(t5, 4, targets=("q", "v"))
+    x = torch.randint(0, 128, (2, 8))
+    loss = t5(input_ids=x, labels=x).loss
+    loss.backward()
+    assert torch.isfinite(loss)
+    assert all(p.grad is not None for n, p in t5.named_parameters() if "lora_" in n)
+
+
+def test_quantize_model_refusal_names_the_model_and_what_was_kept():
+    from torch import nn
+
+    from colab_memopt.quantization import quantize_model
+
+    with pytest.raises(ValueError, match=r"no linear layer to quantize in Sequential .*kept in high precision: \['0'\]"):
+        quantize_model(nn.Sequential(nn.Linear(4, 4)), "int8_channel", skip=("0",))
+    with pytest.raises(ValueError, match="no linear layer to quantize in Embedding"):
+        quantize_model(nn.Embedding(4, 4), "nf4")

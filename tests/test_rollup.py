@@ -58,7 +58,7 @@ def test_readme_index_has_one_row_per_notebook_present():
     index = _readme_index()
     linked = re.findall(r"^\| \[[^\]]+\]\((notebooks/\d\d_[a-z0-9_]+\.ipynb)\)", index, re.M)
     assert sorted(linked) == [f"notebooks/{p.name}" for p in NOTEBOOKS], (
-        "the README's notebook index does not match notebooks/: run `python -m colab_memopt.rollup` (or `make run`)"
+        "the README's notebook index does not match notebooks/: run `make run` and then `make readme`"
     )
     for path in NOTEBOOKS:
         row = next(l for l in index.splitlines() if f"](notebooks/{path.name})" in l)
@@ -81,3 +81,49 @@ def test_runner_names_notebooks_by_stem_prefix_or_path():
     assert len(notebook_paths(None)) == len(notebook_paths([])) >= 16
     with pytest.raises(ValueError, match=r"no notebook matches \['99_nothing'\]"):
         notebook_paths(["99_nothing"])
+
+
+def test_readme_refresh_refuses_partial_results_and_leaves_the_readme(tmp_path, capsys):
+    import json
+
+    from colab_memopt.rollup import main as rollup_main
+    from colab_memopt.rollup import missing_notebooks
+
+    readme = tmp_path / "README.md"
+    readme.write_text(f"a\n{INDEX_START}\nold\n{INDEX_END}\nb")
+    results = tmp_path / "results.json"
+    results.write_text(json.dumps(MERGED))
+    args = ["--results", str(results), "--claims", str(tmp_path / "claims.md"), "--readme", str(readme)]
+    assert rollup_main(args) == 2
+    assert "no results for" in capsys.readouterr().err and "old" in readme.read_text()
+    assert (tmp_path / "claims.md").exists()  # the claims of what ran are still written
+    full = {**MERGED, "notebooks": {p.stem: MERGED["notebooks"]["02_mixed_precision"] for p in NOTEBOOKS}}
+    assert missing_notebooks(full) == [] and missing_notebooks(MERGED) == [p.stem for p in NOTEBOOKS if p.stem not in MERGED["notebooks"]]
+    results.write_text(json.dumps(full))
+    assert rollup_main(args) == 0
+    assert "old" not in readme.read_text() and readme.read_text().startswith("a\n") and readme.read_text().endswith("\nb")
+
+
+def test_make_run_writes_under_its_build_folder_only(tmp_path, monkeypatch):
+    """The runner (make run) writes results, claims and executed notebooks under --out; never README.md."""
+    import json
+
+    import colab_memopt.runner as runner
+
+    readme_before = README.read_text()
+    stems = ["02_mixed_precision"]
+
+    def fake_run(path, out_dir, results_dir, parameters):  # the real papermill run records like this
+        out_dir.mkdir(parents=True, exist_ok=True)
+        results_dir.mkdir(parents=True, exist_ok=True)
+        (results_dir / f"{path.stem}.json").write_text(json.dumps(MERGED["notebooks"]["02_mixed_precision"]))
+        (out_dir / path.name).write_text("{}")
+        return runner.NotebookRun(path.stem, out_dir / path.name, 0.1, parameters)
+
+    monkeypatch.setattr(runner, "run_notebook", fake_run)
+    monkeypatch.setattr(runner, "notebook_paths", lambda names=None: [NOTEBOOK_DIR / f"{s}.ipynb" for s in stems])
+    assert runner.main(["--out", str(tmp_path / "build")]) == 0
+    assert README.read_text() == readme_before
+    written = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file())
+    assert written == ["build/claims.md", "build/notebooks/02_mixed_precision.ipynb", "build/results.json",
+                       "build/results/02_mixed_precision.json"]

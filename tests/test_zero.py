@@ -91,3 +91,19 @@ def test_run_zero_names_bad_arguments_before_launching(kwargs, match):
         zero.run_zero(zero.ZeroJob(model_size="tiny", stages=(0,)), **kwargs)
     with pytest.raises(ValueError, match=r"ZeRO stages must be in \(0, 1, 2, 3\), got \[4\]"):
         zero.run_zero(zero.ZeroJob(model_size="tiny", stages=(4,)))
+
+
+def test_zero_settings_stand_in_for_a_recipe_and_share_its_checks():
+    """zero works on its own (no Recipe needed): ZeroSettings gives the same config, with the same refusals."""
+    for stage, off_opt, off_param in [(1, False, False), (2, True, False), (3, True, True)]:
+        settings = zero.ZeroSettings(zero_stage=stage, offload_optimizer=off_opt, offload_param=off_param)
+        recipe = cm.Recipe(zero_stage=stage, offload_optimizer=off_opt, offload_param=off_param)
+        assert zero.deepspeed_config(settings, micro_batch_size=2) == zero.deepspeed_config(recipe, micro_batch_size=2)
+    with pytest.raises(ValueError, match=r"^offload_param needs zero_stage=3"):
+        zero.ZeroSettings(zero_stage=2, offload_param=True)
+    with pytest.raises(ValueError, match=r"^recipe.offload_param needs zero_stage=3"):
+        cm.Recipe(zero_stage=2, offload_param=True)
+    with pytest.raises(ValueError, match="zero_stage must be 0, 1, 2 or 3, got True"):
+        zero.ZeroSettings(zero_stage=True)
+    with pytest.raises(ValueError, match="lr must be > 0"):
+        zero.ZeroSettings(lr=0)
