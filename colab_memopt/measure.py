@@ -129,10 +129,10 @@ def measure_step(
     """
     if not callable(step_fn):
         raise TypeError(f"step_fn must be callable, got {type(step_fn).__name__}")
-    if warmup < 0:
-        raise ValueError(f"warmup must be >= 0, got {warmup}")
-    if repeat < 1:
-        raise ValueError(f"repeat must be >= 1, got {repeat}")
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+        raise ValueError(f"warmup must be an integer >= 0, got {warmup!r}")
+    if isinstance(repeat, bool) or not isinstance(repeat, int) or repeat < 1:
+        raise ValueError(f"repeat must be an integer >= 1, got {repeat!r}")
     dev = _device_of(model, device)
 
     for _ in range(warmup):
@@ -228,8 +228,8 @@ class MemoryBudget:
     def __init__(self, limit_bytes: int, *track: Any, device: str | torch.device | None = None) -> None:
         if isinstance(limit_bytes, bool) or not isinstance(limit_bytes, (int, float)):
             raise TypeError(f"limit_bytes must be a number of bytes, got {limit_bytes!r}")
-        if limit_bytes <= 0:
-            raise ValueError(f"limit_bytes must be > 0, got {limit_bytes}")
+        if not 0 < limit_bytes < float("inf"):  # NaN fails this too
+            raise ValueError(f"limit_bytes must be a finite number of bytes > 0, got {limit_bytes}")
         self.limit_bytes = int(limit_bytes)
         self.device = pick_device(device) if device is not None else None
         self._track = [t for t in track if t is not None]

@@ -182,3 +182,18 @@ def test_time_interleaved_returns_the_fastest_run_per_step():
     assert calls == ["f"] * 4 and times["slow"] >= 0.01 > times["fast"]
     with pytest.raises(ValueError, match="rounds must be >= 1, got 0"):
         time_interleaved({"a": lambda: None}, rounds=0)
+
+
+def test_probe_row_95_warmup_and_repeat_must_be_integers():
+    # was: TypeError: 'float' object cannot be interpreted as an integer
+    with pytest.raises(ValueError, match="warmup must be an integer >= 0, got 1.5"):
+        cm.measure_step(lambda: None, warmup=1.5, device="cpu")
+    with pytest.raises(ValueError, match="repeat must be an integer >= 1, got True"):
+        cm.measure_step(lambda: None, repeat=True, device="cpu")
+
+
+@pytest.mark.parametrize("limit", [float("nan"), float("inf")])
+def test_probe_row_98_memory_budget_names_a_nonfinite_limit(limit):
+    # was: ValueError cannot convert float NaN to integer / OverflowError
+    with pytest.raises(ValueError, match="limit_bytes must be a finite number of bytes > 0, got"):
+        cm.MemoryBudget(limit)

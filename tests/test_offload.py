@@ -138,3 +138,23 @@ def test_layer_streaming_estimate():
     assert estimate.layer_streaming_param_bytes(10, 2, 5, max_active_layers=2, prefetch_distance=1) == 25
     with pytest.raises(ValueError):
         estimate.layer_streaming_param_bytes(10, 2, 5, max_active_layers=0, prefetch_distance=1)
+
+
+@pytest.mark.parametrize("tensor, says", [
+    (torch.eye(3).to_sparse(), "offload takes dense .*layout torch.sparse_coo"),  # row 139: copy_() between dense and sparse
+    (torch.empty(3, device="meta"), "'t' is a meta tensor"),  # row 139: Cannot copy out of meta tensor
+])
+def test_probe_row_139_tensors_that_cannot_be_offloaded_are_named(tensor, says):
+    with pytest.raises(ValueError, match=says):
+        offload.OffloadManager().offload("t", tensor)
+
+
+@pytest.mark.parametrize("device, says", [
+    ("nope", "device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got 'nope'"),
+    pytest.param("cuda", "this machine has no CUDA GPU", marks=pytest.mark.skipif(torch.cuda.is_available(), reason="has a GPU")),
+])
+def test_probe_row_139_a_bad_load_device_is_named(device, says):
+    manager = offload.OffloadManager()
+    manager.offload("t", torch.ones(3))
+    with pytest.raises(ValueError, match=says):
+        manager.load("t", device)
