@@ -228,8 +228,10 @@ class MemoryBudget:
     def __init__(self, limit_bytes: int, *track: Any, device: str | torch.device | None = None) -> None:
         if isinstance(limit_bytes, bool) or not isinstance(limit_bytes, (int, float)):
             raise TypeError(f"limit_bytes must be a number of bytes, got {limit_bytes!r}")
-        if not 0 < limit_bytes < float("inf"):  # NaN fails this too
+        if limit_bytes != limit_bytes or limit_bytes == float("inf"):
             raise ValueError(f"limit_bytes must be a finite number of bytes > 0, got {limit_bytes}")
+        if limit_bytes <= 0:
+            raise ValueError(f"limit_bytes must be > 0, got {limit_bytes}")
         self.limit_bytes = int(limit_bytes)
         self.device = pick_device(device) if device is not None else None
         self._track = [t for t in track if t is not None]
