@@ -60,6 +60,9 @@ class MemoryReport:
         device: where it ran, with the GPU name on CUDA.
         method: how `peak_bytes` was obtained.
         label: a name for tables and plots.
+        skipped_steps: warm-up steps whose update a GradScaler skipped (fp16 calibrating its scale);
+            the warm-up goes on until one update is applied (at most `MAX_EXTRA_WARMUP` more steps).
+        optimizer_skipped: the measured step's update was skipped too: its optimizer phase made no update.
     """
 
     peak_bytes: int
@@ -73,6 +76,8 @@ class MemoryReport:
     method: str
     label: str = ""
     tracked_peak_bytes: int = 0
+    skipped_steps: int = 0
+    optimizer_skipped: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         """Return a JSON-ready dict."""
@@ -80,10 +85,15 @@ class MemoryReport:
 
     def __str__(self) -> str:
         cats = ", ".join(f"{k} {format_bytes(v)}" for k, v in self.by_category.items() if v)
-        return (
+        text = (
             f"{self.label or 'step'} on {self.device}: peak {format_bytes(self.peak_bytes)} "
             f"({cats}); {self.step_seconds * 1e3:.1f} ms/step"
         )
+        if self.skipped_steps:
+            text += f"; {self.skipped_steps} warm-up update(s) skipped by the GradScaler"
+        if self.optimizer_skipped:
+            text += "; WARNING: the measured step's update was skipped (no optimizer update in it)"
+        return text
 
 
 def _device_of(model: torch.nn.Module | None, device: Any) -> torch.device:
@@ -118,7 +128,8 @@ def measure_step(
         model, optimizer: objects made before the step, so their tensors are counted (parameters,
             buffers, existing gradients, optimizer state).
         device: where to count; default: the model's device, else 'auto'.
-        warmup: untimed, untracked steps first (>= 0); 1 creates the optimizer state.
+        warmup: untimed, untracked steps first (>= 0); 1 creates the optimizer state. With a GradScaler
+            (`step_fn.scaler`, as `make_train_step` sets it) more follow until an update is applied.
         repeat: timed steps (>= 1); the median is reported.
         track: other tensors made before the step that it keeps using (a fixed batch, say).
         label: the name shown in tables and plots.
@@ -135,8 +146,18 @@ def measure_step(
         raise ValueError(f"repeat must be an integer >= 1, got {repeat!r}")
     dev = _device_of(model, device)
 
-    for _ in range(warmup):
-        step_fn()
+    # A GradScaler (fp16) skips the updates of its first steps while it calibrates its scale: warm up
+    # until one update is applied, so the measured step has optimizer state and an update to make.
+    scaler = getattr(step_fn, "scaler", None)
+    skipped = 0
+    applied = 0
+    for i in range(warmup + MAX_EXTRA_WARMUP):
+        if i >= warmup and (applied or scaler is None):
+            break
+        if _skipped_update(step_fn, scaler):
+            skipped += 1
+        else:
+            applied += 1
     gc.collect()
     if dev.type == "cuda":
         _sync(dev)
@@ -145,7 +166,7 @@ def measure_step(
     tracker = TensorTracker(device=dev)
     tracker.track_external(*[obj for obj in (model, optimizer, *track) if obj is not None])
     with tracker:
-        step_fn()
+        optimizer_skipped = _skipped_update(step_fn, scaler)
         _sync(dev)
         resident = tracker.current_categories()
         by_module = tracker.module_activation_bytes()
@@ -178,7 +199,25 @@ def measure_step(
         method=method,
         label=label,
         tracked_peak_bytes=tracker.peak_bytes,
+        skipped_steps=skipped,
+        optimizer_skipped=optimizer_skipped,
     )
+
+
+MAX_EXTRA_WARMUP = 32  # warm-up steps beyond `warmup` allowed to wait for a GradScaler's first applied update
+
+
+def _skipped_update(step_fn: Callable[[], Any], scaler: Any) -> bool:
+    """Run one step; return True when its GradScaler skipped the optimizer update (inf/NaN gradients).
+
+    A skip is the only thing that lowers the scale (`backoff_factor` < 1); growth only raises it.
+    """
+    if scaler is None or not scaler.is_enabled():
+        step_fn()
+        return False
+    before = scaler.get_scale()
+    step_fn()
+    return scaler.get_scale() < before
 
 
 def time_interleaved(

@@ -302,34 +302,88 @@ def _fake_safe_module_to() -> Iterator[None]:
         nn.Module.to = original  # type: ignore[method-assign]
 
 
-@contextlib.contextmanager
-def _fake_safe_bitsandbytes(mode: Any, optimizer: str) -> Iterator[None]:
-    """Let a bitsandbytes 8-bit optimizer be built under fake tensors, for the duration.
+FOUR_BIT_BLOCKSIZE = 64  # bitsandbytes' Linear4bit / Params4bit default, as quantization._bnb_linear builds them
 
-    Its constructor builds the 256-value quantization code book with `.tolist()` on a tensor, a value
-    fake tensors cannot give; here the code book is built for real and handed to the fake mode. The
-    step itself traces: bitsandbytes registers fake implementations of its update ops.
+
+def traced_linear4bit(linear: nn.Module, scheme: str) -> nn.Module:
+    """Return a stand-in for `quantization._bnb_linear(linear, scheme)` that works on fake tensors.
+
+    bitsandbytes' `Params4bit` is a tensor subclass that cannot wrap a fake tensor. This module holds
+    the exact storage of a real `Linear4bit` as a plain frozen parameter, made by bitsandbytes' own
+    `quantize_4bit` (which has fake kernels): the packed weight ((out * in + 1) // 2 bytes of uint8),
+    the nested quantization state (uint8 absmax per 64-value block, fp32 absmax per 256 of those,
+    the offset and both code books), and the bias. Its forward is `Linear4bit.forward` itself, so the
+    step traces bitsandbytes' `matmul_4bit` (dequantize, linear; dequantize again in backward) and
+    peft wraps it as it wraps a real 4-bit layer. `tests/test_planner.py` pins its bytes to a real
+    `Linear4bit` per quant type.
     """
+    import bitsandbytes as bnb
+
+    class TracedLinear4bit(bnb.nn.Linear4bit):
+        def __init__(self) -> None:  # noqa: D107 - built from `linear` below, not from sizes
+            nn.Module.__init__(self)
+
+    from colab_memopt.quantization import _as_linear
+
+    linear = _as_linear(linear)
+    w = linear.weight.detach()
+    packed, state = bnb.functional.quantize_4bit(w, blocksize=FOUR_BIT_BLOCKSIZE, compress_statistics=True,
+                                                 quant_type=scheme, quant_storage=torch.uint8)
+    new = TracedLinear4bit()
+    new.in_features, new.out_features = linear.in_features, linear.out_features
+    weight = nn.Parameter(packed, requires_grad=False)
+    for name, value in (("quant_state", state), ("blocksize", FOUR_BIT_BLOCKSIZE), ("compress_statistics", True),
+                        ("quant_type", scheme), ("quant_storage", torch.uint8), ("bnb_quantized", True)):
+        setattr(weight, name, value)
+    new.weight = weight
+    new.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+    new.compute_dtype, new.compute_type_is_set = w.dtype, True
+    new.quant_state, new.quant_storage, new.support_avx512bf16_for_cpu = None, torch.uint8, False
+    return new
+
+
+@contextlib.contextmanager
+def _fake_safe_bitsandbytes(mode: Any, recipe: Recipe) -> Iterator[None]:
+    """Let bitsandbytes' 8-bit optimizers and 4-bit layers be built under fake tensors, for the duration.
+
+    Both build the 256-value dynamic code book with `.tolist()` on a tensor, a value fake tensors
+    cannot give; here the code book is built for real and handed to the fake mode, and bitsandbytes'
+    cache of it is emptied for the duration and restored afterwards (a real code book cannot enter a
+    fake op, and a fake one left there would break later real calls).
+    4-bit layers are built as `traced_linear4bit` stand-ins. The steps themselves trace:
+    bitsandbytes registers fake implementations of its update, quantize and dequantize ops.
+    """
+    from colab_memopt import quantization
     from colab_memopt.optimizers import BNB_OPTIMIZERS, IN_BACKWARD_SUFFIX
 
-    if optimizer.removesuffix(IN_BACKWARD_SUFFIX) not in BNB_OPTIMIZERS:
+    four_bit = recipe.quantization in ("nf4", "fp4") and recipe.quantization_phase == "all"
+    if recipe.optimizer.removesuffix(IN_BACKWARD_SUFFIX) not in BNB_OPTIMIZERS and not four_bit:
         yield
         return
     import bitsandbytes.functional as bnb_functional
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-    original = bnb_functional.create_dynamic_map
+    original_map, original_linear = bnb_functional.create_dynamic_map, quantization._bnb_linear
+    cached = dict(bnb_functional.name2qmap)
 
     def create_dynamic_map(*args: Any, **kwargs: Any) -> torch.Tensor:
         with unset_fake_temporarily():
-            real = original(*args, **kwargs)
+            real = original_map(*args, **kwargs)
         return mode.from_tensor(real, static_shapes=True)
 
+    def bnb_linear(linear: nn.Module, scheme: str) -> nn.Module:
+        return traced_linear4bit(linear, scheme) if scheme in ("nf4", "fp4") else original_linear(linear, scheme)
+
     bnb_functional.create_dynamic_map = create_dynamic_map
+    bnb_functional.name2qmap.clear()  # a real code book cached by an earlier real call cannot enter a fake op
+    quantization._bnb_linear = bnb_linear
     try:
         yield
     finally:
-        bnb_functional.create_dynamic_map = original
+        bnb_functional.create_dynamic_map = original_map
+        quantization._bnb_linear = original_linear
+        bnb_functional.name2qmap.clear()
+        bnb_functional.name2qmap.update(cached)
 
 
 class _Tracer:
@@ -345,7 +399,7 @@ class _Tracer:
         self.recipe = recipe
         self.cuda_rounding = cuda_rounding
         self._cache: dict[int, _Trace] = {}
-        with self.mode, _fake_safe_module_to(), _fake_safe_bitsandbytes(self.mode, recipe.optimizer):
+        with self.mode, _fake_safe_module_to(), _fake_safe_bitsandbytes(self.mode, recipe):
             model = model_factory()
             self.model, self.optimizer = recipe.build(model)
             self.batches = _FakeBatches(_vocab_size(self.model))

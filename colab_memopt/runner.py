@@ -57,8 +57,17 @@ class NotebookRun:
     parameters: dict[str, Any]
 
 
-def run_notebook(path: Path, out_dir: Path, results_dir: Path, parameters: dict[str, Any]) -> NotebookRun:
-    """Execute one notebook with papermill, writing the executed copy into `out_dir`."""
+CELL_TIMEOUT_SECONDS = 1800  # a cell that runs longer is stopped with an error, never waited on forever
+
+
+def run_notebook(path: Path, out_dir: Path, results_dir: Path, parameters: dict[str, Any],
+                 cell_timeout: float = CELL_TIMEOUT_SECONDS) -> NotebookRun:
+    """Execute one notebook with papermill, writing the executed copy into `out_dir`.
+
+    A cell that runs past `cell_timeout` seconds fails the notebook (papermill's `execution_timeout`):
+    a lost kernel message, which left `make run` waiting forever once on this 2-core machine, is
+    an error that names the notebook instead of a hang.
+    """
     import papermill
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -72,6 +81,7 @@ def run_notebook(path: Path, out_dir: Path, results_dir: Path, parameters: dict[
         kernel_name="python3",
         cwd=str(path.parent),
         progress_bar=False,
+        execution_timeout=cell_timeout,
     )
     return NotebookRun(path.stem, output, time.perf_counter() - start, params)
 
@@ -108,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cpu-params", default=str(CPU_PARAMS_FILE), help="parameters used without a GPU")
     parser.add_argument("--cpu-sized", action="store_true", help="use the CPU parameters even on a GPU")
     parser.add_argument("--prepare-only", metavar="DIR", help="only write CPU-parameterised copies into DIR (for nbval)")
+    parser.add_argument("--cell-timeout", type=float, default=CELL_TIMEOUT_SECONDS,
+                        help=f"seconds a cell may run before the notebook fails (default {CELL_TIMEOUT_SECONDS})")
     args = parser.parse_args(argv)
 
     import torch
@@ -125,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(f"running {len(paths)} notebook(s) on {'CUDA with Colab defaults' if gpu else 'the CPU with CI parameters'}")
     for path in paths:
-        run = run_notebook(path, out / "notebooks", results_dir, parameters_for(path.stem, gpu=gpu, cpu_params=cpu_params))
+        run = run_notebook(path, out / "notebooks", results_dir, parameters_for(path.stem, gpu=gpu, cpu_params=cpu_params),
+                           cell_timeout=args.cell_timeout)
         print(f"  {run.name}: {run.seconds:.1f} s -> {run.output.relative_to(out.parent) if out.is_relative_to(out.parent) else run.output}")
     merged = merge_results(results_dir)
     write_json(out / "results.json", merged)

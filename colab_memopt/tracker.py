@@ -7,7 +7,12 @@ a PyTorch upgrade that changes it fails loudly instead of producing wrong number
 What it adds to MemTracker:
 - categories under stable names (`CATEGORIES`);
 - the peak of each training phase (forward, backward, optimizer step) and of each category;
-- several forward passes per step (gradient accumulation), which MemTracker refuses.
+- several forward passes per step (gradient accumulation), which MemTracker refuses;
+- categories that mean what they say at the optimizer step: MemTracker files every tensor made
+  inside `optimizer.step()` as optimizer state; here they are temporaries, and only what the
+  optimizer keeps in `optimizer.state` (moments, step counters, 8-bit states and their scales) is
+  optimizer state, re-filed by MemTracker's own post-step hook. Likewise autocast's 16-bit copies
+  of the weights, kept for backward, are temporaries, not activations.
 
 `LiveBytesMode` is the lean counterpart used by `MemoryBudget`: live bytes only, no module hooks.
 MemTracker's module hooks (`register_multi_grad_hook`) keep an aborted forward's activations alive
@@ -89,6 +94,7 @@ class TensorTracker(MemTracker):
         self.peak_categories: dict[str, int] = dict.fromkeys(CATEGORIES, 0)
         self.phase_peak_categories: dict[str, dict[str, int]] = {}
         self._device_match: dict[Any, bool] = {}
+        self._casting_param = False
 
     # -- reading -----------------------------------------------------------------------------
     def _device_snaps(self, snap: dict) -> list[dict]:
@@ -207,6 +213,34 @@ class TensorTracker(MemTracker):
                 if not param.requires_grad and self._param_to_grad_hook_handles.get(param) is None:
                     self._param_to_grad_hook_handles[param] = (_NO_HOOK, _NO_HOOK)
         return super()._track_module_params_and_buffers(module, install_grad_hooks)
+
+    def _track(self, reftype: Any, t: torch.Tensor) -> None:
+        # Inside optimizer.step() MemTracker files every new tensor as optimizer state, so an AdamW
+        # step's two fp32 temporaries of a parameter's size showed as state. File them as temporaries:
+        # the post-step hook re-files what the optimizer keeps in `optimizer.state` as optimizer state.
+        if reftype == _MemRefType.OPT and self._in_opt:
+            reftype = _MemRefType.TEMP
+        elif reftype == _MemRefType.ACT and self._casting_param:
+            reftype = _MemRefType.TEMP
+        super()._track(reftype, t)
+
+    def _is_parameter(self, t: Any) -> bool:
+        if not isinstance(t, torch.Tensor):
+            return False
+        try:
+            winfo, _ = self._WINFO.get(t.untyped_storage(), (None, None))
+        except (RuntimeError, NotImplementedError):
+            return False
+        return winfo is not None and winfo.reftype == _MemRefType.PARAM
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        # Autocast casts each weight to 16 bits in forward and keeps the copy for backward. MemTracker
+        # files it as an activation; it is a copy of a weight for the step's duration: a temporary.
+        self._casting_param = func is torch.ops.aten._to_copy.default and bool(args) and self._is_parameter(args[0])
+        try:
+            return super().__torch_dispatch__(func, types, args, kwargs)
+        finally:
+            self._casting_param = False
 
     def _pre_fw_hook(self, module: torch.nn.Module, inputs: Any) -> None:
         # MemTracker refuses a second forward of the root module ("multiple iterative calls"). Gradient

@@ -197,3 +197,38 @@ def test_probe_row_98_memory_budget_names_a_nonfinite_limit(limit):
     # was: ValueError cannot convert float NaN to integer / OverflowError
     with pytest.raises(ValueError, match="limit_bytes must be a finite number of bytes > 0, got"):
         cm.MemoryBudget(limit)
+
+
+@pytest.mark.parametrize("name", ["adamw", "adam8bit", "lion"])
+def test_optimizer_state_is_exactly_what_the_optimizer_keeps(name):
+    """The step's temporaries (AdamW's fp32 copies of the largest tensor) are `temporaries`, not state."""
+    model = cm.build_model("tiny")
+    opt = cm.make_optimizer(name, model.parameters())
+    step = cm.make_train_step(model, opt, cm.load_corpus(), batch_size=2, seq_len=32)
+    report = cm.measure_step(step, model=model, optimizer=opt)
+    state = {v.untyped_storage().data_ptr(): v.untyped_storage().nbytes()
+             for s in opt.state.values() for v in s.values() if torch.is_tensor(v)}
+    assert report.category_peaks["optimizer_state"] == sum(state.values())
+    if name == "adamw":  # the single-tensor AdamW step makes temporaries of each parameter's size
+        largest = max(p.numel() * 4 for p in model.parameters())
+        assert report.category_peaks["temporaries"] >= largest
+
+
+def test_fp16_measurement_warms_up_until_the_grad_scaler_applies_an_update():
+    """A GradScaler skips its first updates while it calibrates; the measured step must contain an update."""
+    from colab_memopt.train import train_step
+
+    model = cm.build_model("tiny")
+    opt = cm.make_optimizer("adamw", model.parameters())
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**40)  # far too high: several overflowing steps first
+    batches = cm.load_corpus().batches(2, 32)
+
+    def step():
+        return train_step(model, opt, next(batches), precision="fp16-autocast", scaler=scaler)
+
+    step.scaler = scaler  # what make_train_step sets, and what measure_step reads
+    report = cm.measure_step(step, model=model, optimizer=opt, repeat=1)
+    assert report.skipped_steps >= 3
+    assert not report.optimizer_skipped
+    assert report.resident_bytes["optimizer_state"] > 0  # an update was applied: AdamW's state exists
+    assert "skipped by the GradScaler" in str(report)

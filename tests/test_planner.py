@@ -176,15 +176,64 @@ def test_plan_honours_each_technique_exactly(corpus, fields):
     assert plan.peak_bytes == _measured("tiny", 4, 64, recipe, corpus).peak_bytes
 
 
-# bitsandbytes' 4-bit weights (Params4bit, a tensor subclass) cannot wrap a fake tensor: analytic, within 10%.
-@pytest.mark.parametrize("fields", [{"quantization": "nf4", "lora_rank": 4}, {"quantization": "fp4", "lora_rank": 4}])
-def test_untraceable_techniques_fall_back_close(corpus, fields):
+QLORA_RECIPES = [{"quantization": "nf4", "lora_rank": 4}, {"quantization": "fp4", "lora_rank": 4}]
+
+
+# bitsandbytes' 4-bit weights are traced through a stand-in with their exact storage (planner.traced_linear4bit).
+@pytest.mark.parametrize("fields", QLORA_RECIPES, ids=lambda f: f["quantization"])
+def test_qlora_is_traced_exactly_and_the_analytic_estimate_stays_close(corpus, fields):
     recipe = cm.Recipe.from_dict(fields)
-    with pytest.warns(UserWarning, match="analytic estimate"):
-        plan = planner.plan(lambda: cm.build_model("tiny"), 4, seq_len=64, recipe=recipe, target=CPU_TARGET, find_max_batch=False)
-    measured = _measured("tiny", 4, 64, recipe, corpus).peak_bytes
-    assert plan.method == "analytic"
-    assert abs(plan.peak_bytes - measured) / measured < 0.10
+    plan = planner.plan(lambda: cm.build_model("tiny"), 4, seq_len=64, recipe=recipe, target=CPU_TARGET, find_max_batch=False)
+    measured = _measured("tiny", 4, 64, recipe, corpus)
+    assert plan.method == "trace", plan.warnings
+    assert plan.peak_bytes == measured.peak_bytes and plan.by_category == measured.by_category
+    assert abs(plan.analytic_peak_bytes - measured.peak_bytes) / measured.peak_bytes < 0.10  # the cross-check
+
+
+def _tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128))
+
+
+def test_qlora_on_a_transformers_family_is_traced_exactly(corpus):
+    recipe = cm.Recipe(quantization="nf4", lora_rank=4, lora_targets=("q_proj", "v_proj"))
+    plan = planner.plan(_tiny_llama, 2, seq_len=48, recipe=recipe, target=CPU_TARGET, find_max_batch=False)
+    model, opt = recipe.build(_tiny_llama())
+    step = cm.make_train_step(model, opt, corpus, batch_size=2, seq_len=48, recipe=recipe)
+    measured = cm.measure_step(step, model=model, optimizer=opt, repeat=1)
+    assert plan.method == "trace", plan.warnings
+    assert plan.peak_bytes == measured.peak_bytes
+
+
+@pytest.mark.parametrize("scheme", ["nf4", "fp4"])
+@pytest.mark.parametrize("shape", [(200, 300), (64, 64), (129, 17)])
+def test_the_4bit_stand_in_holds_what_a_real_linear4bit_holds(scheme, shape):
+    """Byte for byte: packed weight, nested absmax, offset and both code books, per quant type and shape."""
+    import bitsandbytes as bnb
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from colab_memopt.quantization import _bnb_linear, _quant_state_tensors
+
+    out_f, in_f = shape
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        real = _bnb_linear(torch.nn.Linear(in_f, out_f), scheme)
+
+    def storage(layer):
+        qs = layer.weight.quant_state
+        tensors = [layer.weight, layer.bias, qs.code, qs.state2.code, *_quant_state_tensors(layer.weight, layer)]
+        return sorted((tuple(t.shape), str(t.dtype)) for t in tensors)
+
+    mode = FakeTensorMode(shape_env=ShapeEnv(allow_scalar_outputs=True))
+    with planner._fake_safe_bitsandbytes(mode, cm.Recipe(quantization=scheme, lora_rank=1)), mode:
+        fake = planner.traced_linear4bit(torch.nn.Linear(in_f, out_f), scheme)
+    assert isinstance(real, bnb.nn.Linear4bit) and isinstance(fake, bnb.nn.Linear4bit)
+    assert storage(fake) == storage(real)
+    assert fake.weight.quant_state.blocksize == real.weight.quant_state.blocksize == planner.FOUR_BIT_BLOCKSIZE
 
 
 def test_accumulation_bounds_the_batch():

@@ -113,7 +113,7 @@ def test_make_run_writes_under_its_build_folder_only(tmp_path, monkeypatch):
     readme_before = README.read_text()
     stems = ["02_mixed_precision"]
 
-    def fake_run(path, out_dir, results_dir, parameters):  # the real papermill run records like this
+    def fake_run(path, out_dir, results_dir, parameters, cell_timeout):  # the real papermill run records like this
         out_dir.mkdir(parents=True, exist_ok=True)
         results_dir.mkdir(parents=True, exist_ok=True)
         (results_dir / f"{path.stem}.json").write_text(json.dumps(MERGED["notebooks"]["02_mixed_precision"]))
@@ -127,3 +127,16 @@ def test_make_run_writes_under_its_build_folder_only(tmp_path, monkeypatch):
     written = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file())
     assert written == ["build/claims.md", "build/notebooks/02_mixed_precision.ipynb", "build/results.json",
                        "build/results/02_mixed_precision.json"]
+
+
+def test_runner_never_waits_on_a_cell_forever(tmp_path, monkeypatch):
+    import papermill
+
+    import colab_memopt.runner as runner
+
+    seen = {}
+    monkeypatch.setattr(papermill, "execute_notebook", lambda *a, **kw: seen.update(kw))
+    runner.run_notebook(NOTEBOOKS[0], tmp_path, tmp_path / "results", {}, cell_timeout=12.5)
+    assert seen["execution_timeout"] == 12.5
+    runner.run_notebook(NOTEBOOKS[0], tmp_path, tmp_path / "results", {})
+    assert seen["execution_timeout"] == runner.CELL_TIMEOUT_SECONDS

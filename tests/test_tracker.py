@@ -80,3 +80,19 @@ def test_frozen_parameters_are_tracked_without_hooks():
     assert resident["parameters"] == 4 * (32 * 32 + 32 + 32 * 4 + 4)
     assert resident["gradients"] == 4 * (32 * 4 + 4)  # frozen weights get no gradient
     assert resident["optimizer_state"] == 8 * (32 * 4 + 4) + 4 * 2
+
+
+def test_autocast_weight_copies_are_temporaries_not_activations():
+    """Autocast keeps a 16-bit copy of each weight for backward: a copy of a parameter, filed as a temporary."""
+    lin = torch.nn.Linear(256, 256, bias=False)
+    x = torch.randn(4, 256, requires_grad=True)  # an inner layer's input: its backward needs the weight copy
+    tracker = TensorTracker()
+    tracker.track_external(lin)
+    with tracker:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = lin(x)
+        cats = tracker.current_categories()
+        del y
+    weight_copy = 256 * 256 * 2  # bytes of the bf16 weight
+    assert cats["temporaries"] >= weight_copy
+    assert cats["activations"] < weight_copy  # only the (4, 256) output and the input's bf16 copy
