@@ -33,6 +33,15 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
+def _mode_for(path: Path) -> int:
+    try:
+        return path.stat().st_mode & 0o7777
+    except FileNotFoundError:
+        umask = os.umask(0)
+        os.umask(umask)
+        return 0o666 & ~umask
+
+
 def atomic_write(path: str | Path, save: Callable[[Path], None]) -> Path:
     """Write `path` whole: `save(tmp)` writes a temporary file in the same folder, which then replaces `path`.
 
@@ -53,6 +62,7 @@ def atomic_write(path: str | Path, save: Callable[[Path], None]) -> Path:
         save(tmp)
         with open(tmp, "rb+") as f:  # flush what `save` wrote (through any library) to the disk
             os.fsync(f.fileno())
+        os.chmod(tmp, _mode_for(path))  # mkstemp makes 0600; keep the file's mode, or the umask's default
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)

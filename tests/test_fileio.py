@@ -60,3 +60,19 @@ def test_writing_into_a_missing_folder_names_it(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"its folder .*nope does not exist"):
         fileio.atomic_write_text(tmp_path / "nope" / "x.md", "x")
     assert json.loads(fileio.to_json([1])) == [1]
+
+
+def test_the_written_file_keeps_its_mode_or_gets_the_umasks(tmp_path):
+    import os
+
+    umask = os.umask(0o022)
+    try:
+        fresh = fileio.atomic_write_text(tmp_path / "new.md", "x")
+        assert fresh.stat().st_mode & 0o777 == 0o644  # not mkstemp's 0600
+        kept = tmp_path / "kept.md"
+        kept.write_text("old")
+        kept.chmod(0o640)
+        fileio.atomic_write_text(kept, "new")
+        assert kept.stat().st_mode & 0o777 == 0o640
+    finally:
+        os.umask(umask)
