@@ -27,6 +27,7 @@ from colab_memopt import (
     structured,
 )
 from colab_memopt import offload, zero
+from colab_memopt import loss
 from colab_memopt.data import TextCorpus, load_corpus
 from colab_memopt.env import (
     COLAB_HOST_RAM_BYTES,
@@ -108,6 +109,7 @@ __all__ = [
     "host_memory",
     "in_colab",
     "load_corpus",
+    "loss",
     "make_eval_step",
     "make_optimizer",
     "make_train_step",

@@ -2,7 +2,8 @@
 
 It follows the transformers calling convention, `model(input_ids, labels=input_ids)` returns an
 object with `.loss` and `.logits` (labels are shifted inside), so a notebook can swap in a
-transformers model without changing its training step.
+transformers model without changing its training step. With `model.loss_chunk_tokens` set, the loss
+is computed by chunks (`colab_memopt.loss`) and `.logits` is None whenever labels are given.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from colab_memopt.attention import attend
+from colab_memopt.loss import causal_lm_loss
 from colab_memopt.structured import causal_semiseparable_mixing
 
 ATTENTION_IMPLS = ("sdpa", "naive", "semiseparable")
@@ -94,10 +96,14 @@ def get_config(size: str | GPTConfig, **overrides: object) -> GPTConfig:
 
 @dataclass
 class CausalLMOutput:
-    """What the model returns, like transformers' CausalLMOutput."""
+    """What the model returns, like transformers' CausalLMOutput.
+
+    `logits` is None when the loss was computed by chunks (`GPT.loss_chunk_tokens`): the full
+    (B, T, V) logits were never built.
+    """
 
     loss: torch.Tensor | None
-    logits: torch.Tensor
+    logits: torch.Tensor | None
 
 
 class CausalSelfAttention(nn.Module):
@@ -154,11 +160,21 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """A GPT-2-style decoder: token and position embeddings, blocks, final LayerNorm, tied head."""
+    """A GPT-2-style decoder: token and position embeddings, blocks, final LayerNorm, tied head.
+
+    Set `loss_chunk_tokens` to an integer (tokens per chunk) to compute the loss with
+    `colab_memopt.loss.causal_lm_loss` when labels are given: the (B, T, V) logits and their gradient
+    are never held, and the output's `logits` is None. None (the default) keeps the plain loss.
+
+    Example:
+        >>> model = build_model("tiny"); model.loss_chunk_tokens = 128
+        >>> model(ids, labels=ids).loss.backward()  # same loss and gradients, logits None
+    """
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.config = config
+        self.loss_chunk_tokens: int | None = None  # None: plain loss; an int: chunked loss (tokens per chunk)
         self.wte = nn.Embedding(config.vocab_size, config.d_model)
         self.wpe = nn.Embedding(config.seq_len, config.d_model)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
@@ -184,7 +200,17 @@ class GPT(nn.Module):
         x = self.wte(input_ids) + self.wpe(pos)  # (B, T, C)
         for block in self.blocks:
             x = block(x)
-        logits = self.lm_head(self.ln_f(x))  # (B, T, V)
+        x = self.ln_f(x)  # (B, T, C)
+        chunk = self.loss_chunk_tokens
+        if chunk is not None:
+            if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+                raise ValueError(f"loss_chunk_tokens must be None or an integer >= 1 (tokens per chunk), got {chunk!r}")
+            if type(self.lm_head) is not nn.Linear:  # a quantized head has no plain weight to chunk over
+                raise ValueError(f"loss_chunk_tokens needs lm_head to be an nn.Linear, got {type(self.lm_head).__name__}")
+            if labels is not None:
+                loss = causal_lm_loss(x, self.lm_head.weight, labels, bias=self.lm_head.bias, chunk_tokens=chunk)
+                return CausalLMOutput(loss=loss, logits=None)
+        logits = self.lm_head(x)  # (B, T, V)
         loss = None
         if labels is not None:
             # Predict token t+1 from tokens <= t, as transformers' causal LMs do.

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from colab_memopt import estimate
+from colab_memopt.checkpointing import checkpoint_offloader
 from colab_memopt.env import COLAB_HOST_RAM_BYTES, T4_USABLE_BYTES, GiB
 from colab_memopt.measure import format_bytes, host_memory
 from colab_memopt.recipe import Recipe
@@ -640,6 +641,13 @@ def plan(
         headroom_fraction=headroom,
         analytic_peak_bytes=analytic.peak_bytes, warnings=warn,
     )
+    if rec.checkpointing == "offload":  # issue 16: the checkpointed blocks' inputs wait in host RAM
+        if used == "trace":
+            offloader = checkpoint_offloader(tracer.model)
+            result.host_costs.append(Cost("offloaded checkpoints", offloader.peak_host_bytes,
+                                          "traced: one block input per block (checkpointing.CheckpointOffloader)"))
+        else:
+            warn.append("checkpointing='offload': the host bytes of the offloaded block inputs are counted only when traced")
     if find_max_batch:
         budget = result.device_limit_bytes - sum(c.bytes for c in device_costs)
         if used == "trace":

@@ -54,7 +54,8 @@ class Recipe:
             weights, gradients and optimizer state) for the steps that compute gradients.
         eval_precision: precision of forward-only phases (evaluation): 'fp32', 'fp16-autocast' or
             'bf16-autocast'; None follows `precision` (see `forward_precision`).
-        checkpointing: 'none', 'full', 'every_n', 'segments' or 'selective' (see `checkpointing`).
+        checkpointing: 'none', 'full', 'every_n', 'segments', 'selective' or 'offload' ('full' with each
+            block's input kept in host memory; see `checkpointing`).
         checkpoint_interval: N for 'every_n' (every N-th block) and 'segments' (N blocks per segment).
         accumulation_steps: micro-batches per optimizer step; the step's `batch_size` stays the
             effective batch.

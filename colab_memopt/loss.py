@@ -1,0 +1,309 @@
+"""Cross-entropy over a large vocabulary without the full `tokens x vocab` logits or their gradient.
+
+A language model's loss is usually `F.cross_entropy(hidden @ weight.T, labels)`: it materialises the
+logits (N, V), their log-softmax and, in backward, their gradient, each N x V values (upcast to fp32
+as transformers does). At Llama-3's vocabulary of 128,256 and 16,384 tokens one such fp32 tensor is
+16384 x 128256 x 4 bytes = 8.4 GB, more than half of a free T4's 14.74 GiB, and the plain loss holds
+three at its peak (traced in the benchmark). `chunked_cross_entropy` goes through the tokens by chunks: for
+each chunk it computes the logits in fp32, their logsumexp, the loss contribution and at once the
+gradient with respect to the hidden states and the head's weight (and bias), then drops the chunk's
+logits. Only the gradients (N, H) and (V, H), which any method returns, outlive a chunk; backward
+only scales them by the incoming gradient. The figures are in `benchmarks/results/chunked_loss.json`
+(`benchmarks/chunked_loss.py`).
+
+The field's versions of the same idea, both GPU kernels:
+- Liger Kernel's fused linear cross-entropy (Hsu et al. 2024, `liger-kernel` on PyPI), Triton; it
+  moved transformers' limit from 4K to 16K tokens (reported). On this project's CPU-only machine it does not
+  run (checked with liger-kernel 0.8.5): without Triton `from liger_kernel.transformers import
+  LigerFusedLinearCrossEntropyLoss` fails with "ModuleNotFoundError: No module named 'triton'"; with
+  triton 3.9.0 installed the import works and the first call on CPU tensors fails in the Triton
+  launcher with "RuntimeError: 0 active drivers ([]). There should only be one." So no comparison
+  with it was measured here.
+- Apple's Cut Cross-Entropy (Wijmans et al. 2024, `cut-cross-entropy`): computes the logsumexp in
+  on-chip memory and never writes any logits; Gemma-2-2B's loss from 24 GB to 1 MB (reported;
+  Ampere-only kernel).
+
+This module is plain PyTorch, so it runs on the CPU, on a T4 and under fake tensors (the planner's
+trace). It does the same three matmuls as the plain loss, but reads the head's weight once per
+chunk instead of once per step. The gradients are computed in forward, even if backward never runs;
+under `torch.no_grad()` none are, and evaluation holds one chunk's logits and nothing else. With an
+fp32 weight its gradient is accumulated in fp32, also under autocast (an fp32 matmul for that part).
+Labels are checked against the vocabulary on real tensors (one device sync per call), not under fake
+tensors.
+
+Example:
+    >>> loss = causal_lm_loss(hidden, model.lm_head.weight, input_ids, chunk_tokens=128)
+    >>> loss.backward()
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
+
+__all__ = [
+    "DEFAULT_CHUNK_TOKENS",
+    "REDUCTIONS",
+    "ChunkedCrossEntropy",
+    "chunked_cross_entropy",
+    "causal_lm_loss",
+    "make_loss_step",
+]
+
+# Tokens per chunk. Picked by `benchmarks/chunked_loss.py`'s sweep on this project's 2-core CPU
+# ("chunk_sweep" in benchmarks/results/chunked_loss.json: 2048 tokens x vocabulary 16,384 x hidden
+# 256, chunks of 32 to 2048 tokens): the smallest chunk within 5% of the fastest. The chunk's memory
+# grows linearly with it (at vocabulary 128,256 a 128-token chunk's fp32 logits are 63 MiB), while
+# smaller chunks pay for more, smaller matmuls. The machine is shared and the recorded sweep ran
+# while other work raised its load (the JSON keeps the load average and every round's times): rerun
+# it on a quiet machine, and on a GPU, before trusting the time ranking.
+DEFAULT_CHUNK_TOKENS = 128
+REDUCTIONS = ("mean", "sum")
+
+
+def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """Return the dtype the head's matmul runs in: autocast's where it is on, else the inputs'."""
+    device_type = hidden.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    if hidden.dtype != weight.dtype:
+        raise ValueError(
+            f"hidden and weight must have the same dtype outside autocast, got {hidden.dtype} and {weight.dtype}"
+        )
+    return hidden.dtype
+
+
+class ChunkedCrossEntropy(torch.autograd.Function):
+    """Cross-entropy of `hidden @ weight.T + bias` against `labels`, forward and gradients by chunks.
+
+    Call it through `chunked_cross_entropy`, which checks the arguments. Forward computes the loss
+    and the gradients (kept for backward, in the inputs' dtypes); backward scales them by the
+    incoming gradient, in place, so it can run once per forward (retain_graph is refused).
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx,
+        hidden: torch.Tensor,  # (N, H)
+        weight: torch.Tensor,  # (V, H)
+        bias: torch.Tensor | None,  # (V,)
+        labels: torch.Tensor,  # (N,) int
+        chunk_tokens: int,
+        reduction: str,
+        ignore_index: int,
+        grad_enabled: bool,
+    ) -> torch.Tensor:
+        cdt = _compute_dtype(hidden, weight)
+        # forward runs with grad mode off: whether the caller's had it on comes in `grad_enabled`
+        need_h, need_w, need_b = (grad_enabled and needs for needs in ctx.needs_input_grad[:3])
+        n_tokens = hidden.shape[0]
+        with torch.autocast(hidden.device.type, enabled=False):
+            w_c = weight.to(cdt)  # (V, H); no copy when the dtypes agree (autocast makes the same copy)
+            b_c = bias.to(cdt) if bias is not None else None
+            valid = labels != ignore_index  # (N,) bool
+            # mean: divide by the number of non-ignored tokens (0 of them gives nan, as F.cross_entropy does)
+            scale = 1.0 / valid.sum().to(torch.float32) if reduction == "mean" else torch.ones((), dtype=torch.float32, device=hidden.device)
+            safe_labels = torch.where(valid, labels, 0)  # ignored rows read class 0, then get weight 0
+            # (N,) what each row's gradient is multiplied by; ignored rows 0 (also when all are ignored)
+            row_weight = torch.where(valid, scale, 0.0)
+            grad_hidden = torch.empty_like(hidden) if need_h else None  # (N, H)
+            grad_weight = torch.zeros_like(weight) if need_w else None  # (V, H), accumulated
+            grad_bias = torch.zeros_like(bias) if need_b else None  # (V,)
+            loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+            for start in range(0, n_tokens, chunk_tokens):
+                end = min(start + chunk_tokens, n_tokens)
+                h_c = hidden[start:end].to(cdt)  # (C, H)
+                logits = F.linear(h_c, w_c, b_c).float()  # (C, V) fp32: the only chunk-sized buffer kept
+                lse = torch.logsumexp(logits, dim=1)  # (C,)
+                target = logits.gather(1, safe_labels[start:end, None]).squeeze(1)  # (C,)
+                loss += ((lse - target) * valid[start:end]).sum()
+                if not (need_h or need_w or need_b):  # no_grad or nothing trainable: the loss only
+                    continue
+                # d loss / d logits = (softmax - onehot) * row weight, built in the logits' buffer
+                grad_logits = logits.sub_(lse[:, None]).exp_()
+                grad_logits.scatter_add_(
+                    1, safe_labels[start:end, None], -valid[start:end, None].to(torch.float32)
+                )
+                grad_logits.mul_(row_weight[start:end, None])
+                if need_h:
+                    grad_hidden[start:end] = grad_logits.to(cdt) @ w_c  # (C, H)
+                if need_w:
+                    if weight.dtype == torch.float32:  # fp32 accumulation, also when autocast is on
+                        grad_weight.addmm_(grad_logits.T, hidden[start:end].float())
+                    else:
+                        grad_weight.addmm_(grad_logits.T.to(weight.dtype), hidden[start:end].to(weight.dtype))
+                if need_b:
+                    grad_bias += grad_logits.sum(0).to(bias.dtype)
+                del logits, grad_logits, lse, target, h_c
+            del w_c, b_c
+        ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
+        ctx.backward_done = False
+        return loss * scale
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_output: torch.Tensor):  # type: ignore[override]
+        if ctx.backward_done:
+            raise RuntimeError(
+                "the chunked cross-entropy's backward can run once per forward (its gradients are "
+                "computed in forward and scaled in place); run the forward again instead of retain_graph=True"
+            )
+        ctx.backward_done = True
+        grads = []
+        for grad in ctx.saved_tensors:
+            if grad is not None:
+                grad.mul_(grad_output.to(grad.dtype))  # in place: no second (V, H) buffer
+            grads.append(grad)
+        grad_hidden, grad_weight, grad_bias = grads
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
+
+
+def _check_chunk_tokens(chunk_tokens: object) -> int:
+    if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be an integer >= 1 (tokens per chunk), got {chunk_tokens!r}")
+    return chunk_tokens
+
+
+def chunked_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    reduction: str = "mean",
+    ignore_index: int = -100,
+) -> torch.Tensor:
+    """Return `F.cross_entropy(F.linear(hidden, weight, bias).float(), labels)` without the full logits.
+
+    Args:
+        hidden: (N, H) the final hidden states, one row per token.
+        weight: (V, H) the LM head's weight (tied embeddings are fine).
+        labels: (N,) integer class per token; `ignore_index` marks tokens that do not count.
+        bias: (V,) the head's bias, or None.
+        chunk_tokens: tokens per chunk (>= 1); the chunk's logits take chunk_tokens x V x 4 bytes.
+        reduction: 'mean' (over non-ignored tokens) or 'sum'.
+        ignore_index: the label value to skip.
+
+    The loss is fp32; gradients come back in the inputs' dtypes. Under autocast the head's matmul
+    runs in autocast's dtype and the logits are upcast to fp32 before the softmax, as transformers does.
+
+    Example:
+        >>> loss = chunked_cross_entropy(h.view(-1, h.size(-1)), head.weight, y.view(-1), chunk_tokens=512)
+    """
+    _check_chunk_tokens(chunk_tokens)
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise ValueError(f"ignore_index must be an integer, got {ignore_index!r}")
+    for name, tensor in (("hidden", hidden), ("weight", weight), ("labels", labels)):
+        if not isinstance(tensor, torch.Tensor):
+            raise ValueError(f"{name} must be a tensor, got {type(tensor).__name__}")
+    if hidden.dim() != 2:
+        raise ValueError(f"hidden must have shape (tokens, hidden), got {tuple(hidden.shape)}")
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[1]:
+        raise ValueError(
+            f"weight must have shape (vocab, {hidden.shape[1]}) to match hidden {tuple(hidden.shape)}, "
+            f"got {tuple(weight.shape)}"
+        )
+    if labels.shape != (hidden.shape[0],):
+        raise ValueError(f"labels must have shape ({hidden.shape[0]},) to match hidden {tuple(hidden.shape)}, got {tuple(labels.shape)}")
+    if labels.dtype.is_floating_point or labels.dtype == torch.bool or labels.is_complex():
+        raise ValueError(f"labels must be integer class indices, got dtype {labels.dtype}")
+    if bias is not None and (not isinstance(bias, torch.Tensor) or bias.shape != (weight.shape[0],)):
+        shape = tuple(bias.shape) if isinstance(bias, torch.Tensor) else type(bias).__name__
+        raise ValueError(f"bias must be None or a tensor of shape ({weight.shape[0]},), got {shape}")
+    if not hidden.dtype.is_floating_point or not weight.dtype.is_floating_point:
+        raise ValueError(f"hidden and weight must be floating point, got {hidden.dtype} and {weight.dtype}")
+    _check_label_range(labels, weight.shape[0], ignore_index)
+    return ChunkedCrossEntropy.apply(
+        hidden, weight, bias, labels.long(), chunk_tokens, reduction, ignore_index, torch.is_grad_enabled()
+    )
+
+
+def _check_label_range(labels: torch.Tensor, vocab: int, ignore_index: int) -> None:
+    """Raise if a label is outside [0, vocab) and not ignore_index (skipped under fake tensors)."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    if is_fake(labels) or labels.numel() == 0:
+        return
+    bad = (labels != ignore_index) & ((labels < 0) | (labels >= vocab))
+    if bool(bad.any()):
+        value = int(labels[bad][0])
+        raise ValueError(f"labels must be in [0, {vocab}) or ignore_index ({ignore_index}), got {value}")
+
+
+def causal_lm_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    ignore_index: int = -100,
+) -> torch.Tensor:
+    """Return the mean next-token loss of a causal LM by chunks: position t predicts labels[t + 1].
+
+    Args:
+        hidden: (B, T, H) the final hidden states (after the last norm).
+        weight: (V, H) the LM head's weight; bias: (V,) or None.
+        labels: (B, T) token ids, usually the input ids; `ignore_index` marks padding.
+        chunk_tokens: tokens per chunk (>= 1).
+
+    The labels are shifted as transformers' `ForCausalLMLoss` does, by padding with ignore_index,
+    so the hidden states are not copied and the last position of each sequence does not count.
+    Equal to `F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten())`.
+    """
+    _check_chunk_tokens(chunk_tokens)
+    if not isinstance(hidden, torch.Tensor) or hidden.dim() != 3:
+        shape = tuple(hidden.shape) if isinstance(hidden, torch.Tensor) else type(hidden).__name__
+        raise ValueError(f"hidden must have shape (batch, seq, hidden), got {shape}")
+    if not isinstance(labels, torch.Tensor) or labels.shape != hidden.shape[:2]:
+        shape = tuple(labels.shape) if isinstance(labels, torch.Tensor) else type(labels).__name__
+        raise ValueError(f"labels must have shape {tuple(hidden.shape[:2])} to match hidden {tuple(hidden.shape)}, got {shape}")
+    shifted = F.pad(labels, (0, 1), value=ignore_index)[:, 1:]  # (B, T): labels[t + 1], last = ignored
+    return chunked_cross_entropy(
+        hidden.reshape(-1, hidden.shape[-1]),
+        weight,
+        shifted.reshape(-1),
+        bias=bias,
+        chunk_tokens=chunk_tokens,
+        reduction="mean",
+        ignore_index=ignore_index,
+    )
+
+
+def make_loss_step(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    chunk_tokens: int | None = None,
+):
+    """Return a function that runs the loss's forward and backward once: plain, or chunked.
+
+    `chunk_tokens=None` is the plain loss, `F.cross_entropy(F.linear(hidden, weight, bias).float(), labels)`;
+    an integer runs `chunked_cross_entropy` with that many tokens per chunk. The same step with one
+    argument changed, for `measure.measure_step` and for traces under fake tensors. Each call clears
+    the inputs' gradients first, so after it they hold this step's gradients only.
+
+    Example:
+        >>> report = measure_step(make_loss_step(h, w, y, chunk_tokens=256), track=[h, w, y], device="cpu")
+    """
+    if chunk_tokens is not None:
+        _check_chunk_tokens(chunk_tokens)
+    inputs = [t for t in (hidden, weight, bias) if t is not None]
+
+    def step() -> torch.Tensor:
+        for tensor in inputs:
+            tensor.grad = None
+        if chunk_tokens is None:
+            loss = F.cross_entropy(F.linear(hidden, weight, bias).float(), labels)
+        else:
+            loss = chunked_cross_entropy(hidden, weight, labels, bias=bias, chunk_tokens=chunk_tokens)
+        loss.backward()
+        return loss.detach()
+
+    return step
