@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import platform
 import subprocess
 import sys
@@ -30,6 +29,7 @@ import torch
 
 import colab_memopt as cm
 from colab_memopt import planner
+from colab_memopt.fileio import write_json
 
 OUT = Path(__file__).resolve().parent / "results" / "planner_accuracy.json"
 CUDA_REL_PCT, CUDA_ABS_BYTES, CUDA_SMALL_BYTES = 5.0, 2**20, 64 * 2**20
@@ -179,7 +179,7 @@ def main() -> None:
     }
     out_path = Path(args.out)
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(out_path, result)
     print(f"\nplanning the 1B model ({plan_1b['params'] / 1e9:.2f}B params, batch 1 x 2048): {plan_1b['seconds']:.1f} s, "
           f"{cm.format_bytes(plan_1b['max_rss_bytes'])} peak RSS, method {plan_1b['method']}")
     print(f"wrote {out_path}")

@@ -2,15 +2,20 @@
 
     python -m colab_memopt plan --model gpt2 --batch 8 --seq 1024 --target t4 [--json]
     python -m colab_memopt recommend --model llama-3.2-1b --seq 512 --target t4 [--mode auto] [--json]
+
+Exit codes: 0 an answer, 1 it does not fit (plan) or no recipe fits (recommend), 2 bad input (one
+line naming the value and what is allowed), 3 an internal error (with its traceback on stderr).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
+import traceback
 import warnings
-from typing import Any
+from typing import Any, NoReturn
 
 
 def _value(text: str) -> Any:
@@ -22,22 +27,46 @@ def _value(text: str) -> Any:
     return {"none": None, "true": True, "false": False}.get(text.lower(), text)
 
 
+# Fields whose value is a tuple: given as comma-separated names (lora_targets=c_attn,c_proj).
+_TUPLE_FIELDS = ("lora_targets",)
+
+
 def _recipe_fields(items: list[str]) -> dict[str, Any]:
     fields = {}
     for item in items:
         if "=" not in item:
             raise ValueError(f"--recipe takes field=value pairs, got {item!r}")
         key, value = item.split("=", 1)
-        fields[key.strip()] = _value(value.strip())
+        key, value = key.strip(), value.strip()
+        fields[key] = tuple(v.strip() for v in value.split(",") if v.strip()) if key in _TUPLE_FIELDS else _value(value)
     return fields
+
+
+class UsageError(Exception):
+    """A command line argparse refuses (exit code 2)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises instead of printing usage and exiting, so that --json can answer with JSON."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{self.prog}: {message}")
 
 
 def _parser() -> argparse.ArgumentParser:
     from colab_memopt.architectures import model_names
     from colab_memopt.planner import TARGETS
 
-    parser = argparse.ArgumentParser(prog="python -m colab_memopt", description="colab-memopt tools")
-    sub = parser.add_subparsers(dest="command", required=True)
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        __version__ = version("colab-memopt")
+    except PackageNotFoundError:  # run from a checkout that was not pip-installed
+        __version__ = "(not installed)"
+    parser = _Parser(prog="python -m colab_memopt", description="colab-memopt tools. Exit codes: 0 an answer, "
+                     "1 does not fit / no recipe fits, 2 bad input, 3 an internal error.")
+    parser.add_argument("--version", action="version", version=f"colab-memopt {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{plan,recommend}")
     p = sub.add_parser("plan", help="predict a training step's peak memory on a target, without a GPU")
     p.add_argument("--model", required=True, help=f"one of: {', '.join(model_names())}")
     p.add_argument("--batch", type=int, required=True, help="sequences per step (>= 1)")
@@ -77,44 +106,65 @@ def _target(args: argparse.Namespace) -> Any:
     return args.target
 
 
-def _recommend(args: argparse.Namespace) -> int:
+def _recommend(args: argparse.Namespace) -> tuple[int, Any]:
     from colab_memopt.costs import load_technique_costs
-    from colab_memopt.recommender import NoRecipeFits, recommend
+    from colab_memopt.recommender import recommend
 
-    try:
-        result = recommend(
-            args.model, args.batch, seq_len=args.seq, target=_target(args), objective=args.objective, mode=args.mode,
-            headroom=args.headroom, costs=load_technique_costs(args.costs), method=args.method,
+    result = recommend(
+        args.model, args.batch, seq_len=args.seq, target=_target(args), objective=args.objective, mode=args.mode,
+        headroom=args.headroom, costs=load_technique_costs(args.costs), method=args.method,
+    )
+    return 0, result
+
+
+def _plan(args: argparse.Namespace) -> tuple[int, Any]:
+    from colab_memopt.planner import plan
+
+    target: Any = _target(args)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # fallbacks are reported in the plan's own warnings
+        result = plan(
+            args.model, args.batch, seq_len=args.seq, recipe=_recipe_fields(args.recipe), target=target,
+            method=args.method, find_max_batch=not args.no_max_batch,
         )
-    except NoRecipeFits as exc:
-        print(f"no recipe fits: {exc}", file=sys.stderr)
-        return 1
-    except (ValueError, TypeError, FileNotFoundError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(json.dumps(result.to_dict(), indent=2) if args.json else result)
-    return 0
+    return (0 if result.fits else 1), result
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    if args.command == "recommend":
-        return _recommend(args)
-    from colab_memopt.planner import plan
+    """Run the command line; return the exit code (0 an answer, 1 does not fit, 2 bad input, 3 internal error).
+
+    With --json, stdout holds exactly one JSON object, an error too ({"error": ..., "exit_code": ...});
+    whatever the libraries print while planning (DeepSpeed's accelerator line, ...) goes to stderr.
+    """
+    from colab_memopt.recommender import NoRecipeFits
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    as_json = "--json" in argv
+    stdout = sys.stdout
+
+    def answer(code: int, message: str) -> int:
+        print(message, file=sys.stderr)
+        if as_json:
+            print(json.dumps({"error": message.removeprefix("error: "), "exit_code": code}), file=stdout)
+        return code
 
     try:
-        target: Any = _target(args)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # fallbacks are reported in the plan's own warnings
-            result = plan(
-                args.model, args.batch, seq_len=args.seq, recipe=_recipe_fields(args.recipe), target=target,
-                method=args.method, find_max_batch=not args.no_max_batch,
-            )
-    except (ValueError, TypeError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(json.dumps(result.to_dict(), indent=2) if args.json else result)
-    return 0
+        args = _parser().parse_args(argv)
+    except UsageError as exc:
+        return answer(2, f"error: {exc} (see --help)")
+    try:
+        with contextlib.redirect_stdout(sys.stderr):  # library output while planning; the answer alone on stdout
+            code, result = (_recommend if args.command == "recommend" else _plan)(args)
+    except NoRecipeFits as exc:
+        return answer(1, f"no recipe fits: {exc}")
+    except (ValueError, TypeError, OSError) as exc:  # the user's input: one line naming the value
+        message = str(exc).strip() or type(exc).__name__
+        return answer(2, f"error: {message}")
+    except Exception as exc:  # noqa: BLE001 - a bug, not the input: say so, with the traceback on stderr
+        traceback.print_exc()
+        return answer(3, f"internal error ({type(exc).__name__}: {exc}); please report it with the command line")
+    print(json.dumps(result.to_dict(), indent=2) if as_json else result, file=stdout)
+    return code
 
 
 if __name__ == "__main__":

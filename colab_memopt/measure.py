@@ -212,10 +212,10 @@ def measure_step(
     """
     if not callable(step_fn):
         raise TypeError(f"step_fn must be callable, got {type(step_fn).__name__}")
-    if warmup < 0:
-        raise ValueError(f"warmup must be >= 0, got {warmup}")
-    if repeat < 1:
-        raise ValueError(f"repeat must be >= 1, got {repeat}")
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+        raise ValueError(f"warmup must be an integer >= 0, got {warmup!r}")
+    if isinstance(repeat, bool) or not isinstance(repeat, int) or repeat < 1:
+        raise ValueError(f"repeat must be an integer >= 1, got {repeat!r}")
     dev = _device_of(model, device)
 
     # A GradScaler (fp16) skips the updates of its first steps while it calibrates its scale: warm up
@@ -352,6 +352,8 @@ class MemoryBudget:
     def __init__(self, limit_bytes: int, *track: Any, device: str | torch.device | None = None) -> None:
         if isinstance(limit_bytes, bool) or not isinstance(limit_bytes, (int, float)):
             raise TypeError(f"limit_bytes must be a number of bytes, got {limit_bytes!r}")
+        if limit_bytes != limit_bytes or limit_bytes == float("inf"):
+            raise ValueError(f"limit_bytes must be a finite number of bytes > 0, got {limit_bytes}")
         if limit_bytes <= 0:
             raise ValueError(f"limit_bytes must be > 0, got {limit_bytes}")
         self.limit_bytes = int(limit_bytes)

@@ -24,6 +24,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from colab_memopt.env import pick_device
+
 STRATEGIES = ("keep", "cpu", "pinned_cpu", "int8", "drop")
 INT8_BLOCK = 256  # values per absmax block of the int8 code
 
@@ -135,6 +137,11 @@ class OffloadManager:
             raise ValueError(f"name must be a non-empty string, got {name!r}")
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"offload needs a tensor, got {type(tensor).__name__}")
+        if tensor.layout != torch.strided:
+            raise ValueError(f"offload takes dense (strided) tensors, got {name!r} with layout {tensor.layout}; "
+                             "call .to_dense() first")
+        if tensor.device.type == "meta":
+            raise ValueError(f"{name!r} is a meta tensor: it has a shape but no values to offload")
         start = time.perf_counter()
         self._host[name] = _host_copy(tensor, self.pin_memory and tensor.device.type == "cuda")
         self.stats.seconds_to_host += time.perf_counter() - start
@@ -146,6 +153,7 @@ class OffloadManager:
         if name not in self._host:
             raise KeyError(f"no tensor offloaded under {name!r}; offloaded: {sorted(self._host)}")
         host = self._host[name]
+        device = pick_device(device)  # names a bad device, or CUDA asked for without a GPU
         start = time.perf_counter()
         out = torch.empty(host.shape, dtype=host.dtype, device=device)
         if non_blocking and out.device.type == "cuda":  # time the copy itself, not its launch

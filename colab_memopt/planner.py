@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from colab_memopt import estimate
+from colab_memopt.checkpointing import checkpoint_offloader
 from colab_memopt.env import COLAB_HOST_RAM_BYTES, T4_USABLE_BYTES, GiB
 from colab_memopt.measure import format_bytes, host_memory
 from colab_memopt.recipe import Recipe
@@ -55,6 +56,12 @@ class Target:
     optimizer_impl: str = "auto"  # how the device runs torch's optimizers; 'auto': foreach on CUDA, else single-tensor
 
     def __post_init__(self) -> None:
+        for key in ("device_bytes", "host_bytes", "cuda_context_bytes"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"target {key} must be an integer number of bytes, got {value!r}")
+        if self.cuda_context_bytes < 0:
+            raise ValueError(f"target cuda_context_bytes must be >= 0, got {self.cuda_context_bytes}")
         if self.device_bytes <= 0 or self.host_bytes <= 0:
             raise ValueError(
                 f"target device_bytes and host_bytes must be > 0, got {self.device_bytes} and {self.host_bytes}"
@@ -144,6 +151,52 @@ def get_target(target: str | Target | dict[str, Any]) -> Target:
     if target not in TARGETS:
         raise ValueError(f"unknown target {target!r}; choose one of {sorted(TARGETS)} or give device_bytes and host_bytes")
     return TARGETS[target]
+
+
+def check_headroom(headroom: Any) -> float:
+    """Return `headroom` if it is a number in [0, 1), else raise ValueError naming it."""
+    if isinstance(headroom, bool) or not isinstance(headroom, (int, float)) or not 0 <= headroom < 1:
+        raise ValueError(f"headroom must be in [0, 1) (the fraction of memory kept free), got {headroom!r}")
+    return float(headroom)
+
+
+def max_positions(model: nn.Module) -> int | None:
+    """Return the longest sequence a built model's config accepts (seq_len, max_position_embeddings, n_positions), or None."""
+    config = getattr(model, "config", None)
+    for key in ("seq_len", "max_position_embeddings", "n_positions", "n_ctx"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+def check_seq_len(seq_len: Any, limit: int | None, name: str) -> int:
+    """Return `seq_len` if it is an integer in [1, limit], else raise ValueError naming it and the limit."""
+    if seq_len is None or isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
+        raise ValueError(f"seq_len must be an integer >= 1, got {seq_len!r}")
+    if limit is not None and seq_len > limit:
+        raise ValueError(f"seq_len {seq_len} exceeds {name!r}'s maximum of {limit}")
+    return seq_len
+
+
+def shape_model(model_factory: Callable[[], nn.Module], name: str = "model_factory") -> nn.Module:
+    """Build the model on the meta device (shapes only); raise TypeError if the factory is not a zero-argument model builder."""
+    import inspect
+
+    if not callable(model_factory):
+        raise TypeError(f"{name} must be a model name or a zero-argument function that builds the model, "
+                        f"got {type(model_factory).__name__}")
+    try:
+        inspect.signature(model_factory).bind()
+    except TypeError as exc:
+        raise TypeError(f"{name} must be callable with no arguments ({exc}); wrap it: lambda: build(...)") from None
+    except ValueError:  # a builtin without a signature: try it
+        pass
+    with torch.device("meta"):
+        model = model_factory()
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{name} must return a torch.nn.Module, it returned {type(model).__name__}")
+    return model
 
 
 @dataclass
@@ -614,8 +667,7 @@ def plan(
     start = time.perf_counter()
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
         raise ValueError(f"batch must be an integer >= 1, got {batch!r}")
-    if not 0 <= headroom < 1:
-        raise ValueError(f"headroom must be in [0, 1), got {headroom}")
+    headroom = check_headroom(headroom)
     if method not in ("auto", "trace", "analytic"):
         raise ValueError(f"method must be 'auto', 'trace' or 'analytic', got {method!r}")
     if optimizer_impl not in OPTIMIZER_IMPLS:
@@ -625,6 +677,8 @@ def plan(
         raise ValueError(f"target optimizer_impl must be one of {OPTIMIZER_IMPLS}, got {tgt.optimizer_impl!r}")
     impl = optimizer_impl if optimizer_impl != "auto" else tgt.optimizer_impl
     impl = ("foreach" if tgt.cuda else "single-tensor") if impl == "auto" else impl
+    if recipe is not None and not isinstance(recipe, (Recipe, dict)):
+        raise TypeError(f"recipe must be a Recipe or a dict of its fields, got {type(recipe).__name__} {recipe!r}")
     rec = recipe if isinstance(recipe, Recipe) else Recipe.from_dict(recipe or {})
     if batch < rec.accumulation_steps:
         raise ValueError(f"batch {batch} is smaller than recipe.accumulation_steps={rec.accumulation_steps}: "
@@ -632,17 +686,15 @@ def plan(
     name = model_factory if isinstance(model_factory, str) else getattr(model_factory, "__name__", "model")
     if isinstance(model_factory, str):
         limit = architectures.max_seq_len(model_factory)
-        seq_len = limit if seq_len is None else seq_len
-        if isinstance(seq_len, int) and seq_len > limit:
-            raise ValueError(f"seq_len {seq_len} exceeds {model_factory!r}'s maximum of {limit}")
+        seq_len = check_seq_len(limit if seq_len is None else seq_len, limit, model_factory)
         model_factory = architectures.model_factory(model_factory)
-    if seq_len is None or isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
-        raise ValueError(f"seq_len must be an integer >= 1, got {seq_len!r}")
-
-    with torch.device("meta"):
-        shape_model = model_factory()
-    rec.check_model(shape_model)  # a plan only for what can run: what Recipe.build refuses, plan refuses
-    analytic = estimate.training_step_bytes(shape_model, batch, seq_len, rec)
+        meta_model = shape_model(model_factory)
+    else:
+        check_seq_len(seq_len, None, name)
+        meta_model = shape_model(model_factory)
+        check_seq_len(seq_len, max_positions(meta_model), type(meta_model).__name__)
+    rec.check_model(meta_model)  # a plan only for what can run: what Recipe.build refuses, plan refuses
+    analytic = estimate.training_step_bytes(meta_model, batch, seq_len, rec)
     device_costs = []
     if tgt.cuda:
         workspace, workspace_source = cublas_workspace_bytes(tgt.compute_capability)
@@ -677,7 +729,7 @@ def plan(
         except Exception as exc:  # noqa: BLE001 - any failure to trace falls back, loudly
             if method == "trace":
                 raise
-            warn.append(f"could not trace the step on fake tensors ({type(exc).__name__}: {str(exc)[:200]}); "
+            warn.append(f"could not trace the step on fake tensors ({type(exc).__name__}: {' '.join(str(exc).split())[:200]}); "
                         "the figures are the analytic estimate, not a trace")
             warnings.warn(warn[-1], stacklevel=2)
     if trace is None:
@@ -686,10 +738,17 @@ def plan(
     result = Plan(
         model=name, batch=batch, seq_len=seq_len, recipe=rec.to_dict(), target=tgt, method=used,
         peak_bytes=trace.peak_bytes, by_category=trace.by_category, by_phase=trace.by_phase,
-        by_phase_category=trace.phase_categories, device_costs=device_costs, host_costs=_host_costs(rec, batch, seq_len, sum(p.numel() for p in estimate._unique(shape_model.parameters()))),
+        by_phase_category=trace.phase_categories, device_costs=device_costs, host_costs=_host_costs(rec, batch, seq_len, sum(p.numel() for p in estimate._unique(meta_model.parameters()))),
         headroom_fraction=headroom,
         analytic_peak_bytes=analytic.peak_bytes, warnings=warn, optimizer_impl=impl if used == "trace" else "analytic",
     )
+    if rec.checkpointing == "offload":  # issue 16: the checkpointed blocks' inputs wait in host RAM
+        if used == "trace":
+            offloader = checkpoint_offloader(tracer.model)
+            result.host_costs.append(Cost("offloaded checkpoints", offloader.peak_host_bytes,
+                                          "traced: one block input per block (checkpointing.CheckpointOffloader)"))
+        else:
+            warn.append("checkpointing='offload': the host bytes of the offloaded block inputs are counted only when traced")
     if find_max_batch:
         budget = result.device_limit_bytes - sum(c.bytes for c in device_costs)
         if used == "trace":

@@ -18,6 +18,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from colab_memopt.fileio import atomic_write
+
 LOOPBACK = "127.0.0.1"
 
 
@@ -29,17 +31,15 @@ def free_port() -> int:
 
 
 def write_result(path: str | Path, save: Callable[[Path], None]) -> None:
-    """Write a rank's result whole: `save` writes a partial file, renamed to `path` once complete.
+    """Write a rank's result whole: `save` writes a temporary file, fsynced, then renamed to `path`.
 
-    `launch` takes the presence of every result file to mean every rank has finished its work.
+    `launch` takes the presence of every result file to mean every rank has finished its work
+    (`fileio.atomic_write`, the one writer of result files).
 
     Example:
         >>> write_result(Path(workdir, f"rank{rank}.json"), lambda p: p.write_text(json.dumps(out)))
     """
-    path = Path(path)
-    partial = path.with_name(path.name + ".partial")
-    save(partial)
-    partial.rename(path)
+    atomic_write(path, save)
 
 
 def log_path(workdir: str | Path, rank: int) -> Path:
@@ -103,9 +103,14 @@ def launch(
     The ranks see no GPU (`rank_environment`): they run on the CPU, also on a CUDA machine.
 
     Raises:
-        RuntimeError: a rank raised, or died before every rank had written its result; the message
-            quotes the end of that rank's log.
+        RuntimeError: a rank raised, died before every rank had written its result, or exited
+            without writing its result; the message names the rank and quotes the end of its log.
         TimeoutError: the ranks outlived `timeout_s`.
+        ValueError: `workdir` is not an existing folder, or `worker` cannot be imported by a spawned
+            process (defined in a notebook cell or an interactive session).
+
+    Result files and logs left in `workdir` by an earlier launch are removed before the ranks start,
+    so a result returned is always this launch's.
 
     A rank that dies after every rank has written its result (in the process group's teardown, where
     gloo can abort when a peer has already closed its sockets) costs nothing that was measured: the
@@ -119,6 +124,18 @@ def launch(
         raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
     if isinstance(threads_per_rank, bool) or not isinstance(threads_per_rank, int) or threads_per_rank < 1:
         raise ValueError(f"threads_per_rank must be an integer >= 1, got {threads_per_rank!r}")
+    if not Path(workdir).is_dir():
+        raise ValueError(f"workdir must be an existing folder, got {str(workdir)!r}")
+    if not callable(worker):
+        raise TypeError(f"worker must be a function, got {type(worker).__name__}")
+    module = getattr(worker, "__module__", None)
+    if module == "__main__" and not getattr(sys.modules.get("__main__"), "__file__", None):
+        raise ValueError(f"worker {getattr(worker, '__qualname__', worker)!r} is defined in __main__ without a file "
+                         "(a notebook cell or an interactive session): spawned ranks cannot import it; "
+                         "move it into a module (a .py file) and import it from there")
+    results = [Path(workdir, result_file.format(rank=r)) for r in range(world_size)]
+    for path in [*results, *(log_path(workdir, r) for r in range(world_size))]:
+        path.unlink(missing_ok=True)  # an earlier launch's: never passed off as this one's
     child_env = rank_environment(threads_per_rank)
     saved = {name: os.environ.get(name) for name in child_env}
     os.environ.update(child_env)  # read by the children when they start
@@ -139,7 +156,7 @@ def launch(
         raise RuntimeError(f"{what}: rank {exc.error_index} failed: {exc}\n"
                            f"its log ends:\n{log_tail(workdir, exc.error_index)}") from exc
     except mp.ProcessExitedException as exc:  # killed by a signal, or exited with a code and no Python error
-        done = all(Path(workdir, result_file.format(rank=r)).exists() for r in range(world_size))
+        done = all(p.exists() for p in results)
         if not done:
             raise RuntimeError(f"{what}: rank {exc.error_index} died before every rank had written its result "
                                f"({exc}); its log ends:\n{log_tail(workdir, exc.error_index)}") from exc
@@ -151,3 +168,8 @@ def launch(
             if proc.is_alive():
                 proc.kill()
                 proc.join(5)
+    missing = [r for r, p in enumerate(results) if not p.exists()]
+    if missing:
+        r = missing[0]
+        raise RuntimeError(f"{what}: rank {r} exited without writing its result {results[r].name} "
+                           f"(ranks without a result: {missing}); its log ends:\n{log_tail(workdir, r)}")

@@ -54,7 +54,8 @@ class Recipe:
             weights, gradients and optimizer state) for the steps that compute gradients.
         eval_precision: precision of forward-only phases (evaluation): 'fp32', 'fp16-autocast' or
             'bf16-autocast'; None follows `precision` (see `forward_precision`).
-        checkpointing: 'none', 'full', 'every_n', 'segments' or 'selective' (see `checkpointing`).
+        checkpointing: 'none', 'full', 'every_n', 'segments', 'selective' or 'offload' ('full' with each
+            block's input kept in host memory; see `checkpointing`).
         checkpoint_interval: N for 'every_n' (every N-th block) and 'segments' (N blocks per segment).
         accumulation_steps: micro-batches per optimizer step; the step's `batch_size` stays the
             effective batch.
@@ -103,6 +104,8 @@ class Recipe:
         """Raise ValueError naming the first field whose value is not allowed."""
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"recipe.optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
+        if isinstance(self.lr, bool) or not isinstance(self.lr, (int, float)) or self.lr != self.lr or self.lr == float("inf"):
+            raise ValueError(f"recipe.lr must be a finite number > 0, got {self.lr!r}")
         if self.optimizer.endswith("_in_backward") and self.precision == "fp16-autocast":
             raise ValueError(
                 f"recipe.optimizer={self.optimizer!r} steps inside backward, before GradScaler can unscale the fp16 "

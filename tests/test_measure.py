@@ -229,6 +229,21 @@ def test_estimate_split_matches_where_torch_puts_step(tiny):
     assert estimate.optimizer_state_split(tiny[0].parameters(), "sgd_momentum", device="cuda")["host"] == 0
 
 
+def test_probe_row_95_warmup_and_repeat_must_be_integers():
+    # was: TypeError: 'float' object cannot be interpreted as an integer
+    with pytest.raises(ValueError, match="warmup must be an integer >= 0, got 1.5"):
+        cm.measure_step(lambda: None, warmup=1.5, device="cpu")
+    with pytest.raises(ValueError, match="repeat must be an integer >= 1, got True"):
+        cm.measure_step(lambda: None, repeat=True, device="cpu")
+
+
+@pytest.mark.parametrize("limit", [float("nan"), float("inf")])
+def test_probe_row_98_memory_budget_names_a_nonfinite_limit(limit):
+    # was: ValueError cannot convert float NaN to integer / OverflowError
+    with pytest.raises(ValueError, match="limit_bytes must be a finite number of bytes > 0, got"):
+        cm.MemoryBudget(limit)
+
+
 @pytest.mark.parametrize("name", ["adamw", "adam8bit", "lion"])
 def test_optimizer_state_is_exactly_what_the_optimizer_keeps(name):
     """The step's temporaries (AdamW's fp32 copies of the largest tensor) are `temporaries`, not state."""

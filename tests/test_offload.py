@@ -159,3 +159,23 @@ def test_transfer_stats_settle_adds_asynchronous_copy_times():
     stats._pending += [(Event(0.0), Event(2.5), "to_device"), (Event(1.0), Event(2.0), "to_host")]
     assert stats.mean_seconds_to_device == pytest.approx(0.5025)
     assert stats.seconds_to_host == pytest.approx(0.001) and stats._pending == []
+
+
+@pytest.mark.parametrize("tensor, says", [
+    (torch.eye(3).to_sparse(), "offload takes dense .*layout torch.sparse_coo"),  # row 139: copy_() between dense and sparse
+    (torch.empty(3, device="meta"), "'t' is a meta tensor"),  # row 139: Cannot copy out of meta tensor
+])
+def test_probe_row_139_tensors_that_cannot_be_offloaded_are_named(tensor, says):
+    with pytest.raises(ValueError, match=says):
+        offload.OffloadManager().offload("t", tensor)
+
+
+@pytest.mark.parametrize("device, says", [
+    ("nope", "device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got 'nope'"),
+    pytest.param("cuda", "this machine has no CUDA GPU", marks=pytest.mark.skipif(torch.cuda.is_available(), reason="has a GPU")),
+])
+def test_probe_row_139_a_bad_load_device_is_named(device, says):
+    manager = offload.OffloadManager()
+    manager.offload("t", torch.ones(3))
+    with pytest.raises(ValueError, match=says):
+        manager.load("t", device)

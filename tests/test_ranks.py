@@ -102,3 +102,61 @@ def test_bad_arguments_are_named(tmp_path, kwargs, match):
     args = {"world_size": 2, "timeout_s": 10, "threads_per_rank": 1, **kwargs}
     with pytest.raises(ValueError, match=match):
         ranks.launch(_ok_worker, args.pop("world_size"), (str(tmp_path),), workdir=tmp_path, **args)
+
+
+def _quiet_worker(rank: int, world_size: int, workdir: str) -> None:
+    ranks.redirect_output(workdir, rank)
+    if rank == 0:
+        _write_result(workdir, rank, world_size)
+    else:
+        print("rank 1 returns without a result", flush=True)
+
+
+def test_an_earlier_launchs_results_are_never_passed_off_as_this_ones(tmp_path):
+    # probe row 125: run 1 leaves rank0/1.json; in run 2 rank 1 aborts before writing.
+    ranks.launch(_ok_worker, 2, (str(tmp_path),), workdir=tmp_path, timeout_s=120)
+    with pytest.raises(RuntimeError, match=r"(?s)rank 1 died before every rank had written its result.*aborts before its result"):
+        ranks.launch(_abort_before_worker, 2, (str(tmp_path),), workdir=tmp_path, timeout_s=120)
+    assert not (tmp_path / "rank1.json").exists()
+    assert "says hello" not in ranks.log_tail(tmp_path, 1)  # the log is this launch's only
+
+
+def test_a_rank_that_exits_0_without_its_result_is_an_error_naming_it(tmp_path):
+    # probe row 127
+    with pytest.raises(RuntimeError, match=r"(?s)rank 1 exited without writing its result rank1.json.*returns without a result"):
+        ranks.launch(_quiet_worker, 2, (str(tmp_path),), workdir=tmp_path, timeout_s=120)
+
+
+def test_a_workdir_that_does_not_exist_is_refused_before_launching(tmp_path):
+    # probe row 129
+    start = time.monotonic()
+    with pytest.raises(ValueError, match=r"workdir must be an existing folder, got '.*nope'"):
+        ranks.launch(_ok_worker, 2, (str(tmp_path),), workdir=tmp_path / "nope", timeout_s=120)
+    assert time.monotonic() - start < 2
+
+
+def test_a_worker_from_a_notebook_cell_is_refused_naming_why(monkeypatch, tmp_path):
+    # probe row 131: a function defined in __main__ without a file cannot be imported by spawn
+    import sys
+
+    def cell_worker(rank, world_size):
+        pass
+
+    cell_worker.__module__ = "__main__"
+    monkeypatch.delattr(sys.modules["__main__"], "__file__", raising=False)
+    with pytest.raises(ValueError, match=r"worker 'test_a_worker.*cell_worker' is defined in __main__ without a file.*module"):
+        ranks.launch(cell_worker, 2, workdir=tmp_path, timeout_s=120)
+
+
+def test_write_result_leaves_the_previous_file_when_saving_fails(tmp_path):
+    path = tmp_path / "rank0.json"
+    path.write_text('{"old": 1}')
+
+    def crash(p):
+        p.write_text('{"half')
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        ranks.write_result(path, crash)
+    assert json.loads(path.read_text()) == {"old": 1}
+    assert [p.name for p in tmp_path.iterdir()] == ["rank0.json"]

@@ -87,3 +87,10 @@ def test_in_backward_optimizers_refuse_fp16_and_accumulation_clearly(corpus):
     x = corpus.batch(2, 16, generator=torch.Generator().manual_seed(0))
     with pytest.raises(ValueError, match="GradScaler"):
         train_step(model, opt, x, precision="fp16-autocast", scaler=torch.amp.GradScaler("cpu"))
+
+
+@pytest.mark.parametrize("lr", ["0.1", None, True, float("inf"), float("nan")])
+def test_probe_rows_74_75_lr_must_be_a_finite_number(lr):
+    # was: TypeError "'>' not supported between 'str' and 'int'" ('0.1', None); accepted (True, inf)
+    with pytest.raises(ValueError, match=r"recipe.lr must be a finite number > 0, got "):
+        cm.Recipe(lr=lr)
