@@ -3,6 +3,7 @@
 # make test  : unit tests and every notebook, headless (what CI runs)
 # make test-browser : the widget panels in JupyterLab, driven by headless Chromium (installs both)
 # make lab   : JupyterLab on notebooks/
+# make test-gpu : everything on a CUDA GPU (emulating a T4 on other GPUs); exits 2 with one line without CUDA
 # A fresh machine needs only Python 3.11+ and make: the first target creates .venv and installs.
 
 SHELL := /bin/bash
@@ -19,7 +20,7 @@ export TORCH_EXTENSIONS_DIR ?= $(HOME)/.cache/torch_extensions
 export MPLBACKEND ?= Agg
 export PYTHONUNBUFFERED := 1
 
-.PHONY: install run readme test test-unit test-notebooks test-browser browser-deps lab clean
+.PHONY: install run readme test test-unit test-notebooks test-browser browser-deps lab clean test-gpu
 
 install: $(STAMP)
 
@@ -56,6 +57,22 @@ test-notebooks: $(STAMP)
 	$(PY) -m colab_memopt.runner --prepare-only build/ci_notebooks $(NOTEBOOKS)
 	PYTHONPATH=tests $(PY) -m pytest -q -p nbval_budget -p no:cacheprovider --nbval-lax --nbval-current-env build/ci_notebooks
 	CM_NOTEBOOKS="$(NOTEBOOKS)" $(PY) -m pytest tests -m notebook -q
+
+# make test-gpu [WHEELHOUSE=dir] [CM_EMULATE=t4|none] [GPU_PYTHON=python3]: unit tests, tests/gpu, every
+# notebook with its Colab defaults under its budget (tests/notebook_parameters_t4.yaml; README.md untouched),
+# the planner-accuracy grid and the technique costs on CUDA; writes build/gpu/ (colab_memopt/gpucheck.py).
+# It uses the Python that has CUDA torch (this repo's .venv if present, else python3) and installs what
+# that one lacks, from PyPI or from WHEELHOUSE. Without CUDA it stops before running anything, in one line.
+GPU_PYTHON ?= $(if $(wildcard $(PY)),$(PY),python3)
+ifneq ($(filter test-gpu,$(MAKECMDGOALS)),)
+GPU_FOUND := $(shell $(GPU_PYTHON) -c "import torch; print(int(torch.cuda.is_available()))" 2>/dev/null)
+ifneq ($(GPU_FOUND),1)
+$(error make test-gpu needs a CUDA GPU: $(GPU_PYTHON) has no torch that sees one (torch.cuda.is_available() is not True); nothing was run)
+endif
+endif
+
+test-gpu:
+	$(GPU_PYTHON) -m colab_memopt.gpucheck --out build/gpu $(if $(WHEELHOUSE),--wheelhouse $(WHEELHOUSE))
 
 # The widget panels in a real browser. Debian's chromium (apt, needs root, as in CI) and the Python
 # playwright package from requirements-browser.txt; Playwright's browser download is not used.

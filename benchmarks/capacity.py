@@ -14,7 +14,6 @@ Targets: full fine-tuning of >= 2B parameters at 512 tokens; QLoRA of >= 8B at 2
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 import warnings
@@ -23,6 +22,7 @@ from pathlib import Path
 import torch
 
 from colab_memopt import capacity
+from colab_memopt.fileio import write_json
 from colab_memopt.measure import format_bytes
 from colab_memopt.planner import get_target
 
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         "method": "analytic estimate (estimate.training_step_bytes) + CUDA context, leanest candidate recipe of recommend()",
         "planned_on": f"cpu ({torch.get_num_threads()} threads)", "seconds": seconds, "rows": rows,
     }
-    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+    write_json(args.out, out)
     print(f"largest model that fits a {tgt.name} ({format_bytes(tgt.device_bytes)}, 10% headroom), batch 1, analytic plans, "
           f"{seconds:.0f} s:")
     for r in rows:

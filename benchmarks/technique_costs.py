@@ -4,7 +4,8 @@
 
 Times one training step of the reference model per technique of `costs.TECHNIQUES` (each alone,
 through `Recipe.build` + `make_train_step`), paired round by round with the plain fp32 AdamW
-step, and writes the median ratio per technique (each step timed right after a plain step) with the device named to benchmarks/results/technique_costs.json.
+step, and writes the median ratio per technique (each step timed right after a plain step) with the device named to colab_memopt/technique_costs.json (package data:
+the recommender's default, shipped in the wheel).
 `recommend` reads them. Ratios measured on a CPU describe that CPU, not a T4: run this on the GPU
 you target (Colab: `!python benchmarks/technique_costs.py`) to recommend for it.
 """
@@ -12,11 +13,11 @@ you target (Colab: `!python benchmarks/technique_costs.py`) to recommend for it.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 
 from colab_memopt.costs import COSTS_FILE, measure_technique_costs
+from colab_memopt.fileio import write_json
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -33,8 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     costs = measure_technique_costs(model_size=args.model, batch=args.batch, seq_len=args.seq, rounds=args.rounds, device=args.device,
                                    n_layer=args.layers)
     data = {**costs.to_dict(), "seconds": time.perf_counter() - start}
-    with open(args.out, "w") as f:
-        f.write(json.dumps(data, indent=2) + "\n")
+    write_json(args.out, data)
     print(f"device: {costs.device}; model {costs.model}, batch {costs.batch} x {costs.seq_len}, {costs.rounds} rounds")
     for name, ratio in sorted(costs.ratios.items(), key=lambda kv: kv[1]):
         print(f"  {name:22s} x{ratio:.2f}")

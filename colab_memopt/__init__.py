@@ -39,7 +39,7 @@ from colab_memopt.env import (
     pick_device,
     preflight,
 )
-from colab_memopt.batching import find_max_batch_size, train_with_oom_recovery
+from colab_memopt.batching import OOMNotRecovered, find_max_batch_size, train_with_oom_recovery
 from colab_memopt.measure import (
     Comparison,
     LiveMemory,
@@ -108,6 +108,7 @@ __all__ = [
     "estimate",
     "precision",
     "evaluate",
+    "OOMNotRecovered",
     "find_max_batch_size",
     "format_bytes",
     "get_config",

@@ -4,16 +4,19 @@
     python -m colab_memopt recommend --model llama-3.2-1b --seq 512 --target t4 [--mode auto] [--json]
     python -m colab_memopt doctor --model Qwen/Qwen2.5-0.5B --recipe precision=bf16-autocast --target t4 [--json]
 
---model takes one of our names, a Hugging Face id, a local folder or a config.json.
+Exit codes: 0 an answer, 1 it does not fit (plan) or no recipe fits (recommend), 2 bad input (one
+line naming the value and what is allowed), 3 an internal error (with its traceback on stderr).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
+import traceback
 import warnings
-from typing import Any
+from typing import Any, NoReturn
 
 
 def _value(text: str) -> Any:
@@ -25,24 +28,46 @@ def _value(text: str) -> Any:
     return {"none": None, "true": True, "false": False}.get(text.lower(), text)
 
 
+# Fields whose value is a tuple: given as comma-separated names (lora_targets=c_attn,c_proj).
+_TUPLE_FIELDS = ("lora_targets",)
+
+
 def _recipe_fields(items: list[str]) -> dict[str, Any]:
     fields = {}
     for item in items:
         if "=" not in item:
             raise ValueError(f"--recipe takes field=value pairs, got {item!r}")
         key, value = item.split("=", 1)
-        key = key.strip()
-        # lora_targets=q_proj,v_proj: a tuple of module names
-        fields[key] = tuple(v.strip() for v in value.split(",") if v.strip()) if key == "lora_targets" else _value(value.strip())
+        key, value = key.strip(), value.strip()
+        fields[key] = tuple(v.strip() for v in value.split(",") if v.strip()) if key in _TUPLE_FIELDS else _value(value)
     return fields
+
+
+class UsageError(Exception):
+    """A command line argparse refuses (exit code 2)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises instead of printing usage and exiting, so that --json can answer with JSON."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{self.prog}: {message}")
 
 
 def _parser() -> argparse.ArgumentParser:
     from colab_memopt.architectures import model_names
     from colab_memopt.planner import TARGETS
 
-    parser = argparse.ArgumentParser(prog="python -m colab_memopt", description="colab-memopt tools")
-    sub = parser.add_subparsers(dest="command", required=True)
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        __version__ = version("colab-memopt")
+    except PackageNotFoundError:  # run from a checkout that was not pip-installed
+        __version__ = "(not installed)"
+    parser = _Parser(prog="python -m colab_memopt", description="colab-memopt tools. Exit codes: 0 an answer, "
+                     "1 does not fit / no recipe fits, 2 bad input, 3 an internal error.")
+    parser.add_argument("--version", action="version", version=f"colab-memopt {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{plan,recommend}")
     p = sub.add_parser("plan", help="predict a training step's peak memory on a target, without a GPU")
     p.add_argument("--model", required=True, help=f"one of: {', '.join(model_names())}; or a Hugging Face id, a local folder or a config.json")
     p.add_argument("--batch", type=int, required=True, help="sequences per step (>= 1)")
@@ -68,14 +93,13 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--mode", default="auto", choices=["auto", *MODES], help="what is trained (auto: full, else LoRA, else QLoRA)")
     r.add_argument("--objective", default="fastest", choices=list(OBJECTIVES))
     r.add_argument("--headroom", type=float, default=0.10, help="fraction of device memory kept free (default 0.10)")
-    r.add_argument("--costs", default=None, help="technique_costs.json to read (default: benchmarks/results/)")
+    r.add_argument("--costs", default=None, help="technique_costs.json to read (default: the one shipped in the package)")
     r.add_argument("--method", default="auto", choices=["auto", "trace", "analytic"], help="planner method for the confirming plans")
     r.add_argument("--json", action="store_true", help="print one JSON object")
-
     d = sub.add_parser("doctor", help="the T4 pitfalls of a model and recipe, found before the first step")
     d.add_argument("--model", required=True, help="a name, a Hugging Face id, a local folder or a config.json")
     d.add_argument("--recipe", nargs="*", default=[], metavar="FIELD=VALUE", help="recipe fields, e.g. precision=bf16-autocast")
-    d.add_argument("--target", default="t4", help=f"one of {', '.join(TARGETS)} or auto (this GPU, else a T4)")
+    d.add_argument("--target", default="t4", help="a target name or auto (this GPU, else a T4)")
     d.add_argument("--batch", type=int, default=1, help="sequences per step (default 1)")
     d.add_argument("--seq", type=int, default=None, help="tokens per sequence (default: min(512, the model's maximum))")
     d.add_argument("--method", default="auto", choices=["auto", "trace", "analytic"])
@@ -91,61 +115,75 @@ def _target(args: argparse.Namespace) -> Any:
     return args.target
 
 
-def _recommend(args: argparse.Namespace) -> int:
+def _recommend(args: argparse.Namespace) -> tuple[int, Any]:
     from colab_memopt.costs import load_technique_costs
-    from colab_memopt.recommender import NoRecipeFits, recommend
+    from colab_memopt.recommender import recommend
 
-    try:
-        result = recommend(
-            args.model, args.batch, seq_len=args.seq, target=_target(args), objective=args.objective, mode=args.mode,
-            headroom=args.headroom, costs=load_technique_costs(args.costs), method=args.method,
+    result = recommend(
+        args.model, args.batch, seq_len=args.seq, target=_target(args), objective=args.objective, mode=args.mode,
+        headroom=args.headroom, costs=load_technique_costs(args.costs), method=args.method,
+    )
+    return 0, result
+
+
+def _plan(args: argparse.Namespace) -> tuple[int, Any]:
+    from colab_memopt.planner import plan
+
+    target: Any = _target(args)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # fallbacks are reported in the plan's own warnings
+        result = plan(
+            args.model, args.batch, seq_len=args.seq, recipe=_recipe_fields(args.recipe), target=target,
+            method=args.method, find_max_batch=not args.no_max_batch,
         )
-    except NoRecipeFits as exc:
-        print(f"no recipe fits: {exc}", file=sys.stderr)
-        return 1
-    except (ValueError, TypeError, FileNotFoundError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(json.dumps(result.to_dict(), indent=2) if args.json else result)
-    return 0
+    return (0 if result.fits else 1), result
 
 
-def _doctor(args: argparse.Namespace) -> int:
-    from colab_memopt.doctor import doctor, to_json
+def _doctor(args: argparse.Namespace) -> tuple[int, Any]:
+    from colab_memopt.doctor import doctor
 
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            result = doctor(args.model, recipe=_recipe_fields(args.recipe), target=args.target, batch=args.batch,
-                            seq_len=args.seq, method=args.method)
-    except (ValueError, TypeError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(to_json(result) if args.json else result)
-    return 0 if result.ok else 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = doctor(args.model, recipe=_recipe_fields(args.recipe), target=args.target, batch=args.batch,
+                        seq_len=args.seq, method=args.method)
+    return (0 if result.ok else 1), result
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    if args.command == "recommend":
-        return _recommend(args)
-    if args.command == "doctor":
-        return _doctor(args)
-    from colab_memopt.planner import plan
+    """Run the command line; return the exit code (0 an answer, 1 does not fit, 2 bad input, 3 internal error).
+
+    With --json, stdout holds exactly one JSON object, an error too ({"error": ..., "exit_code": ...});
+    whatever the libraries print while planning (DeepSpeed's accelerator line, ...) goes to stderr.
+    """
+    from colab_memopt.recommender import NoRecipeFits
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    as_json = "--json" in argv
+    stdout = sys.stdout
+
+    def answer(code: int, message: str) -> int:
+        print(message, file=sys.stderr)
+        if as_json:
+            print(json.dumps({"error": message.removeprefix("error: "), "exit_code": code}), file=stdout)
+        return code
 
     try:
-        target: Any = _target(args)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # fallbacks are reported in the plan's own warnings
-            result = plan(
-                args.model, args.batch, seq_len=args.seq, recipe=_recipe_fields(args.recipe), target=target,
-                method=args.method, find_max_batch=not args.no_max_batch,
-            )
-    except (ValueError, TypeError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(json.dumps(result.to_dict(), indent=2) if args.json else result)
-    return 0
+        args = _parser().parse_args(argv)
+    except UsageError as exc:
+        return answer(2, f"error: {exc} (see --help)")
+    try:
+        with contextlib.redirect_stdout(sys.stderr):  # library output while planning; the answer alone on stdout
+            code, result = {"recommend": _recommend, "doctor": _doctor}.get(args.command, _plan)(args)
+    except NoRecipeFits as exc:
+        return answer(1, f"no recipe fits: {exc}")
+    except (ValueError, TypeError, OSError) as exc:  # the user's input: one line naming the value
+        message = str(exc).strip() or type(exc).__name__
+        return answer(2, f"error: {message}")
+    except Exception as exc:  # noqa: BLE001 - a bug, not the input: say so, with the traceback on stderr
+        traceback.print_exc()
+        return answer(3, f"internal error ({type(exc).__name__}: {exc}); please report it with the command line")
+    print(json.dumps(result.to_dict(), indent=2) if as_json else result, file=stdout)
+    return code
 
 
 if __name__ == "__main__":

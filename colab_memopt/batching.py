@@ -134,6 +134,9 @@ def find_max_batch_size(
         try:
             with _memory(limit_bytes, tracked, dev) as mem:
                 step = step_factory(batch)
+                if not callable(step):
+                    raise TypeError(f"step_factory({batch}) must return a zero-argument step function, "
+                                    f"got {type(step).__name__}")
                 for _ in range(steps):
                     step()
                 peak = mem.peak_bytes
@@ -211,6 +214,24 @@ class RecoveryRun:
         return int((counts - epochs).abs().sum())
 
 
+class OOMNotRecovered(torch.OutOfMemoryError):
+    """`train_with_oom_recovery` met an OOM it cannot absorb; `.run` is the record of the steps finished.
+
+    Attributes:
+        run: the `RecoveryRun` of the steps finished before the OOM (their weight updates are applied
+            to the model, in place).
+        step: the step that failed (0-based).
+        where: 'micro-batch' (even the smallest micro-batch does not fit) or 'optimizer.step'.
+    """
+
+    def __init__(self, message: str, run: RecoveryRun, step: int, where: str) -> None:
+        super().__init__(message)
+        self.run, self.step, self.where = run, step, where
+
+    def __reduce__(self) -> Any:
+        return (type(self), (str(self), self.run, self.step, self.where))
+
+
 def accumulate_gradients(model: nn.Module, samples: torch.Tensor, ids: torch.Tensor, micro_batch_size: int,
                          device: torch.device) -> float:
     """Run forward and backward over `ids` in micro-batches; return the batch's mean loss.
@@ -256,19 +277,36 @@ def train_with_oom_recovery(
     The optimizer step itself runs outside the retry: its memory does not depend on the batch.
     `limit_bytes` emulates a device of that size (`MemoryBudget`); None uses the real device.
     `on_step_start(step)` runs inside the memory context before each step (to add memory pressure).
+
+    Raises:
+        OOMNotRecovered (a `torch.OutOfMemoryError`): an OOM that halving cannot absorb: at
+            `min_micro_batch_size`, or in `optimizer.step`. It says which, and carries the record of
+            the steps already finished (`.run`), whose weight updates are applied to the model.
     """
-    if samples.dim() != 2:
-        raise ValueError(f"samples must be a (N, T) tensor of token ids, got shape {tuple(samples.shape)}")
+    if not isinstance(samples, torch.Tensor) or samples.dim() != 2:
+        shape = tuple(samples.shape) if isinstance(samples, torch.Tensor) else type(samples).__name__
+        raise ValueError(f"samples must be a (N, T) tensor of token ids, got {shape}")
+    if samples.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
+        raise ValueError(f"samples must hold integer token ids, got dtype {samples.dtype}")
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    if samples.numel() and (int(samples.min()) < 0 or (isinstance(vocab, int) and int(samples.max()) >= vocab)):
+        raise ValueError(f"samples hold token ids in [{int(samples.min())}, {int(samples.max())}]; "
+                         f"the model takes [0, {vocab - 1 if isinstance(vocab, int) else '...'}]")
+    samples = samples.long()
     n = len(samples)
-    if not isinstance(effective_batch_size, int) or not 1 <= effective_batch_size <= n:
+
+    def is_int(value: Any) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool)
+
+    if not is_int(effective_batch_size) or not 1 <= effective_batch_size <= n:
         raise ValueError(f"effective_batch_size must be an integer in [1, {n}], got {effective_batch_size!r}")
     micro = effective_batch_size if micro_batch_size is None else micro_batch_size
-    if not isinstance(micro, int) or not 1 <= micro <= effective_batch_size:
+    if not is_int(micro) or not 1 <= micro <= effective_batch_size:
         raise ValueError(f"micro_batch_size must be an integer in [1, {effective_batch_size}], got {micro!r}")
-    if not 1 <= min_micro_batch_size <= micro:
-        raise ValueError(f"min_micro_batch_size must be in [1, {micro}], got {min_micro_batch_size}")
-    if epochs < 1 or restore_after < 1:
-        raise ValueError(f"epochs and restore_after must be >= 1, got {epochs} and {restore_after}")
+    if not is_int(min_micro_batch_size) or not 1 <= min_micro_batch_size <= micro:
+        raise ValueError(f"min_micro_batch_size must be an integer in [1, {micro}], got {min_micro_batch_size!r}")
+    if not is_int(epochs) or not is_int(restore_after) or epochs < 1 or restore_after < 1:
+        raise ValueError(f"epochs and restore_after must be integers >= 1, got {epochs!r} and {restore_after!r}")
     device = next(model.parameters()).device
     capacity = limit_bytes if limit_bytes is not None else getattr(monitor, "capacity_bytes", None)
     original = micro
@@ -287,14 +325,25 @@ def train_with_oom_recovery(
                 try:
                     loss = accumulate_gradients(model, samples, ids, micro, device)
                     break
-                except torch.OutOfMemoryError:
+                except torch.OutOfMemoryError as exc:
                     release_memory([model, optimizer], device)
                     if micro <= min_micro_batch_size:
-                        raise
+                        run.events.append(RecoveryEvent(step, "oom", micro, micro))
+                        raise OOMNotRecovered(
+                            f"train_with_oom_recovery gave up at step {step}: out of memory in forward/backward at "
+                            f"micro-batch {micro}, the smallest allowed (min_micro_batch_size={min_micro_batch_size}). "
+                            f"{_finished(run)} The OOM: {exc}", run, step, "micro-batch") from exc
                     new = max(min_micro_batch_size, micro // 2)
                     run.events.append(RecoveryEvent(step, "oom", micro, new))
                     micro, good_steps = new, 0
-            optimizer.step()
+            try:
+                optimizer.step()
+            except torch.OutOfMemoryError as exc:
+                raise OOMNotRecovered(
+                    f"train_with_oom_recovery gave up at step {step}: out of memory in optimizer.step, whose memory "
+                    "does not depend on the micro-batch, so halving it cannot help (an 8-bit optimizer, or offloading "
+                    f"its state, can); this step's update may be partly applied. {_finished(run)} The OOM: {exc}",
+                    run, step, "optimizer.step") from exc
             peak = mem.peak_bytes
             run.losses.append(loss)
             run.micro_batch_sizes.append(micro)
@@ -318,6 +367,12 @@ def train_with_oom_recovery(
                     run.events.append(RecoveryEvent(step, "restore", micro, new))
                     micro, good_steps = new, 0
     return run
+
+
+def _finished(run: RecoveryRun) -> str:
+    steps = len(run.losses)
+    return (f"{steps} step(s) finished before it, their weight updates applied to the model; their record is "
+            "this error's .run." if steps else "No earlier step had finished.")
 
 
 # -- data pipeline -------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -345,6 +346,10 @@ def apply_checkpointing(model: nn.Module, policy: str, interval: int = 1) -> nn.
                 remove_checkpointing(model)
         return model
     blocks = find_blocks(model)
+    if policy == "every_n" and interval > len(blocks):
+        warnings.warn(f"checkpoint_interval {interval} exceeds the model's {len(blocks)} blocks: 'every_n' checkpoints "
+                      f"blocks {interval - 1}, {2 * interval - 1}, ..., so none is checkpointed and nothing is saved; "
+                      f"use an interval <= {len(blocks)}", RuntimeWarning, stacklevel=2)
     remove_checkpointing(model)
     config = getattr(model, "config", None)
     if getattr(config, "use_cache", False):

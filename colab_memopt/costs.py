@@ -4,7 +4,7 @@
 `TECHNIQUES` turned on alone (the same `Recipe.build` + `train.make_train_step` path every
 notebook measures), each step right after a plain fp32 AdamW step so that a busy machine slows both
 alike, and returns the median of the pairs' ratios, with the device named.
-`benchmarks/technique_costs.py` writes them to `benchmarks/results/technique_costs.json`;
+`benchmarks/technique_costs.py` writes them to `colab_memopt/technique_costs.json` (package data);
 `expected_slowdown` multiplies the ratios of the techniques a recipe turns on. A technique with no
 measured ratio counts as 1.0 and is named in the result's `unmeasured`.
 
@@ -13,7 +13,6 @@ A new technique (a new Recipe field) plugs in with one entry in `TECHNIQUES`.
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from collections.abc import Iterable
@@ -23,9 +22,11 @@ from typing import Any
 
 import torch
 
+from colab_memopt.fileio import read_json
 from colab_memopt.recipe import Recipe
 
-COSTS_FILE = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "technique_costs.json"
+# The default ratios ship inside the package (package data), so an installed wheel has them.
+COSTS_FILE = Path(__file__).resolve().parent / "technique_costs.json"
 
 # Technique name -> the Recipe fields that turn it on (each measured alone against Recipe()).
 # A recipe "uses" a technique when all its fields match; 'lora' and 'qlora' are the training modes.
@@ -175,18 +176,32 @@ def measure_technique_costs(
 
 
 def load_technique_costs(path: str | Path | None = None) -> TechniqueCosts:
-    """Read measured ratios (default: benchmarks/results/technique_costs.json); say how to make them if absent."""
+    """Read measured ratios (default: the package's technique_costs.json); say how to make them if absent."""
     p = Path(path) if path is not None else COSTS_FILE
     if not p.exists():
         raise FileNotFoundError(
             f"no measured technique costs at {p}: run `python benchmarks/technique_costs.py` on the device "
             "(or pass costs=measure_technique_costs(...))"
         )
-    d = json.loads(p.read_text())
+    d = read_json(p)  # a folder, an unreadable or a broken file: a ValueError naming it
+    how = "write it with `python benchmarks/technique_costs.py`"
+    if not isinstance(d, dict):
+        raise ValueError(f"{p} must hold a JSON object with {list(_COSTS_KEYS)}, got a {type(d).__name__}; {how}")
+    missing = [k for k in _COSTS_KEYS if k not in d]
+    if missing:
+        raise ValueError(f"{p} lacks {missing} (a technique costs file has {list(_COSTS_KEYS)}); {how}")
+    ratios = d["ratios"]
+    bad = {k: v for k, v in ratios.items() if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf")} \
+        if isinstance(ratios, dict) else ratios
+    if not isinstance(ratios, dict) or bad:
+        raise ValueError(f"{p}: 'ratios' must map technique names to finite step-time ratios > 0, got {bad!r}")
     return TechniqueCosts(
-        ratios={k: float(v) for k, v in d["ratios"].items()}, device=d["device"], model=d["model"], batch=d["batch"],
+        ratios={k: float(v) for k, v in ratios.items()}, device=str(d["device"]), model=d["model"], batch=d["batch"],
         seq_len=d["seq_len"], step_seconds=d.get("step_seconds", {}), rounds=d.get("rounds", 0), source=d.get("source", str(p)),
     )
+
+
+_COSTS_KEYS = ("ratios", "device", "model", "batch", "seq_len")
 
 
 def techniques_used(recipe: Recipe | dict[str, Any]) -> tuple[list[str], list[str]]:

@@ -14,6 +14,13 @@ GiB = 2**30
 T4_USABLE_BYTES = int(14.74 * GiB)
 # Colab free tier host RAM.
 COLAB_HOST_RAM_BYTES = int(12.7e9)
+# The CUDA context and kernels of a T4 process, outside the caching allocator: assumed (0.5-2 GB seen
+# on Colab, FACTS.md) until measured with NVML on a real T4; the planner assumes the same.
+ASSUMED_T4_CONTEXT_BYTES = int(0.75 * GiB)
+# CM_EMULATE=t4 makes a bigger CUDA GPU behave like Colab's T4 (see `apply_emulation`).
+EMULATE_ENV = "CM_EMULATE"
+EMULATIONS = ("t4",)
+_emulating: dict[int, str] = {}  # CUDA device index -> what it emulates, once applied
 
 _DEVICE_TYPES = ("cpu", "cuda")
 
@@ -44,7 +51,7 @@ def pick_device(device: str | torch.device | None = "auto") -> torch.device:
 def gpu_name(device: torch.device | None = None) -> str | None:
     """Return the GPU's name, or None on the CPU."""
     dev = pick_device(device)
-    return torch.cuda.get_device_name(dev) if dev.type == "cuda" else None
+    return device_label(dev) if dev.type == "cuda" else None
 
 
 def compute_capability(device: torch.device | None = None) -> tuple[int, int] | None:
@@ -58,9 +65,74 @@ def bf16_native(device: torch.device | None = None) -> bool:
 
     `torch.cuda.is_bf16_supported()` says True on a T4 because it counts emulation; we do not.
     On the CPU this returns False: bf16 runs there, but emulated and slowly on AVX2-only machines.
+    Under `CM_EMULATE=t4` (`apply_emulation`) it returns False, as on a T4.
     """
     cc = compute_capability(device)
+    if cc is not None and emulated_gpu(device) == "t4":
+        return False
     return cc is not None and cc >= (8, 0)
+
+
+def requested_emulation() -> str | None:
+    """Return what `CM_EMULATE` asks for ('t4'), or None when it is unset, empty or 'none'."""
+    value = os.environ.get(EMULATE_ENV, "").strip().lower()
+    if value in ("", "none", "0"):
+        return None
+    if value not in EMULATIONS:
+        raise ValueError(f"{EMULATE_ENV} must be one of {EMULATIONS} or 'none', got {value!r}")
+    return value
+
+
+def emulated_gpu(device: torch.device | None = None) -> str | None:
+    """Return what the CUDA device emulates once `apply_emulation` ran ('t4'), else None."""
+    if not _emulating:
+        return None
+    dev = pick_device(device)
+    if dev.type != "cuda":
+        return None
+    return _emulating.get(dev.index if dev.index is not None else torch.cuda.current_device())
+
+
+def apply_emulation(device: str | torch.device | None = "auto", emulate: str | None = None) -> str | None:
+    """Make a CUDA GPU behave like Colab's T4 when `emulate` (default: `CM_EMULATE`) is 't4'; return it.
+
+    - caps the caching allocator at the T4's usable bytes less its (assumed) CUDA context:
+      `torch.cuda.set_per_process_memory_fraction((T4_USABLE_BYTES - ASSUMED_T4_CONTEXT_BYTES) / total)`;
+      the cap does not cover this GPU's own context, workspaces outside the allocator or unified memory;
+    - forces the T4's code paths: no native bf16 (`bf16_native` is False, so fp16 + GradScaler is
+      chosen), no flash or cuDNN attention (SDPA's memory-efficient kernel, as on sm_75), TF32 off;
+    - `device_label` then names the GPU "<gpu> emulating t4": timings are this GPU's, not a T4's.
+    On the CPU, or when nothing is asked for, it does nothing and returns None.
+    """
+    emulate = requested_emulation() if emulate is None else emulate
+    if emulate is None:
+        return None
+    if emulate not in EMULATIONS:
+        raise ValueError(f"emulate must be one of {EMULATIONS}, got {emulate!r}")
+    dev = pick_device(device)
+    if dev.type != "cuda":
+        return None
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    total = torch.cuda.get_device_properties(index).total_memory
+    cap = T4_USABLE_BYTES - ASSUMED_T4_CONTEXT_BYTES
+    torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), index)
+    torch.backends.cuda.enable_flash_sdp(False)
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    torch.backends.cuda.enable_mem_efficient_sdp(True)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    _emulating[index] = emulate
+    return emulate
+
+
+def device_label(device: str | torch.device | None = "auto") -> str:
+    """Return the device's name for results: the GPU's name ("<gpu> emulating t4" under emulation), or 'cpu'."""
+    dev = pick_device(device)
+    if dev.type != "cuda":
+        return str(dev)
+    name = torch.cuda.get_device_name(dev)
+    emulated = emulated_gpu(dev)
+    return f"{name} emulating {emulated}" if emulated else name
 
 
 def autocast_dtype(device: torch.device | None = None) -> torch.dtype:
@@ -101,6 +173,8 @@ def usable_device_memory(device: torch.device | None = None) -> int:
     """Return the bytes a training step may use: the GPU's total capacity, or available host RAM on CPU."""
     dev = pick_device(device)
     if dev.type == "cuda":
+        if emulated_gpu(dev) == "t4":  # the allocator cap of `apply_emulation`
+            return T4_USABLE_BYTES - ASSUMED_T4_CONTEXT_BYTES
         return torch.cuda.get_device_properties(dev).total_memory
     return host_memory().available_bytes
 
@@ -136,6 +210,7 @@ class Preflight:
     autocast_dtype: str
     bf16_native: bool
     colab: bool
+    emulating: str | None = None
 
     def __str__(self) -> str:
         cc = f"sm_{self.compute_capability[0]}{self.compute_capability[1]}" if self.compute_capability else "-"
@@ -151,13 +226,18 @@ class Preflight:
                 f"autocast dtype    {self.autocast_dtype}"
                 + (" + GradScaler" if self.autocast_dtype == "float16" else ""),
                 f"Colab             {self.colab}",
-            ]
+            ] + ([f"emulating         {self.emulating} (CM_EMULATE): allocator capped, T4 code paths; timings are not a T4's"]
+                 if self.emulating else [])
         )
 
 
 def preflight(device: str | torch.device | None = "auto", *, verbose: bool = True) -> Preflight:
-    """Print and return the device, usable memory, host RAM, torch version and autocast dtype."""
+    """Print and return the device, usable memory, host RAM, torch version and autocast dtype.
+
+    With `CM_EMULATE=t4` on a CUDA GPU it first applies the T4 emulation (`apply_emulation`).
+    """
     dev = pick_device(device)
+    emulating = apply_emulation(dev)
     host = host_memory()
     info = Preflight(
         device=str(dev),
@@ -170,6 +250,7 @@ def preflight(device: str | torch.device | None = "auto", *, verbose: bool = Tru
         autocast_dtype=str(autocast_dtype(dev)).removeprefix("torch."),
         bf16_native=bf16_native(dev),
         colab=in_colab(),
+        emulating=emulating,
     )
     if verbose:
         print(info)

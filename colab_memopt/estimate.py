@@ -57,8 +57,33 @@ def param_bytes(params: Iterable[torch.Tensor]) -> int:
     return sum(p.numel() * p.element_size() for p in _unique(params))
 
 
+# Optimizers whose float32 `step` counter torch keeps on the CPU when the parameters are on CUDA (not
+# fused, not capturable: the project's default; torch/optim/adam.py `_init_group`, _adafactor.py).
+HOST_STEP_OPTIMIZERS = ("adam", "adamw", "adafactor")
+
+
+def optimizer_state_split(params: Iterable[Any], optimizer: str, *, device: str | torch.device,
+                          n_head: int | None = None) -> dict[str, int]:
+    """Return the optimizer-state bytes by where they live when training on `device`: {'device', 'host'}.
+
+    On CUDA, torch's Adam, AdamW and Adafactor keep their 4-byte `step` tensor per parameter tensor
+    on the CPU ('host'); everything else is device memory. bitsandbytes' paged states are unified
+    memory that lives on the GPU while the optimizer runs: counted as 'device' (`measure_step` reports
+    them the same way). On the CPU everything is 'device'.
+
+    Example:
+        >>> optimizer_state_split(model.parameters(), "adamw", device="cuda")  # {'device': 8N, 'host': 4 * tensors}
+    """
+    items = list(params)
+    total = optimizer_state_bytes(items, optimizer, n_head=n_head)
+    host = 0
+    if torch.device(device).type == "cuda" and optimizer.removesuffix("_in_backward") in HOST_STEP_OPTIMIZERS:
+        host = 4 * sum(1 for p in _unique(p[1] if isinstance(p, tuple) else p for p in items) if p.requires_grad)
+    return {"device": total - host, "host": host}
+
+
 def optimizer_state_bytes(params: Iterable[torch.Tensor], optimizer: str, *, n_head: int | None = None) -> int:
-    """Return the exact optimizer-state bytes the optimizer allocates for these parameters.
+    """Return the exact optimizer-state bytes the optimizer allocates for these parameters (wherever they live).
 
     Adam and AdamW keep exp_avg and exp_avg_sq in the parameter's dtype plus a 4-byte float32
     `step` tensor per parameter tensor; SGD with momentum keeps one momentum buffer; SGD nothing.
@@ -67,6 +92,7 @@ def optimizer_state_bytes(params: Iterable[torch.Tensor], optimizer: str, *, n_h
     float32 absmax per 256 values and a shared 256-entry code book per state, and 32-bit states for
     tensors under 4096 elements. Adam-mini needs (name, parameter) pairs and `n_head`.
     A name ending in '_in_backward' counts one optimizer per parameter (code books per tensor).
+    On CUDA part of this lives in host memory: `optimizer_state_split` says which part.
     """
     in_backward = optimizer.endswith("_in_backward")
     base = optimizer[: -len("_in_backward")] if in_backward else optimizer
@@ -481,18 +507,37 @@ def zero_offload_bytes(n_params: int, *, zero_stage: int, offload_optimizer: boo
         raise ValueError(f"offload_param needs zero_stage=3, got {zero_stage}")
     if zero_stage == 0:
         return {"device_bytes": 16 * n_params, "host_bytes": 0}
-    if zero_stage in (1, 2):
-        from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+    largest = largest_layer_params or n_params // 10
+    try:
+        if zero_stage in (1, 2):
+            from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
-        host, device = estimate_zero2_model_states_mem_needs(n_params, num_gpus_per_node=world_size, num_nodes=1,
-                                                             cpu_offload=offload_optimizer)
-        return {"device_bytes": int(device), "host_bytes": int(host)}
-    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+            host, device = estimate_zero2_model_states_mem_needs(n_params, num_gpus_per_node=world_size, num_nodes=1,
+                                                                 cpu_offload=offload_optimizer)
+        else:
+            from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
 
-    host, device, _ = estimate_zero3_model_states_mem_needs(n_params, largest_layer_params or n_params // 10,
-                                                            num_gpus_per_node=world_size, num_nodes=1,
-                                                            cpu_offload=offload_optimizer, cpu_offload_params=offload_param)
+            host, device, _ = estimate_zero3_model_states_mem_needs(n_params, largest, num_gpus_per_node=world_size,
+                                                                    num_nodes=1, cpu_offload=offload_optimizer,
+                                                                    cpu_offload_params=offload_param)
+    except ImportError:  # Colab has no DeepSpeed: the same formulas, copied (tests pin them to DeepSpeed's)
+        host, device = _deepspeed_estimate(n_params, zero_stage, offload_optimizer, offload_param, largest, world_size)
     return {"device_bytes": int(device), "host_bytes": int(host)}
+
+
+def _deepspeed_estimate(n: int, stage: int, offload_optimizer: bool, offload_param: bool, largest: int,
+                        gpus: int, buffer_factor: float = 1.5) -> tuple[int, int]:
+    """Return (host, device) bytes by DeepSpeed 0.19's `estimate_zero{2,3}_model_states_mem_needs` (one node, zero_init)."""
+    if stage in (1, 2):
+        if offload_optimizer:
+            return int(n * max(4 * gpus, 16) * buffer_factor), 2 * n
+        return int(n * 4 * gpus * buffer_factor), 2 * n + int(18 * n / gpus)
+    layer = 4 * largest
+    if offload_optimizer:
+        if offload_param:
+            return int(n * 18 * buffer_factor), layer
+        return int(n * 16 * buffer_factor), layer + int(2 * n / gpus)
+    return int(largest * 4 * gpus * buffer_factor), layer + int(18 * n / gpus)
 
 
 def layer_streaming_param_bytes(block_bytes: int, n_blocks: int, resident_bytes: int, *, max_active_layers: int,

@@ -28,6 +28,8 @@ def evaluate(
 
     `precision` is the forward-only phase's own: 'fp32', 'fp16-autocast' or 'bf16-autocast'.
     """
+    if isinstance(batches, bool) or not isinstance(batches, int) or batches < 1:
+        raise ValueError(f"batches must be an integer >= 1 (validation batches to average), got {batches!r}")
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device

@@ -1,11 +1,12 @@
 """The package's layers, bottom to top: a module imports only from its own layer or the ones below.
 
-    (a) core        measure memory: the tracker adapter, device and host facts, `measure`, `report`
+    (a) core        measure memory: result files written whole (`fileio`), the tracker adapter, device
+                    and host facts, `measure`, `report`
     (b) blocks      the model, the data and the techniques, one module each, each usable alone
     (c) recipe      the `Recipe`, its presets and the training step that apply the techniques
     (d) planning    what fits before a run (estimate, planner, recommender, capacity) and what went
                     wrong after one (monitor, oom)
-    (e) tooling     the notebooks' runner, roll-up, plots and widgets, and the command line
+    (e) tooling     the notebooks' runner, roll-up, plots and widgets, make test-gpu, and the command line
 
 Within a layer, modules may import each other, without cycles. `tests/test_layers.py` reads every
 module's imports (function-level ones included) and fails on an import cycle or on an import from a
@@ -29,7 +30,7 @@ class Layer:
 
 LAYERS: tuple[Layer, ...] = (
     Layer("core", "measure memory: the one way every number is taken",
-          ("tracker", "env", "measure", "report", "ranks")),
+          ("fileio", "tracker", "env", "measure", "report", "ranks")),
     Layer("blocks", "the model, the data and the techniques, one module each, each usable alone",
           ("models", "architectures", "data", "evaluation", "attention", "structured", "precision",
            "checkpointing", "accumulation", "optimizers", "quantization", "compression", "loss", "offload",
@@ -39,7 +40,7 @@ LAYERS: tuple[Layer, ...] = (
     Layer("planning", "what fits before a run, and what went wrong after one",
           ("estimate", "planner", "costs", "recommender", "capacity", "monitor", "oom", "doctor")),
     Layer("tooling", "the notebooks' runner, roll-up, plots and widgets, and the command line",
-          ("runner", "rollup", "project", "plots", "widgets", "layers", "__main__")),
+          ("runner", "rollup", "project", "plots", "widgets", "layers", "gpucheck", "__main__")),
 )
 FACADE = "__init__"
 

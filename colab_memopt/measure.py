@@ -1,8 +1,10 @@
 """The one way this project measures memory.
 
 Every notebook measures through `measure_step`: warm up, reset, synchronize, run, read the peak.
-On CUDA the peak is the caching allocator's `max_memory_allocated`; on the CPU it is the peak of live
-tensor storage. In both cases the breakdown by category and phase comes from `TensorTracker`.
+On CUDA the peak is the caching allocator's `max_memory_allocated` less the bytes that were already
+allocated at the reset and that the step does not own (other objects of the notebook, cuBLAS
+workspaces): the step's own peak, as on the CPU, where it is the peak of live tensor storage. In both
+cases the breakdown by category and phase comes from `TensorTracker`.
 """
 
 from __future__ import annotations
@@ -17,11 +19,13 @@ from typing import Any
 
 import torch
 
-from colab_memopt.env import HostMemory, host_memory, pick_device
+from colab_memopt.env import HostMemory, device_label, host_memory, pick_device
 from colab_memopt.tracker import CATEGORIES, PHASES, LiveBytesMode, TensorTracker
 
 __all__ = [
     "MemoryReport",
+    "REPORT_CATEGORIES",
+    "optimizer_state_placement",
     "MemoryBudget",
     "LiveMemory",
     "HostMemory",
@@ -45,13 +49,20 @@ def format_bytes(nbytes: float) -> str:
     raise AssertionError("unreachable")
 
 
+# The tracker's categories plus 'untracked' (CUDA only): allocator bytes of the step that no tracked
+# tensor accounts for (workspaces allocated in the step, allocator slack), so the categories sum to the peak.
+REPORT_CATEGORIES = (*CATEGORIES, "untracked")
+
+
 @dataclass
 class MemoryReport:
     """The memory and time of one training step.
 
     Attributes:
-        peak_bytes: the step's peak (CUDA: `max_memory_allocated`; CPU: peak live tensor storage).
-        by_category: live bytes per category at the moment of the tracked peak (sums to that peak).
+        peak_bytes: the step's own peak. CUDA: `max_memory_allocated` less `foreign_bytes`, plus
+            `paged_state_bytes`; CPU: peak live tensor storage.
+        by_category: bytes per category at the peak; sums to `peak_bytes` (on CUDA with an
+            'untracked' entry for allocator bytes no tracked tensor accounts for).
         category_peaks: each category's own maximum during the step.
         resident_bytes: live bytes per category after the step (what stays between steps).
         by_phase: peak live bytes in the forward, backward and optimizer phases.
@@ -60,6 +71,17 @@ class MemoryReport:
         device: where it ran, with the GPU name on CUDA.
         method: how `peak_bytes` was obtained.
         label: a name for tables and plots.
+        tracked_peak_bytes: the tracker's own peak of live tensor storage on the device.
+        allocator_peak_bytes: CUDA: the raw `max_memory_allocated` after the reset (everything on the
+            device, foreign bytes included); None on the CPU.
+        foreign_bytes: CUDA: bytes allocated at the reset that no tracked object owns (other tensors
+            of the process, cuBLAS workspaces); not in `peak_bytes`. 0 on the CPU, where only tracked
+            objects and what the step makes are counted.
+        host_state_bytes: optimizer state the optimizer keeps in host memory while training on CUDA
+            (torch's Adam/AdamW/Adafactor `step` tensors); not in `peak_bytes`.
+        paged_state_bytes: bitsandbytes paged optimizer state (CUDA unified memory, which PyTorch
+            sees as CPU tensors and the allocator does not count); counted in `peak_bytes` and in
+            'optimizer_state', since it lives on the GPU while the optimizer runs.
         skipped_steps: warm-up steps whose update a GradScaler skipped (fp16 calibrating its scale);
             the warm-up goes on until one update is applied (at most `MAX_EXTRA_WARMUP` more steps).
         optimizer_skipped: the measured step's update was skipped too: its optimizer phase made no update.
@@ -76,6 +98,10 @@ class MemoryReport:
     method: str
     label: str = ""
     tracked_peak_bytes: int = 0
+    allocator_peak_bytes: int | None = None
+    foreign_bytes: int = 0
+    host_state_bytes: int = 0
+    paged_state_bytes: int = 0
     skipped_steps: int = 0
     optimizer_skipped: bool = False
 
@@ -110,6 +136,52 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def optimizer_state_placement(optimizer: torch.optim.Optimizer | None, device: str | torch.device) -> dict[str, int]:
+    """Return the optimizer state's bytes by where they live when training on `device`.
+
+    'device': tensors on `device` (what its allocator counts); 'host': tensors the optimizer keeps in
+    host memory while training on a GPU (torch's Adam `step` unless fused or capturable); 'paged':
+    bitsandbytes paged state, unified memory that PyTorch sees as CPU tensors (`is_paged`) and that
+    lives on the GPU while the optimizer runs. On the CPU everything is 'device'.
+    """
+    out = {"device": 0, "host": 0, "paged": 0}
+    if optimizer is None:
+        return out
+    dev = torch.device(device)
+    seen: set[tuple[str, int]] = set()
+    for state in optimizer.state.values():
+        for value in state.values():
+            if not isinstance(value, torch.Tensor) or value.is_meta:
+                continue
+            key = (str(value.device), value.untyped_storage().data_ptr())
+            if key in seen:
+                continue
+            seen.add(key)
+            nbytes = value.untyped_storage().nbytes()
+            if dev.type == "cpu" or value.device.type == dev.type:
+                out["device"] += nbytes
+            elif getattr(value, "is_paged", False):
+                out["paged"] += nbytes
+            else:
+                out["host"] += nbytes
+    return out
+
+
+def _cuda_step_peak(allocator_peak: int, allocated_at_reset: int, tracked_at_reset: int,
+                    tracked_categories: Mapping[str, int], paged_bytes: int = 0) -> tuple[int, int, dict[str, int]]:
+    """Return (step peak, foreign bytes, categories summing to the peak) from the CUDA allocator's figures.
+
+    Foreign bytes were allocated at the reset but belong to no tracked object; the step's peak is the
+    allocator's peak without them, plus the paged optimizer state the allocator does not see.
+    """
+    foreign = max(0, allocated_at_reset - tracked_at_reset)
+    peak = allocator_peak - foreign + paged_bytes
+    cats = dict(tracked_categories)
+    cats["optimizer_state"] = cats.get("optimizer_state", 0) + paged_bytes
+    cats["untracked"] = peak - sum(cats.values())
+    return peak, foreign, cats
+
+
 def measure_step(
     step_fn: Callable[[], Any],
     *,
@@ -140,10 +212,10 @@ def measure_step(
     """
     if not callable(step_fn):
         raise TypeError(f"step_fn must be callable, got {type(step_fn).__name__}")
-    if warmup < 0:
-        raise ValueError(f"warmup must be >= 0, got {warmup}")
-    if repeat < 1:
-        raise ValueError(f"repeat must be >= 1, got {repeat}")
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+        raise ValueError(f"warmup must be an integer >= 0, got {warmup!r}")
+    if isinstance(repeat, bool) or not isinstance(repeat, int) or repeat < 1:
+        raise ValueError(f"repeat must be an integer >= 1, got {repeat!r}")
     dev = _device_of(model, device)
 
     # A GradScaler (fp16) skips the updates of its first steps while it calibrates its scale: warm up
@@ -159,21 +231,30 @@ def measure_step(
         else:
             applied += 1
     gc.collect()
+    tracker = TensorTracker(device=dev)
+    tracker.track_external(*[obj for obj in (model, optimizer, *track) if obj is not None])
     if dev.type == "cuda":
         _sync(dev)
         torch.cuda.reset_peak_memory_stats(dev)
+        allocated_at_reset = torch.cuda.memory_allocated(dev)
+        tracked_at_reset = tracker.live_bytes()
 
-    tracker = TensorTracker(device=dev)
-    tracker.track_external(*[obj for obj in (model, optimizer, *track) if obj is not None])
     with tracker:
         optimizer_skipped = _skipped_update(step_fn, scaler)
         _sync(dev)
         resident = tracker.current_categories()
         by_module = tracker.module_activation_bytes()
+    placement = optimizer_state_placement(optimizer, dev)
+    by_category = dict(tracker.peak_categories)
+    allocator_peak, foreign = None, 0
     if dev.type == "cuda":
-        peak = torch.cuda.max_memory_allocated(dev)
-        method = "torch.cuda.max_memory_allocated; categories from the tensor tracker"
-        device_name = f"{dev} ({torch.cuda.get_device_name(dev)})"
+        allocator_peak = torch.cuda.max_memory_allocated(dev)
+        peak, foreign, by_category = _cuda_step_peak(allocator_peak, allocated_at_reset, tracked_at_reset,
+                                                     by_category, placement["paged"])
+        resident["optimizer_state"] += placement["paged"]
+        method = ("torch.cuda.max_memory_allocated less foreign bytes (allocated at the reset, owned by no "
+                  "tracked object), plus paged optimizer state; categories from the tensor tracker")
+        device_name = f"{dev} ({device_label(dev)})"
     else:
         peak = tracker.peak_bytes
         method = "tensor tracker: peak of live tensor storage"
@@ -189,7 +270,7 @@ def measure_step(
 
     return MemoryReport(
         peak_bytes=int(peak),
-        by_category=dict(tracker.peak_categories),
+        by_category=by_category,
         category_peaks=dict(tracker.category_peaks),
         resident_bytes=resident,
         by_phase={p: tracker.phase_peaks.get(p, 0) for p in PHASES},
@@ -199,6 +280,10 @@ def measure_step(
         method=method,
         label=label,
         tracked_peak_bytes=tracker.peak_bytes,
+        allocator_peak_bytes=allocator_peak,
+        foreign_bytes=foreign,
+        host_state_bytes=placement["host"],
+        paged_state_bytes=placement["paged"],
         skipped_steps=skipped,
         optimizer_skipped=optimizer_skipped,
     )
@@ -267,6 +352,8 @@ class MemoryBudget:
     def __init__(self, limit_bytes: int, *track: Any, device: str | torch.device | None = None) -> None:
         if isinstance(limit_bytes, bool) or not isinstance(limit_bytes, (int, float)):
             raise TypeError(f"limit_bytes must be a number of bytes, got {limit_bytes!r}")
+        if limit_bytes != limit_bytes or limit_bytes == float("inf"):
+            raise ValueError(f"limit_bytes must be a finite number of bytes > 0, got {limit_bytes}")
         if limit_bytes <= 0:
             raise ValueError(f"limit_bytes must be > 0, got {limit_bytes}")
         self.limit_bytes = int(limit_bytes)
@@ -385,7 +472,7 @@ class Comparison:
         raise KeyError(f"no report labelled {label!r}; have {[r['label'] for r in self.rows]}")
 
     def _columns(self) -> list[tuple[str, str]]:
-        cats = [c for c in CATEGORIES if any(r[c] for r in self.rows)]
+        cats = [c for c in REPORT_CATEGORIES if any(r[c] for r in self.rows)]
         return [("label", "")] + [(c, "bytes") for c in cats] + [
             ("peak_bytes", "bytes"),
             ("saving_pct", "pct"),
@@ -437,7 +524,7 @@ def compare(reports: Mapping[str, MemoryReport]) -> Comparison:
     rows = []
     for label, rep in items:
         row = {"label": label}
-        row.update({c: rep.by_category.get(c, 0) for c in CATEGORIES})
+        row.update({c: rep.by_category.get(c, 0) for c in REPORT_CATEGORIES})
         row["peak_bytes"] = rep.peak_bytes
         row["saving_pct"] = 100.0 * (1 - rep.peak_bytes / base.peak_bytes) if base.peak_bytes else 0.0
         row["step_ms"] = rep.step_seconds * 1e3

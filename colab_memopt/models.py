@@ -47,7 +47,7 @@ class GPTConfig:
     def __post_init__(self) -> None:
         for name in ("n_layer", "d_model", "n_head", "seq_len", "vocab_size", "mlp_ratio"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         if self.d_model % self.n_head:
             raise ValueError(f"d_model ({self.d_model}) must be divisible by n_head ({self.n_head})")
@@ -225,6 +225,34 @@ def count_parameters(model: nn.Module, *, trainable_only: bool = False) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)
 
 
+def _check_host_room(config: GPTConfig, dtype: torch.dtype | None) -> None:
+    """Refuse, before allocating, a model whose fp32 weights alone exceed the host RAM this process may use.
+
+    Under the meta device or fake tensors (the planner) nothing is allocated, and nothing is refused.
+    """
+    import resource
+
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    from colab_memopt.env import host_memory
+
+    probe = torch.empty(0)
+    if probe.device.type == "meta" or isinstance(probe, FakeTensor):
+        return
+
+    need = config.n_params * 4  # bytes: built in fp32 on the CPU, then cast
+    room = host_memory().available_bytes
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft != resource.RLIM_INFINITY:
+        room = min(room, soft)
+    if need > room:
+        raise ValueError(
+            f"this config has {config.n_params:,} parameters: {need / 2**30:.1f} GiB of fp32 weights, more than the "
+            f"{room / 2**30:.1f} GiB of host RAM available (n_layer={config.n_layer}, d_model={config.d_model}, "
+            f"seq_len={config.seq_len}, vocab_size={config.vocab_size}); build it with device='meta' to plan it"
+        )
+
+
 def build_model(
     size: str | GPTConfig = "tiny",
     *,
@@ -246,6 +274,12 @@ def build_model(
         >>> model = build_model("tiny", attention="naive")
     """
     config = get_config(size, **overrides)
+    if dtype is not None and not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype such as torch.float16, or None, got {dtype!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ValueError(f"seed must be an integer, got {seed!r}")
+    if device != "meta":
+        _check_host_room(config, dtype)
     if device == "meta":
         with torch.device("meta"):
             model = GPT(config)

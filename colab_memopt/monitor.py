@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from colab_memopt import estimate
+from colab_memopt.fileio import atomic_write_text
 from colab_memopt.env import pick_device, usable_device_memory
 from colab_memopt.measure import LiveMemory, format_bytes
 
@@ -233,7 +234,7 @@ class MemoryProfiler:
             writer.writerow({k: ("" if v is None else v) for k, v in asdict(s).items()})
         text = buf.getvalue()
         if path is not None:
-            Path(path).write_text(text)
+            atomic_write_text(path, text)
         return text
 
     def callback(self, phase: str = "train") -> Any:

@@ -18,11 +18,13 @@ import contextlib
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
+
+from colab_memopt.env import pick_device
 
 STRATEGIES = ("keep", "cpu", "pinned_cpu", "int8", "drop")
 INT8_BLOCK = 256  # values per absmax block of the int8 code
@@ -63,7 +65,13 @@ def _host_copy(t: torch.Tensor, pin: bool) -> torch.Tensor:
 
 @dataclass
 class TransferStats:
-    """Transfers each way, their bytes and mean time."""
+    """Transfers each way, their bytes and mean time.
+
+    Blocking copies are timed by the wall clock. Asynchronous copies on CUDA (non_blocking, side
+    streams) are timed with CUDA events around them (`record_async`), since the wall clock would only
+    see the launch; their time is added by `settle`, which waits for them and which
+    `OffloadManager.get_statistics`, `LayerStreamer.stats` and the mean properties call.
+    """
 
     to_host: int = 0
     to_device: int = 0
@@ -71,13 +79,40 @@ class TransferStats:
     bytes_to_device: int = 0
     seconds_to_host: float = 0.0
     seconds_to_device: float = 0.0
+    _pending: list = field(default_factory=list, repr=False, compare=False)
+
+    def start_async(self, stream: Any = None) -> Any:
+        """Return a CUDA event recorded on `stream` (default: the current one) before an asynchronous copy."""
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(stream)
+        return event
+
+    def record_async(self, start: Any, direction: str, stream: Any = None) -> None:
+        """Close an asynchronous copy begun at `start` ('to_device' or 'to_host'); timed when settled."""
+        end = torch.cuda.Event(enable_timing=True)
+        end.record(stream)
+        self._pending.append((start, end, direction))
+
+    def settle(self) -> TransferStats:
+        """Wait for the asynchronous copies recorded so far and add their GPU-timed seconds; return self."""
+        for start, end, direction in self._pending:
+            end.synchronize()
+            seconds = start.elapsed_time(end) / 1e3
+            if direction == "to_device":
+                self.seconds_to_device += seconds
+            else:
+                self.seconds_to_host += seconds
+        self._pending.clear()
+        return self
 
     @property
     def mean_seconds_to_host(self) -> float:
+        self.settle()
         return self.seconds_to_host / self.to_host if self.to_host else 0.0
 
     @property
     def mean_seconds_to_device(self) -> float:
+        self.settle()
         return self.seconds_to_device / self.to_device if self.to_device else 0.0
 
 
@@ -102,6 +137,11 @@ class OffloadManager:
             raise ValueError(f"name must be a non-empty string, got {name!r}")
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"offload needs a tensor, got {type(tensor).__name__}")
+        if tensor.layout != torch.strided:
+            raise ValueError(f"offload takes dense (strided) tensors, got {name!r} with layout {tensor.layout}; "
+                             "call .to_dense() first")
+        if tensor.device.type == "meta":
+            raise ValueError(f"{name!r} is a meta tensor: it has a shape but no values to offload")
         start = time.perf_counter()
         self._host[name] = _host_copy(tensor, self.pin_memory and tensor.device.type == "cuda")
         self.stats.seconds_to_host += time.perf_counter() - start
@@ -113,10 +153,16 @@ class OffloadManager:
         if name not in self._host:
             raise KeyError(f"no tensor offloaded under {name!r}; offloaded: {sorted(self._host)}")
         host = self._host[name]
+        device = pick_device(device)  # names a bad device, or CUDA asked for without a GPU
         start = time.perf_counter()
         out = torch.empty(host.shape, dtype=host.dtype, device=device)
-        out.copy_(host, non_blocking=non_blocking)
-        self.stats.seconds_to_device += time.perf_counter() - start
+        if non_blocking and out.device.type == "cuda":  # time the copy itself, not its launch
+            event = self.stats.start_async()
+            out.copy_(host, non_blocking=True)
+            self.stats.record_async(event, "to_device")
+        else:
+            out.copy_(host, non_blocking=non_blocking)
+            self.stats.seconds_to_device += time.perf_counter() - start
         self.stats.to_device += 1
         self.stats.bytes_to_device += host.numel() * host.element_size()
         return out
@@ -137,8 +183,8 @@ class OffloadManager:
         return sum(t.numel() * t.element_size() for t in self._host.values())
 
     def get_statistics(self) -> TransferStats:
-        """Return the transfer statistics so far."""
-        return self.stats
+        """Return the transfer statistics so far (waiting for asynchronous copies to time them)."""
+        return self.stats.settle()
 
 
 # -- optimizer-state offload ----------------------------------------------------------------------
@@ -181,6 +227,7 @@ class OptimizerStateOffloader:
         self._compressed: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._moved: list[tuple[Any, str, torch.device]] = []
         self._side_stream: Any = None
+        self._on_side_stream: list[torch.Tensor] = []
         self.offloaded = False
 
     def _big_tensors(self) -> Iterator[tuple[Any, str, torch.Tensor]]:
@@ -224,13 +271,21 @@ class OptimizerStateOffloader:
                 else:
                     codes, scale, like = self._compressed.pop((i, k))
                     self.optimizer.state[p][k] = int8_decompress(codes, scale, like).to(device)
+                if not isinstance(stream_ctx, contextlib.nullcontext):
+                    self._on_side_stream.append(self.optimizer.state[p][k])
         self._moved.clear()
         self.offloaded = False
 
     def wait(self) -> None:
         """Make the current stream wait for a non-blocking restore (no-op on the CPU)."""
         if self._side_stream is not None:
-            torch.cuda.current_stream().wait_stream(self._side_stream)
+            current = torch.cuda.current_stream()
+            current.wait_stream(self._side_stream)
+            # Made on the side stream, used on this one: tell the allocator, so that freeing them cannot hand
+            # their blocks to the side stream while this stream still reads them (review D2).
+            for t in self._on_side_stream:
+                t.record_stream(current)
+            self._on_side_stream.clear()
 
     @contextlib.contextmanager
     def offloaded_during(self) -> Iterator[None]:
@@ -306,7 +361,7 @@ class LayerStreamer:
         self._events: dict[int, Any] = {}
         self._pending_grads: dict[int, int] = {}
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        self.stats = TransferStats()
+        self._stats = TransferStats()
         self._handles: list[Any] = []
         for i, block in enumerate(self.blocks):
             self._handles.append(block.register_forward_pre_hook(self._make_pre_forward(i)))
@@ -318,6 +373,11 @@ class LayerStreamer:
         for i in range(len(self.blocks)):
             self._evict(i)
 
+    @property
+    def stats(self) -> TransferStats:
+        """Return the transfer statistics so far (waiting for the side stream's copies to time them)."""
+        return self._stats.settle()
+
     # -- moving blocks ---------------------------------------------------------------------
     def _load(self, i: int) -> None:
         if i in self._loaded or not 0 <= i < len(self.blocks):
@@ -325,16 +385,19 @@ class LayerStreamer:
         start = time.perf_counter()
         ctx: Any = torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
         with torch.no_grad(), ctx:
+            event = self._stats.start_async(self._stream) if self._stream is not None else None
             for p in self._params[i]:
                 host = self.host[p]
                 p.untyped_storage().resize_(host.numel() * host.element_size())
                 p.data.copy_(host.data, non_blocking=self._stream is not None)
-                self.stats.bytes_to_device += host.numel() * host.element_size()
-            if self._stream is not None:
+                self._stats.bytes_to_device += host.numel() * host.element_size()
+            if self._stream is not None:  # timed on the GPU by events: the wall clock sees only the launch
+                self._stats.record_async(event, "to_device", self._stream)
                 self._events[i] = torch.cuda.Event()
                 self._events[i].record(self._stream)
-        self.stats.to_device += 1
-        self.stats.seconds_to_device += time.perf_counter() - start
+        self._stats.to_device += 1
+        if self._stream is None:
+            self._stats.seconds_to_device += time.perf_counter() - start
         self._loaded[i] = None
 
     def _ready(self, i: int) -> None:
@@ -397,9 +460,9 @@ class LayerStreamer:
                     host.grad = _host_copy(p.grad, self._stream is not None)
                 else:
                     host.grad.add_(p.grad.to(host.device))
-            self.stats.to_host += 1
-            self.stats.bytes_to_host += p.grad.numel() * p.grad.element_size()
-            self.stats.seconds_to_host += time.perf_counter() - start
+            self._stats.to_host += 1
+            self._stats.bytes_to_host += p.grad.numel() * p.grad.element_size()
+            self._stats.seconds_to_host += time.perf_counter() - start
             p.grad = None
             self._pending_grads[i] = self._pending_grads.get(i, 1) - 1
             if self._pending_grads[i] <= 0:
@@ -470,6 +533,10 @@ class StreamingOptimizer:
 
     def step(self) -> None:
         self.device_optimizer.step()
+        if self.streamer._stream is not None:
+            # The host optimizer updates the pinned host weights in place: no copy from them may still be
+            # in flight on the prefetch stream (review D3; the blocking gradient copies happen to drain it).
+            self.streamer._stream.synchronize()
         with host_side(self.streamer.emulated):
             self.host_optimizer.step()
         self.streamer.refresh()

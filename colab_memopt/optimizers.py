@@ -313,6 +313,10 @@ def make_optimizer(
         raise ValueError(f"lr must be > 0, got {lr}")
     if name not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {name!r}; choose one of {OPTIMIZERS}")
+    params = list(params)
+    if not params:
+        raise ValueError(f"make_optimizer({name!r}): params is empty: nothing to train (every parameter frozen? "
+                         "pass the trainable ones, e.g. [p for p in model.parameters() if p.requires_grad])")
     if name.endswith(IN_BACKWARD_SUFFIX):
         inner = name[: -len(IN_BACKWARD_SUFFIX)]
         return OptimizerInBackward(params, lambda ps: make_optimizer(inner, ps, lr=lr))

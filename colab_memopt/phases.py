@@ -32,6 +32,9 @@ PHASES = ("warmup", "full", "predict", "correct")
 FULL_PHASES = ("warmup", "full", "correct")
 OFFLOAD_STRATEGIES = ("none", "cpu", "pinned_cpu", "int8", "drop")
 PRECISIONS = ("fp32", "bf16")
+# A predicted step is forward-only (no GradScaler needed), so it may also run in fp16, the T4's fast
+# path; 'auto' picks `env.autocast_dtype` of the device: fp16 below compute capability 8.0, else bf16.
+PREDICT_PRECISIONS = ("fp32", "bf16", "fp16", "auto")
 # Compute units per step, forward = 1 and backward = 2 (the usual 1:2 FLOP ratio, Kaplan et al. 2020).
 FULL_STEP_UNITS, PREDICT_STEP_UNITS = 3, 1
 INT8_BLOCK = 256
@@ -50,7 +53,9 @@ class PhaseConfig:
         lookahead: restore the state this many steps before a full step is due.
         history_beta: in [0, 1); the predicted update is the moving average of full-step updates.
         predict_scale: multiplier of the predicted update.
-        full_precision, predict_precision: 'fp32' or 'bf16' (autocast) per phase.
+        full_precision: 'fp32' or 'bf16' (autocast) for full steps.
+        predict_precision: 'fp32', 'bf16', 'fp16' or 'auto' (autocast; 'auto': fp16 on a GPU without
+            native bf16 such as a T4, bf16 elsewhere) for predicted, forward-only steps.
     """
 
     warmup_steps: int = 10
@@ -82,9 +87,10 @@ class PhaseConfig:
             raise ValueError(f"predict_scale must be >= 0, got {self.predict_scale}")
         if self.offload not in OFFLOAD_STRATEGIES:
             raise ValueError(f"offload must be one of {OFFLOAD_STRATEGIES}, got {self.offload!r}")
-        for name in ("full_precision", "predict_precision"):
-            if getattr(self, name) not in PRECISIONS:
-                raise ValueError(f"{name} must be one of {PRECISIONS}, got {getattr(self, name)!r}")
+        if self.full_precision not in PRECISIONS:
+            raise ValueError(f"full_precision must be one of {PRECISIONS}, got {self.full_precision!r}")
+        if self.predict_precision not in PREDICT_PRECISIONS:
+            raise ValueError(f"predict_precision must be one of {PREDICT_PRECISIONS}, got {self.predict_precision!r}")
 
 
 class PhaseScheduler:
@@ -294,10 +300,18 @@ class StepResult:
     confidence: float | None = None
 
 
+def autocast_dtype_for(precision: str, device: torch.device) -> torch.dtype | None:
+    """Return the autocast dtype of a phase precision on `device` (None for 'fp32')."""
+    from colab_memopt.env import autocast_dtype
+
+    if precision == "auto":
+        return autocast_dtype(device)
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+
+
 def _autocast(precision: str, device: torch.device) -> contextlib.AbstractContextManager:
-    if precision == "bf16":
-        return torch.autocast(device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
+    dtype = autocast_dtype_for(precision, device)
+    return contextlib.nullcontext() if dtype is None else torch.autocast(device.type, dtype=dtype)
 
 
 class PhaseTrainer:

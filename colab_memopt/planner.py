@@ -5,12 +5,20 @@ runs one whole training step of the recipe, through the same `Recipe.build` and
 `train.make_train_step` that real measurements use, with the same tensor tracker as
 `measure.measure_step`. Where a model cannot be traced (data-dependent control flow, custom ops), it
 falls back to the analytic estimate and says so.
+
+What CUDA runs differently is planned as CUDA runs it: for a CUDA target the optimizer is traced in
+the implementation torch picks there (foreach: `_default_to_fused_or_foreach` picks it for CUDA
+tensors, and foreach AdamW's `_foreach_sqrt` holds a 4 B/param temporary for all parameters at
+once), and the fixed bytes a step allocates through the caching allocator (the cuBLAS workspace) are
+lines of the plan with their source.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
+import os
+import re
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -44,8 +52,16 @@ class Target:
     cuda_context_bytes: int = int(0.75 * GiB)
     description: str = ""
     cuda: bool = True
+    compute_capability: tuple[int, int] | None = None
+    optimizer_impl: str = "auto"  # how the device runs torch's optimizers; 'auto': foreach on CUDA, else single-tensor
 
     def __post_init__(self) -> None:
+        for key in ("device_bytes", "host_bytes", "cuda_context_bytes"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"target {key} must be an integer number of bytes, got {value!r}")
+        if self.cuda_context_bytes < 0:
+            raise ValueError(f"target cuda_context_bytes must be >= 0, got {self.cuda_context_bytes}")
         if self.device_bytes <= 0 or self.host_bytes <= 0:
             raise ValueError(
                 f"target device_bytes and host_bytes must be > 0, got {self.device_bytes} and {self.host_bytes}"
@@ -57,12 +73,68 @@ class Target:
 # Host RAM is the Colab runtime's where one exists. The CUDA context (0.5-2 GB, FACTS.md) is an
 # assumption until measured with NVML on the card.
 TARGETS: dict[str, Target] = {
-    "t4": Target("t4", T4_USABLE_BYTES, COLAB_HOST_RAM_BYTES, description="Colab free tier: T4 (14.74 GiB), 12.7 GB RAM"),
-    "l4": Target("l4", int(22.03 * GiB), int(53e9), description="Colab L4 runtime: 22 GiB usable of 24 GB, 53 GB RAM"),
-    "a100-40gb": Target("a100-40gb", int(39.39 * GiB), int(83.5e9), description="A100 40GB (Colab high-RAM: 83.5 GB)"),
-    "a100-80gb": Target("a100-80gb", int(79.15 * GiB), int(170e9), description="A100 80GB"),
-    "h100-80gb": Target("h100-80gb", int(79.11 * GiB), int(200e9), description="H100 80GB"),
+    "t4": Target("t4", T4_USABLE_BYTES, COLAB_HOST_RAM_BYTES, description="Colab free tier: T4 (14.74 GiB), 12.7 GB RAM",
+                 compute_capability=(7, 5)),
+    "l4": Target("l4", int(22.03 * GiB), int(53e9), description="Colab L4 runtime: 22 GiB usable of 24 GB, 53 GB RAM",
+                 compute_capability=(8, 9)),
+    "a100-40gb": Target("a100-40gb", int(39.39 * GiB), int(83.5e9), description="A100 40GB (Colab high-RAM: 83.5 GB)",
+                        compute_capability=(8, 0)),
+    "a100-80gb": Target("a100-80gb", int(79.15 * GiB), int(170e9), description="A100 80GB", compute_capability=(8, 0)),
+    "h100-80gb": Target("h100-80gb", int(79.11 * GiB), int(200e9), description="H100 80GB", compute_capability=(9, 0)),
 }
+
+# How the optimizer runs its update: 'foreach' (one kernel over all tensors; what torch picks for CUDA
+# tensors), 'single-tensor' (a loop over tensors; what torch picks on the CPU); 'auto' follows the target.
+OPTIMIZER_IMPLS = ("auto", "foreach", "single-tensor")
+
+
+def set_optimizer_impl(optimizer: torch.optim.Optimizer, impl: str) -> torch.optim.Optimizer:
+    """Make a torch optimizer run its 'foreach' or 'single-tensor' implementation, whatever the device.
+
+    Used to trace (and to measure on the CPU) what CUDA runs: torch defaults to foreach for CUDA
+    tensors and to single-tensor on the CPU. Optimizers without a `foreach` option (bitsandbytes,
+    this project's Lion and Adam-mini) are left as they are; `*_in_backward` optimizers are set per
+    parameter. Returns the optimizer.
+    """
+    if impl not in ("foreach", "single-tensor"):
+        raise ValueError(f"impl must be 'foreach' or 'single-tensor', got {impl!r}")
+    inner = getattr(optimizer, "optimizers", None)
+    if isinstance(inner, dict):  # OptimizerInBackward: one optimizer per parameter
+        for opt in inner.values():
+            set_optimizer_impl(opt, impl)
+        return optimizer
+    for group in optimizer.param_groups:
+        if "foreach" in group:
+            group["foreach"] = impl == "foreach"
+    return optimizer
+
+
+# torch's default CUBLAS_WORKSPACE_CONFIG (aten/src/ATen/cuda/CublasHandlePool.cpp): ':4096:2:16:8'
+# (8 MiB + 128 KiB) below sm_90, 32 MiB from sm_90 (Hopper) on.
+_CUBLAS_DEFAULT_BELOW_SM90 = 4096 * 1024 * 2 + 16 * 1024 * 8
+_CUBLAS_DEFAULT_SM90 = 4096 * 1024 * 8
+
+
+def cublas_workspace_bytes(compute_capability: tuple[int, int] | None, config: str | None = None) -> tuple[int, str]:
+    """Return (bytes, source) of the cuBLAS workspace a step's first matmul allocates on a CUDA device.
+
+    torch allocates it through the caching allocator (so `max_memory_allocated` includes it), once
+    per (cuBLAS handle, stream). `config` is a `CUBLAS_WORKSPACE_CONFIG` value (':SIZE_KiB:COUNT' pairs,
+    e.g. ':4096:8'); None reads the environment, else torch's default for the capability.
+
+    Example:
+        >>> cublas_workspace_bytes((7, 5))[0]   # a T4: 8,519,680 bytes
+    """
+    config = os.environ.get("CUBLAS_WORKSPACE_CONFIG") if config is None else config
+    if config:
+        pairs = re.findall(r":(\d+):(\d+)", config)
+        if not pairs or "".join(f":{a}:{b}" for a, b in pairs) != config.strip():
+            raise ValueError(f"CUBLAS_WORKSPACE_CONFIG must be ':SIZE_KiB:COUNT' pairs such as ':4096:8', got {config!r}")
+        return sum(int(a) * 1024 * int(b) for a, b in pairs), f"CUBLAS_WORKSPACE_CONFIG={config} (set in the environment)"
+    if compute_capability is not None and tuple(compute_capability) >= (9, 0):
+        return _CUBLAS_DEFAULT_SM90, "torch's default cuBLAS workspace on sm_90+ (32 MiB, CublasHandlePool.cpp); make test-gpu measures it"
+    return _CUBLAS_DEFAULT_BELOW_SM90, ("torch's default cuBLAS workspace below sm_90 (':4096:2:16:8' = 8,519,680 B, "
+                                        "CublasHandlePool.cpp), through the caching allocator; make test-gpu measures it")
 
 
 def get_target(target: str | Target | dict[str, Any]) -> Target:
@@ -70,7 +142,8 @@ def get_target(target: str | Target | dict[str, Any]) -> Target:
     if isinstance(target, Target):
         return target
     if isinstance(target, dict):
-        allowed = {"name", "device_bytes", "host_bytes", "cuda_context_bytes", "description", "cuda"}
+        allowed = {"name", "device_bytes", "host_bytes", "cuda_context_bytes", "description", "cuda", "compute_capability",
+                   "optimizer_impl"}
         unknown = sorted(set(target) - allowed)
         if unknown or "device_bytes" not in target or "host_bytes" not in target:
             raise ValueError(f"a target dict needs device_bytes and host_bytes (allowed keys {sorted(allowed)}), got {sorted(target)}")
@@ -80,6 +153,52 @@ def get_target(target: str | Target | dict[str, Any]) -> Target:
     return TARGETS[target]
 
 
+def check_headroom(headroom: Any) -> float:
+    """Return `headroom` if it is a number in [0, 1), else raise ValueError naming it."""
+    if isinstance(headroom, bool) or not isinstance(headroom, (int, float)) or not 0 <= headroom < 1:
+        raise ValueError(f"headroom must be in [0, 1) (the fraction of memory kept free), got {headroom!r}")
+    return float(headroom)
+
+
+def max_positions(model: nn.Module) -> int | None:
+    """Return the longest sequence a built model's config accepts (seq_len, max_position_embeddings, n_positions), or None."""
+    config = getattr(model, "config", None)
+    for key in ("seq_len", "max_position_embeddings", "n_positions", "n_ctx"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+def check_seq_len(seq_len: Any, limit: int | None, name: str) -> int:
+    """Return `seq_len` if it is an integer in [1, limit], else raise ValueError naming it and the limit."""
+    if seq_len is None or isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
+        raise ValueError(f"seq_len must be an integer >= 1, got {seq_len!r}")
+    if limit is not None and seq_len > limit:
+        raise ValueError(f"seq_len {seq_len} exceeds {name!r}'s maximum of {limit}")
+    return seq_len
+
+
+def shape_model(model_factory: Callable[[], nn.Module], name: str = "model_factory") -> nn.Module:
+    """Build the model on the meta device (shapes only); raise TypeError if the factory is not a zero-argument model builder."""
+    import inspect
+
+    if not callable(model_factory):
+        raise TypeError(f"{name} must be a model name or a zero-argument function that builds the model, "
+                        f"got {type(model_factory).__name__}")
+    try:
+        inspect.signature(model_factory).bind()
+    except TypeError as exc:
+        raise TypeError(f"{name} must be callable with no arguments ({exc}); wrap it: lambda: build(...)") from None
+    except ValueError:  # a builtin without a signature: try it
+        pass
+    with torch.device("meta"):
+        model = model_factory()
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{name} must return a torch.nn.Module, it returned {type(model).__name__}")
+    return model
+
+
 @dataclass
 class Cost:
     """A line of the plan that the trace does not produce: what it is, its bytes, where the figure comes from."""
@@ -87,6 +206,7 @@ class Cost:
     name: str
     bytes: int
     source: str
+    in_allocator: bool = False  # allocated through the caching allocator: inside max_memory_allocated
 
 
 @dataclass
@@ -110,10 +230,17 @@ class Plan:
     max_batch: int | None = None
     seconds: float = 0.0
     warnings: list[str] = field(default_factory=list)
+    optimizer_impl: str = "single-tensor"  # the optimizer implementation traced
 
     @property
     def device_need_bytes(self) -> int:
         return self.peak_bytes + sum(c.bytes for c in self.device_costs)
+
+    @property
+    def allocator_peak_bytes(self) -> int:
+        """Return what `max_memory_allocated` would show for this step in a fresh process: the tensors at
+        the peak plus the fixed costs allocated through the caching allocator (cuBLAS workspace)."""
+        return self.peak_bytes + sum(c.bytes for c in self.device_costs if c.in_allocator)
 
     @property
     def host_need_bytes(self) -> int:
@@ -164,6 +291,8 @@ class Plan:
             "fits": self.fits,
             "max_batch": self.max_batch,
             "analytic_peak_bytes": self.analytic_peak_bytes,
+            "allocator_peak_bytes": self.allocator_peak_bytes,
+            "optimizer_impl": self.optimizer_impl,
             "seconds": self.seconds,
             "warnings": self.warnings,
         }
@@ -171,7 +300,8 @@ class Plan:
     def __str__(self) -> str:
         lines = [
             f"plan: {self.model}, batch {self.batch} x {self.seq_len} tokens, on {self.target.name} "
-            f"({self.target.description or format_bytes(self.target.device_bytes)}); method: {self.method}",
+            f"({self.target.description or format_bytes(self.target.device_bytes)}); method: {self.method}; "
+            f"optimizer traced {self.optimizer_impl}",
             "device memory:",
         ]
         lines += [f"  {c:18s} {format_bytes(b):>12s}" for c, b in self.by_category.items() if b]
@@ -365,7 +495,8 @@ def _fake_safe_transformers() -> Iterator[None]:
 class _Tracer:
     """Build the model once under fake tensors, warm it up, then trace steps at any batch size."""
 
-    def __init__(self, model_factory: Callable[[], nn.Module], recipe: Recipe, seq_len: int, *, cuda_rounding: bool, batch: int = 1) -> None:
+    def __init__(self, model_factory: Callable[[], nn.Module], recipe: Recipe, seq_len: int, *, cuda_rounding: bool, batch: int = 1,
+                 optimizer_impl: str = "single-tensor") -> None:
         from torch._subclasses.fake_tensor import FakeTensorMode
         from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
@@ -378,6 +509,7 @@ class _Tracer:
         with self.mode, _fake_safe_module_to(), _fake_safe_bitsandbytes(self.mode, recipe), _fake_safe_transformers():
             model = model_factory()
             self.model, self.optimizer = recipe.build(model)
+            set_optimizer_impl(self.optimizer, optimizer_impl)
             self.batches = _FakeBatches(_vocab_size(self.model))
             # A warm-up step creates the optimizer state and the gradients, as a real warm-up does.
             # Fake tensors cost the same at any batch, so warm up at the batch that is planned.
@@ -548,6 +680,7 @@ def plan(
     headroom: float = 0.05,
     find_max_batch: bool = True,
     method: str = "auto",
+    optimizer_impl: str = "auto",
 ) -> Plan:
     """Predict the peak memory of one training step on a target, without a GPU.
 
@@ -563,6 +696,8 @@ def plan(
         headroom: fraction of device memory and host RAM kept free (allocator fragmentation).
         find_max_batch: also search for the largest batch that fits (a few more traces).
         method: 'auto' (trace, else analytic with a warning), 'trace' or 'analytic'.
+        optimizer_impl: 'auto' (the target's `optimizer_impl`; by default foreach for a CUDA target,
+            as torch picks there, single-tensor otherwise, as on the CPU), 'foreach' or 'single-tensor'.
 
     Example:
         >>> p = plan("gpt2-small", 8, seq_len=512, target="t4")
@@ -573,11 +708,18 @@ def plan(
     start = time.perf_counter()
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
         raise ValueError(f"batch must be an integer >= 1, got {batch!r}")
-    if not 0 <= headroom < 1:
-        raise ValueError(f"headroom must be in [0, 1), got {headroom}")
+    headroom = check_headroom(headroom)
     if method not in ("auto", "trace", "analytic"):
         raise ValueError(f"method must be 'auto', 'trace' or 'analytic', got {method!r}")
+    if optimizer_impl not in OPTIMIZER_IMPLS:
+        raise ValueError(f"optimizer_impl must be one of {OPTIMIZER_IMPLS}, got {optimizer_impl!r}")
     tgt = get_target(target)
+    if tgt.optimizer_impl not in OPTIMIZER_IMPLS:
+        raise ValueError(f"target optimizer_impl must be one of {OPTIMIZER_IMPLS}, got {tgt.optimizer_impl!r}")
+    impl = optimizer_impl if optimizer_impl != "auto" else tgt.optimizer_impl
+    impl = ("foreach" if tgt.cuda else "single-tensor") if impl == "auto" else impl
+    if recipe is not None and not isinstance(recipe, (Recipe, dict)):
+        raise TypeError(f"recipe must be a Recipe or a dict of its fields, got {type(recipe).__name__} {recipe!r}")
     rec = recipe if isinstance(recipe, Recipe) else Recipe.from_dict(recipe or {})
     if batch < rec.accumulation_steps:
         raise ValueError(f"batch {batch} is smaller than recipe.accumulation_steps={rec.accumulation_steps}: "
@@ -585,23 +727,32 @@ def plan(
     spec = architectures.resolve_model(model_factory)  # a name, hub id, folder, config.json, config or factory
     name, limit, model_factory = spec.name, spec.max_seq_len, spec.build
     if limit is not None:
-        seq_len = limit if seq_len is None else seq_len
-        if isinstance(seq_len, int) and seq_len > limit:
-            raise ValueError(f"seq_len {seq_len} exceeds {name!r}'s maximum of {limit}")
-    if seq_len is None or isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
-        raise ValueError(f"seq_len must be an integer >= 1, got {seq_len!r}")
-
-    with torch.device("meta"):
-        shape_model = model_factory()
-    rec.check_model(shape_model)  # a plan only for what can run: what Recipe.build refuses, plan refuses
-    analytic = estimate.training_step_bytes(shape_model, batch, seq_len, rec)
-    device_costs = [
-        Cost("CUDA context", tgt.cuda_context_bytes, "assumed (0.5-2 GB seen on Colab; measure with NVML on your card)")
-    ] if tgt.cuda else []
+        seq_len = check_seq_len(limit if seq_len is None else seq_len, limit, name)
+        meta_model = shape_model(model_factory)
+    else:
+        check_seq_len(seq_len, None, name)
+        meta_model = shape_model(model_factory)
+        check_seq_len(seq_len, max_positions(meta_model), type(meta_model).__name__)
+    rec.check_model(meta_model)  # a plan only for what can run: what Recipe.build refuses, plan refuses
+    analytic = estimate.training_step_bytes(meta_model, batch, seq_len, rec)
+    device_costs = []
+    if tgt.cuda:
+        workspace, workspace_source = cublas_workspace_bytes(tgt.compute_capability)
+        device_costs = [
+            Cost("CUDA context", tgt.cuda_context_bytes, "assumed (0.5-2 GB seen on Colab; measure with NVML on your card)"),
+            Cost("cuBLAS workspace", workspace, workspace_source, in_allocator=True),
+        ]
     warn: list[str] = []
     if rec.precision == "fp16-autocast" or rec.eval_precision == "fp16-autocast":
         warn.append("fp16 autocast is traced as bf16 autocast (the same 2-byte activations); the GradScaler's "
-                    "few scalars and its data-dependent skip of overflowing steps are not traced")
+                    "few scalars and its data-dependent skip of overflowing steps are not traced; CUDA autocast runs "
+                    "softmax, log_softmax, layer_norm and sum in fp32 where CPU autocast keeps bf16 (naive attention "
+                    "on CUDA holds a 4-byte softmax per score, not 2)")
+    uses_bf16 = "bf16" in (rec.precision, rec.eval_precision or "") or rec.precision == "bf16-autocast"
+    if tgt.cuda and uses_bf16 and tgt.compute_capability is not None and tuple(tgt.compute_capability) < (8, 0):
+        warn.append(f"{tgt.name} (sm_{tgt.compute_capability[0]}{tgt.compute_capability[1]}) has no native bf16: its "
+                    "matmuls are emulated and SDPA has no bf16 memory-efficient kernel there, so it falls back to math "
+                    "and builds the T x T scores the trace (CPU flash kernel) does not hold; use fp16-autocast")
 
     used = "analytic"
     trace = None
@@ -611,13 +762,14 @@ def plan(
         warn.append(f"not traced: {rec.untraceable_reason}; the figures are the analytic estimate")
     elif method != "analytic":
         try:
-            tracer = _Tracer(model_factory, _traceable(rec), seq_len, cuda_rounding=tgt.cuda, batch=batch)
+            tracer = _Tracer(model_factory, _traceable(rec), seq_len, cuda_rounding=tgt.cuda, batch=batch,
+                             optimizer_impl=impl)
             trace = tracer.trace(batch)
             used = "trace"
         except Exception as exc:  # noqa: BLE001 - any failure to trace falls back, loudly
             if method == "trace":
                 raise
-            warn.append(f"could not trace the step on fake tensors ({type(exc).__name__}: {str(exc)[:200]}); "
+            warn.append(f"could not trace the step on fake tensors ({type(exc).__name__}: {' '.join(str(exc).split())[:200]}); "
                         "the figures are the analytic estimate, not a trace")
             warnings.warn(warn[-1], stacklevel=2)
     if trace is None:
@@ -626,9 +778,9 @@ def plan(
     result = Plan(
         model=name, batch=batch, seq_len=seq_len, recipe=rec.to_dict(), target=tgt, method=used,
         peak_bytes=trace.peak_bytes, by_category=trace.by_category, by_phase=trace.by_phase,
-        by_phase_category=trace.phase_categories, device_costs=device_costs, host_costs=_host_costs(rec, batch, seq_len, sum(p.numel() for p in estimate._unique(shape_model.parameters()))),
+        by_phase_category=trace.phase_categories, device_costs=device_costs, host_costs=_host_costs(rec, batch, seq_len, sum(p.numel() for p in estimate._unique(meta_model.parameters()))),
         headroom_fraction=headroom,
-        analytic_peak_bytes=analytic.peak_bytes, warnings=warn,
+        analytic_peak_bytes=analytic.peak_bytes, warnings=warn, optimizer_impl=impl if used == "trace" else "analytic",
     )
     result.host_costs += _load_costs(spec, rec, tgt)
     if rec.checkpointing == "offload":  # issue 16: the checkpointed blocks' inputs wait in host RAM

@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from colab_memopt.measure import MemoryReport
-from colab_memopt.tracker import CATEGORIES
+from colab_memopt.measure import REPORT_CATEGORIES as CATEGORIES
 
 _UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
 _COLORS = {
@@ -17,6 +17,7 @@ _COLORS = {
     "activations": "#55A868",
     "temporaries": "#937860",
     "other": "#8C8C8C",
+    "untracked": "#D0D0D0",
 }
 
 

@@ -28,6 +28,7 @@ from typing import Any
 
 # Targets with native bf16 (Ampere and later); everything else gets fp16 autocast.
 BF16_TARGETS = ("l4", "a100-40gb", "a100-80gb", "h100-80gb")
+TARGET_NAMES = ("t4", *BF16_TARGETS)  # the names of planner.TARGETS (a test keeps them equal)
 
 
 @dataclass(frozen=True)
@@ -108,6 +109,11 @@ def mode_fields(mode: str, model: str | None = None) -> dict[str, Any]:
     """Return the Recipe fields of a training mode ('full', 'lora' or 'qlora'), for a named model's family."""
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; choose one of {list(MODES)}")
+    if model is not None:
+        from colab_memopt.architectures import model_names
+
+        if model not in model_names():
+            raise ValueError(f"unknown model {model!r}; choose one of {model_names()} (or None: the reference model)")
     values = dict(MODES[mode])
     if values.get("lora_rank") and model is not None:
         from colab_memopt.architectures import family_of
@@ -126,5 +132,7 @@ def preset_fields(name: str, *, target: Any = "t4", mode: str = "full", model: s
     """Return the Recipe fields of a preset for a target, mode and model, with explicit overrides applied last."""
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; choose one of {preset_names()}")
+    if isinstance(target, str) and target not in TARGET_NAMES:  # named, not taken for a T4
+        raise ValueError(f"unknown target {target!r}; choose one of {sorted(TARGET_NAMES)} or give a Target")
     values: dict[str, Any] = {"precision": mixed_precision(target), **PRESETS[name].fields, **mode_fields(mode, model)}
     return {**values, **overrides}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import PurePosixPath
 
 REPOSITORY = "colab-memopt/colab-memopt"
@@ -25,6 +26,25 @@ def colab_badge(notebook_path: str) -> str:
     )
 
 
-def install_command() -> str:
-    """Return the pip command the notebooks' install cell runs on Colab (keeps Colab's torch)."""
-    return f'pip install -q "colab-memopt[colab] @ git+{REPOSITORY_URL}@{BRANCH}"'
+# Extras a notebook needs beyond `[colab]`: Colab does not preinstall DeepSpeed (notebook 10 imports it).
+NOTEBOOK_EXTRAS = {"10_deepspeed_zero": ("colab", "zero")}
+EXTRAS = ("notebooks", "quant", "zero", "colab", "dev")
+
+
+def notebook_extras(stem: str) -> tuple[str, ...]:
+    """Return the extras notebook `stem` (e.g. '10_deepspeed_zero') installs on Colab."""
+    return NOTEBOOK_EXTRAS.get(stem, ("colab",))
+
+
+def install_command(extras: Sequence[str] = ("colab",)) -> str:
+    """Return the pip command the notebooks' install cell runs on Colab (keeps Colab's torch).
+
+    Example:
+        >>> install_command(("colab", "zero"))  # notebook 10's cell
+    """
+    if isinstance(extras, str) or not extras:
+        raise ValueError(f"extras must be a non-empty sequence of names from {EXTRAS}, got {extras!r}")
+    unknown = [e for e in extras if e not in EXTRAS]
+    if unknown:
+        raise ValueError(f"unknown extras {unknown}; allowed: {EXTRAS}")
+    return f'pip install -q "colab-memopt[{",".join(extras)}] @ git+{REPOSITORY_URL}@{BRANCH}"'

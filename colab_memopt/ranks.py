@@ -18,6 +18,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from colab_memopt.fileio import atomic_write
+
 LOOPBACK = "127.0.0.1"
 
 
@@ -29,17 +31,15 @@ def free_port() -> int:
 
 
 def write_result(path: str | Path, save: Callable[[Path], None]) -> None:
-    """Write a rank's result whole: `save` writes a partial file, renamed to `path` once complete.
+    """Write a rank's result whole: `save` writes a temporary file, fsynced, then renamed to `path`.
 
-    `launch` takes the presence of every result file to mean every rank has finished its work.
+    `launch` takes the presence of every result file to mean every rank has finished its work
+    (`fileio.atomic_write`, the one writer of result files).
 
     Example:
         >>> write_result(Path(workdir, f"rank{rank}.json"), lambda p: p.write_text(json.dumps(out)))
     """
-    path = Path(path)
-    partial = path.with_name(path.name + ".partial")
-    save(partial)
-    partial.rename(path)
+    atomic_write(path, save)
 
 
 def log_path(workdir: str | Path, rank: int) -> Path:
@@ -67,6 +67,16 @@ def log_tail(workdir: str | Path, rank: int, chars: int = 3000) -> str:
     return "\n".join(lines)[-chars:] or f"(rank {rank}'s log is empty)"
 
 
+def rank_environment(threads_per_rank: int = 1) -> dict[str, str]:
+    """Return the environment variables `launch` sets for its ranks: CPU only, `threads_per_rank` threads.
+
+    The ranks run on the CPU with gloo whatever the machine has: `CUDA_VISIBLE_DEVICES=""` hides the
+    GPU, and `DS_ACCELERATOR=cpu` makes DeepSpeed pick its CPU accelerator (on a GPU machine it would
+    otherwise pick CUDA and call `set_device(local_rank)`: rank 1 -> cuda:1, an invalid device on one GPU).
+    """
+    return {"OMP_NUM_THREADS": str(threads_per_rank), "CUDA_VISIBLE_DEVICES": "", "DS_ACCELERATOR": "cpu"}
+
+
 def launch(
     worker: Callable[..., None],
     world_size: int,
@@ -90,10 +100,17 @@ def launch(
         what: names the job in errors ("ZeRO ranks").
         threads_per_rank: OMP_NUM_THREADS of each rank (ranks share the machine's cores).
 
+    The ranks see no GPU (`rank_environment`): they run on the CPU, also on a CUDA machine.
+
     Raises:
-        RuntimeError: a rank raised, or died before every rank had written its result; the message
-            quotes the end of that rank's log.
+        RuntimeError: a rank raised, died before every rank had written its result, or exited
+            without writing its result; the message names the rank and quotes the end of its log.
         TimeoutError: the ranks outlived `timeout_s`.
+        ValueError: `workdir` is not an existing folder, or `worker` cannot be imported by a spawned
+            process (defined in a notebook cell or an interactive session).
+
+    Result files and logs left in `workdir` by an earlier launch are removed before the ranks start,
+    so a result returned is always this launch's.
 
     A rank that dies after every rank has written its result (in the process group's teardown, where
     gloo can abort when a peer has already closed its sockets) costs nothing that was measured: the
@@ -107,15 +124,29 @@ def launch(
         raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
     if isinstance(threads_per_rank, bool) or not isinstance(threads_per_rank, int) or threads_per_rank < 1:
         raise ValueError(f"threads_per_rank must be an integer >= 1, got {threads_per_rank!r}")
-    saved = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = str(threads_per_rank)  # read by the children when they start
+    if not Path(workdir).is_dir():
+        raise ValueError(f"workdir must be an existing folder, got {str(workdir)!r}")
+    if not callable(worker):
+        raise TypeError(f"worker must be a function, got {type(worker).__name__}")
+    module = getattr(worker, "__module__", None)
+    if module == "__main__" and not getattr(sys.modules.get("__main__"), "__file__", None):
+        raise ValueError(f"worker {getattr(worker, '__qualname__', worker)!r} is defined in __main__ without a file "
+                         "(a notebook cell or an interactive session): spawned ranks cannot import it; "
+                         "move it into a module (a .py file) and import it from there")
+    results = [Path(workdir, result_file.format(rank=r)) for r in range(world_size)]
+    for path in [*results, *(log_path(workdir, r) for r in range(world_size))]:
+        path.unlink(missing_ok=True)  # an earlier launch's: never passed off as this one's
+    child_env = rank_environment(threads_per_rank)
+    saved = {name: os.environ.get(name) for name in child_env}
+    os.environ.update(child_env)  # read by the children when they start
     try:
         ctx = mp.start_processes(worker, args=(world_size, *args), nprocs=world_size, join=False, start_method="spawn")
     finally:
-        if saved is None:
-            os.environ.pop("OMP_NUM_THREADS", None)
-        else:
-            os.environ["OMP_NUM_THREADS"] = saved
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
     deadline = time.monotonic() + timeout_s
     try:
         while not ctx.join(timeout=max(0.1, min(0.5, deadline - time.monotonic()))):
@@ -125,7 +156,7 @@ def launch(
         raise RuntimeError(f"{what}: rank {exc.error_index} failed: {exc}\n"
                            f"its log ends:\n{log_tail(workdir, exc.error_index)}") from exc
     except mp.ProcessExitedException as exc:  # killed by a signal, or exited with a code and no Python error
-        done = all(Path(workdir, result_file.format(rank=r)).exists() for r in range(world_size))
+        done = all(p.exists() for p in results)
         if not done:
             raise RuntimeError(f"{what}: rank {exc.error_index} died before every rank had written its result "
                                f"({exc}); its log ends:\n{log_tail(workdir, exc.error_index)}") from exc
@@ -137,3 +168,8 @@ def launch(
             if proc.is_alive():
                 proc.kill()
                 proc.join(5)
+    missing = [r for r, p in enumerate(results) if not p.exists()]
+    if missing:
+        r = missing[0]
+        raise RuntimeError(f"{what}: rank {r} exited without writing its result {results[r].name} "
+                           f"(ranks without a result: {missing}); its log ends:\n{log_tail(workdir, r)}")

@@ -104,6 +104,21 @@ class Recipe:
         """Raise ValueError naming the first field whose value is not allowed."""
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"recipe.optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
+        if isinstance(self.lr, bool) or not isinstance(self.lr, (int, float)) or self.lr != self.lr or self.lr == float("inf"):
+            raise ValueError(f"recipe.lr must be a finite number > 0, got {self.lr!r}")
+        if self.optimizer.endswith("_in_backward") and self.precision == "fp16-autocast":
+            raise ValueError(
+                f"recipe.optimizer={self.optimizer!r} steps inside backward, before GradScaler can unscale the fp16 "
+                "gradients or skip an overflow, so it cannot train under precision='fp16-autocast'; use "
+                f"optimizer={self.optimizer.removesuffix('_in_backward')!r} with fp16, or this optimizer with 'fp32', "
+                "'bf16-autocast' (native bf16: compute capability >= 8.0) or 'bf16'"
+            )
+        if self.optimizer.endswith("_in_backward") and self.accumulation_steps != 1:
+            raise ValueError(
+                f"recipe.optimizer={self.optimizer!r} updates the weights at every backward, so it cannot accumulate "
+                f"gradients: use accumulation_steps=1 or optimizer={self.optimizer.removesuffix('_in_backward')!r} "
+                f"(got accumulation_steps={self.accumulation_steps!r})"
+            )
         if not self.lr > 0:
             raise ValueError(f"recipe.lr must be > 0, got {self.lr}")
         # 07_weight_quantization

@@ -19,13 +19,12 @@ from dataclasses import dataclass, field
 from itertools import product
 from typing import Any
 
-import torch
 from torch import nn
 
 from colab_memopt import estimate
 from colab_memopt.costs import Slowdown, TechniqueCosts, expected_slowdown, load_technique_costs, techniques_used
 from colab_memopt.measure import format_bytes
-from colab_memopt.planner import Plan, Target, get_target, plan
+from colab_memopt.planner import Plan, Target, check_headroom, check_seq_len, get_target, max_positions, plan, shape_model
 from colab_memopt.presets import MODES, PRESETS, mixed_precision, mode_fields, preset_fields
 from colab_memopt.recipe import Recipe
 
@@ -117,6 +116,11 @@ class Recommendation:
         assert self.chosen.plan is not None
         return self.chosen.plan
 
+    @property
+    def warnings(self) -> list[str]:
+        """Return the chosen plan's warnings (an analytic fallback, fp16 traced as bf16, ...)."""
+        return list(self.plan.warnings)
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "model": self.model, "batch": self.batch, "seq_len": self.seq_len, "mode": self.mode,
@@ -125,7 +129,7 @@ class Recommendation:
             "predicted_need_bytes": self.plan.device_need_bytes, "device_limit_bytes": self.plan.device_limit_bytes,
             "method": self.plan.method, "expected_slowdown": self.chosen.slowdown.ratio,
             "slowdown_parts": self.chosen.slowdown.parts, "slowdown_measured_on": self.costs_device,
-            "reasoning": self.reasoning, "candidates": [c.to_dict() for c in self.candidates],
+            "reasoning": self.reasoning, "warnings": self.warnings, "candidates": [c.to_dict() for c in self.candidates],
         }
 
     def __str__(self) -> str:
@@ -138,6 +142,7 @@ class Recommendation:
             f"  predicted peak {format_bytes(self.plan.peak_bytes)}, need {format_bytes(self.plan.device_need_bytes)} of "
             f"{format_bytes(self.plan.device_limit_bytes)} usable ({self.plan.method})",
             f"  expected slowdown x{c.slowdown.ratio:.2f} vs fp32 AdamW (ratios measured on {self.costs_device})",
+            *[f"warning: {w}" for w in self.warnings],
             "reasoning:",
             *[f"  {r}" for r in self.reasoning],
             "candidates considered (cheapest first):",
@@ -207,7 +212,7 @@ def recommend(
         mode: 'full', 'lora' or 'qlora' (what is trained), or 'auto': full fine-tuning if any recipe
             fits, else LoRA, else QLoRA (the reasoning says why each mode before was passed over).
         headroom: fraction of device memory kept free.
-        costs: measured technique ratios (default: benchmarks/results/technique_costs.json).
+        costs: measured technique ratios (default: the package's technique_costs.json).
         method: the planner's method for the confirming plans ('auto', 'trace', 'analytic'); with
             'trace', candidates that cannot be traced (bitsandbytes' 4-bit weights, Adafactor) are skipped.
         max_plans: at most this many candidates are confirmed with the planner.
@@ -215,6 +220,7 @@ def recommend(
     Raises:
         NoRecipeFits: no candidate fits; the message names the leanest one's need and the shortfall.
     """
+    headroom = check_headroom(headroom)
     if mode == "auto":
         passed_over: list[str] = []
         for m in MODES:
@@ -237,21 +243,24 @@ def recommend(
         raise ValueError(f"max_plans must be an integer >= 1, got {max_plans!r}")
     tgt = get_target(target)
     name, factory = _model(model)
-    if seq_len is None and not callable(model):
-        from colab_memopt import architectures
+    # The same checks, in the same words, as plan's: a sequence the model cannot take is refused here too.
+    from colab_memopt import architectures
 
-        seq_len = architectures.max_seq_len(name)
-    if seq_len is None or isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
-        raise ValueError(f"seq_len must be an integer >= 1, got {seq_len!r}")
+    limit = architectures.resolve_model(model).max_seq_len
+    if limit is not None:
+        seq_len = check_seq_len(limit if seq_len is None else seq_len, limit, name)
+        meta_model = shape_model(factory)
+    else:
+        check_seq_len(seq_len, None, name)
+        meta_model = shape_model(factory, "model")
+        check_seq_len(seq_len, max_positions(meta_model), type(meta_model).__name__)
     costs = costs if costs is not None else load_technique_costs()
-    with torch.device("meta"):
-        shape_model = factory()
     limit = int(tgt.device_bytes * (1 - headroom))
     fixed = tgt.cuda_context_bytes if tgt.cuda else 0
     cands = []
     arch = name if not callable(model) else None  # named, id, folder or config: LoRA targets by family
     for rec in candidate_recipes(batch, target=tgt, mode=mode, model=arch):
-        need = estimate.training_step_bytes(shape_model, batch, seq_len, rec).peak_bytes + fixed
+        need = estimate.training_step_bytes(meta_model, batch, seq_len, rec).peak_bytes + fixed
         cands.append(Candidate(_name(rec, tgt, mode, arch), rec, expected_slowdown(rec, costs), need, limit))
     # Fastest: least slowdown, then fewest techniques (equal expected time: take the simpler recipe), then memory.
     key = ((lambda c: (c.slowdown.ratio, c.slowdown.n_techniques, c.analytic_need_bytes)) if objective == "fastest"
@@ -285,6 +294,9 @@ def recommend(
         planned += 1
         reasoning.append(f"planned {c.name}: need {format_bytes(c.plan.device_need_bytes)} ({c.plan.method}) -> "
                          + ("fits" if c.plan.fits else f"short by {format_bytes(c.short_bytes)}"))
+        if method != "analytic" and c.plan.method == "analytic":
+            why = next((w for w in c.plan.warnings if "analytic estimate" in w), "the step was not traced")
+            reasoning.append(f"  fell back from the trace to the analytic estimate: {why}")
         if c.plan.fits:
             chosen = c
             break

@@ -5,8 +5,9 @@ On Colab `results_dir` is None and nothing is written; `make run` and the tests 
 
 from __future__ import annotations
 
-import json
+import math
 import platform
+import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -14,6 +15,7 @@ from typing import Any
 
 import torch
 
+from colab_memopt.fileio import nonfinite_paths, read_json, write_json
 from colab_memopt.measure import MemoryReport, format_bytes
 
 VERDICTS = ("holds", "partly holds", "does not hold", "not measurable here")
@@ -51,6 +53,8 @@ def _jsonable(value: Any) -> Any:
         return value
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         return value.item()
+    if hasattr(value, "item") and getattr(value, "size", None) == 1:  # a numpy scalar
+        return _jsonable(value.item())
     raise TypeError(f"metric value {value!r} of type {type(value).__name__} is not JSON-serialisable")
 
 
@@ -73,9 +77,26 @@ def record(
         claims: `Claim`s, or dicts with claim, source, measured, verdict.
         results_dir: where to write; None writes nothing (Colab).
         seconds: the notebook's own wall time, if it measured it.
+
+    A NaN or infinite metric is written as null, and named with its value under "nonfinite" (strict
+    JSON has neither), with a warning. The file is written whole or not at all (`fileio.write_json`):
+    a crash while writing keeps the previous result.
     """
-    if not name or "/" in name:
+    if not isinstance(name, str) or not name or "/" in name:
         raise ValueError(f"name must be a notebook name without '/', got {name!r}")
+    for label, report in (("baseline", baseline), ("optimized", optimized)):
+        if not isinstance(report, MemoryReport) and not (label == "optimized" and report is None):
+            allowed = "a MemoryReport" + (" or None" if label == "optimized" else "")
+            raise TypeError(f"{label} must be {allowed} (from measure_step), got {type(report).__name__}")
+    out = None
+    if results_dir is not None:
+        out = Path(results_dir)
+        if out.exists() and not out.is_dir():
+            raise ValueError(f"results_dir must be a folder, got {str(out)!r}, which is a file")
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ValueError(f"results_dir {str(out)!r} cannot be created: {exc.strerror or exc}") from exc
     checked = [c if isinstance(c, Claim) else Claim(**c) for c in claims]
     saving = time_ratio = None
     if optimized is not None:
@@ -91,16 +112,30 @@ def record(
         "metrics": _jsonable(dict(metrics or {})),
         "claims": [asdict(c) for c in checked],
     }
-    if results_dir is not None:
-        out = Path(results_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / f"{name}.json").write_text(json.dumps(entry, indent=2) + "\n")
+    nonfinite = nonfinite_paths(entry)
+    if nonfinite:
+        entry = _nulled(entry)
+        entry["nonfinite"] = {k: f"{v}: JSON has no NaN or infinity, written as null" for k, v in nonfinite.items()}
+        warnings.warn(f"record({name!r}): {sorted(nonfinite)} are NaN or infinite; written as null (see 'nonfinite')",
+                      RuntimeWarning, stacklevel=2)
+    if out is not None:
+        write_json(out / f"{name}.json", entry)
     return entry
+
+
+def _nulled(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _nulled(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_nulled(v) for v in value]
+    return value
 
 
 def merge_results(results_dir: str | Path) -> dict[str, Any]:
     """Return every notebook's record in `results_dir`, keyed by notebook name, with device and torch."""
-    notebooks = {p.stem: json.loads(p.read_text()) for p in sorted(Path(results_dir).glob("*.json"))}
+    notebooks = {p.stem: read_json(p) for p in sorted(Path(results_dir).glob("*.json"))}  # a broken file is named
     devices = sorted({entry["device"] for entry in notebooks.values()})
     return {
         "device": devices[0] if len(devices) == 1 else devices,

@@ -11,13 +11,13 @@ refused for the README, so a partial run never blanks the other notebooks' rows.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections import Counter
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from colab_memopt.fileio import atomic_write_text, read_json
 from colab_memopt.project import colab_badge
 from colab_memopt.report import VERDICTS
 
@@ -130,9 +130,13 @@ def main(argv: list[str] | None = None) -> int:
     if not results.exists():
         print(f"error: {results} does not exist: run `make run` first", file=sys.stderr)
         return 2
-    merged = json.loads(results.read_text())
+    try:
+        merged = read_json(results)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     Path(args.claims).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.claims).write_text(claims_markdown(merged))
+    atomic_write_text(args.claims, claims_markdown(merged))
     print(f"wrote {args.claims}")
     if not args.no_readme:
         missing = missing_notebooks(merged)
@@ -141,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
                   "notebook before `make readme`; the README was not changed", file=sys.stderr)
             return 2
         readme = Path(args.readme)
-        readme.write_text(update_readme(readme, index_markdown(merged)))
+        atomic_write_text(readme, update_readme(readme, index_markdown(merged)))
         print(f"updated the notebook index in {readme}")
     return 0
 

@@ -13,7 +13,6 @@ results, by `make readme` (`python -m colab_memopt.rollup`).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from dataclasses import dataclass
@@ -110,6 +109,7 @@ def parameters_for(name: str, *, gpu: bool, cpu_params: dict[str, dict[str, Any]
 
 
 def main(argv: list[str] | None = None) -> int:
+    from colab_memopt.fileio import atomic_write_text, write_json
     from colab_memopt.report import merge_results, summary_table
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -141,13 +141,13 @@ def main(argv: list[str] | None = None) -> int:
                            cell_timeout=args.cell_timeout)
         print(f"  {run.name}: {run.seconds:.1f} s -> {run.output.relative_to(out.parent) if out.is_relative_to(out.parent) else run.output}")
     merged = merge_results(results_dir)
-    (out / "results.json").write_text(json.dumps(merged, indent=2) + "\n")
+    write_json(out / "results.json", merged)
     print()
     print(summary_table(merged))
     print(f"\nwrote {out / 'results.json'}")
     from colab_memopt.rollup import claims_markdown
 
-    (out / "claims.md").write_text(claims_markdown(merged))
+    atomic_write_text(out / "claims.md", claims_markdown(merged))
     print(f"wrote {out / 'claims.md'}")
     if not args.names:
         print("the README's notebook index is unchanged: `make readme` refreshes it from these results")

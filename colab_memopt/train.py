@@ -18,7 +18,7 @@ from colab_memopt.data import TextCorpus
 from colab_memopt.evaluation import evaluate
 # Optimizers by name live with the optimizers, evaluation in its own module; both re-exported here,
 # where earlier code found them.
-from colab_memopt.optimizers import OPTIMIZERS, make_optimizer  # noqa: F401
+from colab_memopt.optimizers import OPTIMIZERS, OptimizerInBackward, make_optimizer  # noqa: F401
 from colab_memopt.precision import autocast_context, forward_context, make_grad_scaler
 
 if TYPE_CHECKING:
@@ -45,6 +45,9 @@ def train_step(
             accumulate their gradients before one optimizer step (see `colab_memopt.accumulation`).
         scaler: a GradScaler for 'fp16-autocast' (`precision.make_grad_scaler`).
     """
+    if scaler is not None and isinstance(optimizer, OptimizerInBackward):
+        raise ValueError("a GradScaler (fp16-autocast) cannot drive an optimizer that steps inside backward "
+                         "(OptimizerInBackward): it would update with unscaled-away gradients and skip no overflow")
     optimizer.zero_grad(set_to_none=True)
     if accumulation_steps == 1 and precision == "fp32" and scaler is None:
         loss = model(input_ids, labels=input_ids).loss

@@ -129,3 +129,81 @@ def test_training_peak_estimate_is_near_the_measurement(corpus):
     paper = estimate.training_peak_bytes(cm.get_config("tiny"), 4, 32)
     assert measured <= paper <= 1.3 * measured
     assert estimate.training_peak_bytes(cm.get_config("tiny"), 4, 32, checkpointing=True) < paper
+
+
+def test_probe_row_115_micro_batch_1_not_fitting_raises_with_the_record(corpus):
+    # was: the raw budget OOM, no word that micro-batch 1 was reached, and the finished steps' record lost
+    samples = corpus.batch(24, SEQ, generator=torch.Generator().manual_seed(0))
+    ref = _run(samples)
+    limit = max(ref.peak_bytes) + 2**20
+    model, _ = _model()
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    ballast = limit - 4 * params - 4096  # parameters, gradients and AdamW's two states are live at a step's start
+    with pytest.raises(cm.OOMNotRecovered, match=r"gave up at step 2: out of memory in forward/backward at micro-batch 1, "
+                       r"the smallest allowed .*2 step\(s\) finished before it, their weight updates applied") as info:
+        _run(samples, limit=limit, pressure={2: ballast})  # at step 2 not even micro-batch 1 fits
+    err = info.value
+    assert isinstance(err, torch.OutOfMemoryError) and err.where == "micro-batch" and err.step == 2
+    assert len(err.run.losses) == 2 and sorted(err.run.sample_ids) == sorted(ref.sample_ids[:16])
+    assert err.run.losses == pytest.approx(ref.losses[:2])
+
+
+def test_probe_row_116_an_oom_in_the_optimizer_step_says_so(corpus):
+    # was: an OOM "in aten.zeros_like.default", nothing saying it was the optimizer step
+    samples = corpus.batch(16, SEQ, generator=torch.Generator().manual_seed(0))
+    model, opt = _model()
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    with cm.MemoryBudget(2**40, model, opt) as mem:
+        batching.accumulate_gradients(model, samples, torch.arange(1), 1, torch.device("cpu"))
+        forward_backward = mem.peak_bytes
+    opt.zero_grad(set_to_none=True)
+    with_state = 4 * params  # parameters, gradients and AdamW's two states
+    assert forward_backward < with_state
+    limit = (forward_backward + with_state) // 2  # forward and backward fit, AdamW's first step does not
+    with pytest.raises(cm.OOMNotRecovered, match=r"gave up at step 0: out of memory in optimizer.step, whose memory does "
+                       r"not depend on the micro-batch.*No earlier step had finished") as info:
+        cm.train_with_oom_recovery(model, opt, samples, effective_batch_size=1, limit_bytes=limit)
+    assert info.value.where == "optimizer.step" and info.value.run.losses == []
+
+
+def test_an_optimizer_oom_after_finished_steps_carries_their_record(corpus):
+    samples = corpus.batch(32, SEQ, generator=torch.Generator().manual_seed(0))
+    model, opt = _model()
+    real_step, calls = opt.step, []
+
+    def step_then_oom(*args, **kwargs):  # a stand-in for an OOM in the third optimizer step
+        calls.append(1)
+        if len(calls) == 3:
+            raise torch.OutOfMemoryError("emulated: out of memory in the optimizer step")
+        return real_step(*args, **kwargs)
+
+    opt.step = step_then_oom
+    with pytest.raises(cm.OOMNotRecovered, match=r"step 2: out of memory in optimizer.step.*2 step\(s\) finished") as info:
+        cm.train_with_oom_recovery(model, opt, samples, effective_batch_size=8)
+    assert len(info.value.run.losses) == 2 and len(info.value.run.sample_ids) == 16
+
+
+@pytest.mark.parametrize("kwargs, says", [
+    ({"effective_batch_size": True}, "effective_batch_size must be an integer in"),
+    ({"effective_batch_size": 4, "micro_batch_size": True}, "micro_batch_size must be an integer in"),
+    ({"effective_batch_size": 4, "epochs": 1.5}, "epochs and restore_after must be integers >= 1"),
+    ({"effective_batch_size": 4, "samples": "float"}, "samples must hold integer token ids, got dtype torch.float32"),
+    ({"effective_batch_size": 4, "samples": "big"}, r"samples hold token ids in \[.*\]; the model takes \[0, "),
+])
+def test_probe_row_118_bad_samples_and_booleans_are_named(corpus, kwargs, says):
+    # was: torch errors from split(), the embedding ('indices' ... Long) and IndexError
+    model, opt = _model()
+    samples = corpus.batch(8, SEQ)
+    kind = kwargs.pop("samples", None)
+    if kind == "float":
+        samples = samples.float()
+    elif kind == "big":
+        samples = samples + model.config.vocab_size
+    with pytest.raises(ValueError, match=says):
+        cm.train_with_oom_recovery(model, opt, samples, **kwargs)
+
+
+def test_probe_row_110_a_factory_that_returns_no_step_is_named():
+    # was: TypeError: 'int' object is not callable (inside batching.py)
+    with pytest.raises(TypeError, match=r"step_factory\(1\) must return a zero-argument step function, got int"):
+        cm.find_max_batch_size(lambda b: 5, start=1, limit_bytes=2**30, device="cpu")

@@ -93,6 +93,14 @@ def test_policies_can_be_switched_on_one_model(corpus):
     assert all("forward" not in b.__dict__ for b in model.blocks)
 
 
+def test_probe_row_77_an_interval_past_the_last_block_warns():
+    # was: accepted silently; activations identical to no checkpointing
+    model = cm.build_model("tiny", n_layer=4)
+    with pytest.warns(RuntimeWarning, match="checkpoint_interval 10 exceeds the model's 4 blocks: .*none is checkpointed"):
+        ck.apply_checkpointing(model, "every_n", 10)
+    assert ck.checkpointed_blocks(4, "every_n", 10) == []
+
+
 # -- 'offload': the checkpointed blocks' inputs in host memory ------------------------------------
 
 def _offload_vs_full(build, batch_fn, n_blocks, input_bytes):

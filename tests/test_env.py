@@ -48,3 +48,58 @@ def test_preflight_reports(capsys, monkeypatch):
     assert info.torch_version == torch.__version__
     monkeypatch.setenv("COLAB_RELEASE_TAG", "release-x")
     assert cm.in_colab()
+
+
+def test_bf16_never_chosen_below_sm80_even_when_torch_says_supported(monkeypatch):
+    # A T4 (sm_75): torch.cuda.is_bf16_supported() may say True (it counts emulation). Simulated CUDA facts.
+    import colab_memopt as cm
+    from colab_memopt import env, presets
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, **k: (7, 5))
+    cuda = torch.device("cuda")
+    assert env.bf16_native(cuda) is False
+    assert env.autocast_dtype(cuda) == torch.float16
+    assert presets.mixed_precision("t4") == "fp16-autocast"
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, **k: (8, 0))
+    assert env.bf16_native(cuda) is True and env.autocast_dtype(cuda) == torch.bfloat16
+    assert cm.Recipe().precision == "fp32"
+
+
+def test_t4_emulation_caps_the_allocator_and_forces_t4_paths(monkeypatch):
+    # CM_EMULATE=t4 on a bigger GPU (simulated CUDA facts: an 80 GiB sm_90 card); nothing is measured here.
+    from types import SimpleNamespace
+
+    calls = {}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, **k: (9, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, **k: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a, **k: SimpleNamespace(total_memory=80 * 2**30))
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, d=None: calls.setdefault("fraction", f))
+    for name in ("enable_flash_sdp", "enable_cudnn_sdp", "enable_mem_efficient_sdp"):
+        monkeypatch.setattr(torch.backends.cuda, name, lambda on, name=name: calls.setdefault(name, on))
+    monkeypatch.setattr(env, "_emulating", {})
+    monkeypatch.setenv("CM_EMULATE", "t4")
+    cuda = torch.device("cuda")
+    assert env.bf16_native(cuda) is True  # before the emulation is applied
+    assert env.apply_emulation(cuda) == "t4"
+    assert calls["fraction"] == pytest.approx((env.T4_USABLE_BYTES - env.ASSUMED_T4_CONTEXT_BYTES) / (80 * 2**30))
+    assert calls["enable_flash_sdp"] is False and calls["enable_cudnn_sdp"] is False and calls["enable_mem_efficient_sdp"] is True
+    assert torch.backends.cuda.matmul.allow_tf32 is False
+    assert env.bf16_native(cuda) is False and env.autocast_dtype(cuda) == torch.float16
+    assert env.device_label(cuda) == "NVIDIA H100 80GB HBM3 emulating t4"
+    assert env.usable_device_memory(cuda) == env.T4_USABLE_BYTES - env.ASSUMED_T4_CONTEXT_BYTES
+    monkeypatch.setenv("CM_EMULATE", "a100")
+    with pytest.raises(ValueError, match=r"CM_EMULATE must be one of \('t4',\) or 'none', got 'a100'"):
+        env.apply_emulation(cuda)
+
+
+def test_emulation_does_nothing_on_the_cpu_or_when_not_asked(monkeypatch):
+    monkeypatch.delenv("CM_EMULATE", raising=False)
+    assert env.apply_emulation("cpu") is None and env.requested_emulation() is None
+    monkeypatch.setenv("CM_EMULATE", "t4")
+    assert env.apply_emulation("cpu") is None and env.device_label("cpu") == "cpu"

@@ -83,3 +83,26 @@ def test_unknown_optimizer_and_bad_lr():
         cm.make_optimizer("sgd", params, lr=0)
     with pytest.raises(ValueError, match="steps must be >= 1"):
         cm.train(cm.build_model("tiny"), cm.make_optimizer("sgd", cm.build_model("tiny").parameters()), None, steps=0, batch_size=1, seq_len=8)
+
+
+@pytest.mark.parametrize("kwargs, error, says", [
+    ({"n_layer": True}, ValueError, "n_layer must be an integer >= 1, got True"),  # row 85: a 1-block model
+    ({"dtype": "float16"}, TypeError, "dtype must be a torch.dtype"),  # row 86: Invalid device string
+    ({"seed": "x"}, ValueError, "seed must be an integer, got 'x'"),  # row 87: invalid literal for int()
+    ({"seq_len": 10**9}, ValueError, r"64,000,116,480 parameters: .* more than the .* of host RAM available"),  # row 88
+    ({"vocab_size": 10**10}, ValueError, r"parameters: .* more than the .* of host RAM available"),  # row 88
+])
+def test_probe_rows_85_to_88_bad_build_arguments_are_named_before_allocating(kwargs, error, says):
+    with pytest.raises(error, match=says):
+        cm.build_model("tiny", **kwargs)
+
+
+def test_a_huge_config_still_builds_on_meta_for_planning():
+    assert cm.build_model("tiny", device="meta", seq_len=10**9).config.seq_len == 10**9
+
+
+def test_probe_row_92_evaluate_with_no_batches_is_named():
+    # was: ZeroDivisionError (also notebook 02 with eval_batches=0, row 155)
+    model = cm.build_model("tiny")
+    with pytest.raises(ValueError, match="batches must be an integer >= 1 .*got 0"):
+        cm.evaluate(model, cm.load_corpus(), batch_size=2, seq_len=32, batches=0)

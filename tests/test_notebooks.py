@@ -14,7 +14,7 @@ import re
 import nbformat
 import pytest
 
-from colab_memopt.project import colab_url, install_command
+from colab_memopt.project import colab_url, install_command, notebook_extras
 from colab_memopt.runner import CPU_PARAMS_FILE, NOTEBOOK_DIR, load_cpu_parameters, notebook_paths
 
 REPO = NOTEBOOK_DIR.parent
@@ -133,7 +133,7 @@ def test_notebook_follows_the_standard(path):
     # The install cell installs only on Colab, before the first import of the package.
     sources = [c.source for c in _code(nb)]
     first_import = next(i for i, s in enumerate(sources) if re.search(r"^\s*(import|from) colab_memopt", s, re.M))
-    install = next(i for i, s in enumerate(sources) if install_command() in s)
+    install = next(i for i, s in enumerate(sources) if install_command(notebook_extras(path.stem)) in s)
     assert install < first_import and "google.colab" in sources[install]
 
     # Parameters: plain values, Colab defaults, results_dir None, device 'auto'.

@@ -138,3 +138,44 @@ def test_layer_streaming_estimate():
     assert estimate.layer_streaming_param_bytes(10, 2, 5, max_active_layers=2, prefetch_distance=1) == 25
     with pytest.raises(ValueError):
         estimate.layer_streaming_param_bytes(10, 2, 5, max_active_layers=0, prefetch_distance=1)
+
+
+def test_transfer_stats_settle_adds_asynchronous_copy_times():
+    # Review B5: asynchronous CUDA copies are timed by events, settled when the statistics are read.
+    # Simulated with stand-in events (no GPU here): 2.5 ms to the device, 1 ms to the host.
+    from colab_memopt.offload import TransferStats
+
+    class Event:
+        def __init__(self, ms):
+            self.ms = ms
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, end):
+            return end.ms - self.ms
+
+    stats = TransferStats(to_device=1, to_host=1, seconds_to_device=0.5)
+    stats._pending += [(Event(0.0), Event(2.5), "to_device"), (Event(1.0), Event(2.0), "to_host")]
+    assert stats.mean_seconds_to_device == pytest.approx(0.5025)
+    assert stats.seconds_to_host == pytest.approx(0.001) and stats._pending == []
+
+
+@pytest.mark.parametrize("tensor, says", [
+    (torch.eye(3).to_sparse(), "offload takes dense .*layout torch.sparse_coo"),  # row 139: copy_() between dense and sparse
+    (torch.empty(3, device="meta"), "'t' is a meta tensor"),  # row 139: Cannot copy out of meta tensor
+])
+def test_probe_row_139_tensors_that_cannot_be_offloaded_are_named(tensor, says):
+    with pytest.raises(ValueError, match=says):
+        offload.OffloadManager().offload("t", tensor)
+
+
+@pytest.mark.parametrize("device, says", [
+    ("nope", "device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got 'nope'"),
+    pytest.param("cuda", "this machine has no CUDA GPU", marks=pytest.mark.skipif(torch.cuda.is_available(), reason="has a GPU")),
+])
+def test_probe_row_139_a_bad_load_device_is_named(device, says):
+    manager = offload.OffloadManager()
+    manager.offload("t", torch.ones(3))
+    with pytest.raises(ValueError, match=says):
+        manager.load("t", device)

@@ -105,3 +105,9 @@ def test_bad_names_and_lr():
         estimate.optimizer_state_bytes([], "nope")
     assert "adam_mini" in OPTIMIZERS and "adamw_in_backward" in OPTIMIZERS
     assert math.isfinite(estimate.OPTIMIZER_STATE_BYTES["lion"])
+
+
+def test_probe_row_91_an_empty_parameter_list_is_named():
+    # was: torch's "optimizer got an empty parameter list"
+    with pytest.raises(ValueError, match=r"make_optimizer\('adamw'\): params is empty"):
+        cm.make_optimizer("adamw", [])

@@ -131,3 +131,21 @@ def test_phase_estimate_and_bad_values():
         cm.Recipe(phase_offload="gpu")
     with pytest.raises(ValueError, match="predict_precision must be one of"):
         ph.PhaseConfig(predict_precision="fp8")
+
+
+def test_predict_precision_auto_is_fp16_below_sm80_and_fp16_is_allowed(monkeypatch):
+    # Review B4: a T4 has no native bf16; predicted (forward-only) steps take fp16 there. Simulated CUDA facts.
+    from colab_memopt import phases as ph
+
+    assert ph.PhaseConfig(predict_precision="fp16").predict_precision == "fp16"
+    with pytest.raises(ValueError, match="full_precision must be one of"):
+        ph.PhaseConfig(full_precision="fp16")
+    with pytest.raises(ValueError, match=r"predict_precision must be one of .*'auto'.*got 'int8'"):
+        ph.PhaseConfig(predict_precision="int8")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, **k: (7, 5))
+    assert ph.autocast_dtype_for("auto", torch.device("cuda")) == torch.float16
+    assert ph.autocast_dtype_for("auto", torch.device("cpu")) == torch.bfloat16
+    assert ph.autocast_dtype_for("fp32", torch.device("cpu")) is None

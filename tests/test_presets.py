@@ -46,3 +46,18 @@ def test_lora_targets_follow_the_architecture_family():
     assert "lora_targets" not in mode_fields("lora")  # the reference model keeps its defaults
     with pytest.raises(ValueError, match="no LoRA targets"):
         mode_fields("lora", "gpt2")
+
+
+def test_probe_rows_79_80_an_unknown_target_or_model_is_named():
+    # was: accepted, fp16 autocast (target) and the reference model's LoRA targets (model)
+    with pytest.raises(ValueError, match="unknown target 'nope'"):
+        Recipe.preset("balanced", target="nope")
+    with pytest.raises(ValueError, match="unknown model 'nope'"):
+        Recipe.preset("balanced", model="nope", mode="lora")
+
+
+def test_preset_target_names_are_the_planners():
+    from colab_memopt.planner import TARGETS
+    from colab_memopt.presets import TARGET_NAMES
+
+    assert sorted(TARGET_NAMES) == sorted(TARGETS)

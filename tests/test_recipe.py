@@ -1,6 +1,8 @@
 import pytest
+import torch
 
 import colab_memopt as cm
+from colab_memopt.train import train_step
 
 
 def test_default_recipe_builds_adamw():
@@ -70,3 +72,25 @@ def test_checkpointing_removal_restores_the_forward_it_replaced():
     remove_checkpointing(model)
     assert model.blocks[0].forward is patched
     assert "forward" not in model.blocks[1].__dict__
+
+
+def test_in_backward_optimizers_refuse_fp16_and_accumulation_clearly(corpus):
+    # Review D4: GradScaler cannot unscale what was already applied in backward; the step used to crash
+    # in GradScaler.step ("No inf checks were recorded"); accumulation silently updated per micro-batch.
+    with pytest.raises(ValueError, match=r"adamw_in_backward.*fp16-autocast.*optimizer='adamw'"):
+        cm.Recipe(optimizer="adamw_in_backward", precision="fp16-autocast")
+    with pytest.raises(ValueError, match=r"accumulation_steps=1.*got accumulation_steps=2"):
+        cm.Recipe(optimizer="adamw_in_backward", accumulation_steps=2)
+    cm.Recipe(optimizer="adamw_in_backward", precision="bf16-autocast")  # allowed
+    model = cm.build_model("tiny")
+    opt = cm.make_optimizer("adamw_in_backward", model.parameters())
+    x = corpus.batch(2, 16, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="GradScaler"):
+        train_step(model, opt, x, precision="fp16-autocast", scaler=torch.amp.GradScaler("cpu"))
+
+
+@pytest.mark.parametrize("lr", ["0.1", None, True, float("inf"), float("nan")])
+def test_probe_rows_74_75_lr_must_be_a_finite_number(lr):
+    # was: TypeError "'>' not supported between 'str' and 'int'" ('0.1', None); accepted (True, inf)
+    with pytest.raises(ValueError, match=r"recipe.lr must be a finite number > 0, got "):
+        cm.Recipe(lr=lr)

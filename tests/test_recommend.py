@@ -100,3 +100,60 @@ def test_cli_reports_unknown_models_and_impossible_targets(capsys):
     assert main(["recommend", "--model", "llama-3.1-8b", "--seq", "512", "--device-bytes", str(2**30),
                  "--host-bytes", str(2**34), "--method", "analytic"]) == 1
     assert "would need a device with at least" in capsys.readouterr().err
+
+
+def _tiny():
+    return build_model("tiny", device="cpu")
+
+
+def test_probe_row_122_a_factory_past_its_sequence_length_is_refused_as_plan_refuses_it():
+    # was: 'fp32 AdamW (baseline)', fits, the reason only in rec.plan.warnings
+    from colab_memopt.planner import plan
+
+    with pytest.raises(ValueError) as by_plan:
+        plan(_tiny, 1, seq_len=100)
+    with pytest.raises(ValueError) as by_recommend:
+        recommend(_tiny, 1, seq_len=100, costs=COSTS)
+    assert str(by_plan.value) == str(by_recommend.value) == "seq_len 100 exceeds 'GPT''s maximum of 64"
+    with pytest.raises(ValueError, match="seq_len 100000 exceeds 'tiny''s maximum of 64"):
+        recommend("tiny", 1, seq_len=100000, costs=COSTS)
+
+
+@pytest.mark.parametrize("headroom", [2, 1, 1.5, -0.5, float("nan"), True, "0.1"])
+def test_probe_rows_123_and_49_headroom_is_checked_before_anything(headroom):
+    # was: NoRecipeFits with negative sizes (2), ZeroDivisionError (1)
+    with pytest.raises(ValueError, match=r"headroom must be in \[0, 1\) .*got"):
+        recommend("tiny", 1, seq_len=32, headroom=headroom, costs=COSTS)
+
+
+def test_plan_warnings_and_the_analytic_fallback_are_in_the_text_and_json():
+    # probe row 43's second half: the recommender dropped the plan's warnings
+    def untraceable():
+        model = _tiny()
+        forward = model.forward
+
+        def data_dependent(input_ids, *args, **kwargs):
+            if bool((input_ids > 10**9).any()):  # fake tensors cannot decide this: the trace fails
+                pass
+            return forward(input_ids, *args, **kwargs)
+
+        model.forward = data_dependent
+        return model
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        rec = recommend(untraceable, 1, seq_len=16, mode="full", costs=COSTS)
+    assert rec.plan.method == "analytic" and rec.warnings and "could not trace" in rec.warnings[0]
+    assert rec.to_dict()["warnings"] == rec.warnings
+    text = str(rec)
+    assert f"warning: {rec.warnings[0]}" in text
+    assert "fell back from the trace to the analytic estimate: could not trace" in text
+
+
+@pytest.mark.parametrize("factory, says", [
+    (lambda: 5, "model must return a torch.nn.Module, it returned int"),
+    (lambda n: _tiny(), "model must be callable with no arguments"),
+])
+def test_a_factory_that_builds_no_model_is_named(factory, says):
+    with pytest.raises(TypeError, match=says):
+        recommend(factory, 1, seq_len=16, costs=COSTS)

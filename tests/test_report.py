@@ -56,3 +56,62 @@ def test_merge_and_summary(tmp_path):
     assert merged["device"] == "cpu"
     table = summary_table(merged)
     assert "50.0%" in table and "2.00x" in table and "01_b" in table
+
+
+def test_a_crash_while_recording_keeps_the_previous_result(tmp_path, monkeypatch):
+    # probe rows 148 and 150: record() truncated the file, then wrote; a kill in between lost the old result.
+    import pathlib
+
+    cm.record("02_x", baseline=_report(100, 0.1), metrics={"run": 1}, results_dir=tmp_path)
+    original = pathlib.Path.write_text
+
+    def killed_halfway(self, text, *args, **kwargs):
+        original(self, text[: len(text) // 2], *args, **kwargs)
+        raise KeyboardInterrupt("killed mid-write")
+
+    monkeypatch.setattr(pathlib.Path, "write_text", killed_halfway)
+    with pytest.raises(KeyboardInterrupt):
+        cm.record("02_x", baseline=_report(100, 0.1), metrics={"run": 2}, results_dir=tmp_path)
+    monkeypatch.undo()
+    assert json.loads((tmp_path / "02_x.json").read_text())["metrics"] == {"run": 1}
+    assert [p.name for p in tmp_path.iterdir()] == ["02_x.json"]  # no temporary file left behind
+    assert merge_results(tmp_path)["notebooks"]["02_x"]["metrics"] == {"run": 1}
+
+
+def test_merge_results_names_a_broken_file(tmp_path):
+    cm.record("00_a", baseline=_report(10, 1.0), results_dir=tmp_path)
+    (tmp_path / "01_b.json").write_text("")
+    with pytest.raises(ValueError, match=r"01_b.json is empty"):
+        merge_results(tmp_path)
+    (tmp_path / "01_b.json").write_text('{"device": ')
+    with pytest.raises(ValueError, match=r"01_b.json is not valid JSON"):
+        merge_results(tmp_path)
+
+
+def test_nonfinite_metrics_are_written_as_null_with_the_reason(tmp_path):
+    # probe row 146: NaN and Infinity went into the file, which strict parsers refuse.
+    with pytest.warns(RuntimeWarning, match=r"\['metrics.x', 'metrics.y'\] are NaN or infinite"):
+        entry = cm.record("00_demo", baseline=_report(10, 1.0), metrics={"x": float("nan"), "y": float("inf"), "z": 1.5},
+                          results_dir=tmp_path)
+    text = (tmp_path / "00_demo.json").read_text()
+    strict = json.loads(text, parse_constant=lambda c: pytest.fail(f"non-standard JSON constant {c}"))
+    assert strict["metrics"] == {"x": None, "y": None, "z": 1.5} == entry["metrics"]
+    assert strict["nonfinite"] == {"metrics.x": "nan: JSON has no NaN or infinity, written as null",
+                                   "metrics.y": "inf: JSON has no NaN or infinity, written as null"}
+
+
+@pytest.mark.parametrize("where", ["file", "under_file", "/proc/self/results", "/sys/nope"])
+def test_a_results_dir_that_cannot_be_a_folder_is_named(tmp_path, where):
+    # probe row 143: pathlib's FileExistsError / NotADirectoryError / ... from mkdir, the field not named.
+    (tmp_path / "f").write_text("x")
+    path = {"file": tmp_path / "f", "under_file": tmp_path / "f" / "sub"}.get(where, where)
+    with pytest.raises(ValueError, match=r"results_dir .*"):
+        cm.record("00_demo", baseline=_report(10, 1.0), results_dir=path)
+
+
+def test_baseline_must_be_a_memory_report():
+    # probe row 145: AttributeError: 'NoneType' object has no attribute 'device'
+    with pytest.raises(TypeError, match="baseline must be a MemoryReport .*got NoneType"):
+        cm.record("00_demo", baseline=None)
+    with pytest.raises(TypeError, match="optimized must be a MemoryReport or None .*got dict"):
+        cm.record("00_demo", baseline=_report(10, 1.0), optimized={})

@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pytest
 
 from colab_memopt import project, widgets
@@ -27,3 +29,24 @@ def test_colab_url_and_badge():
         with pytest.raises(ValueError, match="notebook_path"):
             project.colab_url(bad)
     assert project.REPOSITORY_URL in project.install_command()
+
+
+def test_install_command_extras_and_notebook_10_installs_deepspeed():
+    # Colab has no DeepSpeed: notebook 10's cell must install the 'zero' extra (review A1).
+    assert project.notebook_extras("10_deepspeed_zero") == ("colab", "zero")
+    assert '"colab-memopt[colab,zero] @' in project.install_command(project.notebook_extras("10_deepspeed_zero"))
+    assert project.notebook_extras("00_where_the_memory_goes") == ("colab",)
+    for bad in ((), "colab", ("colab", "gpu")):
+        with pytest.raises(ValueError, match="extras"):
+            project.install_command(bad)
+
+
+def test_pyproject_keeps_colabs_ipywidgets_and_extras_exist():
+    # Colab ships ipywidgets 7.7 and its frontend did not render 8.x (review A8): accept 7.6+.
+    import tomllib
+
+    meta = tomllib.loads((Path(__file__).resolve().parent.parent / "pyproject.toml").read_text())["project"]
+    extras = meta["optional-dependencies"]
+    assert set(project.EXTRAS) == set(extras)
+    for name in ("colab", "notebooks"):
+        assert "ipywidgets>=7.6" in extras[name], extras[name]

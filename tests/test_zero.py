@@ -1,3 +1,5 @@
+import sys
+
 import pytest
 
 import colab_memopt as cm
@@ -91,6 +93,19 @@ def test_run_zero_names_bad_arguments_before_launching(kwargs, match):
         zero.run_zero(zero.ZeroJob(model_size="tiny", stages=(0,)), **kwargs)
     with pytest.raises(ValueError, match=r"ZeRO stages must be in \(0, 1, 2, 3\), got \[4\]"):
         zero.run_zero(zero.ZeroJob(model_size="tiny", stages=(4,)))
+
+
+@pytest.mark.parametrize("stage,opt,param,ranks", [(1, False, False, 1), (2, True, False, 1), (2, False, False, 2),
+                                                   (3, False, False, 2), (3, True, False, 1), (3, True, True, 2)])
+def test_zero_estimate_without_deepspeed_matches_deepspeeds_own(monkeypatch, stage, opt, param, ranks):
+    # Colab has no DeepSpeed (review A1): the estimate must not need it, and must say what DeepSpeed says.
+    pytest.importorskip("deepspeed")
+    kwargs = dict(zero_stage=stage, offload_optimizer=opt, offload_param=param, largest_layer_params=7 * 10**6,
+                  world_size=ranks)
+    with_ds = estimate.zero_offload_bytes(123_456_789, **kwargs)
+    for name in ("deepspeed", "deepspeed.runtime.zero.stage_1_and_2", "deepspeed.runtime.zero.stage3"):
+        monkeypatch.setitem(sys.modules, name, None)  # import now raises ImportError
+    assert estimate.zero_offload_bytes(123_456_789, **kwargs) == with_ds
 
 
 def test_zero_settings_stand_in_for_a_recipe_and_share_its_checks():

@@ -1,0 +1,34 @@
+"""benchmarks/planner_accuracy.py: which configurations it runs and how it judges them."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import torch
+
+_SPEC = importlib.util.spec_from_file_location("planner_accuracy", Path(__file__).resolve().parent.parent / "benchmarks" / "planner_accuracy.py")
+pa = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(pa)
+
+
+def test_grids_include_foreach_rows_and_only_valid_batches():
+    cpu = torch.device("cpu")
+    rows = pa._configs("all", cpu)
+    impls = {r[4] for r in rows}
+    assert impls == {"single-tensor", "foreach"}
+    assert all(b >= f.get("accumulation_steps", 1) for _, b, _, f, _ in rows)
+    cuda = pa._configs("cuda", cpu)
+    assert {r[4] for r in cuda} == {"foreach"} and ("smollm2-135m", 1, 512, {}, "foreach") in cuda
+
+
+def test_pass_rule_is_one_percent_on_cpu_and_five_percent_or_one_mib_on_cuda():
+    MiB = 2**20
+    assert pa._passes({"rel_error_pct": 0.9, "measured_bytes": MiB, "abs_error_bytes": 0}, cuda=False)
+    assert not pa._passes({"rel_error_pct": 1.1, "measured_bytes": MiB, "abs_error_bytes": 0}, cuda=False)
+    big = 100 * MiB
+    assert pa._passes({"rel_error_pct": -4.9, "measured_bytes": big, "abs_error_bytes": -4.9 * MiB}, cuda=True)
+    assert not pa._passes({"rel_error_pct": 5.1, "measured_bytes": big, "abs_error_bytes": 5.1 * MiB}, cuda=True)
+    small = 10 * MiB  # below 64 MiB the fixed costs dominate: judged by 1 MiB absolute
+    assert pa._passes({"rel_error_pct": 9.0, "measured_bytes": small, "abs_error_bytes": 0.9 * MiB}, cuda=True)
+    assert not pa._passes({"rel_error_pct": 12.0, "measured_bytes": small, "abs_error_bytes": 1.2 * MiB}, cuda=True)

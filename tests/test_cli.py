@@ -1,0 +1,117 @@
+"""The command line: exit codes 0/1/2, one line naming a bad value, one JSON object with --json.
+
+Each test named `test_probe_row_N...` is a reproduction from shared/reviews/reliability-probe.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from colab_memopt.__main__ import main
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _run(argv, capsys):
+    code = main(argv)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _json_error(argv, capsys, code=2):
+    got, out, err = _run([*argv, "--json"], capsys)
+    assert got == code, err
+    obj = json.loads(out)  # exactly one JSON object on stdout
+    assert obj["exit_code"] == code and obj["error"]
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+    return obj["error"]
+
+
+@pytest.mark.parametrize("argv", [
+    ["plan", "--model", "tiny", "--batch", "2", "--seq", "32", "--recipe", "zero_stage=2", "offload_optimizer=true", "--json"],
+    ["plan", "--model", "tiny", "--batch", "2", "--seq", "32", "--recipe", "zero_stage=3", "offload_param=true", "--json"],
+])
+def test_probe_rows_33_34_deepspeed_output_goes_to_stderr_and_stdout_is_json(argv):
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.run([sys.executable, "-m", "colab_memopt", *argv], capture_output=True, text=True, env=env,
+                          cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["recipe"]["zero_stage"] in (2, 3)
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["plan", "--model", "tiny", "--batch", "1", "--seq", "32", "--recipe", "lr=abc"], r"recipe.lr must be a finite number > 0, got 'abc'"),  # row 15
+    (["recommend", "--model", "tiny", "--seq", "1000000000"], "seq_len 1000000000 exceeds 'tiny''s maximum of 64"),  # row 41
+    (["recommend", "--model", "llama-3.2-1b", "--seq", "200000"], "seq_len 200000 exceeds 'llama-3.2-1b''s maximum of 131072"),  # row 42
+    (["recommend", "--model", "tiny", "--seq", "100000"], "seq_len 100000 exceeds 'tiny''s maximum of 64"),  # row 43
+    (["recommend", "--model", "tiny", "--seq", "32", "--headroom", "1.5"], r"headroom must be in [0, 1) (the fraction of memory kept free), got 1.5"),  # row 46
+    (["recommend", "--model", "tiny", "--seq", "32", "--headroom", "nan"], "headroom must be in [0, 1) (the fraction of memory kept free), got nan"),  # row 48
+    (["recommend", "--model", "tiny", "--seq", "32", "--headroom", "1"], "headroom must be in [0, 1) (the fraction of memory kept free), got 1.0"),  # row 49
+    (["plan", "--model", "tiny", "--batch", "abc"], "argument --batch: invalid int value: 'abc'"),
+    (["plan", "--batch", "1"], "the following arguments are required: --model"),
+    (["plan", "--model", "tiny", "--batch", "1", "--nope"], "unrecognized arguments: --nope"),
+])
+def test_probe_rows_bad_input_is_exit_2_with_one_line_and_a_json_error(argv, says, capsys):
+    code, out, err = _run(argv, capsys)
+    assert code == 2 and out == "" and "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and says in err
+    assert says in _json_error(argv, capsys)
+
+
+def test_plan_and_recommend_refuse_with_the_same_message(capsys):
+    # probe row 43: plan said exit 2, recommend said exit 0 "fits"
+    plan_err = _json_error(["plan", "--model", "tiny", "--batch", "1", "--seq", "100000"], capsys)
+    rec_err = _json_error(["recommend", "--model", "tiny", "--seq", "100000"], capsys)
+    assert plan_err == rec_err == "seq_len 100000 exceeds 'tiny''s maximum of 64"
+
+
+@pytest.mark.parametrize("content, says", [
+    ('{"device": "x"}', r"c.json lacks \['ratios', 'model', 'batch', 'seq_len'\]"),  # row 52 (was KeyError: 'ratios')
+    ("{not json", r"c.json is not valid JSON"),  # row 51 (the file was not named)
+    ("[]", r"c.json must hold a JSON object"),  # row 54 (list indices must be integers)
+    ('{"ratios": {"lora": "fast"}, "device": "x", "model": "m", "batch": 1, "seq_len": 1}', r"'ratios' must map .*'lora': 'fast'"),
+    (None, r"is a folder, not a JSON file"),  # row 53 (IsADirectoryError traceback)
+])
+def test_probe_rows_51_to_54_a_bad_costs_file_is_named(tmp_path, capsys, content, says):
+    path = tmp_path / "c.json"
+    if content is None:
+        path.mkdir()
+    else:
+        path.write_text(content)
+    argv = ["recommend", "--model", "tiny", "--seq", "32", "--costs", str(path)]
+    code, out, err = _run(argv, capsys)
+    assert code == 2 and "Traceback" not in err and str(path) in err
+    assert __import__("re").search(says, _json_error(argv, capsys))
+
+
+def test_probe_row_31_version(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0 and "colab-memopt 0.1.0" in capsys.readouterr().out
+
+
+def test_does_not_fit_is_exit_1_with_the_plan(capsys):
+    argv = ["plan", "--model", "tiny", "--batch", "1", "--seq", "32", "--device-bytes", "1000", "--host-bytes", str(10**12)]
+    code, out, _ = _run(argv, capsys)
+    assert code == 1 and "DOES NOT FIT (device memory)" in out
+    code, out, _ = _run([*argv, "--json"], capsys)
+    assert code == 1 and json.loads(out)["fits"] is False
+
+
+def test_no_recipe_fits_is_exit_1_with_a_json_error(capsys):
+    argv = ["recommend", "--model", "tiny", "--seq", "32", "--device-bytes", "1", "--host-bytes", "1", "--method", "analytic"]
+    assert "no recipe fits" in _json_error(argv, capsys, code=1)
+
+
+def test_probe_row_21_lora_targets_can_be_set_from_the_cli(capsys):
+    code, out, err = _run(["plan", "--model", "tiny", "--batch", "1", "--seq", "16", "--method", "analytic", "--no-max-batch",
+                           "--recipe", "lora_rank=4", "lora_targets=qkv,proj", "--json"], capsys)
+    assert code == 0, err
+    assert json.loads(out)["recipe"]["lora_targets"] == ["qkv", "proj"]
