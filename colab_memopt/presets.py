@@ -110,10 +110,14 @@ def mode_fields(mode: str, model: str | None = None) -> dict[str, Any]:
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; choose one of {list(MODES)}")
     if model is not None:
-        from colab_memopt.architectures import model_names
+        from colab_memopt.architectures import model_names, resolve_model
 
         if model not in model_names():
-            raise ValueError(f"unknown model {model!r}; choose one of {model_names()} (or None: the reference model)")
+            try:  # a Hugging Face id, a folder or config.json (issue 19)
+                resolve_model(model)
+            except ValueError:
+                raise ValueError(f"unknown model {model!r}; choose one of {model_names()}, a Hugging Face id, a folder "
+                                 "or a config.json (or None: the reference model)") from None
     values = dict(MODES[mode])
     if values.get("lora_rank") and model is not None:
         from colab_memopt.architectures import family_of
