@@ -724,7 +724,11 @@ def plan(
     if batch < rec.accumulation_steps:
         raise ValueError(f"batch {batch} is smaller than recipe.accumulation_steps={rec.accumulation_steps}: "
                          "the batch is the effective batch, split into that many micro-batches")
-    spec = architectures.resolve_model(model_factory)  # a name, hub id, folder, config.json, config or factory
+    try:
+        spec = architectures.resolve_model(model_factory)  # a name, hub id, folder, config.json, config or factory
+    except TypeError:
+        shape_model(model_factory)  # names the bad factory in plan's own words
+        raise
     name, limit, model_factory = spec.name, spec.max_seq_len, spec.build
     if limit is not None:
         seq_len = check_seq_len(limit if seq_len is None else seq_len, limit, name)
