@@ -72,7 +72,18 @@ CUDA_EXTRA = [
     ("medium", 8, 256, {"precision": "bf16-autocast"}),
     ("smollm2-135m", 1, 512, {}), ("qwen2.5-0.5b", 1, 512, {}),
 ]
-GRIDS = {"full": [(GRID, "single-tensor")], "foreach": [(FOREACH, "foreach")], "quick": [(QUICK, "single-tensor")],
+# QLoRA (4-bit bases traced through planner.traced_linear4bit; the 8-bit base, bnb_int8, is not traced yet and
+# shows the analytic fallback's error), on the reference sizes and two transformers families.
+QLORA = {
+    "size": ["tiny", "small"],
+    "batch": [1, 4],
+    "seq_len": [64],
+    "recipe": [{"quantization": q, "lora_rank": 4} for q in ("nf4", "fp4", "bnb_int8")],
+}
+HF_LORA = {"lora_rank": 4, "lora_targets": ["q_proj", "v_proj"]}
+QLORA_FAMILIES = [(model, 1, 64, {"quantization": q, **HF_LORA}) for model in ("smollm2-135m", "qwen2.5-0.5b")
+                  for q in ("nf4", "fp4")]
+GRIDS = {"qlora": [(QLORA, "single-tensor")], "full": [(GRID, "single-tensor")], "foreach": [(FOREACH, "foreach")], "quick": [(QUICK, "single-tensor")],
          "all": [(GRID, "single-tensor"), (FOREACH, "foreach")]}
 
 # The child's own peak RSS: VmHWM starts afresh at exec, while ru_maxrss keeps the parent's peak.
@@ -118,6 +129,8 @@ def _configs(grid_name: str, device: torch.device) -> list[tuple[str, int, int, 
         out = [(s, b, min(t, cm.get_config(s).seq_len), f, "foreach") for s, b, t, f in
                itertools.product(GRID["size"], GRID["batch"], GRID["seq_len"], GRID["recipe"])]
         out += [(s, b, t, f, "foreach") for s, b, t, f in CUDA_EXTRA]
+    if grid_name == "qlora":
+        out += [(s, b, t, f, "single-tensor") for s, b, t, f in QLORA_FAMILIES]
     # The batch is the effective batch: a recipe that splits it needs at least that many rows.
     return [c for c in out if c[1] >= c[3].get("accumulation_steps", 1)]
 
@@ -161,6 +174,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--grid", choices=sorted([*GRIDS, "cuda"]), default=None,
                         help="which configurations: 'all' (full + foreach; the default on the CPU), 'full', 'foreach', "
+                             "'qlora' (4-bit and 8-bit bases, reference sizes and two transformers families), "
                              "'quick', or 'cuda' (the default on CUDA)")
     parser.add_argument("--quick", action="store_true", help="same as --grid quick")
     parser.add_argument("--out", default=str(OUT), help=f"where to write the JSON (default {OUT})")
