@@ -227,18 +227,11 @@ def _stdlib_text(max_bytes: int) -> tuple[bytes, str]:
 def _stdlib_corpus(max_bytes: int = DEFAULT_MAX_BYTES, val_fraction: float = 0.1) -> TextCorpus:
     """Return the standard-library corpus (cached: every notebook reads the same one)."""
     _check(max_bytes, val_fraction)
-    chunks, total = [], 0
-    for path in stdlib_source_files():
-        data = path.read_bytes()
-        chunks.append(data[: max_bytes - total])
-        total += len(chunks[-1])
-        if total >= max_bytes:
-            break
-    raw = b"".join(chunks)
+    raw, source = _stdlib_text(max_bytes)
     tokens = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
     n_val = int(len(tokens) * val_fraction)
     return TextCorpus(
         train=tokens[:-n_val].clone(),
         val=tokens[-n_val:].clone(),
-        source=f"{len(chunks)} files of {Path(sysconfig.get_paths()['stdlib'])}",
+        source=source,
     )
