@@ -68,7 +68,8 @@ def int8_saved_tensors(per: str = "tensor") -> torch.autograd.graph.saved_tensor
 def offload_saved_tensors(device: torch.device | str) -> torch.autograd.graph.save_on_cpu:
     """Return `save_on_cpu`: saved activations go to host memory (pinned on CUDA) until backward.
 
-    On the CPU the "host" is the same memory: it copies each saved tensor and saves nothing.
+    On the CPU the "host" is the same memory: `tensor.cpu()` of a CPU tensor is that tensor, so nothing is
+    copied and nothing is saved.
     """
     pin = torch.device(device).type == "cuda"
     return torch.autograd.graph.save_on_cpu(pin_memory=pin)
