@@ -33,7 +33,7 @@ from colab_memopt.checkpointing import checkpoint_offloader
 from colab_memopt.env import COLAB_HOST_RAM_BYTES, T4_USABLE_BYTES, GiB
 from colab_memopt.measure import format_bytes, host_memory
 from colab_memopt.recipe import Recipe
-from colab_memopt.tracker import PHASES, TensorTracker
+from colab_memopt.tracker import _CUDA_MIN_BLOCK, PHASES, TensorTracker
 from colab_memopt.train import make_train_step
 
 
@@ -529,6 +529,47 @@ def _int8_as_on_cuda() -> Iterator[None]:
             holder.kernels.remove(kernel)
 
 
+def quantization_scale_bytes(model: nn.Module, *, cuda_rounding: bool = False) -> int:
+    """Return the bytes bitsandbytes keeps beside the quantized weights of `model`, outside its parameters.
+
+    `Linear8bitLt`'s fp32 row scales (`state.SCB`) and `Linear4bit`'s absmax and offset
+    (`quantization._quant_state_tensors`), each tensor once. Neither the tracker (which counts
+    parameters, buffers, gradients, optimizer state and what the step allocates) nor a plan's tensors at
+    peak include them; on CUDA they are inside `max_memory_allocated` (`cuda_rounding`: each rounded
+    up to the caching allocator's 512-byte blocks).
+    """
+    from colab_memopt.quantization import _quant_state_tensors
+
+    try:
+        import bitsandbytes as bnb
+    except ImportError:  # pragma: no cover - bitsandbytes is a dependency
+        return 0
+    seen: dict[int, int] = {}
+    for mod in model.modules():
+        weight = getattr(mod, "weight", None)
+        if isinstance(mod, (bnb.nn.Linear8bitLt, bnb.nn.Linear4bit)) and isinstance(weight, torch.Tensor):
+            for t in _quant_state_tensors(weight, mod):
+                nbytes = t.numel() * t.element_size()
+                seen[id(t)] = -(-nbytes // _CUDA_MIN_BLOCK) * _CUDA_MIN_BLOCK if cuda_rounding else nbytes
+    return sum(seen.values())
+
+
+def _int8_outlier_warning(model: nn.Module, batch: int, seq_len: int, recipe: Recipe, target: Target) -> str:
+    """Return the plan's warning for 8-bit bases traced as CUDA runs them: what the trace cannot know."""
+    from colab_memopt.quantization import INT8_THRESHOLD
+
+    tokens = -(-batch // max(1, recipe.accumulation_steps)) * seq_len
+    value_bytes = 2 if recipe.precision in ("bf16", "bf16-autocast", "fp16-autocast") else 4
+    per_column, every_column = int8_outlier_bytes(model, tokens, value_bytes)
+    scratch = max((tokens * m.out_features * (4 + 2) for m in _int8_layers(model)), default=0)
+    return (f"bnb_int8 on {target.name} is traced as CUDA runs LLM.int8 (MatMul8bitLt) with no outlier column: this "
+            f"plan is a lower bound. Input columns holding a value of magnitude >= {INT8_THRESHOLD} are kept in the "
+            f"input's dtype until backward: {format_bytes(per_column)} for one such column in each of the "
+            f"{len(_int8_layers(model))} 8-bit layers, {format_bytes(every_column)} if every column were one; the int8 matmul's own scratch "
+            f"(an int32 and a 16-bit copy of a layer's output, up to {format_bytes(scratch)}) is not traced either. "
+            "Not yet checked against a GPU measurement; on the CPU the 8-bit path is traced exactly")
+
+
 def int8_outlier_bytes(model: nn.Module, tokens: int, value_bytes: int) -> tuple[int, int]:
     """Return (bytes per outlier column, bytes if every column were one) that LLM.int8 keeps for backward.
 
@@ -913,6 +954,15 @@ def plan(
         analytic_peak_bytes=analytic.peak_bytes, warnings=warn, optimizer_impl=impl if used == "trace" else "analytic",
     )
     result.host_costs += _load_costs(spec, rec, tgt)
+    if used == "trace":
+        scales = quantization_scale_bytes(tracer.model, cuda_rounding=tgt.cuda)
+        if scales:
+            device_costs.append(Cost("quantization scales", scales,
+                                     "traced: bitsandbytes' row scales and absmax kept beside the quantized weights (outside "
+                                     "the parameters, so not in the tensors at peak, as the tracker does not see them either)",
+                                     in_allocator=True))
+        if tracer.int8_as_on_cuda:
+            warn.append(_int8_outlier_warning(tracer.model, batch, seq_len, rec, tgt))
     if rec.checkpointing == "offload":  # issue 16: the checkpointed blocks' inputs wait in host RAM
         if used == "trace":
             offloader = checkpoint_offloader(tracer.model)
