@@ -10,7 +10,9 @@ What CUDA runs differently is planned as CUDA runs it: for a CUDA target the opt
 the implementation torch picks there (foreach: `_default_to_fused_or_foreach` picks it for CUDA
 tensors, and foreach AdamW's `_foreach_sqrt` holds a 4 B/param temporary for all parameters at
 once), and the fixed bytes a step allocates through the caching allocator (the cuBLAS workspace) are
-lines of the plan with their source.
+lines of the plan with their source. bitsandbytes' 8-bit layers run LLM.int8 there (the CPU's training
+path dequantizes the weight instead): traced with no outlier column, since which input columns are
+outliers depends on the values, and said to be a lower bound (`_int8_as_on_cuda`).
 """
 
 from __future__ import annotations
