@@ -590,6 +590,8 @@ def _traceable(recipe: Recipe) -> Recipe:
     changes = {}
     if recipe.precision == "fp16-autocast":
         changes["precision"] = "bf16-autocast"
+        if recipe.base_dtype == "fp16":  # the frozen base in the traced autocast dtype: the same 2 bytes, no casts
+            changes["base_dtype"] = "bf16"
     if recipe.eval_precision == "fp16-autocast":
         changes["eval_precision"] = "bf16-autocast"
     return recipe.with_(**changes) if changes else recipe
@@ -738,6 +740,11 @@ def plan(
         meta_model = shape_model(model_factory)
         check_seq_len(seq_len, max_positions(meta_model), type(meta_model).__name__)
     rec.check_model(meta_model)  # a plan only for what can run: what Recipe.build refuses, plan refuses
+    if tgt.cuda and tgt.compute_capability is not None:  # issue 18: a bf16 frozen base needs native bf16
+        from colab_memopt.precision import check_native_bf16
+
+        check_native_bf16(rec.base_dtype, native_bf16=tuple(tgt.compute_capability) >= (8, 0),
+                          where=f"target {tgt.name!r} (sm_{tgt.compute_capability[0]}{tgt.compute_capability[1]})")
     analytic = estimate.training_step_bytes(meta_model, batch, seq_len, rec)
     device_costs = []
     if tgt.cuda:
