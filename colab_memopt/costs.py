@@ -351,8 +351,8 @@ def costs_for_class(cls: str, path: str | Path | None = None) -> TechniqueCosts:
     measured = load_technique_costs(None if path is None and cls == "cpu" else file)
     if measured.device_class != cls:
         raise ValueError(f"{file} holds ratios of device class {measured.device_class!r} ({measured.device}), not "
-                         f"{cls!r}: a measurement on one device class never stands for another (write 'device_class' "
-                         "with benchmarks/technique_costs.py --device-class)")
+                         f"{cls!r}: a measurement on one device class never stands for another (benchmarks/technique_costs.py "
+                         "writes 'device_class', the class of the device it ran on)")
     ratios = {**priors.ratios, **measured.ratios}
     kinds = {**priors.kinds, **{t: "measured" for t in measured.ratios}}
     citations = {t: c for t, c in priors.citations.items() if kinds[t] == "prior"}
