@@ -208,14 +208,14 @@ def precision_options(target: Any = "t4", half_precision: bool = True) -> list[s
     return [mixed] if tgt is None or tgt.cuda else ["fp32", mixed]
 
 
+BASE_FOR_PRECISION = {"fp16-autocast": "fp16", "bf16-autocast": "bf16"}  # LoRA's frozen base per autocast precision
+
+
 def _half_base(values: dict[str, Any]) -> dict[str, Any]:
     """Keep LoRA's frozen base in the candidate's 16-bit autocast dtype (issue 18); fp32 compute keeps it fp32."""
     if values.get("lora_rank") and values.get("precision") in BASE_FOR_PRECISION:
         return {**values, "base_dtype": BASE_FOR_PRECISION[values["precision"]]}
     return values
-
-
-BASE_FOR_PRECISION = {"fp16-autocast": "fp16", "bf16-autocast": "bf16"}
 
 
 def candidate_recipes(batch: int, *, target: Any = "t4", mode: str = "full", model: str | None = None,
@@ -321,8 +321,7 @@ def _recommend_auto(model: Any, batch: int, kwargs: dict[str, Any]) -> Recommend
     return rec
 
 
-def _side_by_side(chosen: Candidate, cands: list[Candidate], meta_model: nn.Module, batch: int, seq_len: int,
-                  fixed: int) -> str | None:
+def _side_by_side(chosen: Candidate, meta_model: nn.Module, batch: int, seq_len: int, fixed: int) -> str | None:
     """Return LoRA's and QLoRA's needs for the chosen recipe side by side (QLoRA often saves less than expected)."""
     r = chosen.recipe
     if not r.lora_rank:
@@ -405,9 +404,17 @@ def _recommend_mode(
     reasoning.append(f"analytic screen: {len(passed)} of {len(cands)} fit")
     chosen = None
     planned = 0
+    # Calibration (issue 18: trace only the finalists): once a traced plan needed more than the analytic screen
+    # said, a later candidate whose screen, scaled by the smallest such under-estimate seen, is still over the
+    # limit is passed over unplanned, so the plans go to candidates that can fit.
+    under = None
+    passed_over = 0
     for c in passed:
         if planned >= max_plans:
             break
+        if under is not None and c.analytic_need_bytes * under > limit:
+            passed_over += 1
+            continue
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # the plan keeps its own warnings
@@ -427,6 +434,12 @@ def _recommend_mode(
         if c.plan.fits:
             chosen = c
             break
+        ratio = c.plan.device_need_bytes / max(1, c.analytic_need_bytes)
+        if ratio > 1:
+            under = ratio if under is None else min(under, ratio)
+    if passed_over:
+        reasoning.append(f"passed over {passed_over} candidates unplanned: their analytic screen x{under:.2f} (the smallest "
+                         f"under-estimate a trace showed here) is above the limit")
     if chosen is None:
         leanest = min(cands, key=lambda c: c.need_bytes)
         raise NoRecipeFits(
@@ -439,7 +452,7 @@ def _recommend_mode(
         )
     reasoning.append(f"chosen: {chosen.name}, expected slowdown x{chosen.slowdown.ratio:.2f}"
                      + (f" (not measured: {chosen.slowdown.unmeasured}, counted as 1.0)" if chosen.slowdown.unmeasured else ""))
-    side = _side_by_side(chosen, cands, meta_model, batch, seq_len, fixed)
+    side = _side_by_side(chosen, meta_model, batch, seq_len, fixed)
     if side:
         reasoning.append(side)
     return Recommendation(name, batch, seq_len, mode, objective, tgt, chosen, cands, costs.device, reasoning, costs)
