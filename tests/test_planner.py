@@ -410,3 +410,17 @@ def test_a_half_precision_lora_base_is_refused_in_bf16_on_a_t4_and_halves_the_fr
     frozen = sum(p.numel() for p in cm.build_model("tiny").parameters())
     # the frozen base goes from 4 to 2 bytes per value; the adapters (trainable) stay fp32
     assert fp32.by_category["parameters"] - half.by_category["parameters"] == 2 * frozen
+
+
+def test_a_named_models_trace_is_cached_within_the_process_and_a_factory_is_not():
+    # issue 18: the recommender plans the same recipe again (modes, objectives, the explore panel)
+    planner.clear_trace_cache()
+    first = planner.plan("tiny", 2, seq_len=32, target=CPU_TARGET, find_max_batch=False)
+    assert len(planner._TRACE_CACHE) == 1
+    again = planner.plan("tiny", 2, seq_len=32, target=CPU_TARGET, find_max_batch=False)
+    assert again.peak_bytes == first.peak_bytes and again.by_phase == first.by_phase and again.method == "trace"
+    planner.plan("tiny", 3, seq_len=32, target=CPU_TARGET, find_max_batch=False)  # another shape: another entry
+    planner.plan(lambda: cm.build_model("tiny"), 2, seq_len=32, target=CPU_TARGET, find_max_batch=False)
+    planner.plan("tiny", 2, seq_len=32, target=CPU_TARGET)  # the max-batch search needs the tracer: not cached
+    assert len(planner._TRACE_CACHE) == 2
+    planner.clear_trace_cache()
