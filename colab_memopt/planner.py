@@ -659,6 +659,34 @@ def _fake_safe_transformers() -> Iterator[None]:
         masking_utils.find_packed_sequence_indices = original
 
 
+def _prime_optimizer(optimizer: Any, recipe: Recipe) -> bool:
+    """Give every trainable parameter a zero gradient and run one optimizer step (its state now exists), as a
+    warm-up step leaves them; return False where only a whole step can do it (an optimizer that steps in
+    backward, phase-aware training)."""
+    from colab_memopt.optimizers import OptimizerInBackward
+
+    if (not isinstance(optimizer, torch.optim.Optimizer) or isinstance(optimizer, OptimizerInBackward)
+            or recipe.phase_offload is not None or recipe.uses_deepspeed or recipe.layer_offload_active):
+        return False
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.requires_grad:
+                p.grad = torch.zeros_like(p)
+    optimizer.step()
+    return True
+
+
+# Traces of named models within this process (issue 18: the recommender plans the same recipes again):
+# (model name, traced recipe, seq_len, batch, CUDA rounding, optimizer implementation) -> trace.
+_TRACE_CACHE: dict[tuple[Any, ...], Any] = {}
+_TRACE_CACHE_SIZE = 256
+
+
+def clear_trace_cache() -> None:
+    """Forget the traces `plan` cached in this process."""
+    _TRACE_CACHE.clear()
+
+
 class _Tracer:
     """Build the model once under fake tensors, warm it up, then trace steps at any batch size."""
 
@@ -680,9 +708,12 @@ class _Tracer:
             self.model, self.optimizer = recipe.build(model)
             set_optimizer_impl(self.optimizer, optimizer_impl)
             self.batches = _FakeBatches(_vocab_size(self.model))
-            # A warm-up step creates the optimizer state and the gradients, as a real warm-up does.
-            # Fake tensors cost the same at any batch, so warm up at the batch that is planned.
-            self._step(batch)()
+            # A warm-up creates the optimizer state and the gradients, as a real warm-up step does. Where the
+            # optimizer steps after backward, one optimizer step on zero gradients does it without the forward
+            # and backward (half a plan's time on a big model, issue 18; tests/test_planner.py pins the peaks to
+            # real measurements); otherwise a whole step, at the batch that is planned.
+            if not _prime_optimizer(self.optimizer, recipe):
+                self._step(batch)()
 
     def _step(self, batch: int) -> Callable[[], Any]:
         return make_train_step(self.model, self.optimizer, self.batches, batch_size=batch, seq_len=self.seq_len, recipe=self.recipe)
@@ -759,6 +790,8 @@ def _traceable(recipe: Recipe) -> Recipe:
     changes = {}
     if recipe.precision == "fp16-autocast":
         changes["precision"] = "bf16-autocast"
+        if recipe.base_dtype == "fp16":  # the frozen base in the traced autocast dtype: the same 2 bytes, no casts
+            changes["base_dtype"] = "bf16"
     if recipe.eval_precision == "fp16-autocast":
         changes["eval_precision"] = "bf16-autocast"
     return recipe.with_(**changes) if changes else recipe
@@ -893,6 +926,7 @@ def plan(
     if batch < rec.accumulation_steps:
         raise ValueError(f"batch {batch} is smaller than recipe.accumulation_steps={rec.accumulation_steps}: "
                          "the batch is the effective batch, split into that many micro-batches")
+    model_factory_arg = model_factory
     try:
         spec = architectures.resolve_model(model_factory)  # a name, hub id, folder, config.json, config or factory
     except TypeError:
@@ -907,6 +941,11 @@ def plan(
         meta_model = shape_model(model_factory)
         check_seq_len(seq_len, max_positions(meta_model), type(meta_model).__name__)
     rec.check_model(meta_model)  # a plan only for what can run: what Recipe.build refuses, plan refuses
+    if tgt.cuda and tgt.compute_capability is not None:  # issue 18: a bf16 frozen base needs native bf16
+        from colab_memopt.precision import check_native_bf16
+
+        check_native_bf16(rec.base_dtype, native_bf16=tuple(tgt.compute_capability) >= (8, 0),
+                          where=f"target {tgt.name!r} (sm_{tgt.compute_capability[0]}{tgt.compute_capability[1]})")
     analytic = estimate.training_step_bytes(meta_model, batch, seq_len, rec)
     device_costs = []
     if tgt.cuda:
@@ -934,10 +973,22 @@ def plan(
             raise ValueError(f"cannot trace this recipe: {rec.untraceable_reason}")
         warn.append(f"not traced: {rec.untraceable_reason}; the figures are the analytic estimate")
     elif method != "analytic":
+        # A named model's trace is cached (the recommender and notebooks plan the same recipe again), unless the
+        # tracer itself is needed afterwards (the max-batch search, offloaded checkpoints' host bytes).
+        cache_key = ((name, _traceable(rec), seq_len, batch, tgt.cuda, impl)
+                     if isinstance(model_factory_arg, str) and model_factory_arg in architectures.model_names()
+                     and not find_max_batch and rec.checkpointing != "offload" else None)
         try:
-            tracer = _Tracer(model_factory, _traceable(rec), seq_len, cuda_rounding=tgt.cuda, batch=batch,
-                             optimizer_impl=impl)
-            trace = tracer.trace(batch)
+            if cache_key is not None and cache_key in _TRACE_CACHE:
+                trace = _TRACE_CACHE[cache_key]
+            else:
+                tracer = _Tracer(model_factory, _traceable(rec), seq_len, cuda_rounding=tgt.cuda, batch=batch,
+                                 optimizer_impl=impl)
+                trace = tracer.trace(batch)
+                if cache_key is not None:
+                    if len(_TRACE_CACHE) >= _TRACE_CACHE_SIZE:
+                        _TRACE_CACHE.pop(next(iter(_TRACE_CACHE)))
+                    _TRACE_CACHE[cache_key] = trace
             used = "trace"
         except Exception as exc:  # noqa: BLE001 - any failure to trace falls back, loudly
             if method == "trace":

@@ -162,6 +162,10 @@ TRACED_RECIPES = [
     {"optimizer": "adam_mini"},
     {"optimizer": "adamw_in_backward"},
     {"lora_rank": 4},
+    # issue 18: LoRA's frozen base in half precision, adapters fp32 (fp16 is traced as bf16: the same bytes)
+    {"lora_rank": 4, "base_dtype": "fp16", "precision": "fp16-autocast"},
+    {"lora_rank": 4, "base_dtype": "bf16", "precision": "bf16-autocast"},
+    {"quantization": "nf4", "lora_rank": 4, "base_dtype": "fp16", "precision": "fp16-autocast"},  # 4-bit layers compute in fp16
     # bitsandbytes' 8-bit optimizers: their code book is built for real, their update ops have fake kernels.
     {"optimizer": "adamw8bit"},
     {"optimizer": "lion8bit"},
@@ -490,3 +494,30 @@ def test_offloaded_checkpoints_on_a_transformers_llama_trace_as_full_checkpointi
     assert full_plan.peak_bytes == full_measured.peak_bytes
     host = {c.name: c.bytes for c in plan.host_costs}["offloaded checkpoints"]
     assert host == cm.checkpointing.checkpoint_offloader(model).peak_host_bytes == 2 * 2 * 48 * 64 * 4
+
+
+def test_a_half_precision_lora_base_is_refused_in_bf16_on_a_t4_and_halves_the_frozen_weights():
+    recipe = cm.Recipe(lora_rank=4, base_dtype="bf16", precision="bf16-autocast")
+    with pytest.raises(ValueError, match=r"base_dtype='bf16' on target 't4' \(sm_75\), which has no native bf16"):
+        planner.plan("tiny", 1, seq_len=32, recipe=recipe, target="t4", find_max_batch=False)
+    fp32 = planner.plan("tiny", 1, seq_len=32, recipe=cm.Recipe(lora_rank=4, precision="fp16-autocast"), target=CPU_TARGET,
+                        find_max_batch=False)
+    half = planner.plan("tiny", 1, seq_len=32, recipe=recipe.with_(base_dtype="fp16", precision="fp16-autocast"),
+                        target=CPU_TARGET, find_max_batch=False)
+    frozen = sum(p.numel() for p in cm.build_model("tiny").parameters())
+    # the frozen base goes from 4 to 2 bytes per value; the adapters (trainable) stay fp32
+    assert fp32.by_category["parameters"] - half.by_category["parameters"] == 2 * frozen
+
+
+def test_a_named_models_trace_is_cached_within_the_process_and_a_factory_is_not():
+    # issue 18: the recommender plans the same recipe again (modes, objectives, the explore panel)
+    planner.clear_trace_cache()
+    first = planner.plan("tiny", 2, seq_len=32, target=CPU_TARGET, find_max_batch=False)
+    assert len(planner._TRACE_CACHE) == 1
+    again = planner.plan("tiny", 2, seq_len=32, target=CPU_TARGET, find_max_batch=False)
+    assert again.peak_bytes == first.peak_bytes and again.by_phase == first.by_phase and again.method == "trace"
+    planner.plan("tiny", 3, seq_len=32, target=CPU_TARGET, find_max_batch=False)  # another shape: another entry
+    planner.plan(lambda: cm.build_model("tiny"), 2, seq_len=32, target=CPU_TARGET, find_max_batch=False)
+    planner.plan("tiny", 2, seq_len=32, target=CPU_TARGET)  # the max-batch search needs the tracer: not cached
+    assert len(planner._TRACE_CACHE) == 2
+    planner.clear_trace_cache()
