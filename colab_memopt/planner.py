@@ -492,6 +492,33 @@ def _fake_safe_transformers() -> Iterator[None]:
         masking_utils.find_packed_sequence_indices = original
 
 
+@contextlib.contextmanager
+def _fake_safe_lomo(recipe: Recipe) -> Iterator[None]:
+    """Let AdaLomo's update run under fake tensors, for the duration.
+
+    lomo-optim 0.1.1 computes `max(eps, p_rms)` with Python's `max` on a 0-dim tensor, which asks
+    for the tensor's value; fake tensors have none. The same value as a `torch.clamp` (a 0-dim tensor,
+    as `max` returns when p_rms is larger) traces.
+    """
+    if recipe.optimizer != "adalomo":
+        yield
+        return
+    import builtins
+
+    import lomo_optim.adalomo as adalomo
+
+    def tensor_max(a: Any, b: Any) -> Any:
+        if torch.is_tensor(b) and not torch.is_tensor(a):
+            return torch.clamp(b, min=a)
+        return builtins.max(a, b)
+
+    adalomo.max = tensor_max  # a module global shadows the builtin
+    try:
+        yield
+    finally:
+        del adalomo.max
+
+
 class _Tracer:
     """Build the model once under fake tensors, warm it up, then trace steps at any batch size."""
 
@@ -506,7 +533,8 @@ class _Tracer:
         self.recipe = recipe
         self.cuda_rounding = cuda_rounding
         self._cache: dict[int, _Trace] = {}
-        with self.mode, _fake_safe_module_to(), _fake_safe_bitsandbytes(self.mode, recipe), _fake_safe_transformers():
+        with self.mode, _fake_safe_module_to(), _fake_safe_bitsandbytes(self.mode, recipe), _fake_safe_transformers(), \
+                _fake_safe_lomo(recipe):
             model = model_factory()
             self.model, self.optimizer = recipe.build(model)
             set_optimizer_impl(self.optimizer, optimizer_impl)
@@ -524,7 +552,7 @@ class _Tracer:
         return self._cache[batch]
 
     def _trace(self, batch: int) -> _Trace:
-        with self.mode, _fake_safe_transformers():
+        with self.mode, _fake_safe_transformers(), _fake_safe_lomo(self.recipe):
             step = self._step(batch)
             tracker = TensorTracker(device=torch.device("cpu"), cuda_rounding=self.cuda_rounding)
             tracker.track_external(self.model, self.optimizer)
@@ -585,11 +613,14 @@ def _linear_max_batch(trace: _Trace, batch: int, budget_bytes: int) -> int:
 
 
 def _traceable(recipe: Recipe) -> Recipe:
-    """Return the recipe to trace: fp16 autocast as bf16 autocast (GradScaler's overflow check branches
-    on a tensor's value, which fake tensors cannot; the bytes of the step are the same)."""
-    changes = {}
+    """Return the recipe to trace: fp16 autocast as bf16 autocast, pure fp16 as pure bf16 with the same
+    update rounding (the loss scalers' overflow checks branch on a tensor's value, which fake tensors
+    cannot; the bytes of the step are the same: `rounding.DynamicLossScaler` checks with scalar reductions)."""
+    changes: dict[str, Any] = {}
     if recipe.precision == "fp16-autocast":
         changes["precision"] = "bf16-autocast"
+    if recipe.precision == "fp16":
+        changes.update(precision="bf16", update_rounding=recipe.rounding_mode or "none")
     if recipe.eval_precision == "fp16-autocast":
         changes["eval_precision"] = "bf16-autocast"
     return recipe.with_(**changes) if changes else recipe
@@ -747,6 +778,10 @@ def plan(
             Cost("cuBLAS workspace", workspace, workspace_source, in_allocator=True),
         ]
     warn: list[str] = []
+    if rec.precision == "fp16":
+        warn.append("pure fp16 is traced as pure bf16 with the same update rounding (the same 2-byte weights, "
+                    "gradients and activations); the loss scaler's few scalars and its data-dependent skip of "
+                    "overflowing steps are not traced")
     if rec.precision == "fp16-autocast" or rec.eval_precision == "fp16-autocast":
         warn.append("fp16 autocast is traced as bf16 autocast (the same 2-byte activations); the GradScaler's "
                     "few scalars and its data-dependent skip of overflowing steps are not traced; CUDA autocast runs "

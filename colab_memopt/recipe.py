@@ -19,7 +19,7 @@ from colab_memopt.checkpointing import POLICIES, apply_checkpointing, find_block
 from colab_memopt.compression import MODES as COMPRESSION_MODES
 from colab_memopt.compression import check_compressible, compress_activations
 from colab_memopt.offload import STRATEGIES, LayerStreamer, check_streamable
-from colab_memopt.optimizers import OPTIMIZERS, OptimizerInBackward, make_optimizer
+from colab_memopt.optimizers import FUSED_BACKWARD_OPTIMIZERS, OPTIMIZERS, OptimizerInBackward, make_optimizer
 from colab_memopt.phases import OFFLOAD_STRATEGIES
 from colab_memopt.precision import FORWARD_PRECISIONS, PURE_PRECISIONS, check_precision, prepare_model
 from colab_memopt.rounding import UpdateRounding, check_update_rounding
@@ -183,6 +183,8 @@ class Recipe:
                     f"precision={self.precision!r} keeps fp32 weights: use precision 'bf16' or 'fp16', or leave "
                     "update_rounding=None"
                 )
+        if self.optimizer in FUSED_BACKWARD_OPTIMIZERS:
+            self._check_fused_backward()
         if self.precision == "fp16" and self.optimizer.endswith("_in_backward"):
             raise ValueError(
                 f"recipe.optimizer={self.optimizer!r} steps inside backward, before the loss scaler can unscale "
@@ -226,11 +228,29 @@ class Recipe:
         """Return True when the step runs in a DeepSpeed engine (zero_stage >= 1 or any offload)."""
         return self.zero_stage > 0 or self.offload_optimizer or self.offload_param
 
+    def _check_fused_backward(self) -> None:
+        """Refuse what LOMO / AdaLomo (lomo-optim: the update inside their own backward) cannot do."""
+        name = f"recipe.optimizer={self.optimizer!r}"
+        if self.accumulation_steps != 1:
+            raise ValueError(f"{name} updates the weights inside every backward, so it cannot accumulate gradients: "
+                             f"use accumulation_steps=1 (got {self.accumulation_steps!r})")
+        if self.precision == "fp16-autocast":
+            raise ValueError(f"{name} updates inside backward, before a GradScaler could unscale or skip: use "
+                             "precision='fp16' (LOMO scales an fp16 loss itself; AdaLomo by a fixed 2**10) or 'bf16'")
+        if self.update_rounding is not None:
+            raise ValueError(f"{name} writes its fp32 update into the weights itself (round to nearest): leave "
+                             f"update_rounding=None (got {self.update_rounding!r})")
+        if self.lora_rank or self.quantization is not None and self.quantization_phase == "all":
+            raise ValueError(f"{name} is full fine-tuning (it hooks and keeps state for every parameter): leave "
+                             "lora_rank=0 and quantization None (or quantization_phase='forward_only')")
+        if self.phase_offload is not None or self.layer_offload_active:
+            raise ValueError(f"{name} runs its own backward: leave phase_offload=None and layer_offload_active=0")
+
     @property
     def rounding_mode(self) -> str | None:
         """Return the update rounding `build` applies: None (the optimizer steps the weights as they are)
         or a mode of `rounding.UPDATE_ROUNDINGS` (see `update_rounding`)."""
-        if self.precision not in PURE_PRECISIONS:
+        if self.precision not in PURE_PRECISIONS or self.optimizer in FUSED_BACKWARD_OPTIMIZERS:
             return None
         if self.update_rounding is not None:
             return self.update_rounding
@@ -345,6 +365,7 @@ class Recipe:
             return model, OptimizerInBackward(
                 [p for _, p in trainable], lambda ps: UpdateRounding(make_optimizer(inner, ps, lr=self.lr), mode))
         optimizer = make_optimizer(self.optimizer, params, lr=self.lr, model=None if self.lora_rank else model)
+        # (LOMO / AdaLomo: `rounding_mode` is None, they write their own fp32 update into the weights)
         return model, optimizer if mode is None else UpdateRounding(optimizer, mode)
 
     def forward_model(self, model: nn.Module) -> nn.Module:

@@ -152,6 +152,12 @@ TRACED_RECIPES = [
     {"precision": "bf16-autocast"},
     {"precision": "fp16-autocast"},
     {"precision": "bf16"},
+    {"precision": "bf16", "update_rounding": "kahan"},
+    {"precision": "bf16", "update_rounding": "stochastic"},
+    {"precision": "fp16"},  # traced as bf16 with Kahan; measured in real fp16 with its loss scaler
+    {"precision": "bf16", "optimizer": "lomo"},
+    {"precision": "bf16", "optimizer": "adalomo"},
+    {"precision": "bf16", "update_rounding": "kahan", "optimizer": "adamw_in_backward"},
     {"checkpointing": "full"},
     {"checkpointing": "selective"},
     {"checkpointing": "offload"},

@@ -94,3 +94,22 @@ def test_probe_rows_74_75_lr_must_be_a_finite_number(lr):
     # was: TypeError "'>' not supported between 'str' and 'int'" ('0.1', None); accepted (True, inf)
     with pytest.raises(ValueError, match=r"recipe.lr must be a finite number > 0, got "):
         cm.Recipe(lr=lr)
+
+
+def test_update_rounding_is_built_and_refused_for_fp32_weights():
+    from colab_memopt.recipe import Recipe
+    from colab_memopt.rounding import UpdateRounding
+
+    with pytest.raises(ValueError, match="update_rounding='kahan' rounds updates into 16-bit weights"):
+        Recipe(update_rounding="kahan")
+    with pytest.raises(ValueError, match="update_rounding must be one of"):
+        Recipe(precision="bf16", update_rounding="nearest")
+    with pytest.raises(ValueError, match="cannot train under precision='fp16'"):
+        Recipe(precision="fp16", optimizer="adamw_in_backward")
+    assert Recipe(precision="fp16").rounding_mode == "kahan"
+    assert Recipe(precision="bf16").rounding_mode is None  # bf16 steps its weights as before the field
+    model, opt = Recipe(precision="fp16", update_rounding="stochastic").build(cm.build_model("tiny"))
+    assert isinstance(opt, UpdateRounding) and opt.mode == "stochastic"
+    assert {p.dtype for p in model.parameters()} == {torch.float16}
+    _, plain = Recipe(precision="bf16").build(cm.build_model("tiny"))
+    assert isinstance(plain, torch.optim.AdamW)
