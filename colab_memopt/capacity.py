@@ -183,3 +183,62 @@ def capacity_table(
                     "limit_bytes": fits[0].limit_bytes,
                 })
     return rows
+
+
+def largest_scaled_for(base: str, recipe: Recipe, *, seq_len: int, batch: int = 1, target: Any = "t4",
+                       headroom: float = 0.05, max_layers: int = 256, trace: bool = True) -> dict[str, Any]:
+    """Return the deepest `base`-shaped model (`scaled`) that one recipe trains on `target`, and its need.
+
+    The depth is bisected with the analytic estimate (milliseconds per depth), then, with `trace`,
+    corrected by the planner's trace (`planner.plan(method='trace')`, exact on the CPU): one trace at
+    the analytic answer, a step by the per-layer slope to where the trace says the boundary is, and
+    traces one layer at a time until the deepest traced fit and the shallowest traced miss are
+    neighbours. Returns a dict: layers, params, need_bytes, limit_bytes, method ('trace' or
+    'analytic'), next_params (one layer more, which does not fit; None at `max_layers`), traces.
+
+    Example:
+        >>> largest_scaled_for("llama-3.1-8b", Recipe(precision="bf16", optimizer="lomo", checkpointing="full"), seq_len=2048)
+    """
+    from colab_memopt.planner import plan
+
+    tgt = get_target(target)
+    limit = int(tgt.device_bytes * (1 - headroom))
+
+    def analytic(n: int) -> int:
+        return need_bytes(scaled(base, n), recipe, batch=batch, seq_len=seq_len, target=tgt)
+
+    if analytic(1) > limit:
+        return {"layers": 0, "params": 0, "need_bytes": analytic(1), "limit_bytes": limit, "method": "analytic",
+                "next_params": model_params(scaled(base, 1)), "traces": 0}
+    lo, hi = 1, max_layers
+    if analytic(hi) <= limit:
+        lo = hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if analytic(mid) <= limit else (lo, mid)
+    layers, need, method, traces = lo, analytic(lo), "analytic", 0
+    if trace:
+        cache: dict[int, int] = {}
+
+        def traced(n: int) -> int:
+            if n not in cache:
+                name = scaled(base, n)
+                cache[n] = plan(lambda: _SCALED[name].build(), batch, seq_len=seq_len, recipe=recipe, target=tgt,
+                                headroom=headroom, find_max_batch=False, method="trace").device_need_bytes
+            return cache[n]
+
+        slope = max(1, analytic(2) - analytic(1))  # bytes per block
+        first = traced(layers)
+        guess = layers + (limit - first) // slope if first <= limit else layers - -(-(first - limit) // slope)
+        n = min(max(1, guess), max_layers)
+        while n > 1 and traced(n) > limit:
+            n -= 1
+        while n < max_layers and traced(n) <= limit and traced(n + 1) <= limit:
+            n += 1
+        if traced(n) <= limit:
+            layers, need, method, traces = n, traced(n), "trace", len(cache)
+        else:
+            layers, need, method, traces = 0, traced(n), "trace", len(cache)
+    return {"layers": layers, "params": model_params(scaled(base, layers)) if layers else 0, "need_bytes": need,
+            "limit_bytes": limit, "method": method,
+            "next_params": model_params(scaled(base, layers + 1)) if layers < max_layers else None, "traces": traces}

@@ -558,3 +558,30 @@ def layer_streaming_param_bytes(block_bytes: int, n_blocks: int, resident_bytes:
         raise ValueError(f"need n_blocks >= 1, max_active_layers >= 1, prefetch_distance >= 0; got "
                          f"{n_blocks}, {max_active_layers}, {prefetch_distance}")
     return resident_bytes + min(n_blocks, max_active_layers + prefetch_distance) * block_bytes
+
+
+def model_state_bytes(model: torch.nn.Module, recipe: Any) -> int:
+    """Return the exact model-state bytes left after a training step of `model` as `recipe.build` made it.
+
+    Weights (in their stored dtypes), the gradients the step leaves alive (none for an optimizer that
+    steps inside backward: '*_in_backward', LOMO, AdaLomo) and the optimizer state
+    (`optimizer_state_bytes` of the weights as they are: pure 16-bit weights keep 16-bit state,
+    `rounding.UpdateRounding` stores it in bf16), plus the Kahan compensation buffers (one per
+    trainable 16-bit weight) under `recipe.rounding_mode == 'kahan'`.
+
+    Example:
+        >>> model, opt = recipe.build(build_model("small"))
+        >>> model_state_bytes(model, recipe) / count_parameters(model)  # 16.0 for fp32 AdamW
+    """
+    params = _unique(model.parameters())
+    trainable = [p for p in params if p.requires_grad]
+    weights = sum(p.numel() * p.element_size() for p in params)
+    fused = recipe.optimizer.endswith("_in_backward") or recipe.optimizer in ("lomo", "adalomo")
+    grads = 0 if fused else sum(p.numel() * p.element_size() for p in trainable)
+    if recipe.optimizer == "adam_mini":
+        state = optimizer_state_bytes(list(model.named_parameters()), "adam_mini", n_head=_dims(model)["heads"])
+    else:
+        state = optimizer_state_bytes(trainable, recipe.optimizer)
+    if getattr(recipe, "rounding_mode", None) == "kahan":
+        state += sum(p.numel() * p.element_size() for p in trainable if p.dtype in (torch.float16, torch.bfloat16))
+    return weights + grads + state
