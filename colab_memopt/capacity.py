@@ -193,7 +193,8 @@ def largest_scaled_for(base: str, recipe: Recipe, *, seq_len: int, batch: int = 
     corrected by the planner's trace (`planner.plan(method='trace')`, exact on the CPU): one trace at
     the analytic answer, a step by the per-layer slope to where the trace says the boundary is, and
     traces one layer at a time until the deepest traced fit and the shallowest traced miss are
-    neighbours. Returns a dict: layers, params, need_bytes, limit_bytes, method ('trace' or
+    neighbours. Depths start at 2 blocks (checkpointing looks for a stack of two or more). Returns a
+    dict: layers (0: not even 2 fit), params, need_bytes, limit_bytes, planned_by ('trace' or
     'analytic'), next_params (one layer more, which does not fit; None at `max_layers`), traces.
 
     Example:
@@ -207,10 +208,10 @@ def largest_scaled_for(base: str, recipe: Recipe, *, seq_len: int, batch: int = 
     def analytic(n: int) -> int:
         return need_bytes(scaled(base, n), recipe, batch=batch, seq_len=seq_len, target=tgt)
 
-    if analytic(1) > limit:
-        return {"layers": 0, "params": 0, "need_bytes": analytic(1), "limit_bytes": limit, "method": "analytic",
-                "next_params": model_params(scaled(base, 1)), "traces": 0}
-    lo, hi = 1, max_layers
+    if analytic(2) > limit:
+        return {"layers": 0, "params": 0, "need_bytes": analytic(2), "limit_bytes": limit, "planned_by": "analytic",
+                "next_params": model_params(scaled(base, 2)), "traces": 0}
+    lo, hi = 2, max_layers
     if analytic(hi) <= limit:
         lo = hi
     while hi - lo > 1:
@@ -227,11 +228,11 @@ def largest_scaled_for(base: str, recipe: Recipe, *, seq_len: int, batch: int = 
                                 headroom=headroom, find_max_batch=False, method="trace").device_need_bytes
             return cache[n]
 
-        slope = max(1, analytic(2) - analytic(1))  # bytes per block
+        slope = max(1, analytic(3) - analytic(2))  # bytes per block
         first = traced(layers)
         guess = layers + (limit - first) // slope if first <= limit else layers - -(-(first - limit) // slope)
-        n = min(max(1, guess), max_layers)
-        while n > 1 and traced(n) > limit:
+        n = min(max(2, guess), max_layers)
+        while n > 2 and traced(n) > limit:
             n -= 1
         while n < max_layers and traced(n) <= limit and traced(n + 1) <= limit:
             n += 1
@@ -240,5 +241,5 @@ def largest_scaled_for(base: str, recipe: Recipe, *, seq_len: int, batch: int = 
         else:
             layers, need, method, traces = 0, traced(n), "trace", len(cache)
     return {"layers": layers, "params": model_params(scaled(base, layers)) if layers else 0, "need_bytes": need,
-            "limit_bytes": limit, "method": method,
+            "limit_bytes": limit, "planned_by": method,
             "next_params": model_params(scaled(base, layers + 1)) if layers < max_layers else None, "traces": traces}

@@ -16,7 +16,9 @@ rate most updates then vanish and training stalls. Two fixes without a 4-byte ma
 its compensation), the gradient and the optimizer state to fp32, runs the wrapped optimizer's own
 update on that one parameter, and stores the result back in 16 bits with the chosen rounding. So the
 update is computed in fp32 whatever the optimizer, and only one parameter's fp32 copies exist at a
-time. The optimizer's state is stored in bfloat16 (2 bytes per value), also for fp16 weights: an
+time. That transient (the weight, gradient and state of the largest parameter in fp32, about 16 bytes
+per value of it with AdamW) is this wrapper's cost: with a large embedding it is GBs, traced by the
+planner; optimizers written for 16-bit weights (optimi's, below) update in place without it. The optimizer's state is stored in bfloat16 (2 bytes per value), also for fp16 weights: an
 Adam second moment (squared gradients, 1e-8 and below) underflows to zero in fp16's range.
 
 The field's own versions, compared in tests/test_rounding.py and notebook 16:
