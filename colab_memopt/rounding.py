@@ -16,9 +16,12 @@ rate most updates then vanish and training stalls. Two fixes without a 4-byte ma
 its compensation), the gradient and the optimizer state to fp32, runs the wrapped optimizer's own
 update on that one parameter, and stores the result back in 16 bits with the chosen rounding. So the
 update is computed in fp32 whatever the optimizer, and only one parameter's fp32 copies exist at a
-time. That transient (the weight, gradient and state of the largest parameter in fp32, about 16 bytes
-per value of it with AdamW) is this wrapper's cost: with a large embedding it is GBs, traced by the
-planner; optimizers written for 16-bit weights (optimi's, below) update in place without it. The optimizer's state is stored in bfloat16 (2 bytes per value), also for fp16 weights: an
+time. For optimizers whose update is elementwise (Adam, AdamW, SGD, Lion: `ELEMENTWISE_OPTIMIZERS`)
+a large parameter is updated in chunks of rows (`chunk_elements` values at a time), so the fp32
+transient (weight, gradient and state: about 16 bytes per value with AdamW) stays a few tens of MB
+even for Llama-3's 128,256 x 4,096 embedding; other optimizers (Adafactor's factored moments, 8-bit
+states) get the whole parameter in fp32 at once, traced as such by the planner. Optimizers written
+for 16-bit weights (optimi's, below) update in place without any transient. The optimizer's state is stored in bfloat16 (2 bytes per value), also for fp16 weights: an
 Adam second moment (squared gradients, 1e-8 and below) underflows to zero in fp16's range.
 
 The field's own versions, compared in tests/test_rounding.py and notebook 16:
@@ -44,6 +47,10 @@ UPDATE_ROUNDINGS = ("kahan", "stochastic", "none")
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 # The dtype the wrapped optimizer's state is stored in between steps (see the module docstring).
 STATE_DTYPE = torch.bfloat16
+# Optimizer classes (by name) whose update of a value depends only on that value's own state: they
+# can be stepped on row chunks of a parameter with sliced state.
+ELEMENTWISE_OPTIMIZERS = ("Adam", "AdamW", "SGD", "Lion")
+CHUNK_ELEMENTS = 2**22  # values per chunk: 16 MiB per fp32 copy
 
 
 def check_update_rounding(mode: str, name: str = "update_rounding") -> str:
@@ -87,6 +94,8 @@ class UpdateRounding(torch.optim.Optimizer):
         mode: 'kahan' (one 16-bit compensation buffer per parameter), 'stochastic' (none) or 'none'
             (round to nearest from the fp32 update).
         generator: random numbers for 'stochastic' (default: the global generator).
+        chunk_elements: for elementwise optimizers, the values updated in fp32 at a time (whole rows);
+            None: `CHUNK_ELEMENTS`.
 
     `state` holds the wrapped optimizer's state plus each parameter's `compensation` (Kahan), so
     memory trackers see it all. `step(grad_scale=s)` multiplies the fp32 gradient copies by `s`
@@ -99,10 +108,15 @@ class UpdateRounding(torch.optim.Optimizer):
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, mode: str = "kahan", *,
-                 generator: torch.Generator | None = None) -> None:
+                 generator: torch.Generator | None = None, chunk_elements: int | None = None) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         self.mode = check_update_rounding(mode, "mode")
+        chunk_elements = CHUNK_ELEMENTS if chunk_elements is None else chunk_elements
+        if isinstance(chunk_elements, bool) or not isinstance(chunk_elements, int) or chunk_elements < 1:
+            raise ValueError(f"chunk_elements must be an integer >= 1, got {chunk_elements!r}")
+        self.chunk_elements = chunk_elements
+        self.elementwise = type(optimizer).__name__ in ELEMENTWISE_OPTIMIZERS
         self.optimizer = optimizer
         self.generator = generator
         self.compensation: dict[torch.Tensor, torch.Tensor] = {}
@@ -143,8 +157,11 @@ class UpdateRounding(torch.optim.Optimizer):
                 for p in params:
                     if p.grad is None:
                         continue
-                    group["params"] = [p]
-                    self._step_one(p, raw, grad_scale)
+                    if self.elementwise and p.dim() >= 1 and p.numel() > self.chunk_elements and p.dtype in HALF_DTYPES:
+                        self._step_chunked(p, group, raw, grad_scale)
+                    else:
+                        group["params"] = [p]
+                        self._step_one(p, raw, grad_scale)
                     group["params"] = []
         finally:
             for group, params in zip(groups, saved):
@@ -191,6 +208,60 @@ class UpdateRounding(torch.optim.Optimizer):
             if comp is None:
                 comp = self.compensation[p] = torch.empty_like(weight16)
             comp.copy_(new32.sub_(weight16))  # what rounding cut off, kept for the next update
+
+
+    def _store(self, weight16: torch.Tensor, new32: torch.Tensor, comp: torch.Tensor | None) -> None:
+        """Write fp32 `new32` into the 16-bit `weight16` with the mode's rounding (and `comp` for Kahan)."""
+        if self.mode == "stochastic":
+            weight16.copy_(stochastic_round(new32, weight16.dtype, generator=self.generator))
+        else:
+            weight16.copy_(new32)  # round to nearest
+        if comp is not None:
+            comp.copy_(new32.sub_(weight16))
+
+    def _step_chunked(self, p: torch.Tensor, group: dict[str, Any], raw: Callable[[], Any], grad_scale: float) -> None:
+        """Step an elementwise optimizer on row chunks of `p`, each with its slice of the state in fp32."""
+        rows = p.shape[0]
+        step_rows = max(1, self.chunk_elements // max(1, p.numel() // rows))
+        weight16, grad16 = p.data, p.grad
+        comp = None
+        if self.mode == "kahan":
+            comp = self.compensation.get(p)
+            fresh = comp is None
+            if fresh:
+                comp = self.compensation[p] = torch.zeros_like(weight16)
+        full = dict(self.optimizer.state.get(p, {}))
+        before = dict(full)  # the state each chunk starts from (empty at the first step: each chunk initialises its own)
+        last: dict[str, Any] = {}
+        for start in range(0, rows, step_rows):
+            r = slice(start, min(rows, start + step_rows))
+            w32 = weight16[r].float()
+            if comp is not None:
+                w32.add_(comp[r])
+            q = torch.nn.Parameter(w32)
+            q.grad = grad16[r].float()
+            if grad_scale != 1.0:
+                q.grad.mul_(grad_scale)
+            sliced = {}
+            for key, value in before.items():  # per-value state sliced; scalars (the step count) copied per chunk
+                if torch.is_tensor(value) and value.dim() > 0 and value.shape == p.shape:
+                    sliced[key] = value[r].float()
+                else:
+                    sliced[key] = value.clone() if torch.is_tensor(value) else value
+            if sliced:
+                self.optimizer.state[q] = sliced
+            group["params"] = [q]
+            raw()
+            for key, value in self.optimizer.state.pop(q, {}).items():
+                if torch.is_tensor(value) and value.dim() > 0 and value.shape == q.shape:
+                    if key not in full:
+                        full[key] = torch.empty(p.shape, dtype=STATE_DTYPE, device=p.device)
+                    full[key][r].copy_(value)
+                else:
+                    last[key] = value
+            self._store(weight16[r], q.data, comp[r] if comp is not None else None)
+        full.update(last)
+        self.optimizer.state[p] = full
 
 
 class DynamicLossScaler:

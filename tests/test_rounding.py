@@ -142,3 +142,25 @@ def test_torch_grad_scaler_refuses_fp16_gradients():
     scaler.scale(w.float().sum()).backward()
     with pytest.raises(ValueError, match="Attempting to unscale FP16 gradients"):
         scaler.unscale_(opt)
+
+
+@pytest.mark.parametrize("make", [lambda ps: torch.optim.AdamW(ps, lr=1e-3), lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)],
+                         ids=["adamw", "sgd_momentum"])
+@pytest.mark.parametrize("mode", ["kahan", "none"])
+def test_chunked_update_equals_the_whole_parameter_update(make, mode):
+    gen = torch.Generator().manual_seed(0)
+    start = torch.randn(10, 7, generator=gen).to(torch.bfloat16)
+    grads = [torch.randn(10, 7, generator=gen).to(torch.bfloat16) for _ in range(3)]
+    out = []
+    for chunk in (10**6, 14):  # whole, then chunks of two rows
+        w = torch.nn.Parameter(start.clone())
+        opt = UpdateRounding(make([w]), mode, chunk_elements=chunk)
+        for g in grads:
+            w.grad = g.clone()
+            opt.step()
+        out.append((w.detach().clone(), {k: v.clone() for k, v in opt.state[w].items() if torch.is_tensor(v)}))
+    (w_whole, s_whole), (w_chunk, s_chunk) = out
+    assert torch.equal(w_whole, w_chunk)
+    assert s_whole.keys() == s_chunk.keys()
+    for key in s_whole:
+        assert torch.equal(s_whole[key], s_chunk[key]), key
