@@ -620,7 +620,7 @@ def _traceable(recipe: Recipe) -> Recipe:
     if recipe.precision == "fp16-autocast":
         changes["precision"] = "bf16-autocast"
     if recipe.precision == "fp16":
-        changes.update(precision="bf16", update_rounding=recipe.rounding_mode or "none")
+        changes.update(precision="bf16", update_rounding=recipe.rounding_mode)  # None for LOMO / AdaLomo
     if recipe.eval_precision == "fp16-autocast":
         changes["eval_precision"] = "bf16-autocast"
     return recipe.with_(**changes) if changes else recipe
@@ -782,6 +782,9 @@ def plan(
         warn.append("pure fp16 is traced as pure bf16 with the same update rounding (the same 2-byte weights, "
                     "gradients and activations); the loss scaler's few scalars and its data-dependent skip of "
                     "overflowing steps are not traced")
+        if rec.optimizer == "lomo":
+            warn.append("LOMO with an fp16 loss clips by the global norm (lomo-optim forces it), a first backward "
+                        "with the graph retained and then a second: traced as bf16, the trace has one backward")
     if rec.precision == "fp16-autocast" or rec.eval_precision == "fp16-autocast":
         warn.append("fp16 autocast is traced as bf16 autocast (the same 2-byte activations); the GradScaler's "
                     "few scalars and its data-dependent skip of overflowing steps are not traced; CUDA autocast runs "

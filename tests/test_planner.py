@@ -415,3 +415,12 @@ def test_chunked_16bit_updates_are_traced_exactly(corpus, monkeypatch, mode):
     monkeypatch.setattr(rounding, "CHUNK_ELEMENTS", 10**9)
     whole = _measured("tiny", 4, 64, recipe, corpus)
     assert measured.by_phase["optimizer"] < whole.by_phase["optimizer"]  # the chunks hold less fp32 at once
+
+
+@pytest.mark.parametrize("optimizer", ["lomo", "adalomo"])
+def test_fp16_lomo_is_traced_as_bf16_and_says_so(optimizer):
+    plan = planner.plan(lambda: cm.build_model("tiny"), 2, seq_len=32, recipe=cm.Recipe(precision="fp16", optimizer=optimizer),
+                        target=CPU_TARGET, find_max_batch=False)
+    assert plan.method == "trace"
+    assert any("traced as pure bf16" in w for w in plan.warnings)
+    assert any("second" in w for w in plan.warnings) == (optimizer == "lomo")
