@@ -8,6 +8,7 @@ against the target's memory less the headroom. `recommend` confirms a chosen rec
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 from typing import Any
@@ -193,7 +194,9 @@ def largest_scaled_for(base: str, recipe: Recipe, *, seq_len: int, batch: int = 
     corrected by the planner's trace (`planner.plan(method='trace')`, exact on the CPU): one trace at
     the analytic answer, a step by the per-layer slope to where the trace says the boundary is, and
     traces one layer at a time until the deepest traced fit and the shallowest traced miss are
-    neighbours. Depths start at 2 blocks (checkpointing looks for a stack of two or more). Returns a
+    neighbours. Where the step cannot be traced (the planner falls back to its analytic estimate, e.g.
+    torch's foreach Adafactor asks a tensor for its value) the analytic answer is returned, with
+    `planned_by` 'analytic' and the planner's reason in `note`. Depths start at 2 blocks (checkpointing looks for a stack of two or more). Returns a
     dict: layers (0: not even 2 fit), params, need_bytes, limit_bytes, planned_by ('trace' or
     'analytic'), next_params (one layer more, which does not fit; None at `max_layers`), traces.
 
@@ -221,15 +224,28 @@ def largest_scaled_for(base: str, recipe: Recipe, *, seq_len: int, batch: int = 
     if trace:
         cache: dict[int, int] = {}
 
+        class _Untraceable(Exception):
+            pass
+
         def traced(n: int) -> int:
             if n not in cache:
                 name = scaled(base, n)
-                cache[n] = plan(lambda: _SCALED[name].build(), batch, seq_len=seq_len, recipe=recipe, target=tgt,
-                                headroom=headroom, find_max_batch=False, method="trace").device_need_bytes
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    p = plan(lambda: _SCALED[name].build(), batch, seq_len=seq_len, recipe=recipe, target=tgt,
+                             headroom=headroom, find_max_batch=False, method="auto")
+                if p.method != "trace":
+                    raise _Untraceable("; ".join(p.warnings))
+                cache[n] = p.device_need_bytes
             return cache[n]
 
         slope = max(1, analytic(3) - analytic(2))  # bytes per block
-        first = traced(layers)
+        try:
+            first = traced(layers)
+        except _Untraceable as exc:
+            return {"layers": layers, "params": model_params(scaled(base, layers)), "need_bytes": need,
+                    "limit_bytes": limit, "planned_by": "analytic", "note": str(exc)[:300],
+                    "next_params": model_params(scaled(base, layers + 1)) if layers < max_layers else None, "traces": 0}
         guess = layers + (limit - first) // slope if first <= limit else layers - -(-(first - limit) // slope)
         n = min(max(2, guess), max_layers)
         while n > 2 and traced(n) > limit:
