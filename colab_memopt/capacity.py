@@ -8,6 +8,7 @@ against the target's memory less the headroom. `recommend` confirms a chosen rec
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 from typing import Any
@@ -183,3 +184,78 @@ def capacity_table(
                     "limit_bytes": fits[0].limit_bytes,
                 })
     return rows
+
+
+def largest_scaled_for(base: str, recipe: Recipe, *, seq_len: int, batch: int = 1, target: Any = "t4",
+                       headroom: float = 0.05, max_layers: int = 256, trace: bool = True) -> dict[str, Any]:
+    """Return the deepest `base`-shaped model (`scaled`) that one recipe trains on `target`, and its need.
+
+    The depth is bisected with the analytic estimate (milliseconds per depth), then, with `trace`,
+    corrected by the planner's trace (`planner.plan(method='trace')`, exact on the CPU): one trace at
+    the analytic answer, a step by the per-layer slope to where the trace says the boundary is, and
+    traces one layer at a time until the deepest traced fit and the shallowest traced miss are
+    neighbours. Where the step cannot be traced (the planner falls back to its analytic estimate, e.g.
+    torch's foreach Adafactor asks a tensor for its value) the analytic answer is returned, with
+    `planned_by` 'analytic' and the planner's reason in `note`. Depths start at 2 blocks (checkpointing looks for a stack of two or more). Returns a
+    dict: layers (0: not even 2 fit), params, need_bytes, limit_bytes, planned_by ('trace' or
+    'analytic'), next_params (one layer more, which does not fit; None at `max_layers`), traces.
+
+    Example:
+        >>> largest_scaled_for("llama-3.1-8b", Recipe(precision="bf16", optimizer="lomo", checkpointing="full"), seq_len=2048)
+    """
+    from colab_memopt.planner import plan
+
+    tgt = get_target(target)
+    limit = int(tgt.device_bytes * (1 - headroom))
+
+    def analytic(n: int) -> int:
+        return need_bytes(scaled(base, n), recipe, batch=batch, seq_len=seq_len, target=tgt)
+
+    if analytic(2) > limit:
+        return {"layers": 0, "params": 0, "need_bytes": analytic(2), "limit_bytes": limit, "planned_by": "analytic",
+                "next_params": model_params(scaled(base, 2)), "traces": 0}
+    lo, hi = 2, max_layers
+    if analytic(hi) <= limit:
+        lo = hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if analytic(mid) <= limit else (lo, mid)
+    layers, need, method, traces = lo, analytic(lo), "analytic", 0
+    if trace:
+        cache: dict[int, int] = {}
+
+        class _Untraceable(Exception):
+            pass
+
+        def traced(n: int) -> int:
+            if n not in cache:
+                name = scaled(base, n)
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    p = plan(lambda: _SCALED[name].build(), batch, seq_len=seq_len, recipe=recipe, target=tgt,
+                             headroom=headroom, find_max_batch=False, method="auto")
+                if p.method != "trace":
+                    raise _Untraceable("; ".join(p.warnings))
+                cache[n] = p.device_need_bytes
+            return cache[n]
+
+        slope = max(1, analytic(3) - analytic(2))  # bytes per block
+        try:
+            first = traced(layers)
+        except _Untraceable as exc:
+            return {"layers": layers, "params": model_params(scaled(base, layers)), "need_bytes": need,
+                    "limit_bytes": limit, "planned_by": "analytic", "note": str(exc)[:300],
+                    "next_params": model_params(scaled(base, layers + 1)) if layers < max_layers else None, "traces": 0}
+        guess = layers + (limit - first) // slope if first <= limit else layers - -(-(first - limit) // slope)
+        n = min(max(2, guess), max_layers)
+        while n > 2 and traced(n) > limit:
+            n -= 1
+        while n < max_layers and traced(n) <= limit and traced(n + 1) <= limit:
+            n += 1
+        if traced(n) <= limit:
+            layers, need, method, traces = n, traced(n), "trace", len(cache)
+        else:
+            layers, need, method, traces = 0, traced(n), "trace", len(cache)
+    return {"layers": layers, "params": model_params(scaled(base, layers)) if layers else 0, "need_bytes": need,
+            "limit_bytes": limit, "planned_by": method,
+            "next_params": model_params(scaled(base, layers + 1)) if layers < max_layers else None, "traces": traces}

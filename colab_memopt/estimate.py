@@ -31,6 +31,8 @@ OPTIMIZER_STATE_BYTES = {"adamw": 8, "adam": 8, "sgd_momentum": 4, "sgd": 0}
 OPTIMIZER_STATE_BYTES.update({
     "adafactor": 0, "adam8bit": 2, "adamw8bit": 2, "paged_adamw8bit": 2, "lion8bit": 1, "lion": 4, "adam_mini": 4,
 })
+# Notebook 16: LOMO keeps no state; AdaLomo an fp32 row and column vector per matrix (exact count below).
+OPTIMIZER_STATE_BYTES.update({"lomo": 0, "adalomo": 0})
 BNB_MIN_8BIT_SIZE = 4096  # bitsandbytes keeps 32-bit state for tensors with fewer elements
 BNB_BLOCKSIZE = 256  # values per absmax block of the 8-bit optimizer states
 BNB_QMAP_BYTES = 256 * 4  # the 8-bit code book, one per state, shared by all tensors of an optimizer
@@ -118,6 +120,8 @@ def optimizer_state_bytes(params: Iterable[torch.Tensor], optimizer: str, *, n_h
         return 2 * elems + 4 * len(ps)
     if base in ("sgd_momentum", "lion"):
         return elems
+    if base == "adalomo":  # lomo-optim 0.1.1: per matrix fp32 rows + columns, per 1-D tensor a full fp32 vector
+        return sum(4 * (p.shape[0] + p.shape[1] if p.dim() >= 2 else p.numel()) for p in ps)
     if base == "adafactor":
         return sum(4 + 4 * (p.shape[-2] + p.shape[-1] if p.dim() >= 2 else p.numel()) for p in ps)
     if base in ("adam8bit", "adamw8bit", "paged_adamw8bit", "lion8bit"):
@@ -273,19 +277,22 @@ def training_step_bytes(model: torch.nn.Module, batch: int, seq: int, recipe: An
     linear weights by `quantized_weight_bytes`; LoRA trains r*(in+out) values per adapted layer only.
     The planner uses this where a step cannot be traced, and prints it beside every trace.
     """
-    elem = 2 if getattr(recipe, "precision", "fp32") == "bf16" else 4
+    elem = 2 if getattr(recipe, "precision", "fp32") in ("bf16", "fp16") else 4
     params, trainable, p_bytes = _recipe_params(model, recipe)
-    if elem == 2:  # pure bf16: weights, gradients and optimizer state at 2 bytes
+    if elem == 2:  # pure bf16 / fp16: weights, gradients and optimizer state at 2 bytes
         p_bytes //= 2
     g_bytes = param_bytes(trainable) * elem // 4
     if recipe.optimizer == "adam_mini" and not getattr(recipe, "lora_rank", 0):
         o_bytes = optimizer_state_bytes(list(model.named_parameters()), "adam_mini", n_head=_dims(model)["heads"])
     else:
         o_bytes = optimizer_state_bytes(trainable, recipe.optimizer)
-    o_bytes = o_bytes * elem // 4
+    if recipe.optimizer != "adalomo":  # AdaLomo's state is fp32 whatever the weights
+        o_bytes = o_bytes * elem // 4
+    if getattr(recipe, "rounding_mode", None) == "kahan":  # one 16-bit compensation buffer per trainable weight
+        o_bytes += param_bytes(trainable) // 2
     largest = max((p.numel() * elem for p in trainable), default=0)
     precision = getattr(recipe, "precision", "fp32")
-    value_bytes = 2 if precision in ("bf16", "bf16-autocast", "fp16-autocast") else 4
+    value_bytes = 2 if precision in ("bf16", "fp16", "bf16-autocast", "fp16-autocast") else 4
     micro = -(-batch // max(1, getattr(recipe, "accumulation_steps", 1)))
     act = activation_bytes(model, micro, seq, bytes_per_value=value_bytes)
     policy = getattr(recipe, "checkpointing", "none")
@@ -296,7 +303,7 @@ def training_step_bytes(model: torch.nn.Module, batch: int, seq: int, recipe: An
         # 'offload' keeps the inputs in host RAM: on the device, the one recomputed and the one loaded ahead.
         on_device = min(2, kept) if policy == "offload" else kept
         act -= kept * per_block - (on_device * micro * seq * d["hidden"] * value_bytes + per_block)
-    if getattr(recipe, "optimizer", "").endswith("_in_backward"):
+    if getattr(recipe, "optimizer", "").endswith("_in_backward") or getattr(recipe, "optimizer", "") in ("lomo", "adalomo"):
         g_bytes = largest  # each gradient is freed once its parameter steps
     # Notebook 10, ZeRO-Offload: the optimizer state (and with offload_param the weights, but the
     # gathered layer) live in host RAM; the planner adds their host bytes (zero_offload_bytes).
@@ -463,7 +470,7 @@ def phase_device_bytes(
     if phase == "full":
         per_param += grad_bytes + (0 if offload_optimizer else optimizer_bytes)
     return n_params * per_param
-def precision_state_bytes_per_param(precision: str, optimizer: str = "adamw") -> int:
+def precision_state_bytes_per_param(precision: str, optimizer: str = "adamw", *, update_rounding: str | None = None) -> int:
     """Return the model-state bytes per parameter (weights + gradients + optimizer state) under `precision`.
 
     Autocast ('fp16-autocast', 'bf16-autocast') keeps fp32 weights, fp32 gradients and fp32 optimizer
@@ -471,12 +478,16 @@ def precision_state_bytes_per_param(precision: str, optimizer: str = "adamw") ->
     Pure 'bf16' stores all three in bf16: 2 + 2 + 4 = 8 B/param with AdamW (PyTorch keeps the state
     in the parameter's dtype). Source: PyTorch's autocast and AdamW implementations; cf. the 16-20
     B/param conventions in `MODEL_STATE_CONVENTIONS`, which add a 16-bit weight copy.
+    Pure 'fp16' likewise (its optimizer state in bf16, `rounding.UpdateRounding`);
+    `update_rounding='kahan'` adds the 2-byte compensation buffer (10 B/param with AdamW).
     """
-    from colab_memopt.precision import check_precision
+    from colab_memopt.precision import PURE_PRECISIONS, check_precision
 
     check_precision(precision)
     fp32 = fp32_training_bytes_per_param(optimizer)
-    return fp32 // 2 if precision == "bf16" else fp32
+    if precision not in PURE_PRECISIONS:
+        return fp32
+    return fp32 // 2 + (2 if update_rounding == "kahan" else 0)
 
 
 def attention_scores_bytes(seq: int, heads: int, *, batch: int = 1, bytes_per_value: int = 4) -> int:
@@ -550,3 +561,30 @@ def layer_streaming_param_bytes(block_bytes: int, n_blocks: int, resident_bytes:
         raise ValueError(f"need n_blocks >= 1, max_active_layers >= 1, prefetch_distance >= 0; got "
                          f"{n_blocks}, {max_active_layers}, {prefetch_distance}")
     return resident_bytes + min(n_blocks, max_active_layers + prefetch_distance) * block_bytes
+
+
+def model_state_bytes(model: torch.nn.Module, recipe: Any) -> int:
+    """Return the exact model-state bytes left after a training step of `model` as `recipe.build` made it.
+
+    Weights (in their stored dtypes), the gradients the step leaves alive (none for an optimizer that
+    steps inside backward: '*_in_backward', LOMO, AdaLomo) and the optimizer state
+    (`optimizer_state_bytes` of the weights as they are: pure 16-bit weights keep 16-bit state,
+    `rounding.UpdateRounding` stores it in bf16), plus the Kahan compensation buffers (one per
+    trainable 16-bit weight) under `recipe.rounding_mode == 'kahan'`.
+
+    Example:
+        >>> model, opt = recipe.build(build_model("small"))
+        >>> model_state_bytes(model, recipe) / count_parameters(model)  # 16.0 for fp32 AdamW
+    """
+    params = _unique(model.parameters())
+    trainable = [p for p in params if p.requires_grad]
+    weights = sum(p.numel() * p.element_size() for p in params)
+    fused = recipe.optimizer.endswith("_in_backward") or recipe.optimizer in ("lomo", "adalomo")
+    grads = 0 if fused else sum(p.numel() * p.element_size() for p in trainable)
+    if recipe.optimizer == "adam_mini":
+        state = optimizer_state_bytes(list(model.named_parameters()), "adam_mini", n_head=_dims(model)["heads"])
+    else:
+        state = optimizer_state_bytes(trainable, recipe.optimizer)
+    if getattr(recipe, "rounding_mode", None) == "kahan":
+        state += sum(p.numel() * p.element_size() for p in trainable if p.dtype in (torch.float16, torch.bfloat16))
+    return weights + grads + state

@@ -47,7 +47,7 @@ NEEDED = {
     "yaml": "pyyaml", "psutil": "psutil", "numpy": "numpy", "pytest": "pytest", "matplotlib": "matplotlib",
     "transformers": "transformers", "peft": "peft", "bitsandbytes": "bitsandbytes", "deepspeed": "deepspeed",
     "papermill": "papermill", "nbval": "nbval", "nbformat": "nbformat", "ipykernel": "ipykernel",
-    "ipywidgets": "ipywidgets",
+    "ipywidgets": "ipywidgets", "lomo_optim": "lomo-optim",
 }
 NO_CUDA = 2
 

@@ -7,6 +7,8 @@
 - 'adam8bit', 'adamw8bit', 'paged_adamw8bit', 'lion8bit': bitsandbytes' block-wise 8-bit states.
 - 'lion': a 32-bit Lion (Chen et al. 2023), one momentum buffer, sign update. Written here.
 - 'adam_mini': Adam-mini (Zhang et al. 2024), one second-moment value per parameter block. Written here.
+- 'lomo', 'adalomo': LOMO and AdaLomo from `lomo-optim` (`colab_memopt.lomo`): the update fused into
+  backward by the optimizer itself (`fused_backward`), no gradients kept; they need the model.
 - '<name>_in_backward' (e.g. 'adamw_in_backward'): the optimizer step fused into backward with
   `register_post_accumulate_grad_hook`: each parameter is updated and its gradient freed as soon as
   its gradient is complete (PyTorch's "How to save memory by fusing the optimizer step into the
@@ -32,7 +34,9 @@ IN_BACKWARD_SUFFIX = "_in_backward"
 BASE_OPTIMIZERS = ("adamw", "adam", "sgd", "sgd_momentum")
 # Any of these can have its step fused into backward ('<name>_in_backward').
 _FUSABLE = ("adamw", "adam", "sgd", "sgd_momentum", "lion", "adafactor", "adam8bit", "adamw8bit")
-OPTIMIZERS = BASE_OPTIMIZERS + LEAN_OPTIMIZERS + tuple(n + IN_BACKWARD_SUFFIX for n in _FUSABLE)
+# Optimizers that run their own backward (`lomo.fused_step`): no `step()`, no gradient buffers.
+FUSED_BACKWARD_OPTIMIZERS = ("lomo", "adalomo")
+OPTIMIZERS = BASE_OPTIMIZERS + LEAN_OPTIMIZERS + tuple(n + IN_BACKWARD_SUFFIX for n in _FUSABLE) + FUSED_BACKWARD_OPTIMIZERS
 
 
 def _check_lr(lr: float) -> None:
@@ -320,6 +324,12 @@ def make_optimizer(
     if name.endswith(IN_BACKWARD_SUFFIX):
         inner = name[: -len(IN_BACKWARD_SUFFIX)]
         return OptimizerInBackward(params, lambda ps: make_optimizer(inner, ps, lr=lr))
+    if name in FUSED_BACKWARD_OPTIMIZERS:
+        if model is None:
+            raise ValueError(f"optimizer {name!r} hooks the model's parameters itself: pass model=")
+        from colab_memopt.lomo import make_lomo
+
+        return make_lomo(name, model, lr=lr)
     if name in LEAN_OPTIMIZERS:
         return make_lean_optimizer(name, params, lr=lr, model=model)
     if name == "adamw":

@@ -663,10 +663,10 @@ def _prime_optimizer(optimizer: Any, recipe: Recipe) -> bool:
     """Give every trainable parameter a zero gradient and run one optimizer step (its state now exists), as a
     warm-up step leaves them; return False where only a whole step can do it (an optimizer that steps in
     backward, phase-aware training)."""
-    from colab_memopt.optimizers import OptimizerInBackward
+    from colab_memopt.optimizers import FUSED_BACKWARD_OPTIMIZERS, OptimizerInBackward
 
     if (not isinstance(optimizer, torch.optim.Optimizer) or isinstance(optimizer, OptimizerInBackward)
-            or recipe.phase_offload is not None or recipe.uses_deepspeed or recipe.layer_offload_active):
+            or recipe.optimizer in FUSED_BACKWARD_OPTIMIZERS or recipe.phase_offload is not None or recipe.uses_deepspeed or recipe.layer_offload_active):
         return False
     for group in optimizer.param_groups:
         for p in group["params"]:
@@ -687,6 +687,33 @@ def clear_trace_cache() -> None:
     _TRACE_CACHE.clear()
 
 
+@contextlib.contextmanager
+def _fake_safe_lomo(recipe: Recipe) -> Iterator[None]:
+    """Let AdaLomo's update run under fake tensors, for the duration.
+
+    lomo-optim 0.1.1 computes `max(eps, p_rms)` with Python's `max` on a 0-dim tensor, which asks
+    for the tensor's value; fake tensors have none. The same value as a `torch.clamp` (a 0-dim tensor,
+    as `max` returns when p_rms is larger) traces.
+    """
+    if recipe.optimizer != "adalomo":
+        yield
+        return
+    import builtins
+
+    import lomo_optim.adalomo as adalomo
+
+    def tensor_max(a: Any, b: Any) -> Any:
+        if torch.is_tensor(b) and not torch.is_tensor(a):
+            return torch.clamp(b, min=a)
+        return builtins.max(a, b)
+
+    adalomo.max = tensor_max  # a module global shadows the builtin
+    try:
+        yield
+    finally:
+        del adalomo.max
+
+
 class _Tracer:
     """Build the model once under fake tensors, warm it up, then trace steps at any batch size."""
 
@@ -703,7 +730,8 @@ class _Tracer:
         self._cache: dict[int, _Trace] = {}
         # On a CUDA target bitsandbytes' 8-bit layers run LLM.int8's kernels, traced with no outlier column.
         self.int8_as_on_cuda = cuda_rounding and recipe.quantization == "bnb_int8" and recipe.quantization_phase == "all"
-        with self.mode, _fake_safe_module_to(), _fake_safe_bitsandbytes(self.mode, recipe, cuda=cuda_rounding), _fake_safe_transformers():
+        with self.mode, _fake_safe_module_to(), _fake_safe_bitsandbytes(self.mode, recipe, cuda=cuda_rounding), \
+                _fake_safe_transformers(), _fake_safe_lomo(recipe):
             model = model_factory()
             self.model, self.optimizer = recipe.build(model)
             set_optimizer_impl(self.optimizer, optimizer_impl)
@@ -724,7 +752,8 @@ class _Tracer:
         return self._cache[batch]
 
     def _trace(self, batch: int) -> _Trace:
-        with self.mode, _fake_safe_transformers(), _int8_as_on_cuda() if self.int8_as_on_cuda else contextlib.nullcontext():
+        with self.mode, _fake_safe_transformers(), _fake_safe_lomo(self.recipe), \
+                _int8_as_on_cuda() if self.int8_as_on_cuda else contextlib.nullcontext():
             step = self._step(batch)
             tracker = TensorTracker(device=torch.device("cpu"), cuda_rounding=self.cuda_rounding)
             tracker.track_external(self.model, self.optimizer)
@@ -785,13 +814,16 @@ def _linear_max_batch(trace: _Trace, batch: int, budget_bytes: int) -> int:
 
 
 def _traceable(recipe: Recipe) -> Recipe:
-    """Return the recipe to trace: fp16 autocast as bf16 autocast (GradScaler's overflow check branches
-    on a tensor's value, which fake tensors cannot; the bytes of the step are the same)."""
-    changes = {}
+    """Return the recipe to trace: fp16 autocast as bf16 autocast, pure fp16 as pure bf16 with the same
+    update rounding (the loss scalers' overflow checks branch on a tensor's value, which fake tensors
+    cannot; the bytes of the step are the same: `rounding.DynamicLossScaler` checks with scalar reductions)."""
+    changes: dict[str, Any] = {}
     if recipe.precision == "fp16-autocast":
         changes["precision"] = "bf16-autocast"
         if recipe.base_dtype == "fp16":  # the frozen base in the traced autocast dtype: the same 2 bytes, no casts
             changes["base_dtype"] = "bf16"
+    if recipe.precision == "fp16":
+        changes.update(precision="bf16", update_rounding=recipe.rounding_mode)  # None for LOMO / AdaLomo
     if recipe.eval_precision == "fp16-autocast":
         changes["eval_precision"] = "bf16-autocast"
     return recipe.with_(**changes) if changes else recipe
@@ -955,6 +987,13 @@ def plan(
             Cost("cuBLAS workspace", workspace, workspace_source, in_allocator=True),
         ]
     warn: list[str] = []
+    if rec.precision == "fp16":
+        warn.append("pure fp16 is traced as pure bf16 with the same update rounding (the same 2-byte weights, "
+                    "gradients and activations); the loss scaler's few scalars and its data-dependent skip of "
+                    "overflowing steps are not traced")
+        if rec.optimizer == "lomo":
+            warn.append("LOMO with an fp16 loss clips by the global norm (lomo-optim forces it), a first backward "
+                        "with the graph retained and then a second: traced as bf16, the trace has one backward")
     if rec.precision == "fp16-autocast" or rec.eval_precision == "fp16-autocast":
         warn.append("fp16 autocast is traced as bf16 autocast (the same 2-byte activations); the GradScaler's "
                     "few scalars and its data-dependent skip of overflowing steps are not traced; CUDA autocast runs "
@@ -980,15 +1019,19 @@ def plan(
                      and not find_max_batch and rec.checkpointing != "offload" else None)
         try:
             if cache_key is not None and cache_key in _TRACE_CACHE:
-                trace = _TRACE_CACHE[cache_key]
+                trace, scales, int8_warning = _TRACE_CACHE[cache_key]
             else:
                 tracer = _Tracer(model_factory, _traceable(rec), seq_len, cuda_rounding=tgt.cuda, batch=batch,
                                  optimizer_impl=impl)
                 trace = tracer.trace(batch)
+                # what the plan reads from the traced model, kept beside a cached trace
+                scales = quantization_scale_bytes(tracer.model, cuda_rounding=tgt.cuda)
+                int8_warning = (_int8_outlier_warning(tracer.model, batch, seq_len, rec, tgt)
+                                if tracer.int8_as_on_cuda else None)
                 if cache_key is not None:
                     if len(_TRACE_CACHE) >= _TRACE_CACHE_SIZE:
                         _TRACE_CACHE.pop(next(iter(_TRACE_CACHE)))
-                    _TRACE_CACHE[cache_key] = trace
+                    _TRACE_CACHE[cache_key] = (trace, scales, int8_warning)
             used = "trace"
         except Exception as exc:  # noqa: BLE001 - any failure to trace falls back, loudly
             if method == "trace":
@@ -1008,14 +1051,13 @@ def plan(
     )
     result.host_costs += _load_costs(spec, rec, tgt)
     if used == "trace":
-        scales = quantization_scale_bytes(tracer.model, cuda_rounding=tgt.cuda)
         if scales:
             device_costs.append(Cost("quantization scales", scales,
                                      "traced: bitsandbytes' row scales and absmax kept beside the quantized weights (outside "
                                      "the parameters, so not in the tensors at peak, as the tracker does not see them either)",
                                      in_allocator=True))
-        if tracer.int8_as_on_cuda:
-            warn.append(_int8_outlier_warning(tracer.model, batch, seq_len, rec, tgt))
+        if int8_warning:
+            warn.append(int8_warning)
     if rec.checkpointing == "offload":  # issue 16: the checkpointed blocks' inputs wait in host RAM
         if used == "trace":
             offloader = checkpoint_offloader(tracer.model)

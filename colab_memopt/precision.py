@@ -10,6 +10,9 @@ Four precisions, named as the recipe names them (notebook 02):
   exponent range, so no scaler. Native on Ampere and newer; the CPU runs it too (slowly on AVX2).
 - 'bf16': the weights themselves (and so gradients and optimizer state) in bfloat16: no fp32 master
   copy. Halves model states, at the cost of updates smaller than bf16's resolution being lost.
+- 'fp16': the weights and gradients in float16 (the T4's 16-bit type), no fp32 master copy, the loss
+  scaled by `rounding.DynamicLossScaler` (torch's GradScaler refuses fp16 gradients). Updates kept
+  honest by `rounding.UpdateRounding` (Kahan or stochastic rounding; notebook 16).
 
 Forward-only phases (evaluation) can run at a different precision: `forward_context`.
 
@@ -27,7 +30,9 @@ from typing import Any
 import torch
 from torch import nn
 
-PRECISIONS = ("fp32", "fp16-autocast", "bf16-autocast", "bf16")
+PRECISIONS = ("fp32", "fp16-autocast", "bf16-autocast", "bf16", "fp16")
+# Pure 16-bit weights (no fp32 master copy) and their dtype.
+PURE_PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # Precisions a forward-only phase may use: the model's weights are what they are, autocast on top.
 FORWARD_PRECISIONS = ("fp32", "fp16-autocast", "bf16-autocast")
 
@@ -45,21 +50,21 @@ def check_precision(precision: str, *, allowed: tuple[str, ...] = PRECISIONS, na
 
 
 def weight_dtype(precision: str) -> torch.dtype:
-    """Return the dtype the weights are stored in under `precision` (bf16 only for pure 'bf16')."""
+    """Return the dtype the weights are stored in under `precision` (16-bit only for pure 'bf16' and 'fp16')."""
     check_precision(precision)
-    return torch.bfloat16 if precision == "bf16" else torch.float32
+    return PURE_PRECISIONS.get(precision, torch.float32)
 
 
 def compute_dtype(precision: str) -> torch.dtype:
     """Return the dtype matmuls compute in under `precision`."""
     check_precision(precision)
-    if precision == "fp32":
-        return torch.float32
+    if precision in ("fp32", "fp16"):
+        return torch.float16 if precision == "fp16" else torch.float32
     return _AUTOCAST_DTYPE.get(precision, torch.bfloat16)
 
 
 def autocast_context(precision: str, device: torch.device | str) -> contextlib.AbstractContextManager[Any]:
-    """Return the autocast context for `precision` on `device`; a no-op for 'fp32' and 'bf16'.
+    """Return the autocast context for `precision` on `device`; a no-op for 'fp32', 'bf16' and 'fp16'.
 
     Example:
         >>> with autocast_context("bf16-autocast", "cpu"):
@@ -78,19 +83,24 @@ def forward_context(precision: str, device: torch.device | str) -> contextlib.Ab
     return autocast_context(precision, device)
 
 
-def make_grad_scaler(precision: str, device: torch.device | str) -> torch.amp.GradScaler | None:
-    """Return a GradScaler for 'fp16-autocast' on `device`, else None (bf16 and fp32 need none)."""
+def make_grad_scaler(precision: str, device: torch.device | str) -> torch.amp.GradScaler | Any | None:
+    """Return a GradScaler for 'fp16-autocast' on `device`, a `rounding.DynamicLossScaler` for pure
+    'fp16' (GradScaler refuses fp16 gradients), else None (bf16 and fp32 need none)."""
     check_precision(precision)
+    if precision == "fp16":
+        from colab_memopt.rounding import DynamicLossScaler
+
+        return DynamicLossScaler()
     if precision != "fp16-autocast":
         return None
     return torch.amp.GradScaler(torch.device(device).type)
 
 
 def prepare_model(model: nn.Module, precision: str) -> nn.Module:
-    """Cast the model's floating-point weights for `precision` (only 'bf16' changes them) and return it."""
+    """Cast the model's floating-point weights for `precision` (only 'bf16' and 'fp16' change them) and return it."""
     check_precision(precision)
-    if precision == "bf16":
-        model.to(torch.bfloat16)
+    if precision in PURE_PRECISIONS:
+        model.to(PURE_PRECISIONS[precision])
     return model
 
 

@@ -27,8 +27,8 @@ def colab_badge(notebook_path: str) -> str:
 
 
 # Extras a notebook needs beyond `[colab]`: Colab does not preinstall DeepSpeed (notebook 10 imports it).
-NOTEBOOK_EXTRAS = {"10_deepspeed_zero": ("colab", "zero")}
-EXTRAS = ("notebooks", "quant", "zero", "colab", "dev")
+NOTEBOOK_EXTRAS = {"10_deepspeed_zero": ("colab", "zero"), "16_full_finetuning_on_a_t4": ("colab", "fullft")}
+EXTRAS = ("notebooks", "quant", "zero", "fullft", "colab", "dev")
 
 
 def notebook_extras(stem: str) -> tuple[str, ...]:

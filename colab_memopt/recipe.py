@@ -19,12 +19,13 @@ from colab_memopt.checkpointing import POLICIES, apply_checkpointing, find_block
 from colab_memopt.compression import MODES as COMPRESSION_MODES
 from colab_memopt.compression import check_compressible, compress_activations
 from colab_memopt.offload import STRATEGIES, LayerStreamer, check_streamable
-from colab_memopt.optimizers import OPTIMIZERS, make_optimizer
+from colab_memopt.optimizers import FUSED_BACKWARD_OPTIMIZERS, OPTIMIZERS, OptimizerInBackward, make_optimizer
 from colab_memopt.phases import OFFLOAD_STRATEGIES
 from colab_memopt.env import bf16_native
 from colab_memopt.precision import (
     BASE_DTYPE_PRECISION,
     FORWARD_PRECISIONS,
+    PURE_PRECISIONS,
     adapters_to_fp32,
     check_base_dtype,
     check_native_bf16,
@@ -32,6 +33,7 @@ from colab_memopt.precision import (
     half_frozen_base,
     prepare_model,
 )
+from colab_memopt.rounding import UpdateRounding, check_update_rounding
 from colab_memopt.quantization import (
     DEFAULT_LORA_TARGETS,
     SCHEMES,
@@ -63,8 +65,14 @@ class Recipe:
         attention: None keeps the model's attention; 'sdpa', 'naive' or 'semiseparable' (notebook 13:
             causal semiseparable sequence mixing, parameter-free so it swaps in place) sets it
             (reference model only).
-        precision: 'fp32', 'fp16-autocast' (with GradScaler), 'bf16-autocast' or 'bf16' (pure bf16
-            weights, gradients and optimizer state) for the steps that compute gradients.
+        precision: 'fp32', 'fp16-autocast' (with GradScaler), 'bf16-autocast', 'bf16' (pure bf16
+            weights, gradients and optimizer state) or 'fp16' (pure fp16 weights and gradients, dynamic
+            loss scaling; notebook 16) for the steps that compute gradients.
+        update_rounding: how updates reach pure 16-bit weights (`rounding.UpdateRounding`): 'kahan'
+            (one 16-bit compensation buffer per parameter), 'stochastic' (stochastic rounding, no
+            state) or 'none' (round to nearest from an fp32 update). None: 'kahan' for 'fp16'; for
+            'bf16' the optimizer steps the bf16 weights itself, as before this field existed.
+            Refused for fp32 weights.
         eval_precision: precision of forward-only phases (evaluation): 'fp32', 'fp16-autocast' or
             'bf16-autocast'; None follows `precision` (see `forward_precision`).
         checkpointing: 'none', 'full', 'every_n', 'segments', 'selective' or 'offload' ('full' with each
@@ -95,6 +103,8 @@ class Recipe:
     # 02_mixed_precision
     precision: str = "fp32"
     eval_precision: str | None = None
+    # 16_full_finetuning_on_a_t4: the update of pure 16-bit weights (rounding.UPDATE_ROUNDINGS)
+    update_rounding: str | None = None
     # 03_activation_checkpointing
     checkpointing: str = "none"
     checkpoint_interval: int = 1
@@ -192,6 +202,22 @@ class Recipe:
             )
         # 02-05: each technique module checks its own values; the messages name the recipe field.
         check_precision(self.precision, name="recipe.precision")
+        if self.update_rounding is not None:
+            check_update_rounding(self.update_rounding, name="recipe.update_rounding")
+            if self.precision not in PURE_PRECISIONS:
+                raise ValueError(
+                    f"recipe.update_rounding={self.update_rounding!r} rounds updates into 16-bit weights, but "
+                    f"precision={self.precision!r} keeps fp32 weights: use precision 'bf16' or 'fp16', or leave "
+                    "update_rounding=None"
+                )
+        if self.optimizer in FUSED_BACKWARD_OPTIMIZERS:
+            self._check_fused_backward()
+        if self.precision == "fp16" and self.optimizer.endswith("_in_backward"):
+            raise ValueError(
+                f"recipe.optimizer={self.optimizer!r} steps inside backward, before the loss scaler can unscale "
+                "the fp16 gradients or skip an overflow, so it cannot train under precision='fp16'; use "
+                f"optimizer={self.optimizer.removesuffix('_in_backward')!r}, or precision='bf16'"
+            )
         if self.eval_precision is not None:
             check_precision(self.eval_precision, allowed=FORWARD_PRECISIONS, name="recipe.eval_precision")
         if self.checkpointing not in POLICIES:
@@ -228,6 +254,34 @@ class Recipe:
     def uses_deepspeed(self) -> bool:
         """Return True when the step runs in a DeepSpeed engine (zero_stage >= 1 or any offload)."""
         return self.zero_stage > 0 or self.offload_optimizer or self.offload_param
+
+    def _check_fused_backward(self) -> None:
+        """Refuse what LOMO / AdaLomo (lomo-optim: the update inside their own backward) cannot do."""
+        name = f"recipe.optimizer={self.optimizer!r}"
+        if self.accumulation_steps != 1:
+            raise ValueError(f"{name} updates the weights inside every backward, so it cannot accumulate gradients: "
+                             f"use accumulation_steps=1 (got {self.accumulation_steps!r})")
+        if self.precision == "fp16-autocast":
+            raise ValueError(f"{name} updates inside backward, before a GradScaler could unscale or skip: use "
+                             "precision='fp16' (LOMO scales an fp16 loss itself; AdaLomo by a fixed 2**10) or 'bf16'")
+        if self.update_rounding is not None:
+            raise ValueError(f"{name} writes its fp32 update into the weights itself (round to nearest): leave "
+                             f"update_rounding=None (got {self.update_rounding!r})")
+        if self.lora_rank or self.quantization is not None and self.quantization_phase == "all":
+            raise ValueError(f"{name} is full fine-tuning (it hooks and keeps state for every parameter): leave "
+                             "lora_rank=0 and quantization None (or quantization_phase='forward_only')")
+        if self.phase_offload is not None or self.layer_offload_active:
+            raise ValueError(f"{name} runs its own backward: leave phase_offload=None and layer_offload_active=0")
+
+    @property
+    def rounding_mode(self) -> str | None:
+        """Return the update rounding `build` applies: None (the optimizer steps the weights as they are)
+        or a mode of `rounding.UPDATE_ROUNDINGS` (see `update_rounding`)."""
+        if self.precision not in PURE_PRECISIONS or self.optimizer in FUSED_BACKWARD_OPTIMIZERS:
+            return None
+        if self.update_rounding is not None:
+            return self.update_rounding
+        return "kahan" if self.precision == "fp16" else None
 
     @property
     def untraceable_reason(self) -> str | None:
@@ -339,7 +393,14 @@ class Recipe:
             return model, streamer.optimizer(lambda ps: make_optimizer(self.optimizer, ps, lr=self.lr))
         trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         params = trainable if self.optimizer == "adam_mini" else [p for _, p in trainable]
-        return model, make_optimizer(self.optimizer, params, lr=self.lr, model=None if self.lora_rank else model)
+        mode = self.rounding_mode
+        if mode is not None and self.optimizer.endswith("_in_backward"):  # one rounding wrapper per parameter
+            inner = self.optimizer.removesuffix("_in_backward")
+            return model, OptimizerInBackward(
+                [p for _, p in trainable], lambda ps: UpdateRounding(make_optimizer(inner, ps, lr=self.lr), mode))
+        optimizer = make_optimizer(self.optimizer, params, lr=self.lr, model=None if self.lora_rank else model)
+        # (LOMO / AdaLomo: `rounding_mode` is None, they write their own fp32 update into the weights)
+        return model, optimizer if mode is None else UpdateRounding(optimizer, mode)
 
     def forward_model(self, model: nn.Module) -> nn.Module:
         """Return the model for forward-only phases: a quantized copy under quantization_phase='forward_only'."""

@@ -19,6 +19,7 @@ from colab_memopt.evaluation import evaluate
 # Optimizers by name live with the optimizers, evaluation in its own module; both re-exported here,
 # where earlier code found them.
 from colab_memopt.optimizers import OPTIMIZERS, OptimizerInBackward, make_optimizer  # noqa: F401
+from colab_memopt.lomo import fused_step, is_fused_backward
 from colab_memopt.precision import autocast_context, forward_context, make_grad_scaler
 
 if TYPE_CHECKING:
@@ -48,6 +49,14 @@ def train_step(
     if scaler is not None and isinstance(optimizer, OptimizerInBackward):
         raise ValueError("a GradScaler (fp16-autocast) cannot drive an optimizer that steps inside backward "
                          "(OptimizerInBackward): it would update with unscaled-away gradients and skip no overflow")
+    if is_fused_backward(optimizer):  # LOMO / AdaLomo: backward and update in one call, no gradients kept
+        if accumulation_steps != 1 or scaler is not None:
+            raise ValueError("LOMO / AdaLomo update inside their own backward: they take no gradient accumulation "
+                             f"(got accumulation_steps={accumulation_steps}) and no external loss scaler")
+        with autocast_context(precision, input_ids.device):
+            loss = model(input_ids, labels=input_ids).loss
+        fused_step(optimizer, loss)
+        return loss.item()
     optimizer.zero_grad(set_to_none=True)
     if accumulation_steps == 1 and precision == "fp32" and scaler is None:
         loss = model(input_ids, labels=input_ids).loss
@@ -87,7 +96,7 @@ def make_train_step(
     accumulation_steps = getattr(recipe, "accumulation_steps", 1)
     sizes = micro_batch_sizes(batch_size, accumulation_steps)
     device = next(model.parameters()).device
-    scaler = make_grad_scaler(precision, device)
+    scaler = None if is_fused_backward(optimizer) else make_grad_scaler(precision, device)  # LOMO scales itself
     batches = corpus.batches(batch_size, seq_len, seed=seed, device=device)
     if recipe is not None and recipe.uses_deepspeed:  # notebook 10: the model is a DeepSpeed engine
         from colab_memopt.zero import engine_train_step

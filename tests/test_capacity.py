@@ -35,3 +35,26 @@ def test_largest_scaled_brackets_the_limit():
     fit, miss = capacity.largest_scaled("llama-3.2-1b", mode="full", seq_len=512, max_layers=32)
     assert fit is not None and fit.fits and miss is not None and not miss.fits
     assert miss.params > fit.params
+
+
+def test_largest_scaled_for_one_recipe_is_the_traced_boundary():
+    from colab_memopt import planner
+    from colab_memopt.recipe import Recipe
+
+    target = {"name": "small", "device_bytes": 320 * 2**20, "host_bytes": 64 * 2**30, "cuda": False}
+    recipe = Recipe(precision="bf16", optimizer="lomo", checkpointing="full")
+    fit = capacity.largest_scaled_for("smollm2-135m", recipe, seq_len=32, target=target, headroom=0.05)
+    assert fit["planned_by"] == "trace" and fit["layers"] >= 2
+    limit = int(target["device_bytes"] * 0.95)
+
+    def need(n):
+        name = capacity.scaled("smollm2-135m", n)
+        return planner.plan(lambda: capacity._SCALED[name].build(), 1, seq_len=32, recipe=recipe, target=target,
+                            headroom=0.05, find_max_batch=False, method="trace").device_need_bytes
+
+    assert fit["need_bytes"] == need(fit["layers"]) <= limit < need(fit["layers"] + 1)
+    assert fit["params"] == capacity.model_params(capacity.scaled("smollm2-135m", fit["layers"]))
+    # AdamW with 16-bit weights and Kahan needs 10 B/param: not even two blocks fit in 320 MiB.
+    kahan = capacity.largest_scaled_for("smollm2-135m", Recipe(precision="bf16", update_rounding="kahan"), seq_len=32,
+                                        target=target)
+    assert kahan["layers"] == 0 and kahan["params"] == 0

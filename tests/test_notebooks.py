@@ -58,6 +58,9 @@ REQUIRED_METRICS = {
         "compute_saving_pct",
     },
     "02_mixed_precision": {"activation_saving_pct", "final_loss_fp32", "final_loss_mixed"},
+    "16_full_finetuning_on_a_t4": {
+        "bytes_per_param", "final_loss", "loss_gap_pct", "logits_saving_pct_chunked", "capacity_full_params",
+    },
     "03_activation_checkpointing": {
         "activation_saving_pct_full", "time_overhead_pct_full", "activation_saving_pct_selective",
     },

@@ -152,6 +152,12 @@ TRACED_RECIPES = [
     {"precision": "bf16-autocast"},
     {"precision": "fp16-autocast"},
     {"precision": "bf16"},
+    {"precision": "bf16", "update_rounding": "kahan"},
+    {"precision": "bf16", "update_rounding": "stochastic"},
+    {"precision": "fp16"},  # traced as bf16 with Kahan; measured in real fp16 with its loss scaler
+    {"precision": "bf16", "optimizer": "lomo"},
+    {"precision": "bf16", "optimizer": "adalomo"},
+    {"precision": "bf16", "update_rounding": "kahan", "optimizer": "adamw_in_backward"},
     {"checkpointing": "full"},
     {"checkpointing": "selective"},
     {"checkpointing": "offload"},
@@ -521,3 +527,28 @@ def test_a_named_models_trace_is_cached_within_the_process_and_a_factory_is_not(
     planner.plan("tiny", 2, seq_len=32, target=CPU_TARGET)  # the max-batch search needs the tracer: not cached
     assert len(planner._TRACE_CACHE) == 2
     planner.clear_trace_cache()
+
+
+@pytest.mark.parametrize("mode", ["kahan", "stochastic"])
+def test_chunked_16bit_updates_are_traced_exactly(corpus, monkeypatch, mode):
+    """UpdateRounding steps large parameters in row chunks (fp32 transient bounded); the trace follows it."""
+    from colab_memopt import rounding
+
+    monkeypatch.setattr(rounding, "CHUNK_ELEMENTS", 2048)  # the tiny model's matrices then go by chunks
+    recipe = cm.Recipe(precision="bf16", update_rounding=mode)
+    plan = planner.plan(lambda: cm.build_model("tiny"), 4, seq_len=64, recipe=recipe, target=CPU_TARGET, find_max_batch=False)
+    measured = _measured("tiny", 4, 64, recipe, corpus)
+    assert plan.method == "trace", plan.warnings
+    assert plan.peak_bytes == measured.peak_bytes
+    monkeypatch.setattr(rounding, "CHUNK_ELEMENTS", 10**9)
+    whole = _measured("tiny", 4, 64, recipe, corpus)
+    assert measured.by_phase["optimizer"] < whole.by_phase["optimizer"]  # the chunks hold less fp32 at once
+
+
+@pytest.mark.parametrize("optimizer", ["lomo", "adalomo"])
+def test_fp16_lomo_is_traced_as_bf16_and_says_so(optimizer):
+    plan = planner.plan(lambda: cm.build_model("tiny"), 2, seq_len=32, recipe=cm.Recipe(precision="fp16", optimizer=optimizer),
+                        target=CPU_TARGET, find_max_batch=False)
+    assert plan.method == "trace"
+    assert any("traced as pure bf16" in w for w in plan.warnings)
+    assert any("second" in w for w in plan.warnings) == (optimizer == "lomo")

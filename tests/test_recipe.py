@@ -118,3 +118,22 @@ def test_lora_base_dtype_keeps_the_frozen_base_in_half_precision_and_the_adapter
 def test_lora_base_dtype_is_validated(fields, says):
     with pytest.raises(ValueError, match=says):
         cm.Recipe.from_dict(fields)
+
+
+def test_update_rounding_is_built_and_refused_for_fp32_weights():
+    from colab_memopt.recipe import Recipe
+    from colab_memopt.rounding import UpdateRounding
+
+    with pytest.raises(ValueError, match="update_rounding='kahan' rounds updates into 16-bit weights"):
+        Recipe(update_rounding="kahan")
+    with pytest.raises(ValueError, match="update_rounding must be one of"):
+        Recipe(precision="bf16", update_rounding="nearest")
+    with pytest.raises(ValueError, match="cannot train under precision='fp16'"):
+        Recipe(precision="fp16", optimizer="adamw_in_backward")
+    assert Recipe(precision="fp16").rounding_mode == "kahan"
+    assert Recipe(precision="bf16").rounding_mode is None  # bf16 steps its weights as before the field
+    model, opt = Recipe(precision="fp16", update_rounding="stochastic").build(cm.build_model("tiny"))
+    assert isinstance(opt, UpdateRounding) and opt.mode == "stochastic"
+    assert {p.dtype for p in model.parameters()} == {torch.float16}
+    _, plain = Recipe(precision="bf16").build(cm.build_model("tiny"))
+    assert isinstance(plain, torch.optim.AdamW)

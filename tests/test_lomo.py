@@ -1,0 +1,111 @@
+"""Tests for LOMO and AdaLomo (lomo-optim) as wired here: state size, one step against a reference, the recipe."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import colab_memopt as cm
+from colab_memopt import estimate
+from colab_memopt.lomo import fused_step, is_fused_backward, lomo_state, make_lomo
+
+pytest.importorskip("lomo_optim")
+
+
+def _one_step(name: str, dtype: torch.dtype, lr: float):
+    model = cm.build_model("tiny", dtype=dtype)
+    before = {n: p.detach().float().clone() for n, p in model.named_parameters()}
+    x = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    # The reference gradients: an ordinary backward on a copy.
+    ref = cm.build_model("tiny", dtype=dtype)
+    ref.load_state_dict(model.state_dict())
+    ref(x, labels=x).loss.backward()
+    grads = {n: p.grad.float() for n, p in ref.named_parameters()}
+    opt = make_lomo(name, model, lr=lr)
+    fused_step(opt, model(x, labels=x).loss)
+    after = {n: p.detach().float() for n, p in model.named_parameters()}
+    return model, opt, before, grads, after
+
+
+def test_lomo_step_is_sgd_inside_backward_with_no_state():
+    lr = 0.05
+    model, opt, before, grads, after = _one_step("lomo", torch.float32, lr)
+    assert is_fused_backward(opt) and lomo_state(opt) == {}
+    assert all(p.grad is None for p in model.parameters())  # no gradient kept
+    for n in before:
+        if n == "lm_head.weight":  # tied to wte: updated once per use, each with its part of the gradient
+            continue
+        torch.testing.assert_close(after[n], before[n] - lr * grads[n], rtol=1e-5, atol=1e-6)
+
+
+def _adalomo_reference(p: torch.Tensor, g: torch.Tensor, lr: float, eps=(1e-30, 1e-3), clip_threshold=1.0) -> torch.Tensor:
+    """AdaLomo's first step (Lv et al. 2023, Algorithm 1 with beta2 = 1 - 1**-0.8 = 0): Adafactor's
+    factored second moment, the update's RMS clipped to 1, the step scaled by the parameter's RMS."""
+    g2 = g * g + eps[0]
+    if p.dim() > 1:
+        row, col = g2.mean(dim=-1), g2.mean(dim=-2)
+        v = (row / row.mean()).unsqueeze(-1) * col.unsqueeze(-2)
+    else:
+        v = g2
+    update = g / v.sqrt()
+    update = update / max(1.0, (update.norm() / math.sqrt(update.numel())).item() / clip_threshold)
+    scale = max(eps[1], (p.norm() / math.sqrt(p.numel())).item())
+    return p - lr * scale * update
+
+
+def test_adalomo_one_step_matches_the_reference_and_its_state_is_factored():
+    lr = 1e-2
+    model, opt, before, grads, after = _one_step("adalomo", torch.float32, lr)
+    for n in before:
+        if n in ("lm_head.weight", "wte.weight"):  # tied: two partial updates
+            continue
+        torch.testing.assert_close(after[n], _adalomo_reference(before[n], grads[n], lr), rtol=1e-4, atol=1e-6)
+    # State: an fp32 row and column vector per matrix, a full fp32 vector per 1-D tensor; listed in opt.state.
+    state_bytes = sum(v.numel() * v.element_size() for v in lomo_state(opt).values())
+    assert state_bytes == estimate.optimizer_state_bytes(model.parameters(), "adalomo")
+    tracked = sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values())
+    assert tracked == state_bytes
+    n = sum(p.numel() for p in model.parameters())
+    assert state_bytes / n < 0.5  # well under a byte per parameter even on this tiny model
+
+
+def test_bf16_lomo_trains_through_the_recipe_and_keeps_2_bytes_per_param(corpus):
+    recipe = cm.Recipe(precision="bf16", optimizer="lomo", lr=0.05)
+    model, opt = recipe.build(cm.build_model("tiny"))
+    step = cm.make_train_step(model, opt, corpus, batch_size=4, seq_len=32, recipe=recipe)
+    losses = [step() for _ in range(8)]
+    assert losses[-1] < losses[0]
+    report = cm.measure_step(step, model=model, optimizer=opt, repeat=1)
+    n = sum(p.numel() for p in model.parameters())
+    resident = report.resident_bytes
+    model_state = resident["parameters"] + resident.get("gradients", 0) + resident.get("optimizer_state", 0)
+    assert model_state / n == 2.0  # bf16 weights, no gradients, no state
+
+
+def test_fp16_lomo_scales_its_loss_itself():
+    model = cm.build_model("tiny", dtype=torch.float16)
+    opt = make_lomo("lomo", model, lr=0.05)
+    assert opt.clip_grad_norm == 1.0  # lomo-optim's requirement for an fp16 loss, set up front
+    x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    before = [p.detach().clone() for p in model.parameters()]
+    fused_step(opt, model(x, labels=x).loss)
+    assert opt.loss_scaler is not None
+    assert any(not torch.equal(a, p.detach()) for a, p in zip(before, model.parameters()))
+
+
+def test_recipe_refuses_what_lomo_breaks():
+    with pytest.raises(ValueError, match="cannot accumulate gradients"):
+        cm.Recipe(optimizer="lomo", accumulation_steps=2)
+    with pytest.raises(ValueError, match="before a GradScaler could unscale"):
+        cm.Recipe(optimizer="adalomo", precision="fp16-autocast")
+    with pytest.raises(ValueError, match="leave update_rounding=None"):
+        cm.Recipe(optimizer="lomo", precision="bf16", update_rounding="kahan")
+    with pytest.raises(ValueError, match="full fine-tuning"):
+        cm.Recipe(optimizer="lomo", lora_rank=4)
+    assert cm.Recipe(optimizer="lomo", precision="fp16").rounding_mode is None
+    with pytest.raises(ValueError, match="pass model="):
+        cm.make_optimizer("lomo", cm.build_model("tiny").parameters())
+    with pytest.raises(ValueError, match="name must be one of"):
+        make_lomo("sgd", cm.build_model("tiny"), lr=1.0)
