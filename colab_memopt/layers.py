@@ -33,7 +33,7 @@ LAYERS: tuple[Layer, ...] = (
           ("fileio", "tracker", "env", "measure", "report", "ranks")),
     Layer("blocks", "the model, the data and the techniques, one module each, each usable alone",
           ("models", "architectures", "data", "evaluation", "attention", "structured", "precision",
-           "checkpointing", "accumulation", "optimizers", "quantization", "compression", "loss", "offload",
+           "checkpointing", "accumulation", "lowstate", "optimizers", "quantization", "compression", "loss", "offload",
            "zero", "phases", "batching")),
     Layer("recipe", "the Recipe, its presets and the training step that apply the techniques",
           ("recipe", "presets", "train", "loading")),

@@ -103,6 +103,12 @@ def set_optimizer_impl(optimizer: torch.optim.Optimizer, impl: str) -> torch.opt
         for opt in inner.values():
             set_optimizer_impl(opt, impl)
         return optimizer
+    base = getattr(optimizer, "base_optimizer", None)
+    if isinstance(base, torch.optim.Optimizer):  # BAdam: torch's AdamW over the trained block
+        set_optimizer_impl(base, impl)
+        for group in optimizer.param_groups:
+            group["foreach"] = impl == "foreach"
+        return optimizer
     for group in optimizer.param_groups:
         if "foreach" in group:
             group["foreach"] = impl == "foreach"
@@ -436,7 +442,8 @@ def _fake_safe_bitsandbytes(mode: Any, recipe: Recipe) -> Iterator[None]:
     from colab_memopt.optimizers import BNB_OPTIMIZERS, IN_BACKWARD_SUFFIX
 
     four_bit = recipe.quantization in ("nf4", "fp4") and recipe.quantization_phase == "all"
-    if recipe.optimizer.removesuffix(IN_BACKWARD_SUFFIX) not in BNB_OPTIMIZERS and not four_bit:
+    # GaLore's 8-bit optimizer is bitsandbytes' with a projection: the same code book.
+    if recipe.optimizer.removesuffix(IN_BACKWARD_SUFFIX) not in (*BNB_OPTIMIZERS, "galore_adamw8bit") and not four_bit:
         yield
         return
     import bitsandbytes.functional as bnb_functional
