@@ -473,6 +473,46 @@ def _fake_safe_bitsandbytes(mode: Any, recipe: Recipe) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def _fake_safe_low_state(recipe: Recipe) -> Iterator[None]:
+    """Let the optimizers with almost no state (`lowstate`) step on fake tensors, for the duration.
+
+    - torchao's low-bit states build their code books with Python comparisons on tensor values (cached
+      as plain floats afterwards): here they are built for real first, as bitsandbytes' are.
+    - APOLLO's norm-growth limiter takes Python's `max(norm_ratio, 1.01)` of a 0-d tensor, a branch on
+      its value: here it is `torch.clamp(norm_ratio, min=1.01)`, the same value as a 0-d tensor. The
+      real step keeps the same state and the same full-size temporaries.
+    """
+    base = recipe.optimizer.removesuffix("_in_backward")
+    if base in ("torchao_adamw8bit", "torchao_adamw4bit"):
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+        from torchao.optim import subclass_4bit, subclass_8bit
+
+        with unset_fake_temporarily():
+            for module in (subclass_8bit, subclass_4bit):
+                module.get_qmap_signed()
+                module.get_qmap_unsigned()
+        yield
+        return
+    if base not in ("apollo", "apollo_mini"):
+        yield
+        return
+    import builtins
+
+    from apollo_torch import apollo
+
+    def tensor_safe_max(a: Any, b: Any) -> Any:
+        if isinstance(a, torch.Tensor) and not isinstance(b, torch.Tensor):
+            return torch.clamp(a, min=b)
+        return builtins.max(a, b)
+
+    apollo.max = tensor_safe_max  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        del apollo.max  # back to the builtin
+
+
+@contextlib.contextmanager
 def _fake_safe_transformers() -> Iterator[None]:
     """Let transformers choose the attention mask it chooses on real data, for the duration.
 
@@ -513,7 +553,8 @@ class _Tracer:
         self.recipe = recipe
         self.cuda_rounding = cuda_rounding
         self._cache: dict[int, _Trace] = {}
-        with self.mode, _fake_safe_module_to(), _fake_safe_bitsandbytes(self.mode, recipe), _fake_safe_transformers():
+        with self.mode, _fake_safe_module_to(), _fake_safe_bitsandbytes(self.mode, recipe), _fake_safe_transformers(), \
+                _fake_safe_low_state(recipe):
             model = model_factory()
             self.model, self.optimizer = recipe.build(model)
             set_optimizer_impl(self.optimizer, optimizer_impl)
@@ -531,7 +572,7 @@ class _Tracer:
         return self._cache[batch]
 
     def _trace(self, batch: int) -> _Trace:
-        with self.mode, _fake_safe_transformers():
+        with self.mode, _fake_safe_transformers(), _fake_safe_low_state(self.recipe):
             step = self._step(batch)
             tracker = TensorTracker(device=torch.device("cpu"), cuda_rounding=self.cuda_rounding)
             tracker.track_external(self.model, self.optimizer)
