@@ -479,8 +479,10 @@ def _fake_safe_low_state(recipe: Recipe) -> Iterator[None]:
     - torchao's low-bit states build their code books with Python comparisons on tensor values (cached
       as plain floats afterwards): here they are built for real first, as bitsandbytes' are.
     - APOLLO's norm-growth limiter takes Python's `max(norm_ratio, 1.01)` of a 0-d tensor, a branch on
-      its value: here it is `torch.clamp(norm_ratio, min=1.01)`, the same value as a 0-d tensor. The
-      real step keeps the same state and the same full-size temporaries.
+      its value: the trace takes the branch where the update norm grew by more than 1% (the limiter
+      acts, `max` returns the tensor). Where it did not, the real step holds one 0-d tensor (4 bytes)
+      less for an instant: the traced optimizer phase is exact or 4 bytes above it; the state and the
+      full-size temporaries are the same either way.
     """
     base = recipe.optimizer.removesuffix("_in_backward")
     if base in ("torchao_adamw8bit", "torchao_adamw4bit"):
@@ -502,7 +504,7 @@ def _fake_safe_low_state(recipe: Recipe) -> Iterator[None]:
 
     def tensor_safe_max(a: Any, b: Any) -> Any:
         if isinstance(a, torch.Tensor) and not isinstance(b, torch.Tensor):
-            return torch.clamp(a, min=b)
+            return a  # the limiter acts: see above
         return builtins.max(a, b)
 
     apollo.max = tensor_safe_max  # type: ignore[attr-defined]
