@@ -285,9 +285,9 @@ def training_step_bytes(model: torch.nn.Module, batch: int, seq: int, recipe: An
 
     low_state = recipe.optimizer.removesuffix("_in_backward")
     if low_state == "badam":  # issue 15: one block trains at a time; the others are frozen
-        from colab_memopt.lowstate import _badam_blocks
+        from colab_memopt.lowstate import badam_blocks
 
-        trainable = max(_badam_blocks(model)[1], key=lambda block: sum(p.numel() for p in block))
+        trainable = max(badam_blocks(model)[1], key=lambda block: sum(p.numel() for p in block))
     g_bytes = param_bytes(trainable) * elem // 4
     if low_state in LOW_STATE_OPTIMIZERS:  # exact per dtype: 8-bit and master-copy states do not halve in bf16
         o_bytes = state_bytes(low_state, trainable, rank=getattr(recipe, "optimizer_rank", None), model=model,

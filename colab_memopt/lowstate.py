@@ -119,7 +119,7 @@ def state_bytes(name: str, params: Iterable[Any], *, rank: int | None = None, mo
     if name == "badam":
         if model is None:
             raise ValueError("badam's state needs the model (its blocks)")
-        return max(12 * sum(p.numel() for p in block) + 4 * len(block) for block in _badam_blocks(model)[1])
+        return max(12 * sum(p.numel() for p in block) + 4 * len(block) for block in badam_blocks(model)[1])
     ps = [p for p in ps if p.requires_grad]
     if name in TORCHAO_BLOCK:
         block, qmap = TORCHAO_BLOCK[name], TORCHAO_QMAP_BYTES[name]
@@ -303,11 +303,16 @@ def torchao_state_tensors(state: dict[str, Any]) -> list[torch.Tensor]:
 
 # -- BAdam ---------------------------------------------------------------------------------------------
 
-def _badam_blocks(model: nn.Module) -> tuple[list[list[str]], list[list[nn.Parameter]]]:
+def badam_blocks(model: nn.Module) -> tuple[list[list[str]], list[list[nn.Parameter]]]:
     """Return BAdam's block prefixes (one per repeated block of the model) and each block's parameters."""
     from colab_memopt.checkpointing import find_blocks
 
-    blocks = find_blocks(model)
+    try:
+        blocks = find_blocks(model)
+    except ValueError:  # a one-block model: its one-element list of blocks
+        blocks = next((m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) == 1), None)
+        if blocks is None:
+            raise
     prefix = next(name for name, module in model.named_modules() if module is blocks)
     prefixes = [[f"{prefix}.{i}."] for i in range(len(blocks))]
     params = [list(block.parameters()) for block in blocks]
@@ -321,7 +326,7 @@ def _badam(params: list[torch.Tensor], lr: float, model: nn.Module | None) -> to
         from badam import BlockOptimizer
     except ImportError as err:
         raise RuntimeError("optimizer 'badam' needs badam: pip install badam") from err
-    prefixes, _ = _badam_blocks(model)
+    prefixes, _ = badam_blocks(model)
 
     class BAdam(BlockOptimizer):
         """badam's BlockOptimizer over torch's AdamW; its step and block switching are the package's.

@@ -19,7 +19,7 @@ from colab_memopt.checkpointing import POLICIES, apply_checkpointing, find_block
 from colab_memopt.compression import MODES as COMPRESSION_MODES
 from colab_memopt.compression import check_compressible, compress_activations
 from colab_memopt.offload import STRATEGIES, LayerStreamer, check_streamable
-from colab_memopt.lowstate import LOW_STATE_OPTIMIZERS, PROJECTED, check_rank
+from colab_memopt.lowstate import LOW_STATE_OPTIMIZERS, PROJECTED, badam_blocks, check_rank
 from colab_memopt.optimizers import OPTIMIZERS, make_optimizer
 from colab_memopt.phases import OFFLOAD_STRATEGIES
 from colab_memopt.precision import FORWARD_PRECISIONS, check_precision, prepare_model
@@ -299,7 +299,7 @@ class Recipe:
         if self.layer_offload_active:
             check_streamable(model)
         if self.optimizer == "badam":
-            find_blocks(model)  # BAdam trains one of the model's repeated blocks at a time
+            badam_blocks(model)  # BAdam trains one of the model's repeated blocks at a time
 
     def build(self, model: nn.Module) -> tuple[nn.Module, torch.optim.Optimizer]:
         """Apply the recipe's model-side techniques and return (model, optimizer).
