@@ -40,6 +40,7 @@ class Recipe:
 
     Attributes:
         optimizer: an optimizer name known to `optimizers.make_optimizer`.
+        optimizer_rank: GaLore's and APOLLO's projection rank (`lowstate`); None: the method's default.
         lr: learning rate (> 0).
         quantization: None, or a scheme of `quantization.SCHEMES` applied to the linear layers (frozen).
         quantization_phase: 'all' quantizes the trained model's base (with LoRA: QLoRA); 'forward_only'
