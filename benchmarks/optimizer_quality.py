@@ -58,7 +58,7 @@ def run(name: str, *, size: str, steps: int, batch: int, seq: int, corpus: cm.Te
     step = cm.make_train_step(model, opt, corpus, batch_size=batch, seq_len=seq, seed=seed + 1, recipe=recipe)
     report = cm.measure_step(step, model=model, optimizer=opt, repeat=1)
     trainable = [p for p in model.parameters() if p.requires_grad]
-    expected = estimate.optimizer_state_bytes(trainable, name, model=model)
+    expected = estimate.optimizer_state_bytes(trainable, name, model=model, rank=recipe.optimizer_rank)
     measured = report.resident_bytes["optimizer_state"]
     return {
         "optimizer": name, "optimizer_rank": recipe.optimizer_rank, "final_train_loss": log.train_loss[-1], "val_loss": log.val_loss,
