@@ -75,6 +75,8 @@ def test_galore_first_step_matches_a_hand_computation():
     expected = (w0 - 1e-2 * (adam @ b) * 0.25) * (1 - 1e-2 * 0.01)  # GaLore's scale 0.25, then weight decay
     torch.testing.assert_close(w.detach(), expected, rtol=1e-4, atol=1e-6)
     assert torch.equal(opt.state[w]["projection"], b) or torch.allclose(opt.state[w]["projection"].abs(), b.abs(), atol=1e-5)
+    # rank 8 of 64: only the rank rows of the SVD factor stay (galore-torch alone keeps the whole 64 x 64 factor)
+    assert _state_storage_bytes(opt) == lowstate.state_bytes("galore_adamw8bit", [w], rank=8, model=model)
 
 
 def test_galore_per_layer_in_backward_equals_one_optimizer(corpus):

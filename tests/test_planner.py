@@ -171,7 +171,9 @@ TRACED_RECIPES = [
     # issue 15: the optimizers with almost no state, from their packages (lowstate)
     {"optimizer": "galore_adamw8bit"},
     {"optimizer": "galore_adamw8bit_in_backward"},
+    {"optimizer": "galore_adamw8bit_in_backward", "optimizer_rank": 8},
     {"optimizer": "apollo"},
+    {"optimizer": "apollo", "optimizer_rank": 8},
     {"optimizer": "apollo_mini"},
     {"optimizer": "torchao_adamw8bit"},
     {"optimizer": "torchao_adamw4bit"},
