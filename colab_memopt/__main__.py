@@ -93,7 +93,11 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--mode", default="auto", choices=["auto", *MODES], help="what is trained (auto: full, else LoRA, else QLoRA)")
     r.add_argument("--objective", default="fastest", choices=list(OBJECTIVES))
     r.add_argument("--headroom", type=float, default=0.10, help="fraction of device memory kept free (default 0.10)")
-    r.add_argument("--costs", default=None, help="technique_costs.json to read (default: the one shipped in the package)")
+    r.add_argument("--costs", default=None, help="a technique costs JSON of the target's device class (default: the "
+                   "package's table for the target's class: measured rows, published priors for the rest)")
+    r.add_argument("--no-half-precision", action="store_true",
+                   help="forbid 16-bit compute: every candidate trains in fp32 (default on CUDA: fp16 autocast on a T4, "
+                        "bf16 where native, and LoRA's frozen base in that dtype)")
     r.add_argument("--method", default="auto", choices=["auto", "trace", "analytic"], help="planner method for the confirming plans")
     r.add_argument("--json", action="store_true", help="print one JSON object")
     d = sub.add_parser("doctor", help="the T4 pitfalls of a model and recipe, found before the first step")
@@ -121,7 +125,8 @@ def _recommend(args: argparse.Namespace) -> tuple[int, Any]:
 
     result = recommend(
         args.model, args.batch, seq_len=args.seq, target=_target(args), objective=args.objective, mode=args.mode,
-        headroom=args.headroom, costs=load_technique_costs(args.costs), method=args.method,
+        headroom=args.headroom, costs=None if args.costs is None else load_technique_costs(args.costs), method=args.method,
+        half_precision=not args.no_half_precision,
     )
     return 0, result
 

@@ -1,4 +1,12 @@
-"""What each technique costs in step time, measured on this device, and a recipe's expected slowdown.
+"""What each technique costs in step time on the target's device class, and a recipe's expected slowdown.
+
+Costs belong to a device class, never to the machine that happens to plan (issue 18): 'cpu',
+'t4' (sm_75: fp16 tensor cores, no native bf16) and 'ampere+' (sm_80 and later: native bf16).
+`costs_for_target(target)` returns the table of the target's class, each row with its source:
+measured (the package's `technique_costs.json` for 'cpu', written by `benchmarks/technique_costs.py`
+on this 2-core CPU; `technique_costs_t4.json` / `technique_costs_ampere.json` once `make test-gpu`
+measured them on a GPU, labelled with the GPU and any emulation) or, until measured, a PRIOR from a
+published figure with its citation (`PRIORS`). A CPU-measured ratio is never applied to a CUDA target.
 
 `measure_technique_costs` times one training step of the reference model with each technique of
 `TECHNIQUES` turned on alone (the same `Recipe.build` + `train.make_train_step` path every
@@ -51,6 +59,77 @@ TECHNIQUES: dict[str, dict[str, Any]] = {
 # LoRA can really be faster (tensor cores; no weight gradients), so their ratios are taken as measured.
 ADDS_WORK = frozenset({"checkpoint-selective", "checkpoint-every-8", "checkpoint-every-4", "checkpoint-every-2",
                        "checkpoint-full", "adamw8bit", "paged_adamw8bit", "accumulation-2", "accumulation-4"})
+DEVICE_CLASSES = ("cpu", "t4", "ampere+")
+# The measured table of each class, package data (absent until measured on that class).
+COSTS_FILES = {"cpu": COSTS_FILE, "t4": COSTS_FILE.with_name("technique_costs_t4.json"),
+               "ampere+": COSTS_FILE.with_name("technique_costs_ampere.json")}
+
+
+@dataclass(frozen=True)
+class Prior:
+    """A step-time ratio taken from published figures until it is measured on the device class, and where from."""
+
+    ratio: float
+    citation: str
+
+
+_CHEN = ("Chen et al. 2016, 'Training Deep Nets with Sublinear Memory Cost' (arXiv:1604.06174): checkpointing costs "
+         "one extra forward pass; with backward about twice a forward, a step of 3 forward-costs becomes 4 (x1.33); "
+         "Hugging Face's gradient-checkpointing guide says ~20% slower")
+_GPU_COMMON: dict[str, Prior] = {
+    "checkpoint-full": Prior(4 / 3, _CHEN),
+    "checkpoint-every-2": Prior(1 + 1 / 6, "derived from checkpoint-full's x1.33 (" + _CHEN.split(",")[0] + "): half the blocks recomputed"),
+    "checkpoint-every-4": Prior(1 + 1 / 12, "derived from checkpoint-full's x1.33 (" + _CHEN.split(",")[0] + "): a quarter of the blocks recomputed"),
+    "checkpoint-every-8": Prior(1 + 1 / 24, "derived from checkpoint-full's x1.33 (" + _CHEN.split(",")[0] + "): an eighth of the blocks recomputed"),
+    "checkpoint-selective": Prior(1.05, "Korthikanti et al. 2022 (arXiv:2205.05198): selective recomputation of the cheap "
+                                        "ops costs 2.7% more FLOPs on GPT-3; taken at x1.05 (elementwise ops are memory-bound)"),
+    "adamw8bit": Prior(1.0, "Dettmers et al. 2022, '8-bit Optimizers via Block-wise Quantization' (ICLR, arXiv:2110.02861): "
+                            "block-wise quantization is processed in parallel, 'yielding faster optimization'; counted x1.00"),
+    "paged_adamw8bit": Prior(1.0, "Dettmers et al. 2023, QLoRA (arXiv:2305.14314): paged optimizers move pages to host "
+                                  "memory only when the GPU runs out; otherwise the 8-bit step (x1.00)"),
+    "accumulation-2": Prior(1.0, "assumption, no published figure: the same FLOPs per optimizer step in 2 smaller passes"),
+    "accumulation-4": Prior(1.0, "assumption, no published figure: the same FLOPs per optimizer step in 4 smaller passes"),
+    "lora": Prior(0.75, "Hu et al. 2021, LoRA (arXiv:2106.09685, section 4.2): 25% faster training than full fine-tuning "
+                        "on GPT-3 175B, no gradients for the frozen weights"),
+    "qlora": Prior(1.0, "LoRA's x0.75 (Hu et al. 2021) times the dequantization of every 4-bit weight in forward and "
+                        "backward, taken at x1.33: 'no speed improvement compared to LoRA; actually slower' "
+                        "(Lightning-AI/litgpt#595); up to 5x slower reported in allenai/open-instruct#109"),
+}
+# Priors per device class: ratios to a plain fp32 AdamW step on that class, until `make test-gpu` measures them.
+PRIORS: dict[str, dict[str, Prior]] = {
+    "cpu": {},  # the CPU table is measured here (technique_costs.json)
+    "t4": {
+        "fp16-autocast": Prior(0.5, "NVIDIA T4 datasheet: 65 TFLOPS fp16 on tensor cores vs 8.1 TFLOPS fp32 (8x on "
+                                    "matmuls, peak); taken at 2x for the whole step (only the matmuls speed up)"),
+        "bf16-autocast": Prior(2.0, "sm_75 has no bf16 tensor cores: bf16 matmuls run emulated, at less than half the "
+                                    "speed of fp32 on a Colab T4 (openxla/xla#12429)"),
+        **_GPU_COMMON,
+    },
+    "ampere+": {
+        "fp16-autocast": Prior(0.5, "NVIDIA A100 datasheet: 312 TFLOPS fp16/bf16 on tensor cores vs 19.5 TFLOPS fp32 "
+                                    "(16x on matmuls, peak); taken at 2x for the whole step (only the matmuls speed up)"),
+        "bf16-autocast": Prior(0.5, "NVIDIA A100 datasheet: bf16 tensor cores at fp16's 312 TFLOPS vs 19.5 TFLOPS fp32; "
+                                    "taken at 2x for the whole step, as fp16"),
+        **_GPU_COMMON,
+    },
+}
+# The host link offloaded tensors cross on a T4 host (for offload candidates): PCIe 3.0 x16.
+PCIE3_X16_BYTES_PER_S = Prior(15.75e9, "PCIe 3.0 x16: 8 GT/s x 16 lanes x 128b/130b = 15.75 GB/s per direction "
+                                       "(PCI-SIG); a T4 is a PCIe 3.0 x16 card (NVIDIA T4 datasheet); real copies reach less")
+
+
+def device_class(target: Any) -> str:
+    """Return the cost table's device class of a target: 'cpu', 't4' (CUDA below sm_80) or 'ampere+' (sm_80 on).
+
+    `target` is a `planner.Target` (or anything with `cuda` and `compute_capability`); a CUDA target whose
+    capability is not known counts as 't4' (no native bf16 assumed).
+    """
+    if not getattr(target, "cuda", True):
+        return "cpu"
+    cc = getattr(target, "compute_capability", None)
+    return "ampere+" if cc is not None and tuple(cc) >= (8, 0) else "t4"
+
+
 # Fields whose default value means "off": a recipe with another value there needs a measured technique.
 _DEFAULTS = {f: getattr(Recipe(), f) for f in ("precision", "checkpointing", "optimizer", "accumulation_steps", "lora_rank", "quantization")}
 
@@ -67,11 +146,34 @@ class TechniqueCosts:
     step_seconds: dict[str, float] = field(default_factory=dict)
     rounds: int = 0
     source: str = ""
+    # issue 18: the device class the ratios describe (None: not said, e.g. made-up ratios in a test) and, per
+    # technique, 'measured' or 'prior' with its citation (rows absent from `kinds` are measured).
+    device_class: str | None = None
+    kinds: dict[str, str] = field(default_factory=dict)
+    citations: dict[str, str] = field(default_factory=dict)
+
+    def kind(self, technique: str) -> str:
+        """Return 'measured' or 'prior' for a technique of the table."""
+        return self.kinds.get(technique, "measured")
+
+    def row_source(self, technique: str) -> str:
+        """Return where a row comes from: 'measured on <device>' or 'prior: <citation>'."""
+        if self.kind(technique) == "prior":
+            return f"prior: {self.citations.get(technique, '')}"
+        return f"measured on {self.device}"
+
+    @property
+    def table(self) -> str:
+        """Return a one-line name of the table: its class and what its rows are."""
+        kinds = set(self.kinds.get(t, "measured") for t in self.ratios)
+        what = " + ".join(k for k in ("measured", "prior") if k in kinds) or "empty"
+        return f"{self.device_class or 'unclassed'} table ({what}; {self.device})"
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "device": self.device, "model": self.model, "batch": self.batch, "seq_len": self.seq_len,
             "rounds": self.rounds, "ratios": self.ratios, "step_seconds": self.step_seconds, "source": self.source,
+            "device_class": self.device_class, "kinds": {t: self.kind(t) for t in self.ratios}, "citations": self.citations,
         }
 
 
@@ -84,6 +186,8 @@ class Slowdown:
     unmeasured: list[str]
     device: str
     floored: list[str] = field(default_factory=list)  # in ADDS_WORK and measured below 1: counted as 1.0
+    sources: dict[str, str] = field(default_factory=dict)  # technique -> 'measured on ...' or 'prior: <citation>'
+    kinds: dict[str, str] = field(default_factory=dict)  # technique -> 'measured' or 'prior'
 
     @property
     def n_techniques(self) -> int:
@@ -93,10 +197,23 @@ class Slowdown:
 
 def _device_name(device: torch.device) -> str:
     if device.type == "cuda":
-        return f"cuda: {torch.cuda.get_device_name(device)}"
+        from colab_memopt.env import device_label
+
+        return f"cuda: {device_label(device)}"  # "<gpu> emulating t4" under CM_EMULATE=t4 (env.apply_emulation)
     import platform
 
     return f"cpu: {platform.processor() or platform.machine()} ({torch.get_num_threads()} threads)"
+
+
+def measured_device_class(device: torch.device) -> str:
+    """Return the device class a measurement on `device` stands for: 'cpu', or the GPU's (its emulation's) class."""
+    if device.type != "cuda":
+        return "cpu"
+    from colab_memopt.env import bf16_native, emulated_gpu
+
+    if emulated_gpu(device) == "t4":
+        return "t4"
+    return "ampere+" if bf16_native(device) else "t4"
 
 
 def measure_technique_costs(
@@ -172,6 +289,7 @@ def measure_technique_costs(
     return TechniqueCosts(
         ratios=ratios, device=_device_name(dev), model=model_size, batch=batch, seq_len=seq_len,
         step_seconds={n: statistics.median(t) for n, t in times.items()}, rounds=rounds, source=source,
+        device_class=measured_device_class(dev),
     )
 
 
@@ -195,10 +313,70 @@ def load_technique_costs(path: str | Path | None = None) -> TechniqueCosts:
         if isinstance(ratios, dict) else ratios
     if not isinstance(ratios, dict) or bad:
         raise ValueError(f"{p}: 'ratios' must map technique names to finite step-time ratios > 0, got {bad!r}")
+    cls = d.get("device_class")
+    if cls is None and path is None:
+        cls = "cpu"  # the package's default table, measured on this project's CPU (benchmarks/technique_costs.py)
+    if cls is not None and cls not in DEVICE_CLASSES:
+        raise ValueError(f"{p}: 'device_class' must be one of {DEVICE_CLASSES}, got {cls!r}")
     return TechniqueCosts(
         ratios={k: float(v) for k, v in ratios.items()}, device=str(d["device"]), model=d["model"], batch=d["batch"],
         seq_len=d["seq_len"], step_seconds=d.get("step_seconds", {}), rounds=d.get("rounds", 0), source=d.get("source", str(p)),
+        device_class=cls,
     )
+
+
+def prior_costs(cls: str) -> TechniqueCosts:
+    """Return the priors of a device class (published figures, each with its citation) as a cost table."""
+    if cls not in DEVICE_CLASSES:
+        raise ValueError(f"device class must be one of {DEVICE_CLASSES}, got {cls!r}")
+    priors = PRIORS[cls]
+    return TechniqueCosts(
+        ratios={t: p.ratio for t, p in priors.items()}, device=f"{cls} (priors: published figures, not measured)",
+        model="-", batch=0, seq_len=0, source="costs.PRIORS", device_class=cls,
+        kinds={t: "prior" for t in priors}, citations={t: p.citation for t, p in priors.items()},
+    )
+
+
+def costs_for_class(cls: str, path: str | Path | None = None) -> TechniqueCosts:
+    """Return the cost table of a device class: its measured rows (package data, or `path`), priors for the rest.
+
+    A measured file must be of the same class (its 'device_class'; the package's `technique_costs.json` is 'cpu').
+    """
+    priors = prior_costs(cls)
+    file = Path(path) if path is not None else COSTS_FILES[cls]
+    if not file.exists():
+        if path is not None or cls == "cpu":
+            load_technique_costs(file)  # raises FileNotFoundError naming the file and how to make it
+        return priors
+    measured = load_technique_costs(None if path is None and cls == "cpu" else file)
+    if measured.device_class != cls:
+        raise ValueError(f"{file} holds ratios of device class {measured.device_class!r} ({measured.device}), not "
+                         f"{cls!r}: a measurement on one device class never stands for another (benchmarks/technique_costs.py "
+                         "writes 'device_class', the class of the device it ran on)")
+    ratios = {**priors.ratios, **measured.ratios}
+    kinds = {**priors.kinds, **{t: "measured" for t in measured.ratios}}
+    citations = {t: c for t, c in priors.citations.items() if kinds[t] == "prior"}
+    device = measured.device + (f"; priors for {sorted(t for t in kinds if kinds[t] == 'prior')}" if citations else "")
+    return TechniqueCosts(ratios=ratios, device=device, model=measured.model, batch=measured.batch, seq_len=measured.seq_len,
+                          step_seconds=measured.step_seconds, rounds=measured.rounds, source=measured.source,
+                          device_class=cls, kinds=kinds, citations=citations)
+
+
+def costs_for_target(target: Any, costs: TechniqueCosts | None = None) -> TechniqueCosts:
+    """Return the cost table for a target (`planner.Target`): `costs` if given and of its class, else its class's table.
+
+    Raises ValueError when `costs` names another device class (a CPU measurement for a CUDA target).
+    """
+    cls = device_class(target)
+    if costs is None:
+        return costs_for_class(cls)
+    if costs.device_class is not None and costs.device_class != cls:
+        raise ValueError(
+            f"the technique costs were measured on a {costs.device_class!r} device ({costs.device}) and the target "
+            f"{getattr(target, 'name', target)!r} is of class {cls!r}: ratios of one device class never stand for "
+            f"another; leave costs=None (the {cls} table) or pass a table of class {cls!r}"
+        )
+    return costs
 
 
 _COSTS_KEYS = ("ratios", "device", "model", "batch", "seq_len")
@@ -232,4 +410,5 @@ def expected_slowdown(recipe: Recipe | dict[str, Any], costs: TechniqueCosts) ->
     ratio = 1.0
     for r in parts.values():
         ratio *= r
-    return Slowdown(ratio, parts, unmeasured, costs.device, floored)
+    return Slowdown(ratio, parts, unmeasured, costs.device, floored,
+                    {n: costs.row_source(n) for n in parts}, {n: costs.kind(n) for n in parts})

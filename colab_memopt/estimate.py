@@ -262,7 +262,10 @@ def _recipe_params(model: torch.nn.Module, recipe: Any) -> tuple[list[torch.Tens
                          torch.empty(mod.out_features, rank, device="meta", requires_grad=True)]
     rest = [p for p in params if id(p) not in quantized]
     trainable = adapters if rank else [p for p in rest if p.requires_grad]
-    return params, trainable, q_bytes + param_bytes(rest) + param_bytes(adapters)
+    rest_bytes = param_bytes(rest)
+    if rank and getattr(recipe, "base_dtype", None) is not None:  # issue 18: the frozen base at 2 bytes
+        rest_bytes //= 2
+    return params, trainable, q_bytes + rest_bytes + param_bytes(adapters)
 
 
 def training_step_bytes(model: torch.nn.Module, batch: int, seq: int, recipe: Any) -> StepEstimate:

@@ -15,8 +15,11 @@ caching allocator to the T4's usable bytes less its context and takes the T4's c
 3. every notebook with its Colab defaults (papermill, a fresh kernel each, README.md untouched), each
    under its budget from tests/notebook_parameters_t4.yaml;
 4. the planner-accuracy grid on CUDA (benchmarks/planner_accuracy.py --grid cuda);
-5. the technique costs at a size where a T4 is compute-bound (gpt2-small, 4 x 512).
-It writes build/gpu/{env.json, results.json, planner_accuracy.json, technique_costs.json, claims.md}
+5. the technique costs at a size where a T4 is compute-bound (gpt2-small, 4 x 512), for the device class the run
+   stands for (`costs_class`: 't4' on a T4 or under T4 emulation, 'ampere+' on sm_80+), labelled with the GPU and
+   its emulation: technique_costs_t4.json or technique_costs_ampere.json, the name of the package data file the
+   recommender reads for that class (copy it into colab_memopt/ to replace the published priors).
+It writes build/gpu/{env.json, results.json, planner_accuracy.json, technique_costs_<class>.json, claims.md}
 and prints a summary table last; the exit status is 1 if any step failed. Timings of an emulated run
 are this GPU's, not a T4's.
 """
@@ -95,6 +98,18 @@ def child_env(emulate: str) -> dict[str, str]:
     if emulate == "t4":
         env.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:2:16:8")  # sm_75's default size
     return env
+
+
+def costs_class(emulate: str, capability: tuple[int, int]) -> str:
+    """Return the device class the technique costs of this run stand for: 't4' when emulating one or below sm_80."""
+    return "t4" if emulate == "t4" or tuple(capability) < (8, 0) else "ampere+"
+
+
+def costs_file_name(emulate: str, capability: tuple[int, int]) -> str:
+    """Return the file the costs step writes: the package data name of its class (technique_costs_t4.json, ...)."""
+    from colab_memopt.costs import COSTS_FILES
+
+    return COSTS_FILES[costs_class(emulate, capability)].name
 
 
 def load_budgets(path: Path = BUDGETS_FILE) -> tuple[dict[str, int], int, int]:
@@ -288,7 +303,8 @@ def main(argv: list[str] | None = None) -> int:
                                                     str(out / "planner_accuracy.json"), "--label", label],
                                         env, 1200, out / "logs" / "planner_accuracy.log")),
         ("costs", lambda: run_command("costs", [py, "benchmarks/technique_costs.py", "--model", "gpt2-small", "--batch", "4",
-                                                "--seq", "512", "--rounds", "5", "--out", str(out / "technique_costs.json")],
+                                                "--seq", "512", "--rounds", "5", "--out",
+                                                str(out / costs_file_name(emulate, torch.cuda.get_device_capability(0)))],
                                       env, 1200, out / "logs" / "technique_costs.log")),
     ]
     steps: list[StepResult] = []

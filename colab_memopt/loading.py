@@ -57,6 +57,8 @@ def load_dtype(recipe: Recipe, device_type: str, native_bf16: bool = False) -> t
     """
     if recipe.precision == "bf16":
         return torch.bfloat16
+    if recipe.base_dtype is not None:  # issue 18: the recipe names the frozen base's dtype
+        return torch.float16 if recipe.base_dtype == "fp16" else torch.bfloat16
     if device_type == "cuda" and recipe.lora_rank:
         return torch.bfloat16 if native_bf16 else torch.float16
     return torch.float32
@@ -236,7 +238,7 @@ def load_model(id_or_path: Any, recipe: Recipe | dict[str, Any] | None = None, d
             if p.requires_grad and p.dtype != torch.float32:
                 p.data = p.data.float()
     seconds = time.perf_counter() - start
-    rest = rec.with_(quantization=None, lora_rank=0, lora_targets=DEFAULT_LORA_TARGETS)
+    rest = rec.with_(quantization=None, lora_rank=0, lora_targets=DEFAULT_LORA_TARGETS, base_dtype=None)
     model, optimizer = rest.build(model)
     return LoadedModel(model, optimizer, rec, dtype, dev, not weights, host.peak_bytes, host.added_bytes, seconds,
                        source, notes)

@@ -12,6 +12,11 @@ Four precisions, named as the recipe names them (notebook 02):
   copy. Halves model states, at the cost of updates smaller than bf16's resolution being lost.
 
 Forward-only phases (evaluation) can run at a different precision: `forward_context`.
+
+With LoRA, the frozen base need not be fp32 at all: `half_frozen_base` stores it in fp16 (a T4) or
+bf16 (native from Ampere on) and keeps the trainable adapters in fp32, so fp16 autocast's GradScaler
+unscales fp32 gradients (fp16 trainable weights fail with "Attempting to unscale FP16 gradients").
+The recipe field is `Recipe.base_dtype`.
 """
 
 from __future__ import annotations
@@ -27,6 +32,9 @@ PRECISIONS = ("fp32", "fp16-autocast", "bf16-autocast", "bf16")
 FORWARD_PRECISIONS = ("fp32", "fp16-autocast", "bf16-autocast")
 
 _AUTOCAST_DTYPE = {"fp16-autocast": torch.float16, "bf16-autocast": torch.bfloat16}
+# Frozen-base dtypes (Recipe.base_dtype) and the autocast precision each one computes under.
+BASE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+BASE_DTYPE_PRECISION = {"fp16": "fp16-autocast", "bf16": "bf16-autocast"}
 
 
 def check_precision(precision: str, *, allowed: tuple[str, ...] = PRECISIONS, name: str = "precision") -> str:
@@ -117,3 +125,41 @@ def fp16_supported(device: torch.device | str) -> bool:
         return False
     return True
 
+
+
+def check_base_dtype(base_dtype: str | None, *, name: str = "base_dtype") -> str | None:
+    """Return `base_dtype` if it is None, 'fp16' or 'bf16', else raise ValueError naming it."""
+    if base_dtype is not None and base_dtype not in BASE_DTYPES:
+        raise ValueError(f"{name} must be None (fp32) or one of {tuple(BASE_DTYPES)}, got {base_dtype!r}")
+    return base_dtype
+
+
+def check_native_bf16(base_dtype: str | None, *, native_bf16: bool | None, where: str) -> None:
+    """Raise ValueError for a bf16 frozen base on a device known to lack native bf16 (a T4, sm_75).
+
+    `native_bf16` None means the device is not known: nothing is refused.
+    """
+    if base_dtype == "bf16" and native_bf16 is False:
+        raise ValueError(
+            f"base_dtype='bf16' on {where}, which has no native bf16 (compute capability < 8.0: its bf16 matmuls "
+            "are emulated and slow): use base_dtype='fp16' with precision='fp16-autocast'"
+        )
+
+
+def half_frozen_base(model: nn.Module, base_dtype: str) -> nn.Module:
+    """Store every floating-point weight and buffer of `model` in `base_dtype` ('fp16' or 'bf16'); return it.
+
+    Call it on the frozen base before LoRA adapters are added (and before 4-bit quantization, whose layers
+    then compute in that dtype), then `adapters_to_fp32` after: only the adapters train.
+    """
+    check_base_dtype(base_dtype)
+    return model.to(BASE_DTYPES[base_dtype])
+
+
+def adapters_to_fp32(model: nn.Module) -> nn.Module:
+    """Keep the trainable parameters (the LoRA adapters) in fp32, whatever dtype the base is stored in."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad and p.is_floating_point() and p.dtype != torch.float32:
+                p.data = p.data.to(torch.float32)
+    return model

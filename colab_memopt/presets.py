@@ -12,7 +12,8 @@ balanced on, CPU offloading of layers. They map onto the Recipe fields that exis
   AdamW8bit) for full fine-tuning; the weights are quantized only in QLoRA mode (nf4), because a
   quantized weight is frozen.
 - precision: mixed precision everywhere: fp16 autocast + GradScaler on a T4 (sm_75 has no native
-  bf16), bf16 autocast on targets that have it.
+  bf16), bf16 autocast on targets that have it; in LoRA and QLoRA modes the frozen base is stored in
+  that 16-bit dtype too (`Recipe.base_dtype`), the adapters in fp32.
 - offload (CPU offloading of layers and optimizer state): not a Recipe field yet. Add it to
   `PRESETS[...].fields` below (one line per preset) when the offload fields exist.
 
@@ -76,7 +77,8 @@ PRESETS: dict[str, Preset] = {
     ]
 }
 
-# Training modes: what is trained. QLoRA quantizes the frozen base to nf4; LoRA keeps it in fp32.
+# Training modes: what is trained. QLoRA quantizes the frozen base to nf4; LoRA keeps it as it is (a preset
+# stores it in its autocast dtype: `preset_fields`).
 MODES: dict[str, dict[str, Any]] = {
     "full": {},
     "lora": dict(lora_rank=16),
@@ -139,4 +141,9 @@ def preset_fields(name: str, *, target: Any = "t4", mode: str = "full", model: s
     if isinstance(target, str) and target not in TARGET_NAMES:  # named, not taken for a T4
         raise ValueError(f"unknown target {target!r}; choose one of {sorted(TARGET_NAMES)} or give a Target")
     values: dict[str, Any] = {"precision": mixed_precision(target), **PRESETS[name].fields, **mode_fields(mode, model)}
-    return {**values, **overrides}
+    values = {**values, **overrides}
+    # issue 18: LoRA's frozen base in the autocast dtype (fp16 on a T4, bf16 where native), adapters fp32
+    base = {"fp16-autocast": "fp16", "bf16-autocast": "bf16"}.get(values.get("precision"))
+    if values.get("lora_rank") and base is not None and "base_dtype" not in overrides:
+        values["base_dtype"] = base
+    return values

@@ -22,7 +22,17 @@ from colab_memopt.offload import STRATEGIES, LayerStreamer, check_streamable
 from colab_memopt.lowstate import LOW_STATE_OPTIMIZERS, PROJECTED, badam_blocks, check_rank
 from colab_memopt.optimizers import OPTIMIZERS, make_optimizer
 from colab_memopt.phases import OFFLOAD_STRATEGIES
-from colab_memopt.precision import FORWARD_PRECISIONS, check_precision, prepare_model
+from colab_memopt.env import bf16_native
+from colab_memopt.precision import (
+    BASE_DTYPE_PRECISION,
+    FORWARD_PRECISIONS,
+    adapters_to_fp32,
+    check_base_dtype,
+    check_native_bf16,
+    check_precision,
+    half_frozen_base,
+    prepare_model,
+)
 from colab_memopt.quantization import (
     DEFAULT_LORA_TARGETS,
     SCHEMES,
@@ -47,6 +57,9 @@ class Recipe:
             keeps training in fp32 and quantizes only the copy `forward_model` returns for evaluation.
         lora_rank: 0 (no adapters) or the rank of peft LoRA adapters on `lora_targets`.
         lora_targets: module names that get adapters.
+        base_dtype: None keeps LoRA's frozen base in fp32; 'fp16' (a T4) or 'bf16' (native bf16 only,
+            compute capability >= 8.0) stores it in half precision, the adapters staying fp32. Needs
+            lora_rank >= 1 and the matching autocast precision ('fp16-autocast' / 'bf16-autocast').
         activation_compression: None, or a mode of `compression.MODES` for the blocks' saved tensors.
         compression_checkpointing: also checkpoint each block, its saved input compressed (notebook 08).
         attention: None keeps the model's attention; 'sdpa', 'naive' or 'semiseparable' (notebook 13:
@@ -76,6 +89,8 @@ class Recipe:
     quantization_phase: str = "all"
     lora_rank: int = 0
     lora_targets: tuple[str, ...] = DEFAULT_LORA_TARGETS
+    # issue 18: LoRA's frozen base in half precision (None: fp32); adapters stay fp32
+    base_dtype: str | None = None
     # -- 08_activation_compression
     activation_compression: str | None = None
     compression_checkpointing: bool = False
@@ -144,6 +159,17 @@ class Recipe:
         if self.lora_rank and self.quantization in ("int8_tensor", "int8_channel") and self.quantization_phase == "all":
             raise ValueError(
                 f"recipe.lora_rank needs a base peft supports: quantization None, 'bnb_int8', 'nf4' or 'fp4', got {self.quantization!r}"
+            )
+        check_base_dtype(self.base_dtype, name="recipe.base_dtype")
+        if self.base_dtype is not None and not self.lora_rank:
+            raise ValueError(
+                f"recipe.base_dtype={self.base_dtype!r} stores LoRA's frozen base in half precision: set lora_rank >= 1 "
+                "(full fine-tuning keeps fp32 master weights; pure bf16 training is precision='bf16')"
+            )
+        if self.base_dtype is not None and self.precision != BASE_DTYPE_PRECISION[self.base_dtype]:
+            raise ValueError(
+                f"recipe.base_dtype={self.base_dtype!r} computes under autocast: set precision="
+                f"{BASE_DTYPE_PRECISION[self.base_dtype]!r}, got {self.precision!r}"
             )
         # 08_activation_compression
         if self.activation_compression is not None and self.activation_compression not in COMPRESSION_MODES:
@@ -322,10 +348,17 @@ class Recipe:
                     block.attn.attention = self.attention
                 block.attn.window = self.attention_window
         prepare_model(model, self.precision)
+        if self.base_dtype is not None:  # issue 18: the frozen base in fp16/bf16, before quantization and adapters
+            device = next((t.device for t in model.parameters()), torch.device("cpu"))
+            if device.type == "cuda":
+                check_native_bf16(self.base_dtype, native_bf16=bf16_native(device), where=f"this GPU ({device})")
+            half_frozen_base(model, self.base_dtype)
         if self.quantization is not None and self.quantization_phase == "all":
             quantize_model(model, self.quantization)
         if self.lora_rank:
             add_lora(model, self.lora_rank, targets=self.lora_targets)
+            if self.base_dtype is not None:
+                adapters_to_fp32(model)
         if self.activation_compression is not None or self.compression_checkpointing:
             compress_activations(model, self.activation_compression, checkpoint_blocks=self.compression_checkpointing)
         apply_checkpointing(model, self.checkpointing, self.checkpoint_interval)

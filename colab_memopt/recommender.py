@@ -5,7 +5,16 @@ training mode's fields and the accumulation steps that divide the batch), screen
 analytic estimate (one model built on the meta device, milliseconds per recipe), then confirms the
 cheapest ones that pass with the planner (`plan`: a trace on fake tensors where the step can be
 traced) until one fits. The slowdown of each candidate is the product of its techniques' step-time
-ratios measured on a device (`costs`), never a constant typed in; the result names that device.
+ratios from the cost table of the target's device class (`costs.costs_for_target`: measured on that
+class, or published priors with their citations until measured), never a constant typed in and never
+a CPU measurement for a CUDA target; the result names the table and each row's source.
+
+Issue 18, the expert's defaults: on a CUDA target every candidate computes in the target's autocast
+precision (fp16 + GradScaler on a T4, bf16 where native) unless `half_precision=False`, and LoRA and
+QLoRA keep the frozen base in that 16-bit dtype (`Recipe.base_dtype`), the adapters in fp32. Mode
+'auto' takes full fine-tuning if it fits, else LoRA, else QLoRA (objective 'least_memory': the mode
+that needs least), and gives LoRA's and QLoRA's needs side by side. Plans are traced only for the
+finalists the analytic screen ranks first, and the planner caches traces within a process.
 
 A new Recipe field (e.g. offload) plugs in with one axis in `CANDIDATE_AXES` and one entry per value
 in `costs.TECHNIQUES`.
@@ -22,7 +31,7 @@ from typing import Any
 from torch import nn
 
 from colab_memopt import estimate
-from colab_memopt.costs import Slowdown, TechniqueCosts, expected_slowdown, load_technique_costs, techniques_used
+from colab_memopt.costs import Slowdown, TechniqueCosts, costs_for_target, expected_slowdown, techniques_used
 from colab_memopt.measure import format_bytes
 from colab_memopt.planner import Plan, Target, check_headroom, check_seq_len, get_target, max_positions, plan, shape_model
 from colab_memopt.presets import MODES, PRESETS, mixed_precision, mode_fields, preset_fields
@@ -80,7 +89,7 @@ class Candidate:
     def to_dict(self) -> dict[str, Any]:
         return {
             "name": self.name, "recipe": _changed(self.recipe), "expected_slowdown": self.slowdown.ratio,
-            "slowdown_parts": self.slowdown.parts, "unmeasured": self.slowdown.unmeasured,
+            "slowdown_parts": self.slowdown.parts, "slowdown_kinds": self.slowdown.kinds, "unmeasured": self.slowdown.unmeasured,
             "analytic_need_bytes": self.analytic_need_bytes, "planned_need_bytes": self.plan.device_need_bytes if self.plan else None,
             "method": self.plan.method if self.plan else "analytic screen", "limit_bytes": self.limit_bytes,
             "fits": self.fits, "short_bytes": self.short_bytes,
@@ -106,6 +115,7 @@ class Recommendation:
     candidates: list[Candidate]
     costs_device: str
     reasoning: list[str] = field(default_factory=list)
+    costs: TechniqueCosts | None = None  # the table the slowdowns come from (its class, measured or prior rows)
 
     @property
     def recipe(self) -> Recipe:
@@ -129,7 +139,22 @@ class Recommendation:
             "predicted_need_bytes": self.plan.device_need_bytes, "device_limit_bytes": self.plan.device_limit_bytes,
             "method": self.plan.method, "expected_slowdown": self.chosen.slowdown.ratio,
             "slowdown_parts": self.chosen.slowdown.parts, "slowdown_measured_on": self.costs_device,
+            "costs": self._costs_dict(),
             "reasoning": self.reasoning, "warnings": self.warnings, "candidates": [c.to_dict() for c in self.candidates],
+        }
+
+    def _costs_dict(self) -> dict[str, Any]:
+        """Return which cost table ranked the candidates, and the source of each row the chosen recipe uses."""
+        table = self.costs
+        if table is None:
+            return {"table": None, "device": self.costs_device}
+        kinds = {t: table.kind(t) for t in table.ratios}
+        return {
+            "device_class": table.device_class, "table": table.table, "device": table.device,
+            "measured": sorted(t for t, k in kinds.items() if k == "measured"),
+            "prior": sorted(t for t, k in kinds.items() if k == "prior"),
+            "chosen_rows": {t: {"ratio": r, "kind": table.kind(t), "source": table.row_source(t)}
+                            for t, r in self.chosen.slowdown.parts.items()},
         }
 
     def __str__(self) -> str:
@@ -141,7 +166,9 @@ class Recommendation:
             f"  recipe: {_changed(c.recipe)}",
             f"  predicted peak {format_bytes(self.plan.peak_bytes)}, need {format_bytes(self.plan.device_need_bytes)} of "
             f"{format_bytes(self.plan.device_limit_bytes)} usable ({self.plan.method})",
-            f"  expected slowdown x{c.slowdown.ratio:.2f} vs fp32 AdamW (ratios measured on {self.costs_device})",
+            f"  expected slowdown x{c.slowdown.ratio:.2f} vs fp32 AdamW ("
+            + (f"{self.costs.table}" if self.costs is not None else f"ratios measured on {self.costs_device}") + ")",
+            *[f"    {t} x{r:.2f}: {c.slowdown.sources.get(t, '')}" for t, r in c.slowdown.parts.items()],
             *[f"warning: {w}" for w in self.warnings],
             "reasoning:",
             *[f"  {r}" for r in self.reasoning],
@@ -165,18 +192,52 @@ def _name(recipe: Recipe, target: Any, mode: str, model: str | None = None) -> s
     return label
 
 
-def candidate_recipes(batch: int, *, target: Any = "t4", mode: str = "full", model: str | None = None) -> list[Recipe]:
-    """Return every candidate recipe: one option per axis, the mode's fields, accumulation dividing the batch."""
+def precision_options(target: Any = "t4", half_precision: bool = True) -> list[str]:
+    """Return the precisions candidates may take on a target.
+
+    On a CUDA target: its autocast precision only (fp16 + GradScaler on a T4, bf16 where native): an
+    expert never trains in fp32 there, it is slower and holds 4-byte activations. `half_precision=False`
+    (the user forbids 16-bit compute): fp32 only. On a CPU target both, ranked by the CPU's measured costs.
+    """
+    if not isinstance(half_precision, bool):
+        raise ValueError(f"half_precision must be True or False, got {half_precision!r}")
+    if not half_precision:
+        return ["fp32"]
     mixed = mixed_precision(target)
+    tgt = target if isinstance(target, Target) else get_target(target) if isinstance(target, (str, dict)) else None
+    return [mixed] if tgt is None or tgt.cuda else ["fp32", mixed]
+
+
+BASE_FOR_PRECISION = {"fp16-autocast": "fp16", "bf16-autocast": "bf16"}  # LoRA's frozen base per autocast precision
+
+
+def _half_base(values: dict[str, Any]) -> dict[str, Any]:
+    """Keep LoRA's frozen base in the candidate's 16-bit autocast dtype (issue 18); fp32 compute keeps it fp32."""
+    if values.get("lora_rank") and values.get("precision") in BASE_FOR_PRECISION:
+        return {**values, "base_dtype": BASE_FOR_PRECISION[values["precision"]]}
+    return values
+
+
+def candidate_recipes(batch: int, *, target: Any = "t4", mode: str = "full", model: str | None = None,
+                      half_precision: bool = True) -> list[Recipe]:
+    """Return every candidate recipe: one option per axis, the mode's fields, accumulation dividing the batch.
+
+    The precision axis is the target's (`precision_options`); LoRA and QLoRA candidates in 16-bit
+    autocast keep their frozen base in that dtype (`Recipe.base_dtype`).
+    """
+    allowed = precision_options(target, half_precision)
     extra = mode_fields(mode, model)
     out = []
     for options in product(*CANDIDATE_AXES.values()):
         values: dict[str, Any] = {}
         for opt in options:
-            values.update({k: (mixed if v == MIXED else v) for k, v in opt.items()})
+            values.update({k: (mixed_precision(target) if v == MIXED else v) for k, v in opt.items()})
+        if values.get("precision") not in allowed:
+            continue
+        values = _half_base({**values, **extra})
         for acc in ACCUMULATION_STEPS:
             if acc <= batch and batch % acc == 0:
-                out.append(Recipe.from_dict({**values, **extra, "accumulation_steps": acc}))
+                out.append(Recipe.from_dict({**values, "accumulation_steps": acc}))
     return list(dict.fromkeys(out))
 
 
@@ -199,6 +260,7 @@ def recommend(
     costs: TechniqueCosts | None = None,
     method: str = "auto",
     max_plans: int = 4,
+    half_precision: bool = True,
 ) -> Recommendation:
     """Return the recipe that fits `target` with `headroom` at the least expected slowdown.
 
@@ -210,33 +272,88 @@ def recommend(
         target: 't4', 'l4', ... or a `Target` / dict (as `plan` takes).
         objective: 'fastest' (least expected slowdown that fits) or 'least_memory' (smallest need).
         mode: 'full', 'lora' or 'qlora' (what is trained), or 'auto': full fine-tuning if any recipe
-            fits, else LoRA, else QLoRA (the reasoning says why each mode before was passed over).
+            fits, else LoRA, else QLoRA (the reasoning says why each mode before was passed over);
+            with objective 'least_memory', the mode whose recipe needs least.
         headroom: fraction of device memory kept free.
-        costs: measured technique ratios (default: the package's technique_costs.json).
+        costs: a step-time table (default: the table of the target's device class, `costs.costs_for_target`:
+            measured rows, published priors for the rest); one of another class is refused.
         method: the planner's method for the confirming plans ('auto', 'trace', 'analytic'); with
             'trace', candidates that cannot be traced (bitsandbytes' 4-bit weights, Adafactor) are skipped.
         max_plans: at most this many candidates are confirmed with the planner.
+        half_precision: False forbids 16-bit compute: every candidate trains in fp32 (on a CUDA target the
+            default is the target's autocast precision for every candidate).
 
     Raises:
         NoRecipeFits: no candidate fits; the message names the leanest one's need and the shortfall.
     """
     headroom = check_headroom(headroom)
-    if mode == "auto":
-        passed_over: list[str] = []
-        for m in MODES:
-            try:
-                rec = recommend(model, batch, seq_len=seq_len, target=target, objective=objective, mode=m,
-                                headroom=headroom, costs=costs, method=method, max_plans=max_plans)
-            except NoRecipeFits as exc:
-                passed_over.append(f"mode {m} passed over: {exc}")
-                if m == list(MODES)[-1]:
-                    raise NoRecipeFits(" | ".join(passed_over), exc.candidates) from None
-                continue
-            rec.reasoning[:0] = passed_over
-            return rec
-    mode_fields(mode)  # validates the mode
     if objective not in OBJECTIVES:
         raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
+    kwargs = dict(seq_len=seq_len, target=target, objective=objective, headroom=headroom, costs=costs, method=method,
+                  max_plans=max_plans, half_precision=half_precision)
+    if mode == "auto":
+        return _recommend_auto(model, batch, kwargs)
+    return _recommend_mode(model, batch, mode=mode, **kwargs)
+
+
+def _recommend_auto(model: Any, batch: int, kwargs: dict[str, Any]) -> Recommendation:
+    """Mode 'auto': full fine-tuning if it fits, else LoRA, else QLoRA; 'least_memory': the least need of all."""
+    passed_over: list[str] = []
+    found: list[Recommendation] = []
+    for m in MODES:
+        try:
+            rec = _recommend_mode(model, batch, mode=m, **kwargs)
+        except NoRecipeFits as exc:
+            passed_over.append(f"mode {m} passed over: {exc}")
+            if m == list(MODES)[-1] and not found:
+                raise NoRecipeFits(" | ".join(passed_over), exc.candidates) from None
+            continue
+        found.append(rec)
+        if kwargs["objective"] == "fastest":
+            break
+    if kwargs["objective"] == "least_memory":
+        rec = min(found, key=lambda r: r.plan.device_need_bytes)
+        passed_over += [f"mode {r.mode}: its leanest recipe needs {format_bytes(r.plan.device_need_bytes)} ({r.chosen.name})"
+                        for r in found if r is not rec]
+        passed_over.append(f"objective least_memory: mode {rec.mode} needs least ({format_bytes(rec.plan.device_need_bytes)})")
+    rec = found[-1] if kwargs["objective"] == "fastest" else rec
+    rec.reasoning[:0] = passed_over
+    return rec
+
+
+def _side_by_side(chosen: Candidate, meta_model: nn.Module, batch: int, seq_len: int, fixed: int) -> str | None:
+    """Return LoRA's and QLoRA's needs for the chosen recipe side by side (QLoRA often saves less than expected)."""
+    r = chosen.recipe
+    if not r.lora_rank:
+        return None
+    other = r.with_(quantization=None) if r.quantization is not None else r.with_(quantization="nf4")
+    other_need = estimate.training_step_bytes(meta_model, batch, seq_len, other).peak_bytes + fixed
+    need = chosen.need_bytes
+    how = chosen.plan.method if chosen.plan is not None else "analytic"
+    lora_need, qlora_need = (other_need, need) if r.quantization is not None else (need, other_need)
+    base = f"{r.base_dtype or 'fp32'} base"
+    saved = lora_need - qlora_need
+    return (f"LoRA vs QLoRA, this recipe: LoRA ({base}) needs {format_bytes(lora_need)}, QLoRA (nf4 base) needs "
+            f"{format_bytes(qlora_need)}: QLoRA saves {format_bytes(saved)} ({saved / max(1, lora_need):.0%}); "
+            f"the chosen one {how}, the other analytic; QLoRA only where LoRA does not fit (or objective least_memory): "
+            "it dequantizes every weight in forward and backward")
+
+
+def _recommend_mode(
+    model: Callable[[], nn.Module] | str,
+    batch: int = 1,
+    *,
+    seq_len: int | None,
+    target: str | Target | dict[str, Any],
+    objective: str,
+    mode: str,
+    headroom: float,
+    costs: TechniqueCosts | None,
+    method: str,
+    max_plans: int,
+    half_precision: bool,
+) -> Recommendation:
+    mode_fields(mode)  # validates the mode
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
         raise ValueError(f"batch must be an integer >= 1, got {batch!r}")
     if isinstance(max_plans, bool) or not isinstance(max_plans, int) or max_plans < 1:
@@ -254,23 +371,32 @@ def recommend(
         check_seq_len(seq_len, None, name)
         meta_model = shape_model(factory, "model")
         check_seq_len(seq_len, max_positions(meta_model), type(meta_model).__name__)
-    costs = costs if costs is not None else load_technique_costs()
+    costs = costs_for_target(tgt, costs)  # the target's class: never a CPU measurement for a CUDA target
     limit = int(tgt.device_bytes * (1 - headroom))
     fixed = tgt.cuda_context_bytes if tgt.cuda else 0
     cands = []
     arch = name if not callable(model) else None  # named, id, folder or config: LoRA targets by family
-    for rec in candidate_recipes(batch, target=tgt, mode=mode, model=arch):
+    for rec in candidate_recipes(batch, target=tgt, mode=mode, model=arch, half_precision=half_precision):
         need = estimate.training_step_bytes(meta_model, batch, seq_len, rec).peak_bytes + fixed
         cands.append(Candidate(_name(rec, tgt, mode, arch), rec, expected_slowdown(rec, costs), need, limit))
     # Fastest: least slowdown, then fewest techniques (equal expected time: take the simpler recipe), then memory.
     key = ((lambda c: (c.slowdown.ratio, c.slowdown.n_techniques, c.analytic_need_bytes)) if objective == "fastest"
            else (lambda c: (c.analytic_need_bytes, c.slowdown.ratio)))
     cands.sort(key=key)
+    precisions = precision_options(tgt, half_precision)
     reasoning = [
-        f"{len(cands)} candidates ({' x '.join(CANDIDATE_AXES)} x accumulation {[a for a in ACCUMULATION_STEPS if a <= batch and batch % a == 0]}, "
-        f"mode {mode}); device limit {format_bytes(limit)} ({format_bytes(tgt.device_bytes)} less {headroom:.0%} headroom)",
-        f"slowdowns: products of step-time ratios measured on {costs.device} ({costs.source})",
+        f"{len(cands)} candidates (precision {precisions} x optimizer x checkpointing x accumulation "
+        f"{[a for a in ACCUMULATION_STEPS if a <= batch and batch % a == 0]}, mode {mode}); device limit {format_bytes(limit)} "
+        f"({format_bytes(tgt.device_bytes)} less {headroom:.0%} headroom)",
+        ("precision: " + ("fp32 only (half_precision=False)" if not half_precision else
+                          f"{precisions[0]} for every candidate on a CUDA target (tensor cores; 2-byte activations)"
+                          if tgt.cuda else f"{precisions} ranked by the {costs.device_class or 'given'} costs")
+         + ("; LoRA's frozen base stored in the same 16-bit dtype, adapters fp32" if mode != "full" and half_precision else "")),
+        f"slowdowns: products of step-time ratios from the {costs.table} ({costs.source})",
     ]
+    priors = sorted(t for t in costs.ratios if costs.kind(t) == "prior")
+    if priors:
+        reasoning.append(f"  priors (published figures, not measured on {costs.device_class}; `make test-gpu` measures them): {priors}")
     floored = sorted({n for c in cands for n in c.slowdown.floored})
     if floored:
         reasoning.append(f"counted as x1.00: {floored} (measured below 1, but they only add work: timing noise)")
@@ -278,14 +404,22 @@ def recommend(
     reasoning.append(f"analytic screen: {len(passed)} of {len(cands)} fit")
     chosen = None
     planned = 0
+    # Calibration (issue 18: trace only the finalists): once a traced plan needed more than the analytic screen
+    # said, a later candidate whose screen, scaled by the smallest such under-estimate seen, is still over the
+    # limit is passed over unplanned, so the plans go to candidates that can fit.
+    under = None
+    passed_over = 0
     for c in passed:
         if planned >= max_plans:
             break
+        if under is not None and c.analytic_need_bytes * under > limit:
+            passed_over += 1
+            continue
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # the plan keeps its own warnings
-                c.plan = plan(factory, batch, seq_len=seq_len, recipe=c.recipe, target=tgt, headroom=headroom,
-                              find_max_batch=False, method=method)
+                c.plan = plan(factory if callable(model) else model, batch, seq_len=seq_len, recipe=c.recipe, target=tgt,
+                              headroom=headroom, find_max_batch=False, method=method)
         except Exception as exc:  # noqa: BLE001 - method='trace' skips what cannot be traced, and says so
             if method != "trace":
                 raise
@@ -300,6 +434,12 @@ def recommend(
         if c.plan.fits:
             chosen = c
             break
+        ratio = c.plan.device_need_bytes / max(1, c.analytic_need_bytes)
+        if ratio > 1:
+            under = ratio if under is None else min(under, ratio)
+    if passed_over:
+        reasoning.append(f"passed over {passed_over} candidates unplanned: their analytic screen x{under:.2f} (the smallest "
+                         f"under-estimate a trace showed here) is above the limit")
     if chosen is None:
         leanest = min(cands, key=lambda c: c.need_bytes)
         raise NoRecipeFits(
@@ -312,4 +452,7 @@ def recommend(
         )
     reasoning.append(f"chosen: {chosen.name}, expected slowdown x{chosen.slowdown.ratio:.2f}"
                      + (f" (not measured: {chosen.slowdown.unmeasured}, counted as 1.0)" if chosen.slowdown.unmeasured else ""))
-    return Recommendation(name, batch, seq_len, mode, objective, tgt, chosen, cands, costs.device, reasoning)
+    side = _side_by_side(chosen, meta_model, batch, seq_len, fixed)
+    if side:
+        reasoning.append(side)
+    return Recommendation(name, batch, seq_len, mode, objective, tgt, chosen, cands, costs.device, reasoning, costs)

@@ -73,3 +73,45 @@ def test_every_technique_is_a_valid_recipe():
 def test_committed_costs_name_their_device():
     costs = load_technique_costs()
     assert costs.device and costs.ratios and set(costs.ratios) <= set(TECHNIQUES)
+
+
+def test_each_device_class_has_its_table_and_each_gpu_row_cites_its_source():
+    from colab_memopt.costs import DEVICE_CLASSES, PRIORS, costs_for_class, device_class
+    from colab_memopt.planner import get_target
+
+    assert device_class(get_target("t4")) == "t4" and device_class(get_target("a100-80gb")) == "ampere+"
+    assert device_class(get_target({"device_bytes": 1, "host_bytes": 1, "cuda": False})) == "cpu"
+    for cls in DEVICE_CLASSES:
+        table = costs_for_class(cls)
+        assert table.device_class == cls
+        for technique in table.ratios:
+            assert technique in TECHNIQUES
+            source = table.row_source(technique)
+            assert source.startswith("measured on ") or (source.startswith("prior: ") and len(source) > 40), source
+    assert set(costs_for_class("cpu").kinds.values()) == {"measured"} and set(PRIORS["t4"]) >= {"fp16-autocast", "checkpoint-full", "adamw8bit", "lora"}
+    # tensor cores: fp16 is faster than fp32 on a T4 and bf16 is not (emulated); on Ampere both are
+    t4, ampere = costs_for_class("t4").ratios, costs_for_class("ampere+").ratios
+    assert t4["fp16-autocast"] < 1 < t4["bf16-autocast"] and ampere["bf16-autocast"] < 1
+
+
+def test_a_measured_gpu_table_replaces_the_priors_it_measured_and_a_cpu_one_is_refused(tmp_path):
+    from colab_memopt.costs import costs_for_class, costs_for_target
+    from colab_memopt.planner import get_target
+
+    measured = _costs(**{"fp16-autocast": 0.41})
+    measured.device, measured.device_class = "cuda: NVIDIA H100 emulating t4", "t4"
+    path = tmp_path / "technique_costs_t4.json"
+    path.write_text(json.dumps(measured.to_dict()))
+    table = costs_for_class("t4", path)
+    assert table.ratios["fp16-autocast"] == 0.41 and table.kind("fp16-autocast") == "measured"
+    assert table.row_source("fp16-autocast") == "measured on cuda: NVIDIA H100 emulating t4; priors for " + str(
+        sorted(t for t in table.ratios if t != "fp16-autocast"))
+    assert table.kind("checkpoint-full") == "prior" and "Chen et al. 2016" in table.row_source("checkpoint-full")
+    with pytest.raises(ValueError, match="device class 't4' .*, not 'ampere\\+'"):
+        costs_for_class("ampere+", path)
+    with pytest.raises(ValueError, match="never stand for another"):
+        costs_for_target(get_target("t4"), load_technique_costs())  # the CPU's measured table
+
+
+def test_committed_cpu_costs_say_their_class():
+    assert load_technique_costs().device_class == "cpu"

@@ -83,3 +83,13 @@ def test_steps_time_out_fail_and_are_written(tmp_path):
     written = json.loads((tmp_path / "results.json").read_text())
     assert written["label"] == "NVIDIA H100 emulating t4" and written["failed"] == ["slow", "bad"]
     assert (tmp_path / "claims.md").read_text().startswith("# Claims checked on NVIDIA H100 emulating t4")
+
+
+def test_the_costs_step_writes_the_table_of_the_class_the_run_stands_for():
+    # issue 18: an H100 emulating a T4 measures the t4 table (labelled so); the package reads it by that name
+    from colab_memopt.costs import COSTS_FILES
+
+    assert gpucheck.costs_class("t4", (9, 0)) == "t4" and gpucheck.costs_class("none", (7, 5)) == "t4"
+    assert gpucheck.costs_class("none", (8, 0)) == "ampere+"
+    assert gpucheck.costs_file_name("t4", (9, 0)) == COSTS_FILES["t4"].name == "technique_costs_t4.json"
+    assert gpucheck.costs_file_name("none", (9, 0)) == "technique_costs_ampere.json"

@@ -94,3 +94,27 @@ def test_probe_rows_74_75_lr_must_be_a_finite_number(lr):
     # was: TypeError "'>' not supported between 'str' and 'int'" ('0.1', None); accepted (True, inf)
     with pytest.raises(ValueError, match=r"recipe.lr must be a finite number > 0, got "):
         cm.Recipe(lr=lr)
+
+
+def test_lora_base_dtype_keeps_the_frozen_base_in_half_precision_and_the_adapters_in_fp32(corpus):
+    import torch
+
+    recipe = cm.Recipe(lora_rank=4, base_dtype="fp16", precision="fp16-autocast")
+    model, opt = recipe.build(cm.build_model("tiny"))
+    frozen = {p.dtype for p in model.parameters() if not p.requires_grad}
+    trained = {p.dtype for p in model.parameters() if p.requires_grad}
+    assert frozen == {torch.float16} and trained == {torch.float32}
+    step = cm.make_train_step(model, opt, corpus, batch_size=2, seq_len=16, recipe=recipe)
+    losses = [step(), step()]  # fp16 autocast + GradScaler over fp32 adapter gradients
+    assert step.scaler is not None and all(l == l for l in losses)
+
+
+@pytest.mark.parametrize("fields, says", [
+    ({"base_dtype": "fp8", "lora_rank": 4}, r"recipe.base_dtype must be None \(fp32\) or one of \('fp16', 'bf16'\), got 'fp8'"),
+    ({"base_dtype": "fp16"}, "set lora_rank >= 1"),
+    ({"base_dtype": "fp16", "lora_rank": 4}, "set precision='fp16-autocast', got 'fp32'"),
+    ({"base_dtype": "bf16", "lora_rank": 4, "precision": "fp16-autocast"}, "set precision='bf16-autocast'"),
+])
+def test_lora_base_dtype_is_validated(fields, says):
+    with pytest.raises(ValueError, match=says):
+        cm.Recipe.from_dict(fields)
