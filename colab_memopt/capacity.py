@@ -97,24 +97,76 @@ def fit(name: str, recipe_name: str, recipe: Recipe, *, mode: str, seq_len: int,
                need_bytes(name, recipe, batch=batch, seq_len=seq_len, target=tgt), int(tgt.device_bytes * (1 - headroom)), recipe)
 
 
-def best_fit(name: str, *, mode: str, seq_len: int, batch: int = 1, target: Any = "t4", headroom: float = 0.10) -> Fit:
-    """Return the leanest candidate recipe (`recommend.candidate_recipes`) for a model: the best chance to fit."""
+# Full fine-tuning recipes beyond `recommend`'s candidates (issue 15): one line each, by name. Each is
+# crossed with every precision and checkpointing option of `recommender.CANDIDATE_AXES` that its recipe
+# allows (`Recipe.validate` refuses the rest, e.g. an in-backward step under fp16's GradScaler).
+FULL_CANDIDATES: dict[str, dict[str, Any]] = {
+    "GaLore 8-bit per layer": {"optimizer": "galore_adamw8bit_in_backward"},
+    "APOLLO": {"optimizer": "apollo"},
+    "APOLLO-Mini": {"optimizer": "apollo_mini"},
+    "torchao AdamW 8-bit": {"optimizer": "torchao_adamw8bit"},
+    "torchao AdamW 4-bit": {"optimizer": "torchao_adamw4bit"},
+    "BAdam": {"optimizer": "badam"},
+}
+
+
+def full_candidates(*, target: Any = "t4", model: str | None = None,
+                    extra: dict[str, dict[str, Any]] | None = None) -> list[tuple[str, Recipe]]:
+    """Return (name, recipe) for each `FULL_CANDIDATES` entry (or `extra`) crossed with the precisions and
+    checkpointing options of `recommender.CANDIDATE_AXES`, each a full fine-tuning recipe that validates."""
+    from itertools import product
+
+    from colab_memopt.recommender import CANDIDATE_AXES, MIXED
+    from colab_memopt.presets import mixed_precision, mode_fields
+
+    tgt = get_target(target)
+    mixed = mixed_precision(tgt)
+    out = []
+    for label, fields_ in (FULL_CANDIDATES if extra is None else extra).items():
+        for prec, ckpt in product(CANDIDATE_AXES["precision"], CANDIDATE_AXES["checkpointing"]):
+            values = {**{k: (mixed if v == MIXED else v) for k, v in prec.items()}, **ckpt, **mode_fields("full", model),
+                      **fields_}
+            try:
+                out.append((label, Recipe.from_dict(values)))
+            except ValueError:  # a combination the recipe refuses
+                continue
+    return out
+
+
+def best_fit(name: str, *, mode: str, seq_len: int, batch: int = 1, target: Any = "t4", headroom: float = 0.10,
+             candidates: str = "all") -> Fit:
+    """Return the leanest candidate recipe for a model: the best chance to fit.
+
+    `candidates`: 'all' (`recommend.candidate_recipes`, and for full fine-tuning `full_candidates` too),
+    'recommend' (only `recommend`'s), or a name of `FULL_CANDIDATES` (only that one's recipes).
+    """
     from colab_memopt.recommender import candidate_recipes
 
     tgt = get_target(target)
+    if candidates not in ("all", "recommend") and candidates not in FULL_CANDIDATES:
+        raise ValueError(f"candidates must be 'all', 'recommend' or one of {list(FULL_CANDIDATES)}, got {candidates!r}")
+    recipes: list[Recipe] = []
+    if candidates in ("all", "recommend"):
+        recipes += candidate_recipes(batch, target=tgt, mode=mode, model=base_name(name))
+    if mode == "full" and candidates != "recommend":
+        pick = FULL_CANDIDATES if candidates == "all" else {candidates: FULL_CANDIDATES[candidates]}
+        recipes += [r for _, r in full_candidates(target=tgt, model=base_name(name), extra=pick)]
+    if not recipes:
+        raise ValueError(f"no candidate recipe for mode {mode!r} and candidates {candidates!r}")
     fits = [fit(name, _short(r), r, mode=mode, seq_len=seq_len, batch=batch, target=tgt, headroom=headroom)
-            for r in candidate_recipes(batch, target=tgt, mode=mode, model=base_name(name))]
+            for r in recipes]
     return min(fits, key=lambda f: f.need_bytes)
 
 
 def largest_scaled(base: str, *, mode: str, seq_len: int, batch: int = 1, target: Any = "t4",
-                   headroom: float = 0.10, max_layers: int = 256) -> tuple[Fit | None, Fit | None]:
+                   headroom: float = 0.10, max_layers: int = 256, candidates: str = "all") -> tuple[Fit | None, Fit | None]:
     """Return (the deepest `base`-shaped model that fits under its leanest recipe, the next depth that does not).
 
-    Bisects the number of blocks: a coarse search over model size at the base's width.
+    Bisects the number of blocks: a coarse search over model size at the base's width. `candidates` as in `best_fit`.
     """
     def probe(n: int) -> Fit:
-        return best_fit(scaled(base, n), mode=mode, seq_len=seq_len, batch=batch, target=target, headroom=headroom)
+        return best_fit(scaled(base, n), mode=mode, seq_len=seq_len, batch=batch, target=target, headroom=headroom,
+                        candidates=candidates)
 
     lo_fit = probe(1)
     if not lo_fit.fits:

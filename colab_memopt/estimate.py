@@ -84,7 +84,8 @@ def optimizer_state_split(params: Iterable[Any], optimizer: str, *, device: str 
     return {"device": total - host, "host": host}
 
 
-def optimizer_state_bytes(params: Iterable[torch.Tensor], optimizer: str, *, n_head: int | None = None) -> int:
+def optimizer_state_bytes(params: Iterable[torch.Tensor], optimizer: str, *, n_head: int | None = None,
+                          model: torch.nn.Module | None = None, rank: int | None = None) -> int:
     """Return the exact optimizer-state bytes the optimizer allocates for these parameters (wherever they live).
 
     Adam and AdamW keep exp_avg and exp_avg_sq in the parameter's dtype plus a 4-byte float32
@@ -95,9 +96,15 @@ def optimizer_state_bytes(params: Iterable[torch.Tensor], optimizer: str, *, n_h
     tensors under 4096 elements. Adam-mini needs (name, parameter) pairs and `n_head`.
     A name ending in '_in_backward' counts one optimizer per parameter (code books per tensor).
     On CUDA part of this lives in host memory: `optimizer_state_split` says which part.
+    The optimizers with almost no state (GaLore, APOLLO, torchao's low-bit AdamW, BAdam) are counted by
+    `lowstate.state_bytes`: `model` picks the projected weights and BAdam's blocks, `rank` the projection rank.
     """
     in_backward = optimizer.endswith("_in_backward")
     base = optimizer[: -len("_in_backward")] if in_backward else optimizer
+    from colab_memopt.lowstate import LOW_STATE_OPTIMIZERS, state_bytes
+
+    if base in LOW_STATE_OPTIMIZERS:
+        return state_bytes(base, params, rank=rank, model=model, per_parameter=in_backward)
     if base not in OPTIMIZER_STATE_BYTES:
         raise ValueError(f"unknown optimizer {optimizer!r}; choose one of {sorted(OPTIMIZER_STATE_BYTES)}")
     items = list(params)
@@ -281,13 +288,23 @@ def training_step_bytes(model: torch.nn.Module, batch: int, seq: int, recipe: An
     params, trainable, p_bytes = _recipe_params(model, recipe)
     if elem == 2:  # pure bf16 / fp16: weights, gradients and optimizer state at 2 bytes
         p_bytes //= 2
+    from colab_memopt.lowstate import LOW_STATE_OPTIMIZERS, state_bytes
+
+    low_state = recipe.optimizer.removesuffix("_in_backward")
+    if low_state == "badam":  # issue 15: one block trains at a time; the others are frozen
+        from colab_memopt.lowstate import badam_blocks
+
+        trainable = max(badam_blocks(model)[1], key=lambda block: sum(p.numel() for p in block))
     g_bytes = param_bytes(trainable) * elem // 4
-    if recipe.optimizer == "adam_mini" and not getattr(recipe, "lora_rank", 0):
-        o_bytes = optimizer_state_bytes(list(model.named_parameters()), "adam_mini", n_head=_dims(model)["heads"])
+    if low_state in LOW_STATE_OPTIMIZERS:  # exact per dtype: 8-bit and master-copy states do not halve in bf16
+        o_bytes = state_bytes(low_state, trainable, rank=getattr(recipe, "optimizer_rank", None), model=model,
+                              per_parameter=recipe.optimizer.endswith("_in_backward"), element_size=elem)
+    elif recipe.optimizer == "adam_mini" and not getattr(recipe, "lora_rank", 0):
+        o_bytes = optimizer_state_bytes(list(model.named_parameters()), "adam_mini", n_head=_dims(model)["heads"]) * elem // 4
     else:
         o_bytes = optimizer_state_bytes(trainable, recipe.optimizer)
-    if recipe.optimizer != "adalomo":  # AdaLomo's state is fp32 whatever the weights
-        o_bytes = o_bytes * elem // 4
+        if recipe.optimizer != "adalomo":  # AdaLomo's state is fp32 whatever the weights
+            o_bytes = o_bytes * elem // 4
     if getattr(recipe, "rounding_mode", None) == "kahan":  # one 16-bit compensation buffer per trainable weight
         o_bytes += param_bytes(trainable) // 2
     largest = max((p.numel() * elem for p in trainable), default=0)

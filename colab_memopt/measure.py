@@ -149,8 +149,15 @@ def optimizer_state_placement(optimizer: torch.optim.Optimizer | None, device: s
         return out
     dev = torch.device(device)
     seen: set[tuple[str, int]] = set()
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    def plain(value: Any) -> list[Any]:  # torchao's low-bit states are tensor subclasses: their inner tensors
+        if is_traceable_wrapper_subclass(value):
+            return [t for attr in value.__tensor_flatten__()[0] for t in plain(getattr(value, attr))]
+        return [value]
+
     for state in optimizer.state.values():
-        for value in state.values():
+        for value in (t for v in state.values() for t in plain(v)):
             if not isinstance(value, torch.Tensor) or value.is_meta:
                 continue
             key = (str(value.device), value.untyped_storage().data_ptr())

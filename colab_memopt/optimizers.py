@@ -9,6 +9,8 @@
 - 'adam_mini': Adam-mini (Zhang et al. 2024), one second-moment value per parameter block. Written here.
 - 'lomo', 'adalomo': LOMO and AdaLomo from `lomo-optim` (`colab_memopt.lomo`): the update fused into
   backward by the optimizer itself (`fused_backward`), no gradients kept; they need the model.
+- the optimizers with almost no state of `lowstate` (`LOW_STATE_OPTIMIZERS`), each from its own package:
+  GaLore 8-bit, APOLLO, APOLLO-Mini, torchao's 8-bit and 4-bit AdamW, BAdam.
 - '<name>_in_backward' (e.g. 'adamw_in_backward'): the optimizer step fused into backward with
   `register_post_accumulate_grad_hook`: each parameter is updated and its gradient freed as soon as
   its gradient is complete (PyTorch's "How to save memory by fusing the optimizer step into the
@@ -23,6 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from colab_memopt.lowstate import LOW_STATE_OPTIMIZERS, make_low_state_optimizer
+
 BNB_OPTIMIZERS = {
     "adam8bit": "Adam8bit",
     "adamw8bit": "AdamW8bit",
@@ -33,10 +37,12 @@ LEAN_OPTIMIZERS = ("adafactor", *BNB_OPTIMIZERS, "lion", "adam_mini")
 IN_BACKWARD_SUFFIX = "_in_backward"
 BASE_OPTIMIZERS = ("adamw", "adam", "sgd", "sgd_momentum")
 # Any of these can have its step fused into backward ('<name>_in_backward').
-_FUSABLE = ("adamw", "adam", "sgd", "sgd_momentum", "lion", "adafactor", "adam8bit", "adamw8bit")
+# 'galore_adamw8bit_in_backward' is GaLore's per-layer mode.
+_FUSABLE = ("adamw", "adam", "sgd", "sgd_momentum", "lion", "adafactor", "adam8bit", "adamw8bit", "galore_adamw8bit")
 # Optimizers that run their own backward (`lomo.fused_step`): no `step()`, no gradient buffers.
 FUSED_BACKWARD_OPTIMIZERS = ("lomo", "adalomo")
-OPTIMIZERS = BASE_OPTIMIZERS + LEAN_OPTIMIZERS + tuple(n + IN_BACKWARD_SUFFIX for n in _FUSABLE) + FUSED_BACKWARD_OPTIMIZERS
+OPTIMIZERS = (BASE_OPTIMIZERS + LEAN_OPTIMIZERS + LOW_STATE_OPTIMIZERS + tuple(n + IN_BACKWARD_SUFFIX for n in _FUSABLE)
+              + FUSED_BACKWARD_OPTIMIZERS)
 
 
 def _check_lr(lr: float) -> None:
@@ -302,13 +308,16 @@ def _plain(params: Iterable[Any]) -> list[Any]:
 
 
 def make_optimizer(
-    name: str, params: Iterable[torch.nn.Parameter], *, lr: float = 1e-3, model: nn.Module | None = None
+    name: str, params: Iterable[torch.nn.Parameter], *, lr: float = 1e-3, model: nn.Module | None = None,
+    rank: int | None = None,
 ) -> torch.optim.Optimizer:
     """Return an optimizer by name (one of `OPTIMIZERS`).
 
     'adamw', 'adam', 'sgd', 'sgd_momentum' are PyTorch's; the lean ones are `make_lean_optimizer`'s
-    ('adam_mini' reads parameter names and heads from `model`); '<name>_in_backward' fuses that
-    optimizer's step into backward (`OptimizerInBackward`).
+    ('adam_mini' reads parameter names and heads from `model`); those of `lowstate` come from their
+    packages (`model` picks the projected weights and BAdam's blocks; `rank` is GaLore's and APOLLO's
+    projection rank, None for the default); '<name>_in_backward' fuses that optimizer's step into
+    backward (`OptimizerInBackward`).
 
     Example:
         >>> opt = make_optimizer("adamw8bit", model.parameters(), lr=2e-4)
@@ -323,13 +332,19 @@ def make_optimizer(
                          "pass the trainable ones, e.g. [p for p in model.parameters() if p.requires_grad])")
     if name.endswith(IN_BACKWARD_SUFFIX):
         inner = name[: -len(IN_BACKWARD_SUFFIX)]
-        return OptimizerInBackward(params, lambda ps: make_optimizer(inner, ps, lr=lr))
+        return OptimizerInBackward(params, lambda ps: make_optimizer(inner, ps, lr=lr, model=model, rank=rank))
     if name in FUSED_BACKWARD_OPTIMIZERS:
         if model is None:
             raise ValueError(f"optimizer {name!r} hooks the model's parameters itself: pass model=")
+        if rank is not None:
+            raise ValueError(f"rank applies to GaLore and APOLLO, not optimizer={name!r}; leave it None")
         from colab_memopt.lomo import make_lomo
 
         return make_lomo(name, model, lr=lr)
+    if name in LOW_STATE_OPTIMIZERS:
+        return make_low_state_optimizer(name, params, lr=lr, model=model, rank=rank)
+    if rank is not None:
+        raise ValueError(f"rank applies to GaLore and APOLLO, not optimizer={name!r}; leave it None")
     if name in LEAN_OPTIMIZERS:
         return make_lean_optimizer(name, params, lr=lr, model=model)
     if name == "adamw":

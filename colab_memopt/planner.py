@@ -105,6 +105,12 @@ def set_optimizer_impl(optimizer: torch.optim.Optimizer, impl: str) -> torch.opt
         for opt in inner.values():
             set_optimizer_impl(opt, impl)
         return optimizer
+    base = getattr(optimizer, "base_optimizer", None)
+    if isinstance(base, torch.optim.Optimizer):  # BAdam: torch's AdamW over the trained block
+        set_optimizer_impl(base, impl)
+        for group in optimizer.param_groups:
+            group["foreach"] = impl == "foreach"
+        return optimizer
     for group in optimizer.param_groups:
         if "foreach" in group:
             group["foreach"] = impl == "foreach"
@@ -600,7 +606,9 @@ def _fake_safe_bitsandbytes(mode: Any, recipe: Recipe, *, cuda: bool = False) ->
 
     four_bit = recipe.quantization in ("nf4", "fp4") and recipe.quantization_phase == "all"
     eight_bit = recipe.quantization == "bnb_int8" and recipe.quantization_phase == "all"
-    if recipe.optimizer.removesuffix(IN_BACKWARD_SUFFIX) not in BNB_OPTIMIZERS and not four_bit and not eight_bit:
+    # GaLore's 8-bit optimizer is bitsandbytes' with a projection: the same code book.
+    if (recipe.optimizer.removesuffix(IN_BACKWARD_SUFFIX) not in (*BNB_OPTIMIZERS, "galore_adamw8bit") and not four_bit
+            and not eight_bit):
         yield
         return
     import bitsandbytes.functional as bnb_functional
@@ -630,6 +638,48 @@ def _fake_safe_bitsandbytes(mode: Any, recipe: Recipe, *, cuda: bool = False) ->
         quantization._bnb_linear = original_linear
         bnb_functional.name2qmap.clear()
         bnb_functional.name2qmap.update(cached)
+
+
+@contextlib.contextmanager
+def _fake_safe_low_state(recipe: Recipe) -> Iterator[None]:
+    """Let the optimizers with almost no state (`lowstate`) step on fake tensors, for the duration.
+
+    - torchao's low-bit states build their code books with Python comparisons on tensor values (cached
+      as plain floats afterwards): here they are built for real first, as bitsandbytes' are.
+    - APOLLO's norm-growth limiter takes Python's `max(norm_ratio, 1.01)` of a 0-d tensor, a branch on
+      its value: the trace takes the branch where the update norm grew by more than 1% (the limiter
+      acts, `max` returns the tensor). Where it did not, the real step holds one 0-d tensor (4 bytes)
+      less for an instant: the traced optimizer phase is exact or 4 bytes above it; the state and the
+      full-size temporaries are the same either way.
+    """
+    base = recipe.optimizer.removesuffix("_in_backward")
+    if base in ("torchao_adamw8bit", "torchao_adamw4bit"):
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+        from torchao.optim import subclass_4bit, subclass_8bit
+
+        with unset_fake_temporarily():
+            for module in (subclass_8bit, subclass_4bit):
+                module.get_qmap_signed()
+                module.get_qmap_unsigned()
+        yield
+        return
+    if base not in ("apollo", "apollo_mini"):
+        yield
+        return
+    import builtins
+
+    from apollo_torch import apollo
+
+    def tensor_safe_max(a: Any, b: Any) -> Any:
+        if isinstance(a, torch.Tensor) and not isinstance(b, torch.Tensor):
+            return a  # the limiter acts: see above
+        return builtins.max(a, b)
+
+    apollo.max = tensor_safe_max  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        del apollo.max  # back to the builtin
 
 
 @contextlib.contextmanager
@@ -731,7 +781,7 @@ class _Tracer:
         # On a CUDA target bitsandbytes' 8-bit layers run LLM.int8's kernels, traced with no outlier column.
         self.int8_as_on_cuda = cuda_rounding and recipe.quantization == "bnb_int8" and recipe.quantization_phase == "all"
         with self.mode, _fake_safe_module_to(), _fake_safe_bitsandbytes(self.mode, recipe, cuda=cuda_rounding), \
-                _fake_safe_transformers(), _fake_safe_lomo(recipe):
+                _fake_safe_transformers(), _fake_safe_lomo(recipe), _fake_safe_low_state(recipe):
             model = model_factory()
             self.model, self.optimizer = recipe.build(model)
             set_optimizer_impl(self.optimizer, optimizer_impl)
@@ -752,7 +802,7 @@ class _Tracer:
         return self._cache[batch]
 
     def _trace(self, batch: int) -> _Trace:
-        with self.mode, _fake_safe_transformers(), _fake_safe_lomo(self.recipe), \
+        with self.mode, _fake_safe_transformers(), _fake_safe_lomo(self.recipe), _fake_safe_low_state(self.recipe), \
                 _int8_as_on_cuda() if self.int8_as_on_cuda else contextlib.nullcontext():
             step = self._step(batch)
             tracker = TensorTracker(device=torch.device("cpu"), cuda_rounding=self.cuda_rounding)

@@ -19,6 +19,7 @@ from colab_memopt.checkpointing import POLICIES, apply_checkpointing, find_block
 from colab_memopt.compression import MODES as COMPRESSION_MODES
 from colab_memopt.compression import check_compressible, compress_activations
 from colab_memopt.offload import STRATEGIES, LayerStreamer, check_streamable
+from colab_memopt.lowstate import LOW_STATE_OPTIMIZERS, PROJECTED, badam_blocks, check_rank
 from colab_memopt.optimizers import FUSED_BACKWARD_OPTIMIZERS, OPTIMIZERS, OptimizerInBackward, make_optimizer
 from colab_memopt.phases import OFFLOAD_STRATEGIES
 from colab_memopt.env import bf16_native
@@ -51,6 +52,7 @@ class Recipe:
 
     Attributes:
         optimizer: an optimizer name known to `optimizers.make_optimizer`.
+        optimizer_rank: GaLore's and APOLLO's projection rank (`lowstate`); None: the method's default.
         lr: learning rate (> 0).
         quantization: None, or a scheme of `quantization.SCHEMES` applied to the linear layers (frozen).
         quantization_phase: 'all' quantizes the trained model's base (with LoRA: QLoRA); 'forward_only'
@@ -87,6 +89,9 @@ class Recipe:
     lr: float = 1e-3
     attention: str | None = None
     # -- 06_lean_optimizers: `optimizer` takes every name of optimizers.OPTIMIZERS (8-bit, Lion, Adam-mini, ..._in_backward)
+    # -- issue 15: the optimizers with almost no state (`lowstate`); GaLore's and APOLLO's projection
+    # rank (None: the method's default, 128 for GaLore, 256 for APOLLO; APOLLO-Mini is rank 1)
+    optimizer_rank: int | None = None
     # -- 07_weight_quantization
     quantization: str | None = None
     quantization_phase: str = "all"
@@ -146,6 +151,7 @@ class Recipe:
             )
         if not self.lr > 0:
             raise ValueError(f"recipe.lr must be > 0, got {self.lr}")
+        self._validate_low_state()
         # 07_weight_quantization
         if self.quantization is not None and self.quantization not in SCHEMES:
             raise ValueError(f"recipe.quantization must be None or one of {SCHEMES}, got {self.quantization!r}")
@@ -250,6 +256,26 @@ class Recipe:
         if self.uses_deepspeed and self.layer_offload_active:
             raise ValueError("recipe.layer_offload_active and DeepSpeed (zero_stage, offload_*) cannot be combined: pick one")
 
+    def _validate_low_state(self) -> None:
+        """Refuse what the optimizers with almost no state (issue 15) cannot do, naming the values."""
+        base = self.optimizer.removesuffix("_in_backward")
+        try:
+            check_rank(base, self.optimizer_rank)
+        except ValueError as err:
+            raise ValueError(f"recipe.{err}") from None
+        if base not in LOW_STATE_OPTIMIZERS:
+            return
+        if self.lora_rank and (base in PROJECTED or base == "badam"):
+            what = "projects the gradients of the full 2-D weights" if base in PROJECTED else "trains blocks of the full model"
+            raise ValueError(f"recipe.optimizer={self.optimizer!r} {what}, not LoRA adapters: use lora_rank=0, or an "
+                             f"optimizer such as 'adamw8bit' with lora_rank={self.lora_rank}")
+        if self.layer_offload_active:
+            raise ValueError(f"recipe.optimizer={self.optimizer!r} cannot step the streamed blocks' host copies "
+                             f"(layer_offload_active={self.layer_offload_active}): use optimizer='adamw' or 'adamw8bit' there")
+        if self.phase_offload is not None:
+            raise ValueError(f"recipe.optimizer={self.optimizer!r} and phase_offload={self.phase_offload!r} cannot be "
+                             "combined: phase-aware training offloads AdamW-like moments")
+
     @property
     def uses_deepspeed(self) -> bool:
         """Return True when the step runs in a DeepSpeed engine (zero_stage >= 1 or any offload)."""
@@ -353,6 +379,8 @@ class Recipe:
             find_blocks(model)
         if self.layer_offload_active:
             check_streamable(model)
+        if self.optimizer == "badam":
+            badam_blocks(model)  # BAdam trains one of the model's repeated blocks at a time
 
     def build(self, model: nn.Module) -> tuple[nn.Module, torch.optim.Optimizer]:
         """Apply the recipe's model-side techniques and return (model, optimizer).
@@ -397,8 +425,10 @@ class Recipe:
         if mode is not None and self.optimizer.endswith("_in_backward"):  # one rounding wrapper per parameter
             inner = self.optimizer.removesuffix("_in_backward")
             return model, OptimizerInBackward(
-                [p for _, p in trainable], lambda ps: UpdateRounding(make_optimizer(inner, ps, lr=self.lr), mode))
-        optimizer = make_optimizer(self.optimizer, params, lr=self.lr, model=None if self.lora_rank else model)
+                [p for _, p in trainable],
+                lambda ps: UpdateRounding(make_optimizer(inner, ps, lr=self.lr, model=model, rank=self.optimizer_rank), mode))
+        optimizer = make_optimizer(self.optimizer, params, lr=self.lr, model=None if self.lora_rank else model,
+                                   rank=self.optimizer_rank)
         # (LOMO / AdaLomo: `rounding_mode` is None, they write their own fp32 update into the weights)
         return model, optimizer if mode is None else UpdateRounding(optimizer, mode)
 

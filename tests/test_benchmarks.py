@@ -32,3 +32,13 @@ def test_pass_rule_is_one_percent_on_cpu_and_five_percent_or_one_mib_on_cuda():
     small = 10 * MiB  # below 64 MiB the fixed costs dominate: judged by 1 MiB absolute
     assert pa._passes({"rel_error_pct": 9.0, "measured_bytes": small, "abs_error_bytes": 0.9 * MiB}, cuda=True)
     assert not pa._passes({"rel_error_pct": 12.0, "measured_bytes": small, "abs_error_bytes": 1.2 * MiB}, cuda=True)
+
+
+def test_optimizer_quality_keeps_the_default_ranks_share_of_the_capacity_width():
+    spec = importlib.util.spec_from_file_location("optimizer_quality", Path(__file__).resolve().parent.parent / "benchmarks" / "optimizer_quality.py")
+    oq = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(oq)
+    assert oq.rank_for("galore_adamw8bit_in_backward", 128) == 8  # 128 of 2048 -> 8 of 128
+    assert oq.rank_for("apollo", 128) == 16 and oq.rank_for("apollo", 2048) == 256
+    assert oq.rank_for("apollo_mini", 128) is None and oq.rank_for("adamw", 128) is None
+    assert oq.BASELINE in oq.OPTIMIZERS_COMPARED

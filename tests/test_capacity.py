@@ -32,7 +32,8 @@ def test_capacity_table_rows_and_qlora_8b_at_512():
 
 
 def test_largest_scaled_brackets_the_limit():
-    fit, miss = capacity.largest_scaled("llama-3.2-1b", mode="full", seq_len=512, max_layers=32)
+    # BAdam fits 45 of its layers at 512 tokens (issue 15): the bracket needs room above that
+    fit, miss = capacity.largest_scaled("llama-3.2-1b", mode="full", seq_len=512, max_layers=64)
     assert fit is not None and fit.fits and miss is not None and not miss.fits
     assert miss.params > fit.params
 
@@ -58,3 +59,30 @@ def test_largest_scaled_for_one_recipe_is_the_traced_boundary():
     kahan = capacity.largest_scaled_for("smollm2-135m", Recipe(precision="bf16", update_rounding="kahan"), seq_len=32,
                                         target=target)
     assert kahan["layers"] == 0 and kahan["params"] == 0
+
+
+def test_full_candidates_cross_precision_and_checkpointing_and_refuse_what_cannot_run():
+    recipes = capacity.full_candidates(target="t4", model="llama-3.2-1b")
+    names = {name for name, _ in recipes}
+    assert names == set(capacity.FULL_CANDIDATES)
+    per_layer = [r for name, r in recipes if name == "GaLore 8-bit per layer"]
+    assert per_layer and all(r.precision == "fp32" for r in per_layer)  # in-backward cannot run under GradScaler
+    assert {r.precision for name, r in recipes if name == "BAdam"} == {"fp32", "fp16-autocast"}
+    one_line = capacity.full_candidates(extra={"Lion 8-bit": {"optimizer": "lion8bit"}})
+    assert {r.optimizer for _, r in one_line} == {"lion8bit"} and len(one_line) == 12
+
+
+def test_best_fit_picks_among_the_candidates_asked_for():
+    kwargs = dict(mode="full", seq_len=512)
+    everything = capacity.best_fit("llama-3.2-1b", **kwargs)
+    recommended = capacity.best_fit("llama-3.2-1b", candidates="recommend", **kwargs)
+    badam = capacity.best_fit("llama-3.2-1b", candidates="BAdam", **kwargs)
+    assert badam.recipe.optimizer == "badam" and recommended.recipe.optimizer not in ("badam",)
+    assert everything.need_bytes == min(badam.need_bytes, recommended.need_bytes, everything.need_bytes)
+    assert badam.need_bytes < recommended.need_bytes  # one block's gradients and state, not the whole model's
+    cats = badam.categories()
+    model = capacity._meta_model("llama-3.2-1b")
+    block = sum(p.numel() for p in model.model.layers[0].parameters())
+    assert cats["gradients"] == 4 * block
+    with pytest.raises(ValueError, match="candidates must be"):
+        capacity.best_fit("llama-3.2-1b", candidates="lomo", **kwargs)

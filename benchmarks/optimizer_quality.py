@@ -1,0 +1,112 @@
+"""Loss of each full fine-tuning optimizer after the same steps as fp32 AdamW, and its measured state bytes.
+
+    python benchmarks/optimizer_quality.py [--size small] [--steps 50] [--batch 8] [--seq 128]
+
+Each optimizer of `OPTIMIZERS_COMPARED` trains the reference model (same seed, same initial weights,
+same batches of the real-text corpus of `colab_memopt.data`, the recipe's default learning rate) for
+the same number of steps on this CPU, in fp32; then the validation loss (`evaluation.evaluate`, the same
+batches for all). `loss_gap_pct` is the % above fp32 AdamW's validation loss. Also measured, after the
+last step: the optimizer-state bytes the memory tracker sees (`measure.measure_step`) against
+`estimate.optimizer_state_bytes`, per parameter. GaLore's and APOLLO's ranks keep their defaults' share of
+the capacity rows' width (`rank_for`), so the small model is not trained at full rank.
+Writes benchmarks/results/optimizer_quality.json (read by benchmarks/capacity.py) and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+import colab_memopt as cm
+from colab_memopt import estimate
+from colab_memopt.fileio import write_json
+from colab_memopt.lowstate import PROJECTED
+
+OUT = Path(__file__).resolve().parent / "results" / "optimizer_quality.json"
+BASELINE = "adamw"
+# GaLore's and APOLLO's ranks are scaled to the model's width with the share their defaults have of
+# Llama-3.2-1B's width (2048), the capacity rows' base: GaLore 128/2048, APOLLO 256/2048 (APOLLO-Mini: 1).
+CAPACITY_WIDTH = 2048
+OPTIMIZERS_COMPARED = ["adamw", "adamw8bit", "galore_adamw8bit", "galore_adamw8bit_in_backward", "apollo", "apollo_mini",
+                       "torchao_adamw8bit", "torchao_adamw4bit", "badam"]
+
+
+def rank_for(name: str, width: int) -> int | None:
+    """Return the projection rank at `width` with the default rank's share of `CAPACITY_WIDTH` (None: no rank)."""
+    base = name.removesuffix("_in_backward")
+    if base not in PROJECTED or base == "apollo_mini":
+        return None
+    return max(1, round(width * PROJECTED[base] / CAPACITY_WIDTH))
+
+
+def run(name: str, *, size: str, steps: int, batch: int, seq: int, corpus: cm.TextCorpus, seed: int = 0) -> dict:
+    """Train one optimizer and return its losses, time and measured state bytes."""
+    torch.manual_seed(seed)
+    width = cm.build_model(size).config.d_model
+    recipe = cm.Recipe(optimizer=name, optimizer_rank=rank_for(name, width))
+    model, opt = recipe.build(cm.build_model(size))
+    n_params = sum(p.numel() for p in model.parameters())
+    start = time.perf_counter()
+    log = cm.train(model, opt, corpus, steps=steps, batch_size=batch, seq_len=seq, seed=seed, recipe=recipe)
+    seconds = time.perf_counter() - start
+    step = cm.make_train_step(model, opt, corpus, batch_size=batch, seq_len=seq, seed=seed + 1, recipe=recipe)
+    report = cm.measure_step(step, model=model, optimizer=opt, repeat=1)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    expected = estimate.optimizer_state_bytes(trainable, name, model=model, rank=recipe.optimizer_rank)
+    measured = report.resident_bytes["optimizer_state"]
+    return {
+        "optimizer": name, "optimizer_rank": recipe.optimizer_rank, "final_train_loss": log.train_loss[-1], "val_loss": log.val_loss,
+        "train_loss": log.train_loss, "train_seconds": seconds, "params": n_params,
+        "state_bytes_measured": measured, "state_bytes_expected": expected,
+        "state_bytes_per_param": measured / n_params,
+        "state_matches_expectation": measured == expected,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size", default="small")
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--optimizers", nargs="+", default=OPTIMIZERS_COMPARED)
+    parser.add_argument("--out", default=str(OUT))
+    args = parser.parse_args(argv)
+    if BASELINE not in args.optimizers:
+        raise SystemExit(f"--optimizers must include the baseline {BASELINE!r}")
+    warnings.simplefilter("ignore")
+    corpus = cm.load_corpus()
+    rows = []
+    for name in args.optimizers:
+        rows.append(run(name, size=args.size, steps=args.steps, batch=args.batch, seq=args.seq, corpus=corpus))
+        r = rows[-1]
+        print(f"  {name:30s} val {r['val_loss']:.4f}  train {r['final_train_loss']:.4f}  "
+              f"state {r['state_bytes_per_param']:.3f} B/param  {r['train_seconds']:.1f} s", flush=True)
+    base = next(r for r in rows if r["optimizer"] == BASELINE)["val_loss"]
+    for r in rows:
+        r["loss_gap_pct"] = 100 * (r["val_loss"] - base) / base
+    out = {
+        "model": args.size, "steps": args.steps, "batch": args.batch, "seq_len": args.seq,
+        "lr": cm.Recipe().lr, "precision": "fp32", "baseline": BASELINE,
+        "device": f"cpu ({torch.get_num_threads()} threads, {platform.processor() or platform.machine()})",
+        "torch": torch.__version__,
+        "note": ("the same seed, initial weights, batches and learning rate for all; BAdam trains one block per "
+                 "50 steps (the package's default), last block first, and never the embeddings"),
+        "rows": rows,
+    }
+    write_json(args.out, out)
+    print(f"{'optimizer':30s} {'val loss':>9s} {'gap %':>7s} {'state B/param':>14s}")
+    for r in rows:
+        print(f"{r['optimizer']:30s} {r['val_loss']:9.4f} {r['loss_gap_pct']:7.2f} {r['state_bytes_per_param']:14.3f}")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
