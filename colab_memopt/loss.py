@@ -38,8 +38,12 @@ Example:
 
 from __future__ import annotations
 
+import types
+from typing import Any
+
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch.autograd.function import once_differentiable
 
 __all__ = [
@@ -49,6 +53,8 @@ __all__ = [
     "chunked_cross_entropy",
     "causal_lm_loss",
     "make_loss_step",
+    "check_chunkable",
+    "apply_chunked_loss",
 ]
 
 # Tokens per chunk. Picked by `benchmarks/chunked_loss.py`'s sweep on this project's 2-core CPU
@@ -307,3 +313,92 @@ def make_loss_step(
         return loss.detach()
 
     return step
+
+
+# -- a whole model's loss by chunks: what `Recipe(loss_chunk_tokens=...)` applies ----------------
+
+_CHUNK_ATTR = "_cm_loss_chunk_tokens"
+
+
+def _causal_lm_parts(model: nn.Module) -> tuple[nn.Module, nn.Linear]:
+    """Return (base model, LM head) of a transformers causal LM, or raise ValueError saying why not.
+
+    The base model returns the final hidden states (after the last norm); the head must be a plain
+    `nn.Linear` (not a LoRA-wrapped or quantized one) and nothing may act on the logits between the
+    head and the loss (Gemma-2's final soft-capping, Cohere's logit scale).
+    """
+    name = type(model).__name__
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    base = getattr(model, "base_model", None)
+    if head is None or not isinstance(base, nn.Module) or base is model:
+        raise ValueError(
+            f"the chunked loss needs the reference model or a transformers causal LM (a base model and an output "
+            f"layer from get_output_embeddings()), got {name}"
+        )
+    if type(head) is not nn.Linear:
+        raise ValueError(
+            f"the chunked loss needs {name}'s output layer to be a plain nn.Linear, got {type(head).__name__} "
+            "(leave lm_head out of lora_targets and of quantization)"
+        )
+    config = getattr(model, "config", None)
+    for key in ("final_logit_softcapping", "logit_scale", "output_multiplier_scale", "logits_scaling"):
+        value = getattr(config, key, None)
+        if value not in (None, 1, 1.0):
+            raise ValueError(f"the chunked loss computes plain logits, but {name} transforms them ({key}={value!r})")
+    return base, head
+
+
+def check_chunkable(model: nn.Module) -> None:
+    """Raise ValueError, with `apply_chunked_loss`'s message, where the chunked loss cannot replace the model's."""
+    if hasattr(model, "loss_chunk_tokens"):  # the reference model (models.GPT) chunks by itself
+        if type(getattr(model, "lm_head", None)) is not nn.Linear:
+            raise ValueError(f"loss_chunk_tokens needs lm_head to be an nn.Linear, got {type(model.lm_head).__name__}")
+        return
+    _causal_lm_parts(model)
+
+
+def _chunked_forward(self: nn.Module, input_ids: Any = None, attention_mask: Any = None, labels: Any = None,
+                     **kwargs: Any) -> Any:
+    """A transformers causal LM's forward whose loss, when labels are given, is `causal_lm_loss` by chunks."""
+    if labels is None:  # generation, or logits wanted: the model's own forward
+        return type(self).forward(self, input_ids, attention_mask=attention_mask, **kwargs)
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    base, head = _causal_lm_parts(self)
+    for key in ("logits_to_keep", "num_logits_to_keep", "num_items_in_batch", "return_dict"):
+        kwargs.pop(key, None)
+    out = base(input_ids=input_ids, attention_mask=attention_mask, return_dict=True, **kwargs)
+    hidden = out.last_hidden_state  # (B, T, H), after the final norm
+    loss = causal_lm_loss(hidden, head.weight, labels, bias=head.bias, chunk_tokens=getattr(self, _CHUNK_ATTR))
+    return CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=getattr(out, "past_key_values", None))
+
+
+def apply_chunked_loss(model: nn.Module, chunk_tokens: int | None) -> nn.Module:
+    """Make `model(input_ids, labels=...)` compute its loss by chunks of `chunk_tokens` tokens; return the model.
+
+    For the reference model this sets `GPT.loss_chunk_tokens`. For a transformers causal LM (with or
+    without peft adapters injected) it replaces the instance's forward: with labels, the base model's
+    final hidden states go to `causal_lm_loss` with the output layer's weight, so the head is never
+    applied to all tokens and `.logits` is None; without labels the model's own forward runs.
+    `chunk_tokens=None` removes what this function installed (on the reference model it leaves
+    `loss_chunk_tokens` as it is).
+
+    Example:
+        >>> model = apply_chunked_loss(LlamaForCausalLM(config), 256)
+        >>> model(ids, labels=ids).loss.backward()  # same loss and gradients, no (B, T, V) logits
+    """
+    if chunk_tokens is None:
+        if _CHUNK_ATTR in model.__dict__:
+            del model.__dict__[_CHUNK_ATTR]
+            model.__dict__.pop("forward", None)
+        return model
+    _check_chunk_tokens(chunk_tokens)
+    check_chunkable(model)
+    if hasattr(model, "loss_chunk_tokens"):
+        model.loss_chunk_tokens = chunk_tokens
+        return model
+    setattr(model, _CHUNK_ATTR, chunk_tokens)
+    # a bound method: a deep copy of the model (quantization's forward-only copy) rebinds it to the copy
+    model.forward = types.MethodType(_chunked_forward, model)
+    return model
