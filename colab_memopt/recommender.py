@@ -23,8 +23,19 @@ from torch import nn
 
 from colab_memopt import estimate
 from colab_memopt.costs import Slowdown, TechniqueCosts, expected_slowdown, load_technique_costs, techniques_used
+from colab_memopt.loss import DEFAULT_CHUNK_TOKENS
 from colab_memopt.measure import format_bytes
-from colab_memopt.planner import Plan, Target, check_headroom, check_seq_len, get_target, max_positions, plan, shape_model
+from colab_memopt.planner import (
+    Plan,
+    Target,
+    check_headroom,
+    check_seq_len,
+    get_target,
+    max_positions,
+    offloaded_checkpoint_bytes,
+    plan,
+    shape_model,
+)
 from colab_memopt.presets import MODES, PRESETS, mixed_precision, mode_fields, preset_fields
 from colab_memopt.recipe import Recipe
 
@@ -41,6 +52,13 @@ CANDIDATE_AXES: dict[str, list[dict[str, Any]]] = {
         dict(checkpointing="every_n", checkpoint_interval=2),
         dict(checkpointing="full"),
     ],
+}
+# Long context (notebook 17): considered when none of the recipes above passes the screen. Checkpoints
+# in host RAM ('offload'; their host bytes count against the target's host RAM) and the loss by chunks
+# of tokens (never the tokens x vocab logits); each candidate of this round uses at least one of them.
+LONG_CONTEXT_AXES: dict[str, list[dict[str, Any]]] = {
+    "checkpointing": [*CANDIDATE_AXES["checkpointing"], dict(checkpointing="offload")],
+    "loss": [dict(loss_chunk_tokens=None), dict(loss_chunk_tokens=DEFAULT_CHUNK_TOKENS)],
 }
 ACCUMULATION_STEPS = (1, 2, 4)
 OBJECTIVES = ("fastest", "least_memory")
@@ -64,6 +82,8 @@ class Candidate:
     analytic_need_bytes: int
     limit_bytes: int
     plan: Plan | None = None
+    analytic_host_bytes: int = 0  # host RAM the recipe adds (offloaded checkpoints), screened against host_limit_bytes
+    host_limit_bytes: int | None = None
 
     @property
     def need_bytes(self) -> int:
@@ -71,7 +91,11 @@ class Candidate:
 
     @property
     def fits(self) -> bool:
-        return self.plan.fits if self.plan is not None else self.analytic_need_bytes <= self.limit_bytes
+        """Device memory and host RAM both: the plan's verdict, else the analytic screen's."""
+        if self.plan is not None:
+            return self.plan.fits
+        host_ok = self.host_limit_bytes is None or self.analytic_host_bytes <= self.host_limit_bytes
+        return self.analytic_need_bytes <= self.limit_bytes and host_ok
 
     @property
     def short_bytes(self) -> int:
@@ -84,6 +108,7 @@ class Candidate:
             "analytic_need_bytes": self.analytic_need_bytes, "planned_need_bytes": self.plan.device_need_bytes if self.plan else None,
             "method": self.plan.method if self.plan else "analytic screen", "limit_bytes": self.limit_bytes,
             "fits": self.fits, "short_bytes": self.short_bytes,
+            "host_need_bytes": self.plan.host_need_bytes if self.plan else self.analytic_host_bytes,
         }
 
     def line(self) -> str:
@@ -165,16 +190,25 @@ def _name(recipe: Recipe, target: Any, mode: str, model: str | None = None) -> s
     return label
 
 
-def candidate_recipes(batch: int, *, target: Any = "t4", mode: str = "full", model: str | None = None) -> list[Recipe]:
-    """Return every candidate recipe: one option per axis, the mode's fields, accumulation dividing the batch."""
+def candidate_recipes(batch: int, *, target: Any = "t4", mode: str = "full", model: str | None = None,
+                      long_context: bool = False) -> list[Recipe]:
+    """Return every candidate recipe: one option per axis, the mode's fields, accumulation dividing the batch.
+
+    With `long_context`, the recipes of `LONG_CONTEXT_AXES` that use offloaded checkpoints or the
+    chunked loss (the ones the plain axes do not hold), which `recommend` considers when no plain
+    candidate passes the screen.
+    """
     mixed = mixed_precision(target)
     extra = mode_fields(mode, model)
     out = []
-    for options in product(*CANDIDATE_AXES.values()):
+    axes = {**CANDIDATE_AXES, **LONG_CONTEXT_AXES} if long_context else CANDIDATE_AXES
+    for options in product(*axes.values()):
         values: dict[str, Any] = {}
         for opt in options:
             values.update({k: (mixed if v == MIXED else v) for k, v in opt.items()})
         for acc in ACCUMULATION_STEPS:
+            if long_context and values.get("checkpointing") != "offload" and values.get("loss_chunk_tokens") is None:
+                continue  # a plain candidate: the first round has it
             if acc <= batch and batch % acc == 0:
                 out.append(Recipe.from_dict({**values, **extra, "accumulation_steps": acc}))
     return list(dict.fromkeys(out))
@@ -257,49 +291,69 @@ def recommend(
     costs = costs if costs is not None else load_technique_costs()
     limit = int(tgt.device_bytes * (1 - headroom))
     fixed = tgt.cuda_context_bytes if tgt.cuda else 0
-    cands = []
     arch = name if not callable(model) else None  # named, id, folder or config: LoRA targets by family
-    for rec in candidate_recipes(batch, target=tgt, mode=mode, model=arch):
-        need = estimate.training_step_bytes(meta_model, batch, seq_len, rec).peak_bytes + fixed
-        cands.append(Candidate(_name(rec, tgt, mode, arch), rec, expected_slowdown(rec, costs), need, limit))
-    # Fastest: least slowdown, then fewest techniques (equal expected time: take the simpler recipe), then memory.
-    key = ((lambda c: (c.slowdown.ratio, c.slowdown.n_techniques, c.analytic_need_bytes)) if objective == "fastest"
-           else (lambda c: (c.analytic_need_bytes, c.slowdown.ratio)))
-    cands.sort(key=key)
+    host_limit = int(tgt.host_bytes * (1 - headroom))
+
+    def screened(recipes: list[Recipe]) -> list[Candidate]:
+        out = []
+        for rec in recipes:
+            need = estimate.training_step_bytes(meta_model, batch, seq_len, rec).peak_bytes + fixed
+            out.append(Candidate(_name(rec, tgt, mode, arch), rec, expected_slowdown(rec, costs), need, limit,
+                                 analytic_host_bytes=offloaded_checkpoint_bytes(meta_model, batch, seq_len, rec),
+                                 host_limit_bytes=host_limit))
+        # Fastest: least slowdown, then fewest techniques (equal expected time: take the simpler recipe), then memory.
+        key = ((lambda c: (c.slowdown.ratio, c.slowdown.n_techniques, c.analytic_need_bytes)) if objective == "fastest"
+               else (lambda c: (c.analytic_need_bytes, c.slowdown.ratio)))
+        out.sort(key=key)
+        return out
+
+    cands = screened(candidate_recipes(batch, target=tgt, mode=mode, model=arch))
     reasoning = [
         f"{len(cands)} candidates ({' x '.join(CANDIDATE_AXES)} x accumulation {[a for a in ACCUMULATION_STEPS if a <= batch and batch % a == 0]}, "
         f"mode {mode}); device limit {format_bytes(limit)} ({format_bytes(tgt.device_bytes)} less {headroom:.0%} headroom)",
         f"slowdowns: products of step-time ratios measured on {costs.device} ({costs.source})",
     ]
-    floored = sorted({n for c in cands for n in c.slowdown.floored})
-    if floored:
-        reasoning.append(f"counted as x1.00: {floored} (measured below 1, but they only add work: timing noise)")
-    passed = [c for c in cands if c.analytic_need_bytes <= limit]
-    reasoning.append(f"analytic screen: {len(passed)} of {len(cands)} fit")
-    chosen = None
-    planned = 0
-    for c in passed:
-        if planned >= max_plans:
-            break
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # the plan keeps its own warnings
-                c.plan = plan(factory, batch, seq_len=seq_len, recipe=c.recipe, target=tgt, headroom=headroom,
-                              find_max_batch=False, method=method)
-        except Exception as exc:  # noqa: BLE001 - method='trace' skips what cannot be traced, and says so
-            if method != "trace":
-                raise
-            reasoning.append(f"skipped {c.name}: cannot be traced ({type(exc).__name__}) and method='trace'")
-            continue
-        planned += 1
-        reasoning.append(f"planned {c.name}: need {format_bytes(c.plan.device_need_bytes)} ({c.plan.method}) -> "
-                         + ("fits" if c.plan.fits else f"short by {format_bytes(c.short_bytes)}"))
-        if method != "analytic" and c.plan.method == "analytic":
-            why = next((w for w in c.plan.warnings if "analytic estimate" in w), "the step was not traced")
-            reasoning.append(f"  fell back from the trace to the analytic estimate: {why}")
-        if c.plan.fits:
-            chosen = c
-            break
+
+    def confirm(round_cands: list[Candidate]) -> Candidate | None:
+        floored = sorted({n for c in round_cands for n in c.slowdown.floored})
+        if floored:
+            reasoning.append(f"counted as x1.00: {floored} (measured below 1, but they only add work: timing noise)")
+        passed = [c for c in round_cands if c.fits]
+        reasoning.append(f"analytic screen: {len(passed)} of {len(round_cands)} fit")
+        planned = 0
+        for c in passed:
+            if planned >= max_plans:
+                break
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # the plan keeps its own warnings
+                    c.plan = plan(factory, batch, seq_len=seq_len, recipe=c.recipe, target=tgt, headroom=headroom,
+                                  find_max_batch=False, method=method)
+            except Exception as exc:  # noqa: BLE001 - method='trace' skips what cannot be traced, and says so
+                if method != "trace":
+                    raise
+                reasoning.append(f"skipped {c.name}: cannot be traced ({type(exc).__name__}) and method='trace'")
+                continue
+            planned += 1
+            short = [] if c.plan.fits_device else [f"short by {format_bytes(c.short_bytes)}"]
+            if not c.plan.fits_host:
+                short.append(f"host RAM {format_bytes(c.plan.host_need_bytes)} over {format_bytes(c.plan.host_limit_bytes)}")
+            reasoning.append(f"planned {c.name}: need {format_bytes(c.plan.device_need_bytes)} ({c.plan.method}) -> "
+                             + ("fits" if c.plan.fits else ", ".join(short)))
+            if method != "analytic" and c.plan.method == "analytic":
+                why = next((w for w in c.plan.warnings if "analytic estimate" in w), "the step was not traced")
+                reasoning.append(f"  fell back from the trace to the analytic estimate: {why}")
+            if c.plan.fits:
+                return c
+        return None
+
+    chosen = confirm(cands)
+    if chosen is None:  # long context: offloaded checkpoints and the chunked loss (notebook 17)
+        more = screened(candidate_recipes(batch, target=tgt, mode=mode, model=arch, long_context=True))
+        reasoning.append(f"none of those fits: {len(more)} long-context candidates (checkpointing='offload' with its "
+                         f"host RAM within {format_bytes(host_limit)}, loss_chunk_tokens={DEFAULT_CHUNK_TOKENS})")
+        cands += more
+        chosen = confirm(more)
     if chosen is None:
         leanest = min(cands, key=lambda c: c.need_bytes)
         raise NoRecipeFits(
