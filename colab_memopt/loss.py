@@ -55,6 +55,7 @@ __all__ = [
     "make_loss_step",
     "check_chunkable",
     "apply_chunked_loss",
+    "traced_loss_bytes",
 ]
 
 # Tokens per chunk. Picked by `benchmarks/chunked_loss.py`'s sweep on this project's 2-core CPU
@@ -402,3 +403,38 @@ def apply_chunked_loss(model: nn.Module, chunk_tokens: int | None) -> nn.Module:
     # a bound method: a deep copy of the model (quantization's forward-only copy) rebinds it to the copy
     model.forward = types.MethodType(_chunked_forward, model)
     return model
+
+
+def traced_loss_bytes(tokens: int, vocab: int, hidden: int, *, chunk_tokens: int | None = None,
+                      dtype: torch.dtype = torch.float32, frozen_head: bool = False) -> dict[str, int]:
+    """Return the bytes of one loss step (forward and backward) traced on fake tensors: nothing is allocated.
+
+    The step is `make_loss_step` on (tokens, hidden) hidden states, a (vocab, hidden) head and int64
+    labels, plain (`chunk_tokens=None`) or by chunks, traced with the project's tensor tracker. Returns
+    `peak_bytes`, `input_bytes` (the three inputs), `after_bytes` (alive after backward: the inputs and
+    their gradients) and `transient_bytes` (peak - after: the logits, their gradient and what else the
+    loss holds for a while; what a method that never writes logits, as Cut Cross-Entropy, avoids).
+
+    Example:
+        >>> traced_loss_bytes(8192, 256000, 2304)["transient_bytes"]  # Gemma-2-2B's head at 8K tokens
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from colab_memopt.tracker import TensorTracker
+
+    for name, value in (("tokens", tokens), ("vocab", vocab), ("hidden", hidden)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    with FakeTensorMode():
+        h = torch.empty(tokens, hidden, dtype=dtype, requires_grad=True)
+        w = torch.empty(vocab, hidden, dtype=dtype, requires_grad=not frozen_head)
+        y = torch.zeros(tokens, dtype=torch.long)
+        step = make_loss_step(h, w, y, chunk_tokens=chunk_tokens)
+        tracker = TensorTracker(device=torch.device("cpu"))
+        tracker.track_external(h, w, y)
+        with tracker:
+            step()
+            after = tracker.live_bytes()
+    inputs = sum(t.numel() * t.element_size() for t in (h, w, y))
+    return {"peak_bytes": tracker.peak_bytes, "input_bytes": inputs, "after_bytes": after,
+            "transient_bytes": tracker.peak_bytes - after}
