@@ -16,6 +16,8 @@ adapters; LoRA rank 16 on the family's projections, QLoRA with an nf4 base):
 - offload: every block checkpointed, its input in host RAM (checkpointing='offload').
 - chunked-loss: checkpoint-full with the loss by chunks of 128 tokens (loss_chunk_tokens).
 - offload+chunked-loss: both.
+- offload+chunked-loss+in-backward (full fine-tuning only): both, in fp32 with 8-bit AdamW stepping each
+  parameter inside backward (`adamw8bit_in_backward`): no full set of gradients is held.
 Each plan is cached in build/context_cache.json, so an interrupted run resumes. Writes
 benchmarks/results/context.json after every row and prints the table last.
 Targets (issue 16): Llama-3.1-8B QLoRA >= 32,768 tokens (stretch 48K); Llama-3.2-1B full >= 16,384.
@@ -56,7 +58,12 @@ RECIPES = {
     "offload": dict(checkpointing="offload"),
     "chunked-loss": dict(checkpointing="full", loss_chunk_tokens=DEFAULT_CHUNK_TOKENS),
     "offload+chunked-loss": dict(checkpointing="offload", loss_chunk_tokens=DEFAULT_CHUNK_TOKENS),
+    # Full fine-tuning only: fp32 (an optimizer that steps inside backward cannot run under fp16's GradScaler),
+    # each gradient freed as soon as its parameter steps, so no full set of gradients is ever held.
+    "offload+chunked-loss+in-backward": dict(checkpointing="offload", loss_chunk_tokens=DEFAULT_CHUNK_TOKENS,
+                                             precision="fp32", optimizer="adamw8bit_in_backward"),
 }
+RECIPE_MODES = {"offload+chunked-loss+in-backward": ("full",)}
 TARGETS = {("llama-3.1-8b", "qlora"): (32768, 49152), ("llama-3.2-1b", "full"): (16384, None)}
 STEP_TOKENS = 1024
 STACK = "import torch, transformers, peft, bitsandbytes, colab_memopt"
@@ -72,7 +79,7 @@ def fresh_process_rss() -> int:
 def recipe_for(mode: str, model: str, name: str, target: str = "t4") -> Recipe:
     optimizer = "adamw8bit" if mode == "full" else "adamw"
     return Recipe.from_dict({"precision": mixed_precision(target), "optimizer": optimizer, **RECIPES[name],
-                             **mode_fields(mode, model)})
+                             **mode_fields(mode, model)})  # the recipe's own precision and optimizer win
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -93,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     order.sort(key=lambda mm: (0 if mm in TARGETS else 1, args.models.index(mm[0]), args.modes.index(mm[1])))
     for model, mode in order:
         for name in args.recipes:
+            if mode not in RECIPE_MODES.get(name, (mode,)):
+                continue
             key = f"{model}|{mode}|{name}"
             if key in cache:
                 row = cache[key]
