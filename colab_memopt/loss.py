@@ -31,6 +31,13 @@ fp32 weight its gradient is accumulated in fp32, also under autocast (an fp32 ma
 Labels are checked against the vocabulary on real tensors (one device sync per call), not under fake
 tensors.
 
+A whole model's loss by chunks: `apply_chunked_loss(model, chunk_tokens)` (what
+`Recipe(loss_chunk_tokens=...)` applies in `Recipe.build`) sets the reference model's
+`loss_chunk_tokens`, or, for a transformers causal LM (peft adapters injected or not), makes
+`model(ids, labels=ids)` run the base model to its final hidden states and hand them, with the output
+layer's weight, to `causal_lm_loss`: the head is never applied to all tokens and `.logits` is None.
+`traced_loss_bytes` traces one loss step on fake tensors (notebook 17's Cut Cross-Entropy claim).
+
 Example:
     >>> loss = causal_lm_loss(hidden, model.lm_head.weight, input_ids, chunk_tokens=128)
     >>> loss.backward()

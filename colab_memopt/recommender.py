@@ -214,6 +214,15 @@ def candidate_recipes(batch: int, *, target: Any = "t4", mode: str = "full", mod
     return list(dict.fromkeys(out))
 
 
+def _applies(recipe: Recipe, model: nn.Module) -> bool:
+    """Return True when `Recipe.build` would accept `model` (a meta-device copy) for `recipe`."""
+    try:
+        recipe.check_model(model)
+    except ValueError:
+        return False
+    return True
+
+
 def _model(model: Callable[[], nn.Module] | str | Any) -> tuple[str, Callable[[], nn.Module]]:
     from colab_memopt import architectures
 
@@ -349,7 +358,8 @@ def recommend(
 
     chosen = confirm(cands)
     if chosen is None:  # long context: offloaded checkpoints and the chunked loss (notebook 17)
-        more = screened(candidate_recipes(batch, target=tgt, mode=mode, model=arch, long_context=True))
+        more = screened([r for r in candidate_recipes(batch, target=tgt, mode=mode, model=arch, long_context=True)
+                         if _applies(r, meta_model)])  # e.g. no chunked loss for soft-capped logits
         reasoning.append(f"none of those fits: {len(more)} long-context candidates (checkpointing='offload' with its "
                          f"host RAM within {format_bytes(host_limit)}, loss_chunk_tokens={DEFAULT_CHUNK_TOKENS})")
         cands += more
