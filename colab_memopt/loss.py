@@ -357,8 +357,16 @@ def _causal_lm_parts(model: nn.Module) -> tuple[nn.Module, nn.Linear]:
     return base, head
 
 
+def _unwrapped(model: nn.Module) -> nn.Module:
+    """Return the causal LM inside a peft `PeftModel` (`get_peft_model`), else the model itself."""
+    get_base = getattr(model, "get_base_model", None)
+    inner = get_base() if callable(get_base) else model
+    return inner if isinstance(inner, nn.Module) else model
+
+
 def check_chunkable(model: nn.Module) -> None:
     """Raise ValueError, with `apply_chunked_loss`'s message, where the chunked loss cannot replace the model's."""
+    model = _unwrapped(model)
     if hasattr(model, "loss_chunk_tokens"):  # the reference model (models.GPT) chunks by itself
         if type(getattr(model, "lm_head", None)) is not nn.Linear:
             raise ValueError(f"loss_chunk_tokens needs lm_head to be an nn.Linear, got {type(model.lm_head).__name__}")
@@ -396,20 +404,21 @@ def apply_chunked_loss(model: nn.Module, chunk_tokens: int | None) -> nn.Module:
         >>> model = apply_chunked_loss(LlamaForCausalLM(config), 256)
         >>> model(ids, labels=ids).loss.backward()  # same loss and gradients, no (B, T, V) logits
     """
+    outer, model = model, _unwrapped(model)  # a PeftModel's forward reaches the causal LM's instance forward
     if chunk_tokens is None:
         if _CHUNK_ATTR in model.__dict__:
             del model.__dict__[_CHUNK_ATTR]
             model.__dict__.pop("forward", None)
-        return model
+        return outer
     _check_chunk_tokens(chunk_tokens)
     check_chunkable(model)
     if hasattr(model, "loss_chunk_tokens"):
         model.loss_chunk_tokens = chunk_tokens
-        return model
+        return outer
     setattr(model, _CHUNK_ATTR, chunk_tokens)
     # a bound method: a deep copy of the model (quantization's forward-only copy) rebinds it to the copy
     model.forward = types.MethodType(_chunked_forward, model)
-    return model
+    return outer
 
 
 def traced_loss_bytes(tokens: int, vocab: int, hidden: int, *, chunk_tokens: int | None = None,

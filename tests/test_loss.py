@@ -391,3 +391,19 @@ def test_recipe_loss_chunk_tokens_is_validated_and_refused_where_it_cannot_apply
         cm.Recipe(loss_chunk_tokens=8).build(gemma)
     with pytest.raises(ValueError, match="needs the reference model or a transformers causal LM.*got Sequential"):
         cm.Recipe(loss_chunk_tokens=8).check_model(torch.nn.Sequential(torch.nn.Linear(2, 2)))
+
+
+def test_chunked_loss_reaches_through_a_peft_model_wrapper():
+    from peft import LoraConfig, get_peft_model
+
+    from colab_memopt.loss import apply_chunked_loss
+
+    ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(2))
+    config = LoraConfig(r=2, target_modules=["q_proj"], lora_dropout=0.0)
+    torch.manual_seed(0)
+    plain = get_peft_model(_tiny_llama(), config)
+    torch.manual_seed(0)
+    chunked = apply_chunked_loss(get_peft_model(_tiny_llama(), config), 8)
+    out_plain, out_chunked = plain(input_ids=ids, labels=ids), chunked(input_ids=ids, labels=ids)
+    assert out_chunked.logits is None
+    torch.testing.assert_close(out_chunked.loss, out_plain.loss)
