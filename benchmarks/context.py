@@ -89,13 +89,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--recipes", nargs="+", default=list(RECIPES))
     parser.add_argument("--max-plans", type=int, default=12)
     parser.add_argument("--out", default=str(OUT))
+    parser.add_argument("--cache", nargs="+", default=[str(CACHE)],
+                        help="the plans' cache (JSON; the first is written); rows found in any are not planned again")
+    parser.add_argument("--cached-only", action="store_true", help="plan nothing: write the rows the caches hold")
     args = parser.parse_args(argv)
+    cache_path = Path(args.cache[0])
     warnings.simplefilter("ignore")
     start = time.perf_counter()
     tgt = get_target("t4")
     base_rss = fresh_process_rss()
-    cache = json.loads(CACHE.read_text()) if CACHE.exists() else {}
-    rows = []
+    cache: dict[str, dict] = {}
+    for path in map(Path, reversed(args.cache)):
+        cache.update(json.loads(path.read_text()) if path.exists() else {})
+    rows, not_planned = [], []
     order = [(m, mode) for m in args.models for mode in args.modes]
     order.sort(key=lambda mm: (0 if mm in TARGETS else 1, args.models.index(mm[0]), args.modes.index(mm[1])))
     for model, mode in order:
@@ -105,29 +111,32 @@ def main(argv: list[str] | None = None) -> int:
             key = f"{model}|{mode}|{name}"
             if key in cache:
                 row = cache[key]
+            elif args.cached_only:
+                not_planned.append(key)
+                continue
             else:
                 recipe = recipe_for(mode, model, name)
                 try:
                     res = longest_sequence(model, recipe, mode=mode, target=tgt, step_tokens=STEP_TOKENS,
                                            host_base_bytes=base_rss, max_plans=args.max_plans)
-                    row = {"recipe_name": name, **res.to_dict()}
+                    row = {"recipe_name": name, **res.to_dict(), "host_base_bytes": base_rss}
                 except Exception as exc:  # noqa: BLE001 - a row that cannot be planned says why
                     row = {"model": model, "mode": mode, "recipe_name": name, "recipe": recipe.to_dict(),
                            "error": f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"}
                 cache[key] = row
-                CACHE.parent.mkdir(parents=True, exist_ok=True)
-                CACHE.write_text(json.dumps(cache, indent=1))
+                cache_path.parent.mkdir(parents=True, exist_ok=True)
+                cache_path.write_text(json.dumps(cache, indent=1))
             rows.append(row)
             print(f"{model:14s} {mode:6s} {name:22s} max {row.get('max_seq_len', '-')!s:>7s} "
                   f"({row.get('method', row.get('error', ''))}, {row.get('plans', 0)} plans, {row.get('seconds', 0):.0f} s) "
                   f"device {format_bytes(row.get('device_need_bytes') or 0)} host {format_bytes(row.get('host_need_bytes') or 0)}",
                   flush=True)
-            _write(args.out, rows, tgt, base_rss, start)
-    _write(args.out, rows, tgt, base_rss, start)
+            _write(args.out, rows, tgt, base_rss, start, not_planned)
+    _write(args.out, rows, tgt, base_rss, start, not_planned)
     return 0
 
 
-def _write(out: str, rows: list[dict], tgt, base_rss: int, start: float) -> None:
+def _write(out: str, rows: list[dict], tgt, base_rss: int, start: float, not_planned: list[str]) -> None:
     best: dict[str, dict] = {}
     for r in rows:
         k = f"{r['model']}/{r['mode']}"
@@ -148,10 +157,11 @@ def _write(out: str, rows: list[dict], tgt, base_rss: int, start: float) -> None
         "target": {"name": tgt.name, "device_bytes": tgt.device_bytes, "host_bytes": tgt.host_bytes,
                    "cuda_context_bytes": tgt.cuda_context_bytes, "headroom": 0.05},
         "batch": 1, "step_tokens": STEP_TOKENS, "host_base_bytes": base_rss,
-        "host_base_source": f"RSS of a fresh `{sys.executable} -c '{STACK}'` on this machine",
+        "host_base_source": f"RSS of a fresh `python -c '{STACK}'` on this machine (each row keeps the figure it used)",
         "device": f"planned on {platform.machine()} CPU ({os.cpu_count()} threads), torch {torch.__version__}, "
                   f"colab_memopt {cm_version}",
-        "recipes": RECIPES, "rows": rows, "best": best, "targets": targets,
+        "recipes": RECIPES, "recipe_modes": RECIPE_MODES, "rows": rows, "best": best, "targets": targets,
+        "not_planned": not_planned,
         "seconds": time.perf_counter() - start,
     })
 
