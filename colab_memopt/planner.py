@@ -10,7 +10,9 @@ What CUDA runs differently is planned as CUDA runs it: for a CUDA target the opt
 the implementation torch picks there (foreach: `_default_to_fused_or_foreach` picks it for CUDA
 tensors, and foreach AdamW's `_foreach_sqrt` holds a 4 B/param temporary for all parameters at
 once), and the fixed bytes a step allocates through the caching allocator (the cuBLAS workspace) are
-lines of the plan with their source.
+lines of the plan with their source. bitsandbytes' 8-bit layers run LLM.int8 there (the CPU's training
+path dequantizes the weight instead): traced with no outlier column, since which input columns are
+outliers depends on the values, and said to be a lower bound (`_int8_as_on_cuda`).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from colab_memopt.checkpointing import checkpoint_offloader
 from colab_memopt.env import COLAB_HOST_RAM_BYTES, T4_USABLE_BYTES, GiB
 from colab_memopt.measure import format_bytes, host_memory
 from colab_memopt.recipe import Recipe
-from colab_memopt.tracker import PHASES, TensorTracker
+from colab_memopt.tracker import _CUDA_MIN_BLOCK, PHASES, TensorTracker
 from colab_memopt.train import make_train_step
 
 
@@ -421,22 +423,184 @@ def traced_linear4bit(linear: nn.Module, scheme: str) -> nn.Module:
     return new
 
 
+def traced_linear8bit(linear: nn.Module, threshold: float | None = None) -> nn.Module:
+    """Return a stand-in for `quantization._bnb_linear(linear, 'bnb_int8')` that works on fake tensors.
+
+    bitsandbytes' `Int8Params` is a tensor subclass that cannot wrap a fake tensor. This module is a
+    `Linear8bitLt` holding the exact storage of a real one after its first forward, made by bitsandbytes'
+    own `int8_vectorwise_quant` (which has a fake kernel) from the fp16 weight, as `Int8Params` does: the
+    int8 weight (out x in bytes) as a plain frozen parameter, which is also `state.CB`; the fp32 row
+    scales `state.SCB` (4 bytes per output row, kept in the layer's state, not as a parameter); and the
+    bias. Its forward is `Linear8bitLt.forward` itself, so the step traces `bitsandbytes.matmul` (on the
+    CPU, in training: the whole weight dequantized to the input's dtype in forward and again in
+    backward) and peft wraps it as it wraps a real 8-bit layer. `tests/test_planner.py` pins its tensors
+    to a real `Linear8bitLt`.
+    """
+    import bitsandbytes as bnb
+
+    from colab_memopt.quantization import INT8_THRESHOLD, _as_linear
+
+    class TracedLinear8bitLt(bnb.nn.Linear8bitLt):
+        def __init__(self) -> None:  # noqa: D107 - built from `linear` below, not from sizes
+            nn.Module.__init__(self)
+
+    linear = _as_linear(linear)
+    cb, scb, _ = bnb.functional.int8_vectorwise_quant(linear.weight.detach().to(torch.float16))  # (out, in) int8, (out,) fp32
+    new = TracedLinear8bitLt()
+    new.in_features, new.out_features, new.index = linear.in_features, linear.out_features, None
+    weight = nn.Parameter(cb, requires_grad=False)
+    weight.CB, weight.SCB, weight.has_fp16_weights = None, None, False  # moved to `state` at the first forward
+    new.weight = weight
+    new.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+    new.state = bnb.MatmulLtState()
+    new.state.threshold = INT8_THRESHOLD if threshold is None else threshold
+    new.state.has_fp16_weights = False
+    new.state.use_pool = new.state.threshold > 0.0
+    new.state.CB, new.state.SCB = cb, scb
+    return new
+
+
+def _int8_layers(model: nn.Module) -> list[nn.Module]:
+    """Return the bitsandbytes 8-bit linear layers of `model` (real or stand-ins)."""
+    try:
+        import bitsandbytes as bnb
+    except ImportError:  # pragma: no cover - bitsandbytes is a dependency
+        return []
+    return [m for m in model.modules() if isinstance(m, bnb.nn.Linear8bitLt)]
+
+
 @contextlib.contextmanager
-def _fake_safe_bitsandbytes(mode: Any, recipe: Recipe) -> Iterator[None]:
-    """Let bitsandbytes' 8-bit optimizers and 4-bit layers be built under fake tensors, for the duration.
+def _int8_as_on_cuda() -> Iterator[None]:
+    """Trace bitsandbytes' 8-bit matmul as CUDA runs it, with no outlier column, for the duration.
+
+    On CUDA, `bitsandbytes.matmul` runs `MatMul8bitLt` (LLM.int8: the input quantized to int8 per row,
+    an int8 matmul, the input's columns holding a value of magnitude >= the threshold multiplied in 16
+    bits beside it and kept for backward); on the CPU, in training, it runs `MatMul8bitFp` (the weight
+    dequantized). The fake tensors here are CPU tensors, so `bitsandbytes.matmul` is pointed at
+    `MatMul8bitLt` for the duration. Which columns are outliers depends on the values: bitsandbytes'
+    fake kernels give them a size fake tensors cannot count, so for the duration the fake kernels of
+    `int8_vectorwise_quant`, `int8_double_quant` and `int8_mixed_scaled_mm` say "no outlier column",
+    as the real kernels do on inputs below the threshold. The plan then is a lower bound for inputs
+    that have outliers (the plan's warning gives the bytes per outlier column). Restored afterwards.
+    """
+    import logging
+
+    import bitsandbytes as bnb
+    from bitsandbytes.autograd._functions import MatMul8bitLt, MatmulLtState
+    from torch._library.simple_registry import singleton
+    from torch._library.utils import Kernel
+
+    def vectorwise_quant(A: torch.Tensor, threshold: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        rows = A.numel() // A.shape[-1]
+        outliers = None if threshold == 0.0 else A.new_empty(0, dtype=torch.int64)
+        return torch.empty(A.shape, device=A.device, dtype=torch.int8), torch.empty(rows, device=A.device, dtype=torch.float32), outliers
+
+    def double_quant(A: torch.Tensor, threshold: float = 0.0) -> tuple[torch.Tensor, ...]:
+        rows = A.numel() // A.shape[-1]
+        return (torch.empty_like(A, dtype=torch.int8), torch.empty_like(A, dtype=torch.int8),
+                torch.empty(rows, device=A.device, dtype=torch.float32), torch.empty(A.shape[-1], device=A.device, dtype=torch.float32),
+                A.new_empty(0, dtype=torch.int64))
+
+    def mixed_scaled_mm(A: torch.Tensor, CA: torch.Tensor, CB: torch.Tensor, SCA: torch.Tensor, SCB: torch.Tensor,
+                        outlier_cols: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        # bitsandbytes' own no-outlier branch: the output, and an empty `subA` of the input's dtype
+        return torch.empty((*CA.shape[:-1], CB.shape[0]), device=A.device, dtype=A.dtype), torch.empty(0, device=A.device, dtype=A.dtype)
+
+    def matmul(A: torch.Tensor, B: torch.Tensor, out: torch.Tensor | None = None, state: MatmulLtState | None = None,
+               threshold: float = 0.0, bias: torch.Tensor | None = None) -> torch.Tensor:
+        state = state or MatmulLtState()
+        if threshold > 0.0:
+            state.threshold = threshold
+        return MatMul8bitLt.apply(A, B, out, bias, state)
+
+    kernels = [(singleton.find(f"bitsandbytes::{name}").fake_impl, Kernel(fn, "colab_memopt.planner: no outlier column"))
+               for name, fn in (("int8_vectorwise_quant", vectorwise_quant), ("int8_double_quant", double_quant),
+                                ("int8_mixed_scaled_mm", mixed_scaled_mm))]
+    log = logging.getLogger(MatMul8bitLt.__module__)  # "inputs will be cast ... to float16", once per layer and step
+    original_matmul, level = bnb.matmul, log.level
+    for holder, kernel in kernels:
+        holder.kernels.append(kernel)  # the newest fake kernel is the one that runs
+    bnb.matmul = matmul
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        bnb.matmul = original_matmul
+        log.setLevel(level)
+        for holder, kernel in kernels:
+            holder.kernels.remove(kernel)
+
+
+def quantization_scale_bytes(model: nn.Module, *, cuda_rounding: bool = False) -> int:
+    """Return the bytes bitsandbytes keeps beside the quantized weights of `model`, outside its parameters.
+
+    `Linear8bitLt`'s fp32 row scales (`state.SCB`) and `Linear4bit`'s absmax and offset
+    (`quantization._quant_state_tensors`), each tensor once. Neither the tracker (which counts
+    parameters, buffers, gradients, optimizer state and what the step allocates) nor a plan's tensors at
+    peak include them; on CUDA they are inside `max_memory_allocated` (`cuda_rounding`: each rounded
+    up to the caching allocator's 512-byte blocks).
+    """
+    from colab_memopt.quantization import _quant_state_tensors
+
+    try:
+        import bitsandbytes as bnb
+    except ImportError:  # pragma: no cover - bitsandbytes is a dependency
+        return 0
+    seen: dict[int, int] = {}
+    for mod in model.modules():
+        weight = getattr(mod, "weight", None)
+        if isinstance(mod, (bnb.nn.Linear8bitLt, bnb.nn.Linear4bit)) and isinstance(weight, torch.Tensor):
+            for t in _quant_state_tensors(weight, mod):
+                nbytes = t.numel() * t.element_size()
+                seen[id(t)] = -(-nbytes // _CUDA_MIN_BLOCK) * _CUDA_MIN_BLOCK if cuda_rounding else nbytes
+    return sum(seen.values())
+
+
+def _int8_outlier_warning(model: nn.Module, batch: int, seq_len: int, recipe: Recipe, target: Target) -> str:
+    """Return the plan's warning for 8-bit bases traced as CUDA runs them: what the trace cannot know."""
+    from colab_memopt.quantization import INT8_THRESHOLD
+
+    tokens = -(-batch // max(1, recipe.accumulation_steps)) * seq_len
+    value_bytes = 2 if recipe.precision in ("bf16", "bf16-autocast", "fp16-autocast") else 4
+    per_column, every_column = int8_outlier_bytes(model, tokens, value_bytes)
+    scratch = max((tokens * m.out_features * (4 + 2) for m in _int8_layers(model)), default=0)
+    return (f"bnb_int8 on {target.name} is traced as CUDA runs LLM.int8 (MatMul8bitLt) with no outlier column: this "
+            f"plan is a lower bound. Input columns holding a value of magnitude >= {INT8_THRESHOLD} are kept in the "
+            f"input's dtype until backward: {format_bytes(per_column)} for one such column in each of the "
+            f"{len(_int8_layers(model))} 8-bit layers, {format_bytes(every_column)} if every column were one; the int8 matmul's own scratch "
+            f"(an int32 and a 16-bit copy of a layer's output, up to {format_bytes(scratch)}) is not traced either. "
+            "Not yet checked against a GPU measurement; on the CPU the 8-bit path is traced exactly")
+
+
+def int8_outlier_bytes(model: nn.Module, tokens: int, value_bytes: int) -> tuple[int, int]:
+    """Return (bytes per outlier column, bytes if every column were one) that LLM.int8 keeps for backward.
+
+    On CUDA each 8-bit layer keeps, until backward, its input's outlier columns in the input's dtype
+    (`subA`: `tokens` values of `value_bytes` per column); the trace assumes none. The first figure is
+    one outlier column in every 8-bit layer, the second every input column of every layer an outlier.
+    """
+    layers = _int8_layers(model)
+    return tokens * value_bytes * len(layers), sum(tokens * value_bytes * m.in_features for m in layers)
+
+
+@contextlib.contextmanager
+def _fake_safe_bitsandbytes(mode: Any, recipe: Recipe, *, cuda: bool = False) -> Iterator[None]:
+    """Let bitsandbytes' 8-bit optimizers and its 4-bit and 8-bit layers be built under fake tensors, for the duration.
 
     Both build the 256-value dynamic code book with `.tolist()` on a tensor, a value fake tensors
     cannot give; here the code book is built for real and handed to the fake mode, and bitsandbytes'
     cache of it is emptied for the duration and restored afterwards (a real code book cannot enter a
     fake op, and a fake one left there would break later real calls).
-    4-bit layers are built as `traced_linear4bit` stand-ins. The steps themselves trace:
-    bitsandbytes registers fake implementations of its update, quantize and dequantize ops.
+    4-bit layers are built as `traced_linear4bit` stand-ins, 8-bit ones as `traced_linear8bit`. The steps
+    themselves trace: bitsandbytes registers fake implementations of its update, quantize and dequantize
+    ops. With `cuda`, 8-bit layers are traced as CUDA runs them (`_int8_as_on_cuda`).
     """
     from colab_memopt import quantization
     from colab_memopt.optimizers import BNB_OPTIMIZERS, IN_BACKWARD_SUFFIX
 
     four_bit = recipe.quantization in ("nf4", "fp4") and recipe.quantization_phase == "all"
-    if recipe.optimizer.removesuffix(IN_BACKWARD_SUFFIX) not in BNB_OPTIMIZERS and not four_bit:
+    eight_bit = recipe.quantization == "bnb_int8" and recipe.quantization_phase == "all"
+    if recipe.optimizer.removesuffix(IN_BACKWARD_SUFFIX) not in BNB_OPTIMIZERS and not four_bit and not eight_bit:
         yield
         return
     import bitsandbytes.functional as bnb_functional
@@ -451,13 +615,16 @@ def _fake_safe_bitsandbytes(mode: Any, recipe: Recipe) -> Iterator[None]:
         return mode.from_tensor(real, static_shapes=True)
 
     def bnb_linear(linear: nn.Module, scheme: str) -> nn.Module:
+        if scheme == "bnb_int8":
+            return traced_linear8bit(linear)
         return traced_linear4bit(linear, scheme) if scheme in ("nf4", "fp4") else original_linear(linear, scheme)
 
     bnb_functional.create_dynamic_map = create_dynamic_map
     bnb_functional.name2qmap.clear()  # a real code book cached by an earlier real call cannot enter a fake op
     quantization._bnb_linear = bnb_linear
     try:
-        yield
+        with _int8_as_on_cuda() if cuda and eight_bit else contextlib.nullcontext():
+            yield
     finally:
         bnb_functional.create_dynamic_map = original_map
         quantization._bnb_linear = original_linear
@@ -506,7 +673,9 @@ class _Tracer:
         self.recipe = recipe
         self.cuda_rounding = cuda_rounding
         self._cache: dict[int, _Trace] = {}
-        with self.mode, _fake_safe_module_to(), _fake_safe_bitsandbytes(self.mode, recipe), _fake_safe_transformers():
+        # On a CUDA target bitsandbytes' 8-bit layers run LLM.int8's kernels, traced with no outlier column.
+        self.int8_as_on_cuda = cuda_rounding and recipe.quantization == "bnb_int8" and recipe.quantization_phase == "all"
+        with self.mode, _fake_safe_module_to(), _fake_safe_bitsandbytes(self.mode, recipe, cuda=cuda_rounding), _fake_safe_transformers():
             model = model_factory()
             self.model, self.optimizer = recipe.build(model)
             set_optimizer_impl(self.optimizer, optimizer_impl)
@@ -524,7 +693,7 @@ class _Tracer:
         return self._cache[batch]
 
     def _trace(self, batch: int) -> _Trace:
-        with self.mode, _fake_safe_transformers():
+        with self.mode, _fake_safe_transformers(), _int8_as_on_cuda() if self.int8_as_on_cuda else contextlib.nullcontext():
             step = self._step(batch)
             tracker = TensorTracker(device=torch.device("cpu"), cuda_rounding=self.cuda_rounding)
             tracker.track_external(self.model, self.optimizer)
@@ -800,6 +969,15 @@ def plan(
         analytic_peak_bytes=analytic.peak_bytes, warnings=warn, optimizer_impl=impl if used == "trace" else "analytic",
     )
     result.host_costs += _load_costs(spec, rec, tgt)
+    if used == "trace":
+        scales = quantization_scale_bytes(tracer.model, cuda_rounding=tgt.cuda)
+        if scales:
+            device_costs.append(Cost("quantization scales", scales,
+                                     "traced: bitsandbytes' row scales and absmax kept beside the quantized weights (outside "
+                                     "the parameters, so not in the tensors at peak, as the tracker does not see them either)",
+                                     in_allocator=True))
+        if tracer.int8_as_on_cuda:
+            warn.append(_int8_outlier_warning(tracer.model, batch, seq_len, rec, tgt))
     if rec.checkpointing == "offload":  # issue 16: the checkpointed blocks' inputs wait in host RAM
         if used == "trace":
             offloader = checkpoint_offloader(tracer.model)

@@ -19,6 +19,10 @@ from torch import nn
 
 GRANULARITIES = ("tensor", "channel")
 SCHEMES = ("int8_tensor", "int8_channel", "bnb_int8", "nf4", "fp4")
+# LLM.int8()'s outlier threshold (Dettmers et al. 2022, bitsandbytes' recommended value): input columns with a
+# value of magnitude >= 6 are multiplied in 16 bits beside the int8 matmul (on CUDA; the CPU's training path
+# dequantizes the whole weight instead and has no outliers).
+INT8_THRESHOLD = 6.0
 DEFAULT_LORA_TARGETS = ("qkv", "proj", "up", "down")
 
 
@@ -116,7 +120,7 @@ def _bnb_linear(linear: nn.Linear, scheme: str) -> nn.Module:
     has_bias = linear.bias is not None
     if scheme == "bnb_int8":
         new = bnb.nn.Linear8bitLt(linear.in_features, linear.out_features, bias=has_bias,
-                                  has_fp16_weights=False, threshold=6.0)
+                                  has_fp16_weights=False, threshold=INT8_THRESHOLD)
         new.weight = bnb.nn.Int8Params(w, requires_grad=False, has_fp16_weights=False)
     else:
         new = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=has_bias,

@@ -240,6 +240,103 @@ def test_the_4bit_stand_in_holds_what_a_real_linear4bit_holds(scheme, shape):
     assert fake.weight.quant_state.blocksize == real.weight.quant_state.blocksize == planner.FOUR_BIT_BLOCKSIZE
 
 
+# bitsandbytes' 8-bit base (LLM.int8) is traced through planner.traced_linear8bit. On the CPU, in training,
+# bitsandbytes dequantizes each 8-bit weight to the input's dtype in forward and again in backward.
+def _real_int8_scale_bytes(model):
+    from colab_memopt.quantization import _quant_state_tensors
+
+    return sum(t.numel() * t.element_size() for m in model.modules() if type(m).__name__ == "Linear8bitLt"
+               for t in _quant_state_tensors(m.weight, m))
+
+
+@pytest.mark.parametrize("build, batch, seq, targets", [
+    (lambda: cm.build_model("tiny"), 4, 64, None),
+    (_tiny_llama, 2, 48, ("q_proj", "v_proj")),
+], ids=["tiny", "llama"])
+def test_bnb_int8_lora_is_traced_exactly_on_the_cpu(corpus, build, batch, seq, targets):
+    fields = {"quantization": "bnb_int8", "lora_rank": 4, **({"lora_targets": targets} if targets else {})}
+    recipe = cm.Recipe.from_dict(fields)
+    plan = planner.plan(build, batch, seq_len=seq, recipe=recipe, target=CPU_TARGET, find_max_batch=False)
+    model, opt = recipe.build(build())
+    step = cm.make_train_step(model, opt, corpus, batch_size=batch, seq_len=seq, recipe=recipe)
+    measured = cm.measure_step(step, model=model, optimizer=opt, repeat=1)
+    assert plan.method == "trace", plan.warnings
+    assert plan.peak_bytes == measured.peak_bytes
+    assert plan.by_category == measured.by_category and plan.by_phase == measured.by_phase
+    # The row scales live beside the weights, outside what the tracker counts: a line of the plan, as in the real model.
+    scales = next(c for c in plan.device_costs if c.name == "quantization scales")
+    assert scales.bytes == _real_int8_scale_bytes(model) > 0
+    assert not any("lower bound" in w for w in plan.warnings)  # the CPU path has no outlier columns
+
+
+@pytest.mark.parametrize("shape", [(200, 300), (64, 64), (129, 17)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_the_8bit_stand_in_holds_what_a_real_linear8bitlt_holds(shape, bias):
+    """The int8 weight (also state.CB), the fp32 row scales, the bias: dtypes, shapes and bytes, and the layer's settings."""
+    import bitsandbytes as bnb
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from colab_memopt.quantization import _bnb_linear
+
+    out_f, in_f = shape
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        real = _bnb_linear(torch.nn.Linear(in_f, out_f, bias=bias), "bnb_int8")
+        real(torch.randn(3, in_f, requires_grad=True)).sum().backward()  # the first forward moves CB and SCB to the state
+
+    def tensors(layer):
+        named = {"weight": layer.weight, "bias": layer.bias, "state.CB": layer.state.CB, "state.SCB": layer.state.SCB}
+        return {k: (tuple(t.shape), t.dtype, t.numel() * t.element_size()) for k, t in named.items() if t is not None}
+
+    mode = FakeTensorMode(shape_env=ShapeEnv(allow_scalar_outputs=True))
+    with planner._fake_safe_bitsandbytes(mode, cm.Recipe(quantization="bnb_int8", lora_rank=1)), mode:
+        fake = planner.traced_linear8bit(torch.nn.Linear(in_f, out_f, bias=bias))
+    assert isinstance(real, bnb.nn.Linear8bitLt) and isinstance(fake, bnb.nn.Linear8bitLt)
+    assert tensors(fake) == tensors(real)
+    assert tensors(real)["weight"] == ((out_f, in_f), torch.int8, out_f * in_f)
+    assert tensors(real)["state.SCB"] == ((out_f,), torch.float32, 4 * out_f)
+    assert real.weight.CB is None and fake.weight.CB is None and real.weight.SCB is None and fake.weight.SCB is None
+    assert real.state.CB.data_ptr() == real.weight.data_ptr()  # the weight is the int8 matrix: counted once
+    for key in ("threshold", "has_fp16_weights", "use_pool"):
+        assert getattr(fake.state, key) == getattr(real.state, key), key
+    assert fake.state.threshold == cm.quantization.INT8_THRESHOLD
+    assert not fake.weight.requires_grad and (fake.bias is None or not fake.bias.requires_grad)
+
+
+def test_bnb_int8_on_a_cuda_target_is_traced_as_llm_int8_and_said_to_be_a_bound():
+    from bitsandbytes.autograd import _functions as bnb_autograd
+    from torch._library.simple_registry import singleton
+
+    import bitsandbytes as bnb
+
+    ops = ("int8_vectorwise_quant", "int8_double_quant", "int8_mixed_scaled_mm")
+    before = [list(singleton.find(f"bitsandbytes::{op}").fake_impl.kernels) for op in ops]
+    matmul = bnb.matmul
+    calls = []
+    original = bnb_autograd.MatMul8bitLt.forward
+
+    def forward(ctx, *args, **kwargs):
+        calls.append(args[0].shape)
+        return original(ctx, *args, **kwargs)
+
+    bnb_autograd.MatMul8bitLt.forward = staticmethod(forward)
+    try:
+        plan = planner.plan("tiny", 2, seq_len=32, recipe={"quantization": "bnb_int8", "lora_rank": 4}, target="t4",
+                            find_max_batch=False)
+    finally:
+        bnb_autograd.MatMul8bitLt.forward = staticmethod(original)
+    assert plan.method == "trace", plan.warnings
+    assert calls  # CUDA's LLM.int8 path, not the CPU's dequantizing one
+    assert any("lower bound" in w and "outlier" in w for w in plan.warnings)
+    # Everything the trace changed is back: bitsandbytes' fake kernels and its matmul.
+    assert [list(singleton.find(f"bitsandbytes::{op}").fake_impl.kernels) for op in ops] == before
+    assert bnb.matmul is matmul
+    per_column, every_column = planner.int8_outlier_bytes(cm.quantization.quantize_model(cm.build_model("tiny"), "bnb_int8"),
+                                                          64, 4)
+    assert 0 < per_column < every_column
+
+
 def test_accumulation_bounds_the_batch():
     with pytest.raises(ValueError, match="smaller than recipe.accumulation_steps=4"):
         planner.plan("tiny", 2, seq_len=32, recipe={"accumulation_steps": 4})
