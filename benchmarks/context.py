@@ -115,13 +115,13 @@ def main(argv: list[str] | None = None) -> int:
                 not_planned.append(key)
                 continue
             else:
-                recipe = recipe_for(mode, model, name)
                 try:
+                    recipe = recipe_for(mode, model, name)  # a family without LoRA targets: a row saying so
                     res = longest_sequence(model, recipe, mode=mode, target=tgt, step_tokens=STEP_TOKENS,
                                            host_base_bytes=base_rss, max_plans=args.max_plans)
                     row = {"recipe_name": name, **res.to_dict(), "host_base_bytes": base_rss}
                 except Exception as exc:  # noqa: BLE001 - a row that cannot be planned says why
-                    row = {"model": model, "mode": mode, "recipe_name": name, "recipe": recipe.to_dict(),
+                    row = {"model": model, "mode": mode, "recipe_name": name, "recipe": RECIPES[name],
                            "error": f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"}
                 cache[key] = row
                 cache_path.parent.mkdir(parents=True, exist_ok=True)
