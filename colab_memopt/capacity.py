@@ -311,3 +311,117 @@ def largest_scaled_for(base: str, recipe: Recipe, *, seq_len: int, batch: int = 
     return {"layers": layers, "params": model_params(scaled(base, layers)) if layers else 0, "need_bytes": need,
             "limit_bytes": limit, "planned_by": method,
             "next_params": model_params(scaled(base, layers + 1)) if layers < max_layers else None, "traces": traces}
+
+
+# -- issue 16: the longest sequence a model trains at on a target ---------------------------------
+
+@dataclass
+class LongestSequence:
+    """The longest sequence (a multiple of `step_tokens`) whose planned step fits a target, and its plan's figures."""
+
+    model: str
+    mode: str
+    recipe: dict[str, Any]
+    max_seq_len: int  # 0: not even `step_tokens` fits
+    step_tokens: int
+    limit_tokens: int  # the model's own maximum (or the search's cap)
+    method: str  # 'trace' or 'analytic': how the plans at the boundary were made
+    device_need_bytes: int | None  # at max_seq_len (None when nothing fits)
+    host_need_bytes: int | None
+    offloaded_checkpoint_bytes: int | None
+    first_miss: dict[str, Any] | None  # the next length up: its device and host need, and what it is short of
+    plans: int
+    seconds: float
+    converged: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def longest_sequence(model: str, recipe: Recipe, *, mode: str = "", batch: int = 1, target: Any = "t4",
+                     step_tokens: int = 1024, headroom: float = 0.05, method: str = "auto",
+                     host_base_bytes: int | None = None, max_tokens: int | None = None,
+                     guess_tokens: int | None = None, max_plans: int = 16) -> LongestSequence:
+    """Return the longest multiple of `step_tokens` at which `plan` says one step of `recipe` fits `target`.
+
+    Device memory and host RAM both must fit (`Plan.fits`). The search starts at `guess_tokens` (default:
+    the analytic estimate's answer, which costs milliseconds), gallops away from it in steps of 1, 2, 4, ...
+    x `step_tokens` until the verdict changes, then bisects (`planner._verified_max_batch`): each probe is
+    one `plan` (a trace on fake tensors where the recipe traces). `host_base_bytes` replaces the planner's
+    "this process" line (this Python process's RSS) by a fixed figure, e.g. a fresh process's.
+
+    Example:
+        >>> longest_sequence("llama-3.2-1b", Recipe(precision="fp16-autocast", checkpointing="offload",
+        ...                                         loss_chunk_tokens=128)).max_seq_len
+    """
+    import time
+    import warnings
+
+    from colab_memopt.planner import _verified_max_batch, check_headroom, plan
+
+    if isinstance(step_tokens, bool) or not isinstance(step_tokens, int) or step_tokens < 1:
+        raise ValueError(f"step_tokens must be an integer >= 1, got {step_tokens!r}")
+    check_headroom(headroom)
+    start = time.perf_counter()
+    tgt = get_target(target)
+    limit = architectures.max_seq_len(model)
+    if max_tokens is not None:
+        limit = min(limit, max_tokens)
+    top = limit // step_tokens
+    plans: dict[int, Any] = {}
+
+    def planned(units: int) -> Any:
+        if units not in plans:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                p = plan(model, batch, seq_len=units * step_tokens, recipe=recipe, target=tgt, headroom=headroom,
+                         find_max_batch=False, method=method)
+            if host_base_bytes is not None:
+                p.host_costs = [c for c in p.host_costs if c.name != "this process"]
+                from colab_memopt.planner import Cost
+
+                p.host_costs.insert(0, Cost("base process", host_base_bytes, "given (host_base_bytes)"))
+            plans[units] = p
+        return plans[units]
+
+    def fits(units: int) -> bool:
+        return units <= top and planned(units).fits
+
+    if guess_tokens is None:  # the analytic answer: a cheap first guess
+        lo, hi = 0, top + 1
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                ok = plan(model, batch, seq_len=mid * step_tokens, recipe=recipe, target=tgt, headroom=headroom,
+                          find_max_batch=False, method="analytic").fits_device
+            lo, hi = (mid, hi) if ok else (lo, mid)
+        guess = max(1, lo)
+    else:
+        guess = max(1, guess_tokens // step_tokens)
+    units, converged = _verified_max_batch(fits, min(guess, top), max_traces=max_plans, lower=1)
+    best = plans.get(units)
+    miss_units = units + 1
+    miss = plans.get(miss_units)
+    first_miss = None
+    if miss is not None:
+        first_miss = {"seq_len": miss_units * step_tokens, "device_need_bytes": miss.device_need_bytes,
+                      "host_need_bytes": miss.host_need_bytes, "fits_device": miss.fits_device, "fits_host": miss.fits_host}
+    elif units >= top:
+        first_miss = {"seq_len": None, "why": f"the search's cap of {limit} tokens (the model's maximum or max_tokens)"}
+    ref = best if best is not None else next(iter(plans.values()), None)
+    host_off = None
+    if best is not None:
+        host_off = sum(c.bytes for c in best.host_costs if c.name == "offloaded checkpoints")
+    return LongestSequence(
+        model=model, mode=mode, recipe=_changed_fields(recipe), max_seq_len=units * step_tokens, step_tokens=step_tokens,
+        limit_tokens=limit, method=ref.method if ref is not None else "none",
+        device_need_bytes=best.device_need_bytes if best is not None else None,
+        host_need_bytes=best.host_need_bytes if best is not None else None, offloaded_checkpoint_bytes=host_off,
+        first_miss=first_miss, plans=len(plans), seconds=time.perf_counter() - start, converged=converged,
+    )
+
+
+def _changed_fields(recipe: Recipe) -> dict[str, Any]:
+    base = Recipe().to_dict()
+    return {k: v for k, v in recipe.to_dict().items() if base[k] != v}

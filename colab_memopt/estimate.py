@@ -280,7 +280,8 @@ def training_step_bytes(model: torch.nn.Module, batch: int, seq: int, recipe: An
     holds parameters, gradients, state and about one parameter tensor's worth of temporaries.
     The recipe's fields are applied by rule: pure bf16 halves weights, gradients and state; autocast
     stores activations at 2 bytes; checkpointing keeps each checkpointed block's input (s*b*h) plus
-    one block ('offload': two inputs, the rest in host RAM); accumulation divides activations by the micro-batches; quantization stores the block
+    one block ('offload': two inputs, the rest in host RAM); `loss_chunk_tokens` replaces the full
+    logits by one chunk's (fp32) and their gradient; accumulation divides activations by the micro-batches; quantization stores the block
     linear weights by `quantized_weight_bytes`; LoRA trains r*(in+out) values per adapted layer only.
     The planner uses this where a step cannot be traced, and prints it beside every trace.
     """
@@ -320,6 +321,11 @@ def training_step_bytes(model: torch.nn.Module, batch: int, seq: int, recipe: An
         # 'offload' keeps the inputs in host RAM: on the device, the one recomputed and the one loaded ahead.
         on_device = min(2, kept) if policy == "offload" else kept
         act -= kept * per_block - (on_device * micro * seq * d["hidden"] * value_bytes + per_block)
+    chunk = getattr(recipe, "loss_chunk_tokens", None)
+    if chunk is not None:  # notebook 17: one chunk's fp32 logits and their gradient, plus the hidden states' gradient
+        d = _dims(model)
+        act += (2 * min(chunk, micro * seq) * d["vocab"] * 4 + micro * seq * d["hidden"] * value_bytes
+                - 2 * micro * seq * d["vocab"] * value_bytes)
     if getattr(recipe, "optimizer", "").endswith("_in_backward") or getattr(recipe, "optimizer", "") in ("lomo", "adalomo"):
         g_bytes = largest  # each gradient is freed once its parameter steps
     # Notebook 10, ZeRO-Offload: the optimizer state (and with offload_param the weights, but the

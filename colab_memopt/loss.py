@@ -31,6 +31,13 @@ fp32 weight its gradient is accumulated in fp32, also under autocast (an fp32 ma
 Labels are checked against the vocabulary on real tensors (one device sync per call), not under fake
 tensors.
 
+A whole model's loss by chunks: `apply_chunked_loss(model, chunk_tokens)` (what
+`Recipe(loss_chunk_tokens=...)` applies in `Recipe.build`) sets the reference model's
+`loss_chunk_tokens`, or, for a transformers causal LM (peft adapters injected or not), makes
+`model(ids, labels=ids)` run the base model to its final hidden states and hand them, with the output
+layer's weight, to `causal_lm_loss`: the head is never applied to all tokens and `.logits` is None.
+`traced_loss_bytes` traces one loss step on fake tensors (notebook 17's Cut Cross-Entropy claim).
+
 Example:
     >>> loss = causal_lm_loss(hidden, model.lm_head.weight, input_ids, chunk_tokens=128)
     >>> loss.backward()
@@ -38,8 +45,12 @@ Example:
 
 from __future__ import annotations
 
+import types
+from typing import Any
+
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch.autograd.function import once_differentiable
 
 __all__ = [
@@ -49,6 +60,9 @@ __all__ = [
     "chunked_cross_entropy",
     "causal_lm_loss",
     "make_loss_step",
+    "check_chunkable",
+    "apply_chunked_loss",
+    "traced_loss_bytes",
 ]
 
 # Tokens per chunk. Picked by `benchmarks/chunked_loss.py`'s sweep on this project's 2-core CPU
@@ -307,3 +321,136 @@ def make_loss_step(
         return loss.detach()
 
     return step
+
+
+# -- a whole model's loss by chunks: what `Recipe(loss_chunk_tokens=...)` applies ----------------
+
+_CHUNK_ATTR = "_cm_loss_chunk_tokens"
+
+
+def _causal_lm_parts(model: nn.Module) -> tuple[nn.Module, nn.Linear]:
+    """Return (base model, LM head) of a transformers causal LM, or raise ValueError saying why not.
+
+    The base model returns the final hidden states (after the last norm); the head must be a plain
+    `nn.Linear` (not a LoRA-wrapped or quantized one) and nothing may act on the logits between the
+    head and the loss (Gemma-2's final soft-capping, Cohere's logit scale).
+    """
+    name = type(model).__name__
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    base = getattr(model, "base_model", None)
+    if head is None or not isinstance(base, nn.Module) or base is model:
+        raise ValueError(
+            f"the chunked loss needs the reference model or a transformers causal LM (a base model and an output "
+            f"layer from get_output_embeddings()), got {name}"
+        )
+    if type(head) is not nn.Linear:
+        raise ValueError(
+            f"the chunked loss needs {name}'s output layer to be a plain nn.Linear, got {type(head).__name__} "
+            "(leave lm_head out of lora_targets and of quantization)"
+        )
+    config = getattr(model, "config", None)
+    for key in ("final_logit_softcapping", "logit_scale", "output_multiplier_scale", "logits_scaling"):
+        value = getattr(config, key, None)
+        if value not in (None, 1, 1.0):
+            raise ValueError(f"the chunked loss computes plain logits, but {name} transforms them ({key}={value!r})")
+    return base, head
+
+
+def _unwrapped(model: nn.Module) -> nn.Module:
+    """Return the causal LM inside a peft `PeftModel` (`get_peft_model`), else the model itself."""
+    get_base = getattr(model, "get_base_model", None)
+    inner = get_base() if callable(get_base) else model
+    return inner if isinstance(inner, nn.Module) else model
+
+
+def check_chunkable(model: nn.Module) -> None:
+    """Raise ValueError, with `apply_chunked_loss`'s message, where the chunked loss cannot replace the model's."""
+    model = _unwrapped(model)
+    if hasattr(model, "loss_chunk_tokens"):  # the reference model (models.GPT) chunks by itself
+        if type(getattr(model, "lm_head", None)) is not nn.Linear:
+            raise ValueError(f"loss_chunk_tokens needs lm_head to be an nn.Linear, got {type(model.lm_head).__name__}")
+        return
+    _causal_lm_parts(model)
+
+
+def _chunked_forward(self: nn.Module, input_ids: Any = None, attention_mask: Any = None, labels: Any = None,
+                     **kwargs: Any) -> Any:
+    """A transformers causal LM's forward whose loss, when labels are given, is `causal_lm_loss` by chunks."""
+    if labels is None:  # generation, or logits wanted: the model's own forward
+        return type(self).forward(self, input_ids, attention_mask=attention_mask, **kwargs)
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    base, head = _causal_lm_parts(self)
+    for key in ("logits_to_keep", "num_logits_to_keep", "num_items_in_batch", "return_dict"):
+        kwargs.pop(key, None)
+    out = base(input_ids=input_ids, attention_mask=attention_mask, return_dict=True, **kwargs)
+    hidden = out.last_hidden_state  # (B, T, H), after the final norm
+    loss = causal_lm_loss(hidden, head.weight, labels, bias=head.bias, chunk_tokens=getattr(self, _CHUNK_ATTR))
+    return CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=getattr(out, "past_key_values", None))
+
+
+def apply_chunked_loss(model: nn.Module, chunk_tokens: int | None) -> nn.Module:
+    """Make `model(input_ids, labels=...)` compute its loss by chunks of `chunk_tokens` tokens; return the model.
+
+    For the reference model this sets `GPT.loss_chunk_tokens`. For a transformers causal LM (with or
+    without peft adapters injected) it replaces the instance's forward: with labels, the base model's
+    final hidden states go to `causal_lm_loss` with the output layer's weight, so the head is never
+    applied to all tokens and `.logits` is None; without labels the model's own forward runs.
+    `chunk_tokens=None` removes what this function installed (on the reference model it leaves
+    `loss_chunk_tokens` as it is).
+
+    Example:
+        >>> model = apply_chunked_loss(LlamaForCausalLM(config), 256)
+        >>> model(ids, labels=ids).loss.backward()  # same loss and gradients, no (B, T, V) logits
+    """
+    outer, model = model, _unwrapped(model)  # a PeftModel's forward reaches the causal LM's instance forward
+    if chunk_tokens is None:
+        if _CHUNK_ATTR in model.__dict__:
+            del model.__dict__[_CHUNK_ATTR]
+            model.__dict__.pop("forward", None)
+        return outer
+    _check_chunk_tokens(chunk_tokens)
+    check_chunkable(model)
+    if hasattr(model, "loss_chunk_tokens"):
+        model.loss_chunk_tokens = chunk_tokens
+        return outer
+    setattr(model, _CHUNK_ATTR, chunk_tokens)
+    # a bound method: a deep copy of the model (quantization's forward-only copy) rebinds it to the copy
+    model.forward = types.MethodType(_chunked_forward, model)
+    return outer
+
+
+def traced_loss_bytes(tokens: int, vocab: int, hidden: int, *, chunk_tokens: int | None = None,
+                      dtype: torch.dtype = torch.float32, frozen_head: bool = False) -> dict[str, int]:
+    """Return the bytes of one loss step (forward and backward) traced on fake tensors: nothing is allocated.
+
+    The step is `make_loss_step` on (tokens, hidden) hidden states, a (vocab, hidden) head and int64
+    labels, plain (`chunk_tokens=None`) or by chunks, traced with the project's tensor tracker. Returns
+    `peak_bytes`, `input_bytes` (the three inputs), `after_bytes` (alive after backward: the inputs and
+    their gradients) and `transient_bytes` (peak - after: the logits, their gradient and what else the
+    loss holds for a while; what a method that never writes logits, as Cut Cross-Entropy, avoids).
+
+    Example:
+        >>> traced_loss_bytes(8192, 256000, 2304)["transient_bytes"]  # Gemma-2-2B's head at 8K tokens
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from colab_memopt.tracker import TensorTracker
+
+    for name, value in (("tokens", tokens), ("vocab", vocab), ("hidden", hidden)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    with FakeTensorMode():
+        h = torch.empty(tokens, hidden, dtype=dtype, requires_grad=True)
+        w = torch.empty(vocab, hidden, dtype=dtype, requires_grad=not frozen_head)
+        y = torch.zeros(tokens, dtype=torch.long)
+        step = make_loss_step(h, w, y, chunk_tokens=chunk_tokens)
+        tracker = TensorTracker(device=torch.device("cpu"))
+        tracker.track_external(h, w, y)
+        with tracker:
+            step()
+            after = tracker.live_bytes()
+    inputs = sum(t.numel() * t.element_size() for t in (h, w, y))
+    return {"peak_bytes": tracker.peak_bytes, "input_bytes": inputs, "after_bytes": after,
+            "transient_bytes": tracker.peak_bytes - after}

@@ -941,6 +941,19 @@ def _host_costs(recipe: Recipe, batch: int, seq_len: int, n_params: int = 0) -> 
     return costs
 
 
+def offloaded_checkpoint_bytes(model: nn.Module, batch: int, seq_len: int, recipe: Recipe) -> int:
+    """Return the host RAM of `recipe`'s offloaded checkpoints by rule: one (micro-batch x seq x hidden)
+    input per block (0 unless checkpointing="offload"); a traced plan counts the traced bytes instead. The inputs are the residual
+    stream, fp32 under autocast (fp32 weights and norms; so too after peft's prepare_model_for_kbit_training),
+    2 bytes only with pure 'bf16' weights."""
+    if recipe.checkpointing != "offload":
+        return 0
+    dims = estimate._dims(model)
+    micro = -(-batch // recipe.accumulation_steps)
+    width = 2 if recipe.precision == "bf16" else 4
+    return dims["layers"] * micro * seq_len * dims["hidden"] * width
+
+
 def _load_costs(spec: Any, recipe: Recipe, target: Target) -> list[Cost]:
     """Return the host RAM of loading a checkpoint (a hub id, or a folder with weights), by `loading.load_model`'s path."""
     from colab_memopt.loading import has_weights, load_host_bytes
@@ -1114,7 +1127,8 @@ def plan(
             result.host_costs.append(Cost("offloaded checkpoints", offloader.peak_host_bytes,
                                           "traced: one block input per block (checkpointing.CheckpointOffloader)"))
         else:
-            warn.append("checkpointing='offload': the host bytes of the offloaded block inputs are counted only when traced")
+            result.host_costs.append(Cost("offloaded checkpoints", offloaded_checkpoint_bytes(meta_model, batch, seq_len, rec),
+                                          "analytic: one block input per block (offloaded_checkpoint_bytes)"))
     if find_max_batch:
         budget = result.device_limit_bytes - sum(c.bytes for c in device_costs)
         if used == "trace":

@@ -18,6 +18,7 @@ from colab_memopt import zero
 from colab_memopt.checkpointing import POLICIES, apply_checkpointing, find_blocks
 from colab_memopt.compression import MODES as COMPRESSION_MODES
 from colab_memopt.compression import check_compressible, compress_activations
+from colab_memopt.loss import apply_chunked_loss, check_chunkable
 from colab_memopt.offload import STRATEGIES, LayerStreamer, check_streamable
 from colab_memopt.lowstate import LOW_STATE_OPTIMIZERS, PROJECTED, badam_blocks, check_rank
 from colab_memopt.optimizers import FUSED_BACKWARD_OPTIMIZERS, OPTIMIZERS, OptimizerInBackward, make_optimizer
@@ -83,6 +84,9 @@ class Recipe:
         accumulation_steps: micro-batches per optimizer step; the step's `batch_size` stays the
             effective batch.
         attention_window: sliding-window attention in tokens (reference model only); None: full causal.
+        loss_chunk_tokens: None computes the loss from the full (tokens x vocab) logits; an integer computes
+            it by chunks of that many tokens (`loss.apply_chunked_loss`: the reference model and transformers
+            causal LMs), never holding the full logits or their gradient (notebook 17).
     """
 
     optimizer: str = "adamw"
@@ -126,6 +130,8 @@ class Recipe:
     zero_stage: int = 0
     offload_optimizer: bool = False
     offload_param: bool = False
+    # -- 17_long_context: the loss by chunks of tokens (`loss.apply_chunked_loss`); None: the plain loss
+    loss_chunk_tokens: int | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -237,6 +243,10 @@ class Recipe:
         w = self.attention_window
         if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1):
             raise ValueError(f"recipe.attention_window must be None or an integer >= 1 (tokens), got {w!r}")
+        # 17_long_context
+        c = self.loss_chunk_tokens
+        if c is not None and (isinstance(c, bool) or not isinstance(c, int) or c < 1):
+            raise ValueError(f"recipe.loss_chunk_tokens must be None or an integer >= 1 (tokens per chunk), got {c!r}")
         # 09_cpu_offload
         for name in ("layer_offload_active", "layer_offload_prefetch"):
             value = getattr(self, name)
@@ -381,20 +391,23 @@ class Recipe:
             check_streamable(model)
         if self.optimizer == "badam":
             badam_blocks(model)  # BAdam trains one of the model's repeated blocks at a time
+        if self.loss_chunk_tokens is not None:
+            check_chunkable(model)
 
     def build(self, model: nn.Module) -> tuple[nn.Module, torch.optim.Optimizer]:
         """Apply the recipe's model-side techniques and return (model, optimizer).
 
         In order: attention (and its window); pure bf16 weights (before the optimizer exists, so its
         state is bf16 too); quantization of the linear layers and LoRA adapters; activation
-        compression; the checkpointing policy on the model's repeated blocks; then the optimizer over
-        the trainable parameters.
+        compression; the chunked loss (`loss_chunk_tokens`); the checkpointing policy on the model's
+        repeated blocks; then the optimizer over the trainable parameters.
         With DeepSpeed fields (notebook 10) the model is a DeepSpeed engine and the optimizer its
         ZeRO optimizer; with `layer_offload_active` (notebook 09) the blocks stream from host memory
         and the optimizer steps their host copies (`offload.StreamingOptimizer`).
         """
         self.check_model(model)
         if self.uses_deepspeed:
+            apply_chunked_loss(model, self.loss_chunk_tokens)
             return zero.initialize(model, self)
         if self.attention is not None or self.attention_window is not None:
             for block in model.blocks:
@@ -415,6 +428,7 @@ class Recipe:
                 adapters_to_fp32(model)
         if self.activation_compression is not None or self.compression_checkpointing:
             compress_activations(model, self.activation_compression, checkpoint_blocks=self.compression_checkpointing)
+        apply_chunked_loss(model, self.loss_chunk_tokens)  # after LoRA: the head must still be a plain Linear
         apply_checkpointing(model, self.checkpointing, self.checkpoint_interval)
         if self.layer_offload_active:
             streamer = LayerStreamer(model, self.layer_offload_active, self.layer_offload_prefetch)

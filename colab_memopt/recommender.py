@@ -32,8 +32,19 @@ from torch import nn
 
 from colab_memopt import estimate
 from colab_memopt.costs import Slowdown, TechniqueCosts, costs_for_target, expected_slowdown, techniques_used
+from colab_memopt.loss import DEFAULT_CHUNK_TOKENS
 from colab_memopt.measure import format_bytes
-from colab_memopt.planner import Plan, Target, check_headroom, check_seq_len, get_target, max_positions, plan, shape_model
+from colab_memopt.planner import (
+    Plan,
+    Target,
+    check_headroom,
+    check_seq_len,
+    get_target,
+    max_positions,
+    offloaded_checkpoint_bytes,
+    plan,
+    shape_model,
+)
 from colab_memopt.presets import MODES, PRESETS, mixed_precision, mode_fields, preset_fields
 from colab_memopt.recipe import Recipe
 
@@ -50,6 +61,13 @@ CANDIDATE_AXES: dict[str, list[dict[str, Any]]] = {
         dict(checkpointing="every_n", checkpoint_interval=2),
         dict(checkpointing="full"),
     ],
+}
+# Long context (notebook 17): considered when none of the recipes above passes the screen. Checkpoints
+# in host RAM ('offload'; their host bytes count against the target's host RAM) and the loss by chunks
+# of tokens (never the tokens x vocab logits); each candidate of this round uses at least one of them.
+LONG_CONTEXT_AXES: dict[str, list[dict[str, Any]]] = {
+    "checkpointing": [*CANDIDATE_AXES["checkpointing"], dict(checkpointing="offload")],
+    "loss": [dict(loss_chunk_tokens=None), dict(loss_chunk_tokens=DEFAULT_CHUNK_TOKENS)],
 }
 ACCUMULATION_STEPS = (1, 2, 4)
 OBJECTIVES = ("fastest", "least_memory")
@@ -73,6 +91,8 @@ class Candidate:
     analytic_need_bytes: int
     limit_bytes: int
     plan: Plan | None = None
+    analytic_host_bytes: int = 0  # host RAM the recipe adds (offloaded checkpoints), screened against host_limit_bytes
+    host_limit_bytes: int | None = None
 
     @property
     def need_bytes(self) -> int:
@@ -80,7 +100,11 @@ class Candidate:
 
     @property
     def fits(self) -> bool:
-        return self.plan.fits if self.plan is not None else self.analytic_need_bytes <= self.limit_bytes
+        """Device memory and host RAM both: the plan's verdict, else the analytic screen's."""
+        if self.plan is not None:
+            return self.plan.fits
+        host_ok = self.host_limit_bytes is None or self.analytic_host_bytes <= self.host_limit_bytes
+        return self.analytic_need_bytes <= self.limit_bytes and host_ok
 
     @property
     def short_bytes(self) -> int:
@@ -93,6 +117,7 @@ class Candidate:
             "analytic_need_bytes": self.analytic_need_bytes, "planned_need_bytes": self.plan.device_need_bytes if self.plan else None,
             "method": self.plan.method if self.plan else "analytic screen", "limit_bytes": self.limit_bytes,
             "fits": self.fits, "short_bytes": self.short_bytes,
+            "host_need_bytes": self.plan.host_need_bytes if self.plan else self.analytic_host_bytes,
         }
 
     def line(self) -> str:
@@ -219,16 +244,19 @@ def _half_base(values: dict[str, Any]) -> dict[str, Any]:
 
 
 def candidate_recipes(batch: int, *, target: Any = "t4", mode: str = "full", model: str | None = None,
-                      half_precision: bool = True) -> list[Recipe]:
+                      half_precision: bool = True, long_context: bool = False) -> list[Recipe]:
     """Return every candidate recipe: one option per axis, the mode's fields, accumulation dividing the batch.
 
-    The precision axis is the target's (`precision_options`); LoRA and QLoRA candidates in 16-bit
+    With `long_context`, the recipes of `LONG_CONTEXT_AXES` that use offloaded checkpoints or the
+    chunked loss (the ones the plain axes do not hold), which `recommend` considers when no plain
+    candidate passes the screen. The precision axis is the target's (`precision_options`); LoRA and QLoRA candidates in 16-bit
     autocast keep their frozen base in that dtype (`Recipe.base_dtype`).
     """
     allowed = precision_options(target, half_precision)
     extra = mode_fields(mode, model)
     out = []
-    for options in product(*CANDIDATE_AXES.values()):
+    axes = {**CANDIDATE_AXES, **LONG_CONTEXT_AXES} if long_context else CANDIDATE_AXES
+    for options in product(*axes.values()):
         values: dict[str, Any] = {}
         for opt in options:
             values.update({k: (mixed_precision(target) if v == MIXED else v) for k, v in opt.items()})
@@ -236,9 +264,20 @@ def candidate_recipes(batch: int, *, target: Any = "t4", mode: str = "full", mod
             continue
         values = _half_base({**values, **extra})
         for acc in ACCUMULATION_STEPS:
+            if long_context and values.get("checkpointing") != "offload" and values.get("loss_chunk_tokens") is None:
+                continue  # a plain candidate: the first round has it
             if acc <= batch and batch % acc == 0:
                 out.append(Recipe.from_dict({**values, "accumulation_steps": acc}))
     return list(dict.fromkeys(out))
+
+
+def _applies(recipe: Recipe, model: nn.Module) -> bool:
+    """Return True when `Recipe.build` would accept `model` (a meta-device copy) for `recipe`."""
+    try:
+        recipe.check_model(model)
+    except ValueError:
+        return False
+    return True
 
 
 def _model(model: Callable[[], nn.Module] | str | Any) -> tuple[str, Callable[[], nn.Module]]:
@@ -374,15 +413,23 @@ def _recommend_mode(
     costs = costs_for_target(tgt, costs)  # the target's class: never a CPU measurement for a CUDA target
     limit = int(tgt.device_bytes * (1 - headroom))
     fixed = tgt.cuda_context_bytes if tgt.cuda else 0
-    cands = []
     arch = name if not callable(model) else None  # named, id, folder or config: LoRA targets by family
-    for rec in candidate_recipes(batch, target=tgt, mode=mode, model=arch, half_precision=half_precision):
-        need = estimate.training_step_bytes(meta_model, batch, seq_len, rec).peak_bytes + fixed
-        cands.append(Candidate(_name(rec, tgt, mode, arch), rec, expected_slowdown(rec, costs), need, limit))
-    # Fastest: least slowdown, then fewest techniques (equal expected time: take the simpler recipe), then memory.
-    key = ((lambda c: (c.slowdown.ratio, c.slowdown.n_techniques, c.analytic_need_bytes)) if objective == "fastest"
-           else (lambda c: (c.analytic_need_bytes, c.slowdown.ratio)))
-    cands.sort(key=key)
+    host_limit = int(tgt.host_bytes * (1 - headroom))
+
+    def screened(recipes: list[Recipe]) -> list[Candidate]:
+        out = []
+        for rec in recipes:
+            need = estimate.training_step_bytes(meta_model, batch, seq_len, rec).peak_bytes + fixed
+            out.append(Candidate(_name(rec, tgt, mode, arch), rec, expected_slowdown(rec, costs), need, limit,
+                                 analytic_host_bytes=offloaded_checkpoint_bytes(meta_model, batch, seq_len, rec),
+                                 host_limit_bytes=host_limit))
+        # Fastest: least slowdown, then fewest techniques (equal expected time: take the simpler recipe), then memory.
+        key = ((lambda c: (c.slowdown.ratio, c.slowdown.n_techniques, c.analytic_need_bytes)) if objective == "fastest"
+               else (lambda c: (c.analytic_need_bytes, c.slowdown.ratio)))
+        out.sort(key=key)
+        return out
+
+    cands = screened(candidate_recipes(batch, target=tgt, mode=mode, model=arch, half_precision=half_precision))
     precisions = precision_options(tgt, half_precision)
     reasoning = [
         f"{len(cands)} candidates (precision {precisions} x optimizer x checkpointing x accumulation "
@@ -397,49 +444,65 @@ def _recommend_mode(
     priors = sorted(t for t in costs.ratios if costs.kind(t) == "prior")
     if priors:
         reasoning.append(f"  priors (published figures, not measured on {costs.device_class}; `make test-gpu` measures them): {priors}")
-    floored = sorted({n for c in cands for n in c.slowdown.floored})
-    if floored:
-        reasoning.append(f"counted as x1.00: {floored} (measured below 1, but they only add work: timing noise)")
-    passed = [c for c in cands if c.analytic_need_bytes <= limit]
-    reasoning.append(f"analytic screen: {len(passed)} of {len(cands)} fit")
-    chosen = None
-    planned = 0
-    # Calibration (issue 18: trace only the finalists): once a traced plan needed more than the analytic screen
-    # said, a later candidate whose screen, scaled by the smallest such under-estimate seen, is still over the
-    # limit is passed over unplanned, so the plans go to candidates that can fit.
-    under = None
-    passed_over = 0
-    for c in passed:
-        if planned >= max_plans:
-            break
-        if under is not None and c.analytic_need_bytes * under > limit:
-            passed_over += 1
-            continue
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # the plan keeps its own warnings
-                c.plan = plan(factory if callable(model) else model, batch, seq_len=seq_len, recipe=c.recipe, target=tgt,
-                              headroom=headroom, find_max_batch=False, method=method)
-        except Exception as exc:  # noqa: BLE001 - method='trace' skips what cannot be traced, and says so
-            if method != "trace":
-                raise
-            reasoning.append(f"skipped {c.name}: cannot be traced ({type(exc).__name__}) and method='trace'")
-            continue
-        planned += 1
-        reasoning.append(f"planned {c.name}: need {format_bytes(c.plan.device_need_bytes)} ({c.plan.method}) -> "
-                         + ("fits" if c.plan.fits else f"short by {format_bytes(c.short_bytes)}"))
-        if method != "analytic" and c.plan.method == "analytic":
-            why = next((w for w in c.plan.warnings if "analytic estimate" in w), "the step was not traced")
-            reasoning.append(f"  fell back from the trace to the analytic estimate: {why}")
-        if c.plan.fits:
-            chosen = c
-            break
-        ratio = c.plan.device_need_bytes / max(1, c.analytic_need_bytes)
-        if ratio > 1:
-            under = ratio if under is None else min(under, ratio)
-    if passed_over:
-        reasoning.append(f"passed over {passed_over} candidates unplanned: their analytic screen x{under:.2f} (the smallest "
-                         f"under-estimate a trace showed here) is above the limit")
+
+    def confirm(round_cands: list[Candidate]) -> Candidate | None:
+        floored = sorted({n for c in round_cands for n in c.slowdown.floored})
+        if floored:
+            reasoning.append(f"counted as x1.00: {floored} (measured below 1, but they only add work: timing noise)")
+        passed = [c for c in round_cands if c.fits]
+        reasoning.append(f"analytic screen: {len(passed)} of {len(round_cands)} fit")
+        planned = 0
+        # Calibration (issue 18: trace only the finalists): once a traced plan needed more than the analytic screen
+        # said, a later candidate whose screen, scaled by the smallest such under-estimate seen, is still over the
+        # limit is passed over unplanned, so the plans go to candidates that can fit.
+        under = None
+        passed_over = 0
+        found = None
+        for c in passed:
+            if planned >= max_plans:
+                break
+            if under is not None and c.analytic_need_bytes * under > limit:
+                passed_over += 1
+                continue
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # the plan keeps its own warnings
+                    c.plan = plan(factory if callable(model) else model, batch, seq_len=seq_len, recipe=c.recipe,
+                                  target=tgt, headroom=headroom, find_max_batch=False, method=method)
+            except Exception as exc:  # noqa: BLE001 - method='trace' skips what cannot be traced, and says so
+                if method != "trace":
+                    raise
+                reasoning.append(f"skipped {c.name}: cannot be traced ({type(exc).__name__}) and method='trace'")
+                continue
+            planned += 1
+            short = [] if c.plan.fits_device else [f"short by {format_bytes(c.short_bytes)}"]
+            if not c.plan.fits_host:
+                short.append(f"host RAM {format_bytes(c.plan.host_need_bytes)} over {format_bytes(c.plan.host_limit_bytes)}")
+            reasoning.append(f"planned {c.name}: need {format_bytes(c.plan.device_need_bytes)} ({c.plan.method}) -> "
+                             + ("fits" if c.plan.fits else ", ".join(short)))
+            if method != "analytic" and c.plan.method == "analytic":
+                why = next((w for w in c.plan.warnings if "analytic estimate" in w), "the step was not traced")
+                reasoning.append(f"  fell back from the trace to the analytic estimate: {why}")
+            if c.plan.fits:
+                found = c
+                break
+            ratio = c.plan.device_need_bytes / max(1, c.analytic_need_bytes)
+            if ratio > 1:
+                under = ratio if under is None else min(under, ratio)
+        if passed_over:
+            reasoning.append(f"passed over {passed_over} candidates unplanned: their analytic screen x{under:.2f} (the "
+                             "smallest under-estimate a trace showed here) is above the limit")
+        return found
+
+    chosen = confirm(cands)
+    if chosen is None:  # long context: offloaded checkpoints and the chunked loss (notebook 17)
+        more = screened([r for r in candidate_recipes(batch, target=tgt, mode=mode, model=arch, long_context=True,
+                                                      half_precision=half_precision)
+                         if _applies(r, meta_model)])  # e.g. no chunked loss for soft-capped logits
+        reasoning.append(f"none of those fits: {len(more)} long-context candidates (checkpointing='offload' with its "
+                         f"host RAM within {format_bytes(host_limit)}, loss_chunk_tokens={DEFAULT_CHUNK_TOKENS})")
+        cands += more
+        chosen = confirm(more)
     if chosen is None:
         leanest = min(cands, key=lambda c: c.need_bytes)
         raise NoRecipeFits(

@@ -16,6 +16,7 @@ from torch import nn
 from colab_memopt.accumulation import accumulate_gradients, micro_batch_sizes, split_micro_batches
 from colab_memopt.data import TextCorpus
 from colab_memopt.evaluation import evaluate
+from colab_memopt.loss import apply_chunked_loss
 # Optimizers by name live with the optimizers, evaluation in its own module; both re-exported here,
 # where earlier code found them.
 from colab_memopt.optimizers import OPTIMIZERS, OptimizerInBackward, make_optimizer  # noqa: F401
@@ -90,7 +91,9 @@ def make_train_step(
     `recipe.accumulation_steps` splits it into. `recipe` carries the step-side techniques
     (precision/autocast with its GradScaler, gradient accumulation); the model-side ones
     (pure bf16 weights, checkpointing, attention) are applied by `Recipe.build` before the step is
-    made. The step function carries `effective_batch` and `micro_batch_sizes` attributes.
+    made. The loss is `model(x, labels=x).loss`; with `recipe.loss_chunk_tokens` it is computed by
+    chunks of tokens from the final hidden states and the head's weight (`loss.apply_chunked_loss`,
+    installed by `Recipe.build` and here, for a model built without it). The step function carries `effective_batch` and `micro_batch_sizes` attributes.
     """
     precision = getattr(recipe, "precision", "fp32")
     accumulation_steps = getattr(recipe, "accumulation_steps", 1)
@@ -98,6 +101,8 @@ def make_train_step(
     device = next(model.parameters()).device
     scaler = None if is_fused_backward(optimizer) else make_grad_scaler(precision, device)  # LOMO scales itself
     batches = corpus.batches(batch_size, seq_len, seed=seed, device=device)
+    if recipe is not None and recipe.loss_chunk_tokens is not None and not recipe.uses_deepspeed:
+        apply_chunked_loss(model, recipe.loss_chunk_tokens)  # a no-op where Recipe.build installed it
     if recipe is not None and recipe.uses_deepspeed:  # notebook 10: the model is a DeepSpeed engine
         from colab_memopt.zero import engine_train_step
 

@@ -86,3 +86,26 @@ def test_best_fit_picks_among_the_candidates_asked_for():
     assert cats["gradients"] == 4 * block
     with pytest.raises(ValueError, match="candidates must be"):
         capacity.best_fit("llama-3.2-1b", candidates="lomo", **kwargs)
+
+
+def test_longest_sequence_is_the_boundary_of_the_planned_fit():
+    """issue 16: the longest multiple of step_tokens whose plan fits; the next one up does not."""
+    import warnings
+
+    from colab_memopt import Recipe
+    from colab_memopt.capacity import longest_sequence
+    from colab_memopt.planner import plan
+
+    recipe = Recipe(loss_chunk_tokens=8)
+    at_32 = plan("tiny", 1, seq_len=32, recipe=recipe, target={"device_bytes": 2**30, "host_bytes": 2**40, "cuda": False},
+                 find_max_batch=False)
+    target = {"name": "tight", "device_bytes": int(at_32.peak_bytes / 0.95) + 1, "host_bytes": 2**40, "cuda": False}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        res = longest_sequence("tiny", recipe, target=target, step_tokens=8, guess_tokens=8)
+        assert res.max_seq_len >= 32 and res.method == "trace" and res.converged
+        assert res.max_seq_len == 64 or not plan("tiny", 1, seq_len=res.max_seq_len + 8, recipe=recipe, target=target,
+                                                   find_max_batch=False).fits
+    assert res.first_miss is not None and res.host_need_bytes > 0 and res.device_need_bytes <= int(target["device_bytes"] * 0.95)
+    with pytest.raises(ValueError, match="step_tokens must be an integer >= 1, got 0"):
+        longest_sequence("tiny", recipe, step_tokens=0)

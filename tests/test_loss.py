@@ -315,3 +315,95 @@ def test_model_chunked_loss_refuses_a_replaced_head():
     ids = torch.zeros(1, 8, dtype=torch.long)
     with pytest.raises(ValueError, match="loss_chunk_tokens needs lm_head to be an nn.Linear, got Sequential"):
         model(ids, labels=ids)
+
+
+# -- Recipe(loss_chunk_tokens=...): the training step's loss by chunks, reference model and transformers --
+
+def _tiny_llama(**overrides):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=128)
+    return LlamaForCausalLM(LlamaConfig(**{**config, **overrides}))
+
+
+def _step_grads(factory, recipe, ids):
+    import colab_memopt as cm
+
+    torch.manual_seed(0)  # the same LoRA initialisation for both
+    model, _ = recipe.build(factory())
+    out = model(ids, labels=ids)
+    out.loss.backward()
+    return out, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("fields", [{}, {"lora_rank": 4}, {"quantization": "nf4", "lora_rank": 4}],
+                         ids=["full", "lora", "qlora"])
+@pytest.mark.parametrize("family", ["reference", "llama", "llama-tied"])
+def test_recipe_chunked_step_has_the_plain_steps_loss_and_gradients(family, fields):
+    import colab_memopt as cm
+
+    factory = {"reference": lambda: build_model("tiny"), "llama": _tiny_llama,
+               "llama-tied": lambda: _tiny_llama(tie_word_embeddings=True)}[family]
+    if family != "reference" and fields.get("lora_rank"):
+        fields = {**fields, "lora_targets": ("q_proj", "v_proj")}
+    ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(1))
+    recipe = cm.Recipe.from_dict(fields)
+    plain, plain_grads = _step_grads(factory, recipe, ids)
+    chunked, chunked_grads = _step_grads(factory, recipe.with_(loss_chunk_tokens=16), ids)
+    assert chunked.logits is None and plain.logits is not None  # the head never ran on all tokens
+    torch.testing.assert_close(chunked.loss, plain.loss)
+    assert plain_grads.keys() == chunked_grads.keys() and plain_grads
+    for name, grad in plain_grads.items():
+        torch.testing.assert_close(chunked_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_recipe_chunked_loss_through_the_training_step_and_without_labels(corpus):
+    import colab_memopt as cm
+
+    recipe = cm.Recipe(loss_chunk_tokens=32, precision="bf16-autocast", accumulation_steps=2)
+    losses = []
+    for rec in (recipe.with_(loss_chunk_tokens=None), recipe):
+        torch.manual_seed(0)
+        model, opt = rec.build(_tiny_llama())
+        losses.append(cm.make_train_step(model, opt, corpus, batch_size=2, seq_len=48, recipe=rec)())
+    assert losses[1] == pytest.approx(losses[0], rel=2e-2)  # bf16 autocast: the head's matmul rounds differently
+    ids = torch.zeros(1, 8, dtype=torch.long)
+    assert model(ids).logits.shape == (1, 8, 256)  # without labels: the model's own forward, with logits
+    cm.loss.apply_chunked_loss(model, None)
+    assert model(ids, labels=ids).logits is not None  # removed: the plain forward again
+
+
+def test_recipe_loss_chunk_tokens_is_validated_and_refused_where_it_cannot_apply():
+    import colab_memopt as cm
+
+    for bad in (0, -3, True, 2.5, "128"):
+        with pytest.raises(ValueError, match=f"recipe.loss_chunk_tokens must be None or an integer >= 1.*got {bad!r}"):
+            cm.Recipe(loss_chunk_tokens=bad)
+    with pytest.raises(ValueError, match="output layer to be a plain nn.Linear, got Linear"):
+        cm.Recipe(loss_chunk_tokens=8, lora_rank=2, lora_targets=("q_proj", "lm_head")).build(_tiny_llama())
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    gemma = Gemma2ForCausalLM(Gemma2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                           num_attention_heads=2, num_key_value_heads=1, head_dim=16))
+    with pytest.raises(ValueError, match="final_logit_softcapping=30.0"):
+        cm.Recipe(loss_chunk_tokens=8).build(gemma)
+    with pytest.raises(ValueError, match="needs the reference model or a transformers causal LM.*got Sequential"):
+        cm.Recipe(loss_chunk_tokens=8).check_model(torch.nn.Sequential(torch.nn.Linear(2, 2)))
+
+
+def test_chunked_loss_reaches_through_a_peft_model_wrapper():
+    from peft import LoraConfig, get_peft_model
+
+    from colab_memopt.loss import apply_chunked_loss
+
+    ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(2))
+    config = LoraConfig(r=2, target_modules=["q_proj"], lora_dropout=0.0)
+    torch.manual_seed(0)
+    plain = get_peft_model(_tiny_llama(), config)
+    torch.manual_seed(0)
+    chunked = apply_chunked_loss(get_peft_model(_tiny_llama(), config), 8)
+    out_plain, out_chunked = plain(input_ids=ids, labels=ids), chunked(input_ids=ids, labels=ids)
+    assert out_chunked.logits is None
+    torch.testing.assert_close(out_chunked.loss, out_plain.loss)

@@ -72,6 +72,7 @@ REQUIRED_METRICS = {
     "18_your_own_model": {
         "planned_peak_bytes", "measured_peak_bytes", "plan_rel_error_pct", "findings", "final_loss", "host_peak_bytes_load",
     },
+    "17_long_context": {"logits_saving_pct_chunked", "checkpoint_offload_saving_pct", "max_seq_len", "host_bytes_at_max"},
     "05_memory_efficient_attention": {
         "attention_saving_pct_longest", "longest_seq", "naive_growth_exponent", "sdpa_growth_exponent",
     },

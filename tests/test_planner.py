@@ -162,6 +162,8 @@ TRACED_RECIPES = [
     {"checkpointing": "full"},
     {"checkpointing": "selective"},
     {"checkpointing": "offload"},
+    {"loss_chunk_tokens": 16},
+    {"loss_chunk_tokens": 24, "checkpointing": "offload", "precision": "bf16-autocast"},
     {"accumulation_steps": 2},
     {"attention_window": 16},
     {"attention": "semiseparable"},
@@ -572,3 +574,26 @@ def test_fp16_lomo_is_traced_as_bf16_and_says_so(optimizer):
     assert plan.method == "trace"
     assert any("traced as pure bf16" in w for w in plan.warnings)
     assert any("second" in w for w in plan.warnings) == (optimizer == "lomo")
+
+
+def _tiny_llama_big_vocab():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128))
+
+
+@pytest.mark.parametrize("fields", [{"loss_chunk_tokens": 16},
+                                    {"loss_chunk_tokens": 16, "quantization": "nf4", "lora_rank": 4,
+                                     "lora_targets": ("q_proj", "v_proj"), "checkpointing": "offload"}],
+                         ids=["full", "qlora-offload"])
+def test_chunked_loss_on_a_transformers_llama_is_traced_exactly(corpus, fields):
+    """issue 16: the loss from the base model's hidden states by chunks, traced as the CPU measures it."""
+    recipe = cm.Recipe.from_dict(fields)
+    plan, measured, _ = _plan_and_measure(_tiny_llama_big_vocab, 2, 48, recipe, corpus)
+    assert plan.peak_bytes == measured.peak_bytes and plan.by_category == measured.by_category
+    plain = planner.plan(_tiny_llama_big_vocab, 2, seq_len=48, recipe=recipe.with_(loss_chunk_tokens=None),
+                         target=CPU_TARGET, find_max_batch=False)
+    # the (96 x 4096) fp32 logits (1.5 MiB) and their gradient are gone: one 16-token chunk's instead
+    assert plan.by_phase["forward"] < plain.by_phase["forward"] - 96 * 4096 * 4

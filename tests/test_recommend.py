@@ -251,3 +251,59 @@ def test_qlora_only_where_lora_does_not_fit_or_for_least_memory_with_both_needs_
     assert any("objective least_memory: mode qlora needs least" in line for line in leanest.reasoning)
     side = next(line for line in lora.reasoning if line.startswith("LoRA vs QLoRA"))
     assert "LoRA (fp16 base) needs" in side and "QLoRA (nf4 base) needs" in side
+
+
+# -- issue 16: long context (offloaded checkpoints, the chunked loss) and the host-RAM check ---------
+
+def _big_vocab_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig(vocab_size=32768, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096))
+
+
+def _least_need(cands):
+    return min(c.analytic_need_bytes for c in cands)
+
+
+def test_long_context_candidates_come_in_when_no_plain_one_fits():
+    from colab_memopt import estimate
+    from colab_memopt.planner import shape_model
+
+    long = candidate_recipes(1, long_context=True)
+    assert long and all(r.checkpointing == "offload" or r.loss_chunk_tokens for r in long)
+    assert not any(r.checkpointing == "offload" or r.loss_chunk_tokens for r in candidate_recipes(1))
+    meta = shape_model(_big_vocab_llama)
+    plain_least = min(estimate.training_step_bytes(meta, 1, 2048, r).peak_bytes for r in candidate_recipes(1, mode="full"))
+    long_least = min(estimate.training_step_bytes(meta, 1, 2048, r).peak_bytes
+                     for r in candidate_recipes(1, mode="full", long_context=True))
+    assert long_least < plain_least  # 2048 x 32768 fp32 logits: the chunked loss removes most of them
+    budget = (plain_least + long_least) // 2
+    target = {"name": "between", "device_bytes": int(budget / 0.9), "host_bytes": 2**40, "cuda_context_bytes": 0, "cuda": False}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        r = recommend(_big_vocab_llama, 1, seq_len=2048, target=target, mode="full", costs=COSTS, method="analytic")
+    assert r.recipe.loss_chunk_tokens or r.recipe.checkpointing == "offload"
+    assert r.plan.fits and any("long-context candidates" in line for line in r.reasoning)
+
+
+def test_offloaded_checkpoints_over_the_host_ram_do_not_fit():
+    from dataclasses import replace
+
+    from colab_memopt.costs import expected_slowdown
+    from colab_memopt.planner import Target, offloaded_checkpoint_bytes, plan
+    from colab_memopt.recommender import Candidate
+
+    offload = [r for r in candidate_recipes(1, long_context=True) if r.checkpointing == "offload"][0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        p = plan(_big_vocab_llama, 1, seq_len=2048, recipe=offload, target="t4", method="analytic", find_max_batch=False)
+    host = {c.name: c.bytes for c in p.host_costs}["offloaded checkpoints"]
+    assert host == offloaded_checkpoint_bytes(_big_vocab_llama(), 1, 2048, offload) == 4 * 2048 * 64 * 4  # fp32 residual
+    assert p.fits_host
+    short = Target("short-host", p.target.device_bytes, int((p.host_need_bytes - host // 2) / (1 - p.headroom_fraction)))
+    assert not replace(p, target=short).fits_host and not replace(p, target=short).fits  # the planner counts host RAM
+    # the recommender's screen: a candidate whose offloaded checkpoints exceed the host RAM does not fit
+    cand = Candidate("offload", offload, expected_slowdown(offload, COSTS), 1, 10, analytic_host_bytes=host,
+                     host_limit_bytes=host - 1)
+    assert not cand.fits and replace(cand, host_limit_bytes=host).fits

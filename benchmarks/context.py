@@ -1,0 +1,170 @@
+"""The longest sequence each named architecture trains at on a free Colab T4, per mode and recipe.
+
+    python benchmarks/context.py [--models llama-3.1-8b ...] [--modes full lora qlora] [--recipes ...]
+
+For each (model, mode full/LoRA/QLoRA, recipe): the longest multiple of 1024 tokens at batch 1 whose
+PLANNED step fits a T4, device memory (14.74 GiB less the planner's 5% headroom, with the CUDA context
+and cuBLAS workspace) and host RAM (12.7 GB less 5%) both (`capacity.longest_sequence`: a first guess
+from the analytic estimate, then gallop and bisection over plans, each a trace on fake tensors where
+the recipe traces; every row says which method it used). The host RAM counts a fresh Python process
+that imports the training stack (measured here, in a subprocess), one batch of token ids and the
+offloaded checkpoints; not the loading of real weights (these models have random weights).
+
+Recipes (all fp16 autocast, traced as bf16 autocast; 8-bit AdamW for full fine-tuning, AdamW for the
+adapters; LoRA rank 16 on the family's projections, QLoRA with an nf4 base):
+- checkpoint-full: every block checkpointed, its input kept on the device; the plain loss.
+- offload: every block checkpointed, its input in host RAM (checkpointing='offload').
+- chunked-loss: checkpoint-full with the loss by chunks of 128 tokens (loss_chunk_tokens).
+- offload+chunked-loss: both.
+- offload+chunked-loss+in-backward (full fine-tuning only): both, in fp32 with 8-bit AdamW stepping each
+  parameter inside backward (`adamw8bit_in_backward`): no full set of gradients is held.
+Each plan is cached in build/context_cache.json, so an interrupted run resumes. Writes
+benchmarks/results/context.json after every row and prints the table last.
+Targets (issue 16): Llama-3.1-8B QLoRA >= 32,768 tokens (stretch 48K); Llama-3.2-1B full >= 16,384.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+from colab_memopt import __version__ as cm_version
+from colab_memopt.architectures import ARCHITECTURES
+from colab_memopt.capacity import longest_sequence
+from colab_memopt.fileio import write_json
+from colab_memopt.loss import DEFAULT_CHUNK_TOKENS
+from colab_memopt.measure import format_bytes
+from colab_memopt.planner import get_target
+from colab_memopt.presets import mixed_precision, mode_fields
+from colab_memopt.recipe import Recipe
+
+ROOT = Path(__file__).resolve().parent.parent
+OUT = ROOT / "benchmarks" / "results" / "context.json"
+CACHE = ROOT / "build" / "context_cache.json"
+# The targets first, then the rest, smallest first.
+MODELS = ["llama-3.1-8b", "llama-3.2-1b", "smollm2-135m", "smollm2-360m", "qwen2.5-0.5b", "gpt2", "qwen2.5-1.5b",
+          "smollm2-1.7b", "llama-3.2-3b"]
+RECIPES = {
+    "checkpoint-full": dict(checkpointing="full"),
+    "offload": dict(checkpointing="offload"),
+    "chunked-loss": dict(checkpointing="full", loss_chunk_tokens=DEFAULT_CHUNK_TOKENS),
+    "offload+chunked-loss": dict(checkpointing="offload", loss_chunk_tokens=DEFAULT_CHUNK_TOKENS),
+    # Full fine-tuning only: fp32 (an optimizer that steps inside backward cannot run under fp16's GradScaler),
+    # each gradient freed as soon as its parameter steps, so no full set of gradients is ever held.
+    "offload+chunked-loss+in-backward": dict(checkpointing="offload", loss_chunk_tokens=DEFAULT_CHUNK_TOKENS,
+                                             precision="fp32", optimizer="adamw8bit_in_backward"),
+}
+RECIPE_MODES = {"offload+chunked-loss+in-backward": ("full",)}
+TARGETS = {("llama-3.1-8b", "qlora"): (32768, 49152), ("llama-3.2-1b", "full"): (16384, None)}
+STEP_TOKENS = 1024
+STACK = "import torch, transformers, peft, bitsandbytes, colab_memopt"
+
+
+def fresh_process_rss() -> int:
+    """Return the RSS (bytes) of a fresh Python process that has imported the training stack."""
+    code = f"{STACK}\nfrom colab_memopt.measure import host_memory\nprint(host_memory().rss_bytes)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=os.environ.copy())
+    return int(out.stdout.strip().splitlines()[-1])
+
+
+def recipe_for(mode: str, model: str, name: str, target: str = "t4") -> Recipe:
+    optimizer = "adamw8bit" if mode == "full" else "adamw"
+    return Recipe.from_dict({"precision": mixed_precision(target), "optimizer": optimizer, **RECIPES[name],
+                             **mode_fields(mode, model)})  # the recipe's own precision and optimizer win
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=MODELS)
+    parser.add_argument("--modes", nargs="+", default=["qlora", "full", "lora"])
+    parser.add_argument("--recipes", nargs="+", default=list(RECIPES))
+    parser.add_argument("--max-plans", type=int, default=12)
+    parser.add_argument("--out", default=str(OUT))
+    parser.add_argument("--cache", nargs="+", default=[str(CACHE)],
+                        help="the plans' cache (JSON; the first is written); rows found in any are not planned again")
+    parser.add_argument("--cached-only", action="store_true", help="plan nothing: write the rows the caches hold")
+    args = parser.parse_args(argv)
+    cache_path = Path(args.cache[0])
+    warnings.simplefilter("ignore")
+    start = time.perf_counter()
+    tgt = get_target("t4")
+    base_rss = fresh_process_rss()
+    cache: dict[str, dict] = {}
+    for path in map(Path, reversed(args.cache)):
+        cache.update(json.loads(path.read_text()) if path.exists() else {})
+    rows, not_planned = [], []
+    order = [(m, mode) for m in args.models for mode in args.modes]
+    order.sort(key=lambda mm: (0 if mm in TARGETS else 1, args.models.index(mm[0]), args.modes.index(mm[1])))
+    for model, mode in order:
+        for name in args.recipes:
+            if mode not in RECIPE_MODES.get(name, (mode,)):
+                continue
+            key = f"{model}|{mode}|{name}"
+            if key in cache:
+                row = cache[key]
+            elif args.cached_only:
+                not_planned.append(key)
+                continue
+            else:
+                try:
+                    recipe = recipe_for(mode, model, name)  # a family without LoRA targets: a row saying so
+                    res = longest_sequence(model, recipe, mode=mode, target=tgt, step_tokens=STEP_TOKENS,
+                                           host_base_bytes=base_rss, max_plans=args.max_plans)
+                    row = {"recipe_name": name, **res.to_dict(), "host_base_bytes": base_rss}
+                except Exception as exc:  # noqa: BLE001 - a row that cannot be planned says why
+                    row = {"model": model, "mode": mode, "recipe_name": name, "recipe": RECIPES[name],
+                           "error": f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"}
+                cache[key] = row
+                cache_path.parent.mkdir(parents=True, exist_ok=True)
+                cache_path.write_text(json.dumps(cache, indent=1))
+            rows.append(row)
+            print(f"{model:14s} {mode:6s} {name:22s} max {row.get('max_seq_len', '-')!s:>7s} "
+                  f"({row.get('method', row.get('error', ''))}, {row.get('plans', 0)} plans, {row.get('seconds', 0):.0f} s) "
+                  f"device {format_bytes(row.get('device_need_bytes') or 0)} host {format_bytes(row.get('host_need_bytes') or 0)}",
+                  flush=True)
+            _write(args.out, rows, tgt, base_rss, start, not_planned)
+    _write(args.out, rows, tgt, base_rss, start, not_planned)
+    return 0
+
+
+def _write(out: str, rows: list[dict], tgt, base_rss: int, start: float, not_planned: list[str]) -> None:
+    best: dict[str, dict] = {}
+    for r in rows:
+        k = f"{r['model']}/{r['mode']}"
+        if "max_seq_len" in r and (k not in best or r["max_seq_len"] > best[k]["max_seq_len"]):
+            best[k] = {"max_seq_len": r["max_seq_len"], "recipe_name": r["recipe_name"], "recipe": r["recipe"],
+                       "host_need_bytes": r["host_need_bytes"], "device_need_bytes": r["device_need_bytes"],
+                       "method": r["method"]}
+    targets = []
+    for (model, mode), (need, stretch) in TARGETS.items():
+        got = best.get(f"{model}/{mode}")
+        if got is None:
+            continue
+        targets.append({"model": model, "mode": mode, "target_tokens": need, "stretch_tokens": stretch,
+                        "max_seq_len": got["max_seq_len"], "met": got["max_seq_len"] >= need,
+                        "stretch_met": None if stretch is None else got["max_seq_len"] >= stretch,
+                        "recipe_name": got["recipe_name"], "method": got["method"]})
+    write_json(out, {
+        "target": {"name": tgt.name, "device_bytes": tgt.device_bytes, "host_bytes": tgt.host_bytes,
+                   "cuda_context_bytes": tgt.cuda_context_bytes, "headroom": 0.05},
+        "batch": 1, "step_tokens": STEP_TOKENS, "host_base_bytes": base_rss,
+        "host_base_source": f"RSS of a fresh `python -c '{STACK}'` on this machine (each row keeps the figure it used)",
+        "device": f"planned on {platform.machine()} CPU ({os.cpu_count()} threads), torch {torch.__version__}, "
+                  f"colab_memopt {cm_version}",
+        "recipes": RECIPES, "recipe_modes": RECIPE_MODES, "rows": rows, "best": best, "targets": targets,
+        "not_planned": not_planned,
+        "seconds": time.perf_counter() - start,
+    })
+
+
+if __name__ == "__main__":
+    sys.exit(main())
