@@ -9,7 +9,8 @@ fine-tuning, Llama-3.1-8B's for the adapters). Every figure is the analytic esti
 fallback path; a trace of an 8B model takes tens of seconds here), plus the target's CUDA context.
 Full fine-tuning also considers the recipes of `capacity.FULL_CANDIDATES` (issue 15: GaLore 8-bit per
 layer, APOLLO, APOLLO-Mini, torchao's 8-bit and 4-bit AdamW, BAdam, each with every precision and
-checkpointing option it allows); its rows list the largest model each candidate fits
+checkpointing option it allows; and 16-bit weights without a master copy: AdamW with Kahan-compensated
+updates, LOMO, AdaLomo); its rows list the largest model each candidate fits
 (`candidates`) and which one wins, with the candidate optimizer's loss gap to fp32 AdamW measured by
 benchmarks/optimizer_quality.py on this CPU (benchmarks/results/optimizer_quality.json).
 Writes benchmarks/results/capacity.json and prints the table last.
@@ -58,7 +59,8 @@ def _candidate_rows(seq: int, tgt, gaps: dict[str, dict]) -> tuple[dict, dict]:
         deepest, _ = capacity.largest_scaled(SCALE_BASE["full"], mode="full", seq_len=seq, target=tgt, max_layers=128,
                                              candidates=cand)
         optimizer = deepest.recipe.optimizer if deepest else None
-        gap = gaps.get(optimizer or "", {}).get("loss_gap_pct")
+        # a candidate measured under its own name (16-bit weights), else its optimizer's fp32 row
+        gap = gaps.get(cand, gaps.get(optimizer or "", {})).get("loss_gap_pct")
         out[cand] = {"largest_scaled_params": deepest.params if deepest else 0,
                      "largest_scaled_layers": int(deepest.model.rsplit("-", 1)[1][:-1]) if deepest else 0,
                      "need_bytes": deepest.need_bytes if deepest else None,

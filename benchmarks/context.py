@@ -16,6 +16,8 @@ adapters; LoRA rank 16 on the family's projections, QLoRA with an nf4 base):
 - offload: every block checkpointed, its input in host RAM (checkpointing='offload').
 - chunked-loss: checkpoint-full with the loss by chunks of 128 tokens (loss_chunk_tokens).
 - offload+chunked-loss: both.
+- offload+chunked-loss+fp16-base (LoRA and QLoRA only): both, with the frozen base (its embeddings and
+  head included) stored in fp16 (`Recipe.base_dtype`, the recommender's default on a T4).
 - offload+chunked-loss+in-backward (full fine-tuning only): both, in fp32 with 8-bit AdamW stepping each
   parameter inside backward (`adamw8bit_in_backward`): no full set of gradients is held.
 Each plan is cached in build/context_cache.json, so an interrupted run resumes. Writes
@@ -63,7 +65,10 @@ RECIPES = {
     "offload+chunked-loss+in-backward": dict(checkpointing="offload", loss_chunk_tokens=DEFAULT_CHUNK_TOKENS,
                                              precision="fp32", optimizer="adamw8bit_in_backward"),
 }
-RECIPE_MODES = {"offload+chunked-loss+in-backward": ("full",)}
+# LoRA and QLoRA (issue 18's default on a T4): the frozen base, embeddings and head included, in fp16.
+RECIPES["offload+chunked-loss+fp16-base"] = dict(checkpointing="offload", loss_chunk_tokens=DEFAULT_CHUNK_TOKENS,
+                                                  base_dtype="fp16")
+RECIPE_MODES = {"offload+chunked-loss+in-backward": ("full",), "offload+chunked-loss+fp16-base": ("lora", "qlora")}
 TARGETS = {("llama-3.1-8b", "qlora"): (32768, 49152), ("llama-3.2-1b", "full"): (16384, None)}
 STEP_TOKENS = 1024
 STACK = "import torch, transformers, peft, bitsandbytes, colab_memopt"

@@ -19,6 +19,7 @@ from colab_memopt import architectures, estimate
 from colab_memopt.planner import get_target
 from colab_memopt.presets import MODES, PRESETS, preset_fields
 from colab_memopt.recipe import Recipe
+from colab_memopt.recommender import FULL_CANDIDATES, PURE16, full_candidates  # noqa: F401 - re-exported
 
 
 @dataclass
@@ -97,40 +98,6 @@ def fit(name: str, recipe_name: str, recipe: Recipe, *, mode: str, seq_len: int,
                need_bytes(name, recipe, batch=batch, seq_len=seq_len, target=tgt), int(tgt.device_bytes * (1 - headroom)), recipe)
 
 
-# Full fine-tuning recipes beyond `recommend`'s candidates (issue 15): one line each, by name. Each is
-# crossed with every precision and checkpointing option of `recommender.CANDIDATE_AXES` that its recipe
-# allows (`Recipe.validate` refuses the rest, e.g. an in-backward step under fp16's GradScaler).
-FULL_CANDIDATES: dict[str, dict[str, Any]] = {
-    "GaLore 8-bit per layer": {"optimizer": "galore_adamw8bit_in_backward"},
-    "APOLLO": {"optimizer": "apollo"},
-    "APOLLO-Mini": {"optimizer": "apollo_mini"},
-    "torchao AdamW 8-bit": {"optimizer": "torchao_adamw8bit"},
-    "torchao AdamW 4-bit": {"optimizer": "torchao_adamw4bit"},
-    "BAdam": {"optimizer": "badam"},
-}
-
-
-def full_candidates(*, target: Any = "t4", model: str | None = None,
-                    extra: dict[str, dict[str, Any]] | None = None) -> list[tuple[str, Recipe]]:
-    """Return (name, recipe) for each `FULL_CANDIDATES` entry (or `extra`) crossed with the precisions and
-    checkpointing options of `recommender.CANDIDATE_AXES`, each a full fine-tuning recipe that validates."""
-    from itertools import product
-
-    from colab_memopt.recommender import CANDIDATE_AXES, MIXED
-    from colab_memopt.presets import mixed_precision, mode_fields
-
-    tgt = get_target(target)
-    mixed = mixed_precision(tgt)
-    out = []
-    for label, fields_ in (FULL_CANDIDATES if extra is None else extra).items():
-        for prec, ckpt in product(CANDIDATE_AXES["precision"], CANDIDATE_AXES["checkpointing"]):
-            values = {**{k: (mixed if v == MIXED else v) for k, v in prec.items()}, **ckpt, **mode_fields("full", model),
-                      **fields_}
-            try:
-                out.append((label, Recipe.from_dict(values)))
-            except ValueError:  # a combination the recipe refuses
-                continue
-    return out
 
 
 def best_fit(name: str, *, mode: str, seq_len: int, batch: int = 1, target: Any = "t4", headroom: float = 0.10,

@@ -271,6 +271,45 @@ def candidate_recipes(batch: int, *, target: Any = "t4", mode: str = "full", mod
     return list(dict.fromkeys(out))
 
 
+# Full fine-tuning recipes beyond `recommend`'s candidates (issue 15): one line each, by name. Each is
+# crossed with every precision and checkpointing option of `CANDIDATE_AXES` that its recipe
+# allows (`Recipe.validate` refuses the rest, e.g. an in-backward step under fp16's GradScaler).
+FULL_CANDIDATES: dict[str, dict[str, Any]] = {
+    "GaLore 8-bit per layer": {"optimizer": "galore_adamw8bit_in_backward"},
+    "APOLLO": {"optimizer": "apollo"},
+    "APOLLO-Mini": {"optimizer": "apollo_mini"},
+    "torchao AdamW 8-bit": {"optimizer": "torchao_adamw8bit"},
+    "torchao AdamW 4-bit": {"optimizer": "torchao_adamw4bit"},
+    "BAdam": {"optimizer": "badam"},
+    # 16-bit weights without a master copy (notebook 16): fp16 on a T4, bf16 where native (`PURE16`)
+    "AdamW, 16-bit weights + Kahan": {"optimizer": "adamw", "precision": "<pure16>", "update_rounding": "kahan"},
+    "LOMO, 16-bit weights": {"optimizer": "lomo", "precision": "<pure16>"},
+    "AdaLomo, 16-bit weights": {"optimizer": "adalomo", "precision": "<pure16>"},
+}
+PURE16 = "<pure16>"  # replaced by 'fp16' on a target without native bf16 (a T4), else 'bf16'
+
+
+def full_candidates(*, target: Any = "t4", model: str | None = None,
+                    extra: dict[str, dict[str, Any]] | None = None) -> list[tuple[str, Recipe]]:
+    """Return (name, recipe) for each `FULL_CANDIDATES` entry (or `extra`) crossed with the precisions and
+    checkpointing options of `CANDIDATE_AXES`, each a full fine-tuning recipe that validates."""
+    tgt = get_target(target)
+    mixed = mixed_precision(tgt)
+    pure16 = "bf16" if mixed == "bf16-autocast" else "fp16"
+    out = []
+    for label, fields_ in (FULL_CANDIDATES if extra is None else extra).items():
+        for prec, ckpt in product(CANDIDATE_AXES["precision"], CANDIDATE_AXES["checkpointing"]):
+            values = {**{k: (mixed if v == MIXED else v) for k, v in prec.items()}, **ckpt, **mode_fields("full", model),
+                      **{k: (pure16 if v == PURE16 else v) for k, v in fields_.items()}}
+            try:
+                recipe = Recipe.from_dict(values)
+            except ValueError:  # a combination the recipe refuses
+                continue
+            if (label, recipe) not in out:  # a candidate's own precision makes the precision axis repeat it
+                out.append((label, recipe))
+    return out
+
+
 def _applies(recipe: Recipe, model: nn.Module) -> bool:
     """Return True when `Recipe.build` would accept `model` (a meta-device copy) for `recipe`."""
     try:
@@ -311,7 +350,9 @@ def recommend(
         target: 't4', 'l4', ... or a `Target` / dict (as `plan` takes).
         objective: 'fastest' (least expected slowdown that fits) or 'least_memory' (smallest need).
         mode: 'full', 'lora' or 'qlora' (what is trained), or 'auto': full fine-tuning if any recipe
-            fits, else LoRA, else QLoRA (the reasoning says why each mode before was passed over);
+            fits, else LoRA, else QLoRA. 'full' by name also tries `FULL_CANDIDATES` (16-bit weights with
+            Kahan-compensated updates, LOMO, AdaLomo, GaLore, APOLLO, torchao's low-bit AdamW, BAdam) when
+            no ordinary recipe fits (the reasoning says why each mode before was passed over);
             with objective 'least_memory', the mode whose recipe needs least.
         headroom: fraction of device memory kept free.
         costs: a step-time table (default: the table of the target's device class, `costs.costs_for_target`:
@@ -332,7 +373,9 @@ def recommend(
                   max_plans=max_plans, half_precision=half_precision)
     if mode == "auto":
         return _recommend_auto(model, batch, kwargs)
-    return _recommend_mode(model, batch, mode=mode, **kwargs)
+    # Full fine-tuning asked for by name also tries `FULL_CANDIDATES` (16-bit weights, LOMO, GaLore, ...) when no
+    # ordinary recipe fits; mode 'auto' goes to LoRA instead, as the field's guides do.
+    return _recommend_mode(model, batch, mode=mode, lean_full=mode == "full", **kwargs)
 
 
 def _recommend_auto(model: Any, batch: int, kwargs: dict[str, Any]) -> Recommendation:
@@ -391,6 +434,7 @@ def _recommend_mode(
     method: str,
     max_plans: int,
     half_precision: bool,
+    lean_full: bool = False,
 ) -> Recommendation:
     mode_fields(mode)  # validates the mode
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
@@ -453,15 +497,17 @@ def _recommend_mode(
         reasoning.append(f"analytic screen: {len(passed)} of {len(round_cands)} fit")
         planned = 0
         # Calibration (issue 18: trace only the finalists): once a traced plan needed more than the analytic screen
-        # said, a later candidate whose screen, scaled by the smallest such under-estimate seen, is still over the
-        # limit is passed over unplanned, so the plans go to candidates that can fit.
-        under = None
+        # said, a later candidate with the same checkpointing (the estimate's error is mostly its activations) whose
+        # screen, scaled by the smallest such under-estimate seen, is still over the limit is passed over unplanned,
+        # so the plans go to candidates that can fit.
+        under: dict[tuple[str, int], float] = {}
         passed_over = 0
         found = None
         for c in passed:
             if planned >= max_plans:
                 break
-            if under is not None and c.analytic_need_bytes * under > limit:
+            policy = (c.recipe.checkpointing, c.recipe.checkpoint_interval)
+            if policy in under and c.analytic_need_bytes * under[policy] > limit:
                 passed_over += 1
                 continue
             try:
@@ -488,13 +534,22 @@ def _recommend_mode(
                 break
             ratio = c.plan.device_need_bytes / max(1, c.analytic_need_bytes)
             if ratio > 1:
-                under = ratio if under is None else min(under, ratio)
+                under[policy] = min(under.get(policy, ratio), ratio)
         if passed_over:
-            reasoning.append(f"passed over {passed_over} candidates unplanned: their analytic screen x{under:.2f} (the "
-                             "smallest under-estimate a trace showed here) is above the limit")
+            reasoning.append(f"passed over {passed_over} candidates unplanned: their analytic screen times the smallest "
+                             "under-estimate a trace showed for the same checkpointing is above the limit")
         return found
 
     chosen = confirm(cands)
+    if chosen is None and lean_full:  # issue 15: full fine-tuning asked for by name; optimizers with almost no state
+        allowed = precision_options(tgt, half_precision)
+        lean = screened([r for _, r in full_candidates(target=tgt, model=arch)
+                         if (r.precision in allowed or (half_precision and r.precision in ("fp16", "bf16")))
+                         and _applies(r, meta_model)])
+        reasoning.append(f"none of those fits: {len(lean)} lean full fine-tuning candidates ({', '.join(FULL_CANDIDATES)}; "
+                         "their step times are not in the cost table: counted as x1.00)")
+        cands += lean
+        chosen = confirm(lean)
     if chosen is None:  # long context: offloaded checkpoints and the chunked loss (notebook 17)
         more = screened([r for r in candidate_recipes(batch, target=tgt, mode=mode, model=arch, long_context=True,
                                                       half_precision=half_precision)

@@ -307,3 +307,20 @@ def test_offloaded_checkpoints_over_the_host_ram_do_not_fit():
     cand = Candidate("offload", offload, expected_slowdown(offload, COSTS), 1, 10, analytic_host_bytes=host,
                      host_limit_bytes=host - 1)
     assert not cand.fits and replace(cand, host_limit_bytes=host).fits
+
+
+def test_full_fine_tuning_by_name_tries_the_lean_full_candidates_and_auto_goes_to_lora():
+    # issue 15: a 3B model does not fully fine-tune on a T4 with fp32 master weights; full fine-tuning asked for by
+    # name tries 16-bit weights / LOMO / GaLore / ...; 'auto' passes over full fine-tuning to LoRA, as the guides do.
+    from colab_memopt.recommender import FULL_CANDIDATES, full_candidates
+
+    full = recommend("llama-3.2-3b", 1, seq_len=512, target="t4", mode="full", method="analytic")
+    lean = {r for _, r in full_candidates(target="t4", model="llama-3.2-3b")}
+    assert full.chosen.recipe in lean and full.chosen.recipe.lora_rank == 0
+    assert any("lean full fine-tuning candidates" in line for line in full.reasoning)
+    auto = recommend("llama-3.2-3b", 1, seq_len=512, target="t4", mode="auto", method="analytic")
+    assert auto.mode != "full" and auto.chosen.recipe.lora_rank > 0
+    labels = [label for label, _ in full_candidates(target="t4")]
+    assert set(labels) == set(FULL_CANDIDATES) and len(labels) == len(set(full_candidates(target="t4")))  # no repeats
+    assert {r.precision for label, r in full_candidates(target="t4") if "16-bit" in label} == {"fp16"}
+    assert {r.precision for label, r in full_candidates(target="a100-40gb") if "16-bit" in label} == {"bf16"}
