@@ -85,6 +85,9 @@ PANELS: dict[str, Change] = {
     "14_phase_aware_training": Change("phase", "select", "full", plot=True),
     "15_fit_the_biggest_model": Change("objective", "select", "least_memory", expect="objective least_memory",
                                        expect_gone="objective fastest"),
+    "16_full_finetuning_on_a_t4": Change("method", "select", "adamw_16bit_kahan", plot=True, expect="adamw_16bit_kahan at lr",
+                                         expect_gone="lomo at lr"),
+    "17_long_context": Change("chunked loss", "toggle", plot=True, expect="chosen"),
     "18_your_own_model": Change("mode", "select", "full", expect="(full)", expect_gone="(lora)"),
 }
 # notebook stem -> why its panel is not driven in the browser.
