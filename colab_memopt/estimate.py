@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from colab_memopt.models import GPT, GPTConfig
+from colab_memopt.optimizers import steps_in_backward
 
 # Bytes per parameter of the model states (weights, gradients, optimizer state) in mixed-precision
 # AdamW training, as the literature counts them. They differ in what they include.
@@ -326,7 +327,7 @@ def training_step_bytes(model: torch.nn.Module, batch: int, seq: int, recipe: An
         d = _dims(model)
         act += (2 * min(chunk, micro * seq) * d["vocab"] * 4 + micro * seq * d["hidden"] * value_bytes
                 - 2 * micro * seq * d["vocab"] * value_bytes)
-    if getattr(recipe, "optimizer", "").endswith("_in_backward") or getattr(recipe, "optimizer", "") in ("lomo", "adalomo"):
+    if steps_in_backward(getattr(recipe, "optimizer", "")):
         g_bytes = largest  # each gradient is freed once its parameter steps
     # Notebook 10, ZeRO-Offload: the optimizer state (and with offload_param the weights, but the
     # gathered layer) live in host RAM; the planner adds their host bytes (zero_offload_bytes).
@@ -602,8 +603,7 @@ def model_state_bytes(model: torch.nn.Module, recipe: Any) -> int:
     params = _unique(model.parameters())
     trainable = [p for p in params if p.requires_grad]
     weights = sum(p.numel() * p.element_size() for p in params)
-    fused = recipe.optimizer.endswith("_in_backward") or recipe.optimizer in ("lomo", "adalomo")
-    grads = 0 if fused else sum(p.numel() * p.element_size() for p in trainable)
+    grads = 0 if steps_in_backward(recipe.optimizer) else sum(p.numel() * p.element_size() for p in trainable)
     if recipe.optimizer == "adam_mini":
         state = optimizer_state_bytes(list(model.named_parameters()), "adam_mini", n_head=_dims(model)["heads"])
     else:

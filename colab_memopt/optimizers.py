@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from colab_memopt.lomo import LOMO_OPTIMIZERS
 from colab_memopt.lowstate import LOW_STATE_OPTIMIZERS, make_low_state_optimizer
 
 BNB_OPTIMIZERS = {
@@ -40,9 +41,15 @@ BASE_OPTIMIZERS = ("adamw", "adam", "sgd", "sgd_momentum")
 # 'galore_adamw8bit_in_backward' is GaLore's per-layer mode.
 _FUSABLE = ("adamw", "adam", "sgd", "sgd_momentum", "lion", "adafactor", "adam8bit", "adamw8bit", "galore_adamw8bit")
 # Optimizers that run their own backward (`lomo.fused_step`): no `step()`, no gradient buffers.
-FUSED_BACKWARD_OPTIMIZERS = ("lomo", "adalomo")
+FUSED_BACKWARD_OPTIMIZERS = LOMO_OPTIMIZERS
 OPTIMIZERS = (BASE_OPTIMIZERS + LEAN_OPTIMIZERS + LOW_STATE_OPTIMIZERS + tuple(n + IN_BACKWARD_SUFFIX for n in _FUSABLE)
               + FUSED_BACKWARD_OPTIMIZERS)
+
+
+def steps_in_backward(name: str) -> bool:
+    """Return True for an optimizer that updates each parameter inside backward, so no full set of gradients is
+    ever held and `step()` does nothing afterwards: '<name>_in_backward', LOMO and AdaLomo."""
+    return name.endswith(IN_BACKWARD_SUFFIX) or name in FUSED_BACKWARD_OPTIMIZERS
 
 
 def _check_lr(lr: float) -> None:

@@ -713,10 +713,10 @@ def _prime_optimizer(optimizer: Any, recipe: Recipe) -> bool:
     """Give every trainable parameter a zero gradient and run one optimizer step (its state now exists), as a
     warm-up step leaves them; return False where only a whole step can do it (an optimizer that steps in
     backward, phase-aware training)."""
-    from colab_memopt.optimizers import FUSED_BACKWARD_OPTIMIZERS, OptimizerInBackward
+    from colab_memopt.optimizers import steps_in_backward
 
-    if (not isinstance(optimizer, torch.optim.Optimizer) or isinstance(optimizer, OptimizerInBackward)
-            or recipe.optimizer in FUSED_BACKWARD_OPTIMIZERS or recipe.phase_offload is not None or recipe.uses_deepspeed or recipe.layer_offload_active):
+    if (not isinstance(optimizer, torch.optim.Optimizer) or steps_in_backward(recipe.optimizer)
+            or recipe.phase_offload is not None or recipe.uses_deepspeed or recipe.layer_offload_active):
         return False
     for group in optimizer.param_groups:
         for p in group["params"]:
