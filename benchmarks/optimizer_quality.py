@@ -27,6 +27,7 @@ import colab_memopt as cm
 from colab_memopt import estimate
 from colab_memopt.fileio import write_json
 from colab_memopt.lowstate import PROJECTED
+from colab_memopt.recommender import FULL_CANDIDATES, PURE16
 
 OUT = Path(__file__).resolve().parent / "results" / "optimizer_quality.json"
 BASELINE = "adamw"
@@ -42,10 +43,10 @@ OPTIMIZERS_COMPARED = ["adamw", "adamw8bit", "galore_adamw8bit", "galore_adamw8b
 # fused into backward and moves nothing at AdamW's 1e-3: it runs at 0.05, the best of 0.05/0.1/0.2/0.4 on
 # this model (notebook 16's sweep); AdaLomo's step is relative to the weight's scale (as Adafactor's): 3e-2,
 # notebook 16's rate (at 1e-3 it ends 69% above AdamW after 50 steps); AdamW + Kahan at the shared rate.
+LEARNING_RATES = {"lomo": 0.05, "adalomo": 3e-2}
 SIXTEEN_BIT = {
-    "AdamW, 16-bit weights + Kahan": dict(optimizer="adamw", precision="bf16", update_rounding="kahan"),
-    "LOMO, 16-bit weights": dict(optimizer="lomo", precision="bf16", lr=0.05),
-    "AdaLomo, 16-bit weights": dict(optimizer="adalomo", precision="bf16", lr=3e-2),
+    label: {**fields, "precision": "bf16", **({"lr": LEARNING_RATES[fields["optimizer"]]} if fields["optimizer"] in LEARNING_RATES else {})}
+    for label, fields in FULL_CANDIDATES.items() if fields.get("precision") == PURE16
 }
 
 
