@@ -24,6 +24,13 @@ Parts:
    (whose fp16 copy of the (V, H) weight, made by the plain path too, counts as transient in both).
    Target: the chunked loss's transient bytes <= 5% of the plain loss's (fp32, default chunk).
 Times are this CPU's, not a T4's.
+
+    python benchmarks/chunked_loss.py --fp16-check
+
+prints, and writes nothing, the relative error against fp32 of the gradients (hidden, weight) of the
+plain and the chunked loss in fp16 (autocast with fp32 weights, and pure fp16) and bf16 at loss scales
+2^10 and 2^16 (`gradient_errors`): the chunked loss's must be finite and within 2x the plain loss's
+(the check exits 1 otherwise). IEEE fp16 casts round the same on a CPU and on CUDA.
 """
 
 from __future__ import annotations
@@ -38,9 +45,10 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from colab_memopt.loss import DEFAULT_CHUNK_TOKENS, make_loss_step
+from colab_memopt.loss import DEFAULT_CHUNK_TOKENS, chunked_cross_entropy, make_loss_step
 from colab_memopt.measure import format_bytes, measure_step, time_interleaved
 from colab_memopt.tracker import TensorTracker
 
@@ -172,6 +180,70 @@ def large() -> list[dict]:
     return rows
 
 
+CHECK = {"tokens": 512, "vocab": 8192, "hidden": 64}  # p / N about 2.4e-7: subnormal in fp16 unless scaled
+CHECK_SCALES = (2.0**10, 2.0**16)  # 2^16: GradScaler's and DynamicLossScaler's initial scale
+
+
+def _rel_error(got: torch.Tensor | None, ref: torch.Tensor) -> float:
+    """Return |got - ref| / |ref| (Frobenius norms), inf where got is missing or not finite."""
+    if got is None or not bool(torch.isfinite(got).all()):
+        return float("inf")
+    return float((got.double() - ref.double()).norm() / ref.double().norm())
+
+
+def gradient_errors(tokens: int = CHECK["tokens"], vocab: int = CHECK["vocab"], hidden: int = CHECK["hidden"], *,
+                    dtype: torch.dtype = torch.float16, mode: str = "autocast", scales: tuple[float, ...] = CHECK_SCALES,
+                    chunk_tokens: int = DEFAULT_CHUNK_TOKENS, seed: int = 0) -> list[dict]:
+    """Return, per loss scale, the relative gradient errors against fp32 of the plain and the chunked loss.
+
+    mode 'autocast': fp32 hidden states and head under `torch.autocast(dtype=dtype)`; 'pure': both in
+    `dtype`. The loss is multiplied by the scale before backward and the gradients divided by it after,
+    in fp32, as a loss scaler does. The inputs are rounded to `dtype` first, so the fp32 reference sees
+    the same values. Each row: scale, and per method ('plain', 'chunked') the errors of d/d hidden and
+    d/d weight (inf where a gradient is not finite) and `ratio`, chunked over plain (the larger of the two).
+    """
+    if mode not in ("autocast", "pure"):
+        raise ValueError(f"mode must be 'autocast' or 'pure', got {mode!r}")
+    gen = torch.Generator().manual_seed(seed)
+    h32 = torch.randn(tokens, hidden, generator=gen).to(dtype).float()  # (N, H)
+    w32 = (torch.randn(vocab, hidden, generator=gen) * 0.02).to(dtype).float()  # (V, H)
+    y = torch.randint(0, vocab, (tokens,), generator=gen)
+    losses = {"plain": lambda h, w: F.cross_entropy(F.linear(h, w).float(), y),
+              "chunked": lambda h, w: chunked_cross_entropy(h, w, y, chunk_tokens=chunk_tokens)}
+    h, w = h32.clone().requires_grad_(), w32.clone().requires_grad_()
+    losses["plain"](h, w).backward()
+    ref = {"hidden": h.grad, "weight": w.grad}
+    rows = []
+    for scale in scales:
+        row: dict = {"scale": scale}
+        for name, loss_fn in losses.items():
+            cast = dtype if mode == "pure" else torch.float32
+            h, w = h32.to(cast, copy=True).requires_grad_(), w32.to(cast, copy=True).requires_grad_()
+            with torch.autocast("cpu", dtype=dtype, enabled=mode == "autocast"):
+                loss = loss_fn(h, w)
+            (loss * scale).backward()
+            row[name] = {key: _rel_error(t.grad.float() / scale, ref[key]) for key, t in (("hidden", h), ("weight", w))}
+        row["ratio"] = max(row["chunked"][k] / row["plain"][k] for k in ("hidden", "weight"))
+        rows.append(row)
+    return rows
+
+
+def fp16_check() -> int:
+    """Print the gradient errors of `gradient_errors` in fp16 (autocast, pure) and bf16; return 1 if one fails."""
+    failed = False
+    print(f"relative gradient error against fp32 at {CHECK}, chunk {DEFAULT_CHUNK_TOKENS} tokens")
+    print(f"  {'precision':16} {'scale':>7} {'plain d/dh':>11} {'chunked d/dh':>13} {'plain d/dW':>11} {'chunked d/dW':>13} {'ratio':>6}")
+    for dtype, mode in ((torch.float16, "autocast"), (torch.float16, "pure"), (torch.bfloat16, "autocast"), (torch.bfloat16, "pure")):
+        for r in gradient_errors(dtype=dtype, mode=mode):
+            ok = r["ratio"] <= 2.0
+            failed |= not ok
+            precision, scale = f"{str(dtype).split('.')[1]} {mode}", f"2^{int(r['scale']).bit_length() - 1}"
+            print(f"  {precision:16} {scale:>7} "
+                  f"{r['plain']['hidden']:11.2e} {r['chunked']['hidden']:13.2e} {r['plain']['weight']:11.2e} "
+                  f"{r['chunked']['weight']:13.2e} {r['ratio']:6.2f}{'' if ok else '  FAIL (> 2x plain)'}")
+    return 1 if failed else 0
+
+
 def write_whole(path: Path, data: dict) -> None:
     """Write JSON to a temporary file beside `path`, then rename it over `path`."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -184,7 +256,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=7, help="interleaved timing rounds of the chunk sweep")
     parser.add_argument("--out", default=str(OUT))
+    parser.add_argument("--fp16-check", action="store_true",
+                        help="only print the fp16/bf16 gradient errors against fp32 at loss scales 2^10 and 2^16")
     args = parser.parse_args(argv)
+    if args.fp16_check:
+        return fp16_check()
     start = time.perf_counter()
     checks = trace_vs_real()
     sweep = chunk_sweep(args.rounds)

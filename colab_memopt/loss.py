@@ -5,10 +5,10 @@ logits (N, V), their log-softmax and, in backward, their gradient, each N x V va
 as transformers does). At Llama-3's vocabulary of 128,256 and 16,384 tokens one such fp32 tensor is
 16384 x 128256 x 4 bytes = 8.4 GB, more than half of a free T4's 14.74 GiB, and the plain loss holds
 three at its peak (traced in the benchmark). `chunked_cross_entropy` goes through the tokens by chunks: for
-each chunk it computes the logits in fp32, their logsumexp, the loss contribution and at once the
-gradient with respect to the hidden states and the head's weight (and bias), then drops the chunk's
-logits. Only the gradients (N, H) and (V, H), which any method returns, outlive a chunk; backward
-only scales them by the incoming gradient. The figures are in `benchmarks/results/chunked_loss.json`
+each chunk it computes the logits in fp32, their logsumexp and the loss contribution, then drops
+the chunk's logits; backward goes through the chunks again, computes each chunk's logits once more and
+from them the gradient with respect to the hidden states and the head's weight (and bias). Only the
+gradients (N, H) and (V, H), which any method returns, outlive a chunk. The figures are in `benchmarks/results/chunked_loss.json`
 (`benchmarks/chunked_loss.py`).
 
 The field's versions of the same idea, both GPU kernels:
@@ -24,10 +24,16 @@ The field's versions of the same idea, both GPU kernels:
   Ampere-only kernel).
 
 This module is plain PyTorch, so it runs on the CPU, on a T4 and under fake tensors (the planner's
-trace). It does the same three matmuls as the plain loss, but reads the head's weight once per
-chunk instead of once per step. The gradients are computed in forward, even if backward never runs;
-under `torch.no_grad()` none are, and evaluation holds one chunk's logits and nothing else. With an
-fp32 weight its gradient is accumulated in fp32, also under autocast (an fp32 matmul for that part).
+trace). It does four matmuls where the plain loss does three (the logits twice) and reads the head's
+weight once per chunk instead of once per step. The gradients are computed in backward because only
+there the incoming gradient is known: under a loss scaler it carries the scale (GradScaler starts at
+2^16), and the logits' gradient is multiplied by it in fp32 before the cast to fp16, as the plain
+loss's backward does. Computed in forward and cast unscaled, (softmax - onehot) / N underflows in fp16
+(p / N is about 1e-8 at vocabulary 128,256 and 1,024 tokens, below fp16's smallest subnormal), and the
+scale 2^16 itself is inf in fp16. Evaluation (`torch.no_grad()`) holds one chunk's logits and nothing
+else. With an fp32 weight its gradient is accumulated in fp32, also under autocast (an fp32 matmul for
+that part). `python benchmarks/chunked_loss.py --fp16-check` prints the fp16 gradient errors of the
+chunked and the plain loss against fp32 at loss scales 2^10 and 2^16.
 Labels are checked against the vocabulary on real tensors (one device sync per call), not under fake
 tensors.
 
@@ -92,8 +98,11 @@ class ChunkedCrossEntropy(torch.autograd.Function):
     """Cross-entropy of `hidden @ weight.T + bias` against `labels`, forward and gradients by chunks.
 
     Call it through `chunked_cross_entropy`, which checks the arguments. Forward computes the loss
-    and the gradients (kept for backward, in the inputs' dtypes); backward scales them by the
-    incoming gradient, in place, so it can run once per forward (retain_graph is refused).
+    chunk by chunk and keeps nothing but references to its inputs. Backward computes each chunk's
+    logits again and their gradient in fp32, multiplied by the incoming gradient (which carries a
+    loss scaler's scale) before anything is cast to a 16-bit dtype, as the plain loss's backward does:
+    in fp16 no gradient entry underflows or overflows where the plain loss's would not. The price is
+    one more matmul per chunk (the logits again) against the plain loss's three.
     """
 
     @staticmethod
@@ -106,71 +115,89 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         chunk_tokens: int,
         reduction: str,
         ignore_index: int,
-        grad_enabled: bool,
     ) -> torch.Tensor:
         cdt = _compute_dtype(hidden, weight)
-        # forward runs with grad mode off: whether the caller's had it on comes in `grad_enabled`
-        need_h, need_w, need_b = (grad_enabled and needs for needs in ctx.needs_input_grad[:3])
-        n_tokens = hidden.shape[0]
         with torch.autocast(hidden.device.type, enabled=False):
             w_c = weight.to(cdt)  # (V, H); no copy when the dtypes agree (autocast makes the same copy)
             b_c = bias.to(cdt) if bias is not None else None
             valid = labels != ignore_index  # (N,) bool
-            # mean: divide by the number of non-ignored tokens (0 of them gives nan, as F.cross_entropy does)
-            scale = 1.0 / valid.sum().to(torch.float32) if reduction == "mean" else torch.ones((), dtype=torch.float32, device=hidden.device)
-            safe_labels = torch.where(valid, labels, 0)  # ignored rows read class 0, then get weight 0
-            # (N,) what each row's gradient is multiplied by; ignored rows 0 (also when all are ignored)
-            row_weight = torch.where(valid, scale, 0.0)
-            grad_hidden = torch.empty_like(hidden) if need_h else None  # (N, H)
-            grad_weight = torch.zeros_like(weight) if need_w else None  # (V, H), accumulated
-            grad_bias = torch.zeros_like(bias) if need_b else None  # (V,)
+            safe_labels = torch.where(valid, labels, 0)  # ignored rows read class 0, then count 0
+            lse = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)  # (N,) kept for backward
             loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
-            for start in range(0, n_tokens, chunk_tokens):
-                end = min(start + chunk_tokens, n_tokens)
-                h_c = hidden[start:end].to(cdt)  # (C, H)
-                logits = F.linear(h_c, w_c, b_c).float()  # (C, V) fp32: the only chunk-sized buffer kept
-                lse = torch.logsumexp(logits, dim=1)  # (C,)
+            for start in range(0, hidden.shape[0], chunk_tokens):
+                end = min(start + chunk_tokens, hidden.shape[0])
+                logits = F.linear(hidden[start:end].to(cdt), w_c, b_c).float()  # (C, V) fp32, one chunk's
                 target = logits.gather(1, safe_labels[start:end, None]).squeeze(1)  # (C,)
-                loss += ((lse - target) * valid[start:end]).sum()
-                if not (need_h or need_w or need_b):  # no_grad or nothing trainable: the loss only
-                    continue
-                # d loss / d logits = (softmax - onehot) * row weight, built in the logits' buffer
-                grad_logits = logits.sub_(lse[:, None]).exp_()
-                grad_logits.scatter_add_(
-                    1, safe_labels[start:end, None], -valid[start:end, None].to(torch.float32)
-                )
-                grad_logits.mul_(row_weight[start:end, None])
-                if need_h:
-                    grad_hidden[start:end] = grad_logits.to(cdt) @ w_c  # (C, H)
-                if need_w:
-                    if weight.dtype == torch.float32:  # fp32 accumulation, also when autocast is on
-                        grad_weight.addmm_(grad_logits.T, hidden[start:end].float())
-                    else:
-                        grad_weight.addmm_(grad_logits.T.to(weight.dtype), hidden[start:end].to(weight.dtype))
-                if need_b:
-                    grad_bias += grad_logits.sum(0).to(bias.dtype)
-                del logits, grad_logits, lse, target, h_c
+                lse[start:end] = torch.logsumexp(logits, dim=1)
+                loss += ((lse[start:end] - target) * valid[start:end]).sum()
+                del logits, target
             del w_c, b_c
-        ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
-        ctx.backward_done = False
+            # mean: divide by the number of non-ignored tokens (0 of them gives nan, as F.cross_entropy does)
+            scale = 1.0 / valid.sum().to(torch.float32) if reduction == "mean" else 1.0
+        ctx.save_for_backward(hidden, weight, bias, labels, lse)  # the inputs, and 4 bytes per token
+        ctx.compute_dtype, ctx.chunk_tokens = cdt, chunk_tokens
+        ctx.reduction, ctx.ignore_index = reduction, ignore_index
         return loss * scale
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_output: torch.Tensor):  # type: ignore[override]
-        if ctx.backward_done:
-            raise RuntimeError(
-                "the chunked cross-entropy's backward can run once per forward (its gradients are "
-                "computed in forward and scaled in place); run the forward again instead of retain_graph=True"
-            )
-        ctx.backward_done = True
-        grads = []
-        for grad in ctx.saved_tensors:
-            if grad is not None:
-                grad.mul_(grad_output.to(grad.dtype))  # in place: no second (V, H) buffer
-            grads.append(grad)
-        grad_hidden, grad_weight, grad_bias = grads
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
+        hidden, weight, bias, labels, lse = ctx.saved_tensors
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        cdt, chunk_tokens = ctx.compute_dtype, ctx.chunk_tokens
+        n_tokens, vocab = hidden.shape[0], weight.shape[0]
+        # a 16-bit weight's gradient summed over token chunks would be rounded to 16 bits once per chunk;
+        # it is computed by vocabulary blocks over all tokens instead, rounded once as the plain loss's
+        w_by_blocks = need_w and weight.dtype != torch.float32
+        with torch.autocast(hidden.device.type, enabled=False):
+            w_c = weight.to(cdt)  # (V, H)
+            b_c = bias.to(cdt) if bias is not None else None
+            valid = labels != ctx.ignore_index  # (N,) bool
+            safe_labels = torch.where(valid, labels, 0)
+            # the incoming gradient (a loss scaler's scale, 2^16 and more) in fp32, applied before any
+            # 16-bit cast; mean: divided by the number of non-ignored tokens
+            multiplier = grad_output.float()
+            if ctx.reduction == "mean":
+                multiplier = multiplier / valid.sum().to(torch.float32)
+            # (N,) fp32: what each row's d loss / d logits is multiplied by; ignored rows 0 (also when all are)
+            row_weight = torch.where(valid, multiplier, 0.0)
+            grad_hidden = torch.empty_like(hidden) if need_h else None  # (N, H)
+            grad_weight = (torch.empty_like(weight) if w_by_blocks else torch.zeros_like(weight)) if need_w else None
+            grad_bias = torch.zeros(vocab, dtype=torch.float32, device=hidden.device) if need_b else None  # (V,) fp32
+            if need_h or need_b or (need_w and not w_by_blocks):
+                for start in range(0, n_tokens, chunk_tokens):
+                    end = min(start + chunk_tokens, n_tokens)
+                    h_c = hidden[start:end].to(cdt)  # (C, H)
+                    logits = F.linear(h_c, w_c, b_c).float()  # (C, V) fp32
+                    # d loss / d logits = (softmax - onehot) * row weight, in fp32 in the logits' buffer
+                    grad_logits = logits.sub_(lse[start:end, None]).exp_()
+                    grad_logits.scatter_add_(1, safe_labels[start:end, None], -valid[start:end, None].to(torch.float32))
+                    grad_logits.mul_(row_weight[start:end, None])
+                    if need_h:
+                        grad_hidden[start:end] = grad_logits.to(cdt) @ w_c  # (C, H)
+                    if need_w and not w_by_blocks:  # fp32 weight: fp32 accumulation, also when autocast is on
+                        grad_weight.addmm_(grad_logits.T, hidden[start:end].float())
+                    if need_b:
+                        grad_bias += grad_logits.sum(0)
+                    del logits, grad_logits, h_c
+            if w_by_blocks:
+                h_all = hidden.to(cdt)  # (N, H); no copy when the dtypes agree
+                block = max(1, chunk_tokens * vocab // max(n_tokens, 1))  # (N, block) holds a chunk's logits' values
+                for v0 in range(0, vocab, block):
+                    v1 = min(v0 + block, vocab)
+                    logits = F.linear(h_all, w_c[v0:v1], None if b_c is None else b_c[v0:v1]).float()  # (N, B) fp32
+                    grad_logits = logits.sub_(lse[:, None]).exp_()
+                    in_block = valid & (safe_labels >= v0) & (safe_labels < v1)
+                    grad_logits.scatter_add_(1, (safe_labels - v0).clamp(0, v1 - v0 - 1)[:, None],
+                                             -in_block[:, None].to(torch.float32))
+                    grad_logits.mul_(row_weight[:, None])
+                    grad_weight[v0:v1] = grad_logits.to(cdt).T @ h_all  # (B, H), one rounding
+                    del logits, grad_logits, in_block
+                del h_all
+            del w_c, b_c
+        if grad_bias is not None:
+            grad_bias = grad_bias.to(bias.dtype)
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None
 
 
 def _check_chunk_tokens(chunk_tokens: object) -> int:
@@ -231,9 +258,7 @@ def chunked_cross_entropy(
     if not hidden.dtype.is_floating_point or not weight.dtype.is_floating_point:
         raise ValueError(f"hidden and weight must be floating point, got {hidden.dtype} and {weight.dtype}")
     _check_label_range(labels, weight.shape[0], ignore_index)
-    return ChunkedCrossEntropy.apply(
-        hidden, weight, bias, labels.long(), chunk_tokens, reduction, ignore_index, torch.is_grad_enabled()
-    )
+    return ChunkedCrossEntropy.apply(hidden, weight, bias, labels.long(), chunk_tokens, reduction, ignore_index)
 
 
 def _check_label_range(labels: torch.Tensor, vocab: int, ignore_index: int) -> None:
