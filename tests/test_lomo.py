@@ -109,3 +109,69 @@ def test_recipe_refuses_what_lomo_breaks():
         cm.make_optimizer("lomo", cm.build_model("tiny").parameters())
     with pytest.raises(ValueError, match="name must be one of"):
         make_lomo("sgd", cm.build_model("tiny"), lr=1.0)
+
+
+# -- pure fp16: a loss scale that falls on overflow and grows back; no inf/NaN written ---------------
+
+SMALL = {"n_layer": 1, "d_model": 16, "n_head": 2, "vocab_size": 64}  # CPU fp16 is slow: a small model, 100 steps
+
+
+@pytest.fixture
+def one_thread():
+    """Run on one CPU thread: the small model's ops are too small to share, and threads waiting on each
+    other made 100 steps take 20x the CPU time on a loaded 2-core machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _fp16_run(name, steps, overflow_at, *, scale_window=4, lr=0.05):
+    """Train the tiny fp16 model `steps` steps, the loss made inf at `overflow_at`; return (scales, updated)."""
+    model = cm.build_model("tiny", dtype=torch.float16, **SMALL)
+    opt = make_lomo(name, model, lr=lr, scale_window=scale_window)
+    x = torch.randint(0, SMALL["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(0))
+    scales, updated = [], []
+    for i in range(steps):
+        loss = model(x, labels=x).loss
+        if i in overflow_at:
+            loss = loss * float("inf")  # inf loss: every gradient inf or NaN, as an overflow gives
+        before = [p.detach().clone() for p in model.parameters()]
+        updated.append(fused_step(opt, loss))
+        for p, b in zip(model.parameters(), before):
+            assert torch.isfinite(p).all(), (name, i)  # never an inf or NaN written into a weight
+            if not updated[-1]:
+                assert torch.equal(p, b), (name, i)  # a skipped step writes nothing
+        scales.append(opt.loss_scaler.loss_scale)
+    return scales, updated
+
+
+def test_fp16_lomo_survives_100_steps_with_overflows_and_its_scale_grows_back(one_thread):
+    overflow_at = set(range(3, 100, 7))  # 14 overflows: lomo-optim 0.1.1 alone raises at the 12th
+    scales, updated = _fp16_run("lomo", 100, overflow_at)
+    assert [i for i, u in enumerate(updated) if not u] == sorted(overflow_at)
+    assert scales[3] == scales[2] / 2  # an overflow halves the scale
+    assert scales[3 + 4] == scales[3] * 2  # 4 clean steps (scale_window) double it
+    assert max(scales[50:]) >= scales[0]  # it grows back instead of only falling
+
+
+def test_fp16_adalomo_skips_overflowing_steps_and_never_writes_inf_or_nan(one_thread):
+    model = cm.build_model("tiny", dtype=torch.float16, **SMALL)
+    opt = make_lomo("adalomo", model, lr=1e-3)
+    assert opt.clip_grad_norm == float("inf")  # a norm pass that clips nothing, to find overflows first
+    overflow_at = {2, 3, 9}
+    scales, updated = _fp16_run("adalomo", 14, overflow_at, lr=1e-3)
+    assert [i for i, u in enumerate(updated) if not u] == sorted(overflow_at)
+    assert scales[3] == scales[1] / 4 and scales[7] == scales[3] * 2  # halved twice, doubled after 4 clean steps
+
+
+def test_fp16_scaler_exists_for_an_fp32_loss_and_bad_scale_window_is_named():
+    model = cm.build_model("tiny", dtype=torch.float16, **SMALL)
+    model.loss_chunk_tokens = 8  # the chunked loss returns an fp32 loss: lomo-optim alone would not scale it
+    opt = make_lomo("lomo", model, lr=0.05)
+    x = torch.randint(0, SMALL["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(0))
+    loss = model(x, labels=x).loss
+    assert loss.dtype == torch.float32 and opt.loss_scaler is not None
+    assert fused_step(opt, loss)
+    with pytest.raises(ValueError, match="scale_window must be an integer >= 1.*got 0"):
+        make_lomo("lomo", model, lr=0.05, scale_window=0)
