@@ -158,6 +158,14 @@ def _ensure_process_group() -> None:
         dist.init_process_group("gloo", rank=0, world_size=1)
 
 
+def _all_finite(tensor: torch.Tensor) -> bool:
+    """Return whether every value is finite; True under fake tensors (the planner's trace has no values)."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    finite = torch.isfinite(tensor).all()
+    return is_fake(finite) or bool(finite)
+
+
 def fused_step(optimizer: torch.optim.Optimizer, loss: torch.Tensor, lr: float | None = None) -> bool:
     """Run backward with the update fused in: `grad_norm` first when clipping, then `fused_backward`.
 
@@ -180,7 +188,7 @@ def fused_step(optimizer: torch.optim.Optimizer, loss: torch.Tensor, lr: float |
         if scaler is not None:
             scaler.has_overflow_serial = False
         optimizer.grad_norm(loss)
-        if adalomo and not bool(torch.isfinite(optimizer.grad_norms).all()):  # AdaLomo does not check: here
+        if adalomo and not _all_finite(optimizer.grad_norms):  # AdaLomo does not check: here
             scaler.has_overflow_serial = True
             for p in optimizer.model.parameters():
                 p.grad = None

@@ -764,6 +764,40 @@ def _fake_safe_lomo(recipe: Recipe) -> Iterator[None]:
         del adalomo.max
 
 
+@contextlib.contextmanager
+def _fake_safe_scalers(recipe: Recipe) -> Iterator[None]:
+    """Let fp16's loss scalers step under fake tensors, for the duration: fp16 is traced in fp16.
+
+    A scaler skips the update of a step whose gradients hold an inf or NaN, a branch on their values,
+    which fake tensors do not have: the trace takes the clean step (the update applied), with the same
+    checks' tensors. torch's GradScaler (fp16 autocast) sums `found_inf.item()` before stepping;
+    lomo-optim's scaler (LOMO in fp16) reads `float(grad.float().sum())` per gradient (its fp32 copy is
+    traced). `rounding.DynamicLossScaler` and AdaLomo's check in `lomo.fused_step` see fake tensors themselves.
+    """
+    patches: list[tuple[Any, str, Any]] = []
+    if recipe.precision == "fp16-autocast":
+        def maybe_opt_step(self: Any, optimizer: Any, optimizer_state: Any, *args: Any, **kwargs: Any) -> Any:
+            return optimizer.step(*args, **kwargs)
+
+        patches.append((torch.amp.GradScaler, "_maybe_opt_step", maybe_opt_step))
+    if recipe.precision == "fp16" and recipe.optimizer == "lomo":
+        from lomo_optim.lomo import DynamicLossScaler
+
+        def has_inf_or_nan(self: Any, x: torch.Tensor) -> bool:
+            x.float().sum()
+            return False
+
+        patches.append((DynamicLossScaler, "_has_inf_or_nan", has_inf_or_nan))
+    originals = [(owner, name, owner.__dict__[name]) for owner, name, _ in patches]
+    for owner, name, value in patches:
+        setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        for owner, name, value in originals:
+            setattr(owner, name, value)
+
+
 class _Tracer:
     """Build the model once under fake tensors, warm it up, then trace steps at any batch size."""
 
@@ -781,7 +815,7 @@ class _Tracer:
         # On a CUDA target bitsandbytes' 8-bit layers run LLM.int8's kernels, traced with no outlier column.
         self.int8_as_on_cuda = cuda_rounding and recipe.quantization == "bnb_int8" and recipe.quantization_phase == "all"
         with self.mode, _fake_safe_module_to(), _fake_safe_bitsandbytes(self.mode, recipe, cuda=cuda_rounding), \
-                _fake_safe_transformers(), _fake_safe_lomo(recipe), _fake_safe_low_state(recipe):
+                _fake_safe_transformers(), _fake_safe_lomo(recipe), _fake_safe_low_state(recipe), _fake_safe_scalers(recipe):
             model = model_factory()
             self.model, self.optimizer = recipe.build(model)
             set_optimizer_impl(self.optimizer, optimizer_impl)
@@ -803,7 +837,7 @@ class _Tracer:
 
     def _trace(self, batch: int) -> _Trace:
         with self.mode, _fake_safe_transformers(), _fake_safe_lomo(self.recipe), _fake_safe_low_state(self.recipe), \
-                _int8_as_on_cuda() if self.int8_as_on_cuda else contextlib.nullcontext():
+                _fake_safe_scalers(self.recipe), _int8_as_on_cuda() if self.int8_as_on_cuda else contextlib.nullcontext():
             step = self._step(batch)
             tracker = TensorTracker(device=torch.device("cpu"), cuda_rounding=self.cuda_rounding)
             tracker.track_external(self.model, self.optimizer)
@@ -861,22 +895,6 @@ def _linear_max_batch(trace: _Trace, batch: int, budget_bytes: int) -> int:
         if per_sample > 0:
             best = min(best, (budget_bytes - fixed) / per_sample)
     return int(best) if best != math.inf else _BATCH_CAP
-
-
-def _traceable(recipe: Recipe) -> Recipe:
-    """Return the recipe to trace: fp16 autocast as bf16 autocast, pure fp16 as pure bf16 with the same
-    update rounding (the loss scalers' overflow checks branch on a tensor's value, which fake tensors
-    cannot; the bytes of the step are the same: `rounding.DynamicLossScaler` checks with scalar reductions)."""
-    changes: dict[str, Any] = {}
-    if recipe.precision == "fp16-autocast":
-        changes["precision"] = "bf16-autocast"
-        if recipe.base_dtype == "fp16":  # the frozen base in the traced autocast dtype: the same 2 bytes, no casts
-            changes["base_dtype"] = "bf16"
-    if recipe.precision == "fp16":
-        changes.update(precision="bf16", update_rounding=recipe.rounding_mode)  # None for LOMO / AdaLomo
-    if recipe.eval_precision == "fp16-autocast":
-        changes["eval_precision"] = "bf16-autocast"
-    return recipe.with_(**changes) if changes else recipe
 
 
 def _verified_max_batch(
@@ -1051,17 +1069,15 @@ def plan(
         ]
     warn: list[str] = []
     if rec.precision == "fp16":
-        warn.append("pure fp16 is traced as pure bf16 with the same update rounding (the same 2-byte weights, "
-                    "gradients and activations); the loss scaler's few scalars and its data-dependent skip of "
-                    "overflowing steps are not traced")
-        if rec.optimizer == "lomo":
-            warn.append("LOMO with an fp16 loss clips by the global norm (lomo-optim forces it), a first backward "
-                        "with the graph retained and then a second: traced as bf16, the trace has one backward")
+        warn.append("pure fp16 is traced in fp16 with its loss scaler taking a clean step (fake tensors have no values: "
+                    "the skip of an overflowing step, which holds less, is not traced)")
+        if rec.optimizer in ("lomo", "adalomo"):
+            warn.append(f"{rec.optimizer} in fp16 runs two backward passes, the first with the graph retained (the "
+                        "global norm, which finds overflows before any weight changes): both are traced")
     if rec.precision == "fp16-autocast" or rec.eval_precision == "fp16-autocast":
-        warn.append("fp16 autocast is traced as bf16 autocast (the same 2-byte activations); the GradScaler's "
-                    "few scalars and its data-dependent skip of overflowing steps are not traced; CUDA autocast runs "
-                    "softmax, log_softmax, layer_norm and sum in fp32 where CPU autocast keeps bf16 (naive attention "
-                    "on CUDA holds a 4-byte softmax per score, not 2)")
+        warn.append("fp16 autocast is traced in CPU fp16 autocast with the GradScaler taking a clean step; CUDA "
+                    "autocast runs softmax, log_softmax, layer_norm and sum in fp32 where CPU autocast keeps fp16 "
+                    "(naive attention on CUDA holds a 4-byte softmax per score, not 2)")
     uses_bf16 = "bf16" in (rec.precision, rec.eval_precision or "") or rec.precision == "bf16-autocast"
     if tgt.cuda and uses_bf16 and tgt.compute_capability is not None and tuple(tgt.compute_capability) < (8, 0):
         warn.append(f"{tgt.name} (sm_{tgt.compute_capability[0]}{tgt.compute_capability[1]}) has no native bf16: its "
@@ -1077,14 +1093,14 @@ def plan(
     elif method != "analytic":
         # A named model's trace is cached (the recommender and notebooks plan the same recipe again), unless the
         # tracer itself is needed afterwards (the max-batch search, offloaded checkpoints' host bytes).
-        cache_key = ((name, _traceable(rec), seq_len, batch, tgt.cuda, impl)
+        cache_key = ((name, rec, seq_len, batch, tgt.cuda, impl)
                      if isinstance(model_factory_arg, str) and model_factory_arg in architectures.model_names()
                      and not find_max_batch and rec.checkpointing != "offload" else None)
         try:
             if cache_key is not None and cache_key in _TRACE_CACHE:
                 trace, scales, int8_warning = _TRACE_CACHE[cache_key]
             else:
-                tracer = _Tracer(model_factory, _traceable(rec), seq_len, cuda_rounding=tgt.cuda, batch=batch,
+                tracer = _Tracer(model_factory, rec, seq_len, cuda_rounding=tgt.cuda, batch=batch,
                                  optimizer_impl=impl)
                 trace = tracer.trace(batch)
                 # what the plan reads from the traced model, kept beside a cached trace

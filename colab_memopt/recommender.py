@@ -153,7 +153,7 @@ class Recommendation:
 
     @property
     def warnings(self) -> list[str]:
-        """Return the chosen plan's warnings (an analytic fallback, fp16 traced as bf16, ...)."""
+        """Return the chosen plan's warnings (an analytic fallback, a recipe the trace cannot follow, ...)."""
         return list(self.plan.warnings)
 
     def to_dict(self) -> dict[str, Any]:

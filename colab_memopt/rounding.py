@@ -264,6 +264,12 @@ class UpdateRounding(torch.optim.Optimizer):
         self.optimizer.state[p] = full
 
 
+def _is_fake(tensor: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+
+    return is_fake(tensor)
+
+
 class DynamicLossScaler:
     """Dynamic loss scaling for pure fp16 weights and gradients, with torch's GradScaler interface.
 
@@ -312,7 +318,9 @@ class DynamicLossScaler:
         """Step `optimizer` with unscaled gradients unless one is inf or NaN; return whether it stepped."""
         grads = self._grads(optimizer)
         flags = [torch.stack([g.amax().float(), g.amin().float()]) for g in grads]  # NaN and inf survive amax/amin
-        self._found_inf = bool(flags) and not bool(torch.isfinite(torch.cat(flags)).all())
+        finite = torch.isfinite(torch.cat(flags)).all() if flags else None
+        # fake tensors (the planner traces fp16 in fp16) have no values: the trace takes a clean step
+        self._found_inf = finite is not None and not (_is_fake(finite) or bool(finite))
         if self._found_inf:
             self.skipped_steps += 1
             optimizer.zero_grad(set_to_none=True)

@@ -155,7 +155,9 @@ TRACED_RECIPES = [
     {"precision": "bf16"},
     {"precision": "bf16", "update_rounding": "kahan"},
     {"precision": "bf16", "update_rounding": "stochastic"},
-    {"precision": "fp16"},  # traced as bf16 with Kahan; measured in real fp16 with its loss scaler
+    {"precision": "fp16"},  # traced in fp16 with its loss scaler (a clean step), measured in real fp16
+    {"precision": "fp16", "optimizer": "lomo"},  # two backward passes, the first checks for overflow
+    {"precision": "fp16", "optimizer": "adalomo"},
     {"precision": "bf16", "optimizer": "lomo"},
     {"precision": "bf16", "optimizer": "adalomo"},
     {"precision": "bf16", "update_rounding": "kahan", "optimizer": "adamw_in_backward"},
@@ -171,7 +173,7 @@ TRACED_RECIPES = [
     {"optimizer": "adam_mini"},
     {"optimizer": "adamw_in_backward"},
     {"lora_rank": 4},
-    # issue 18: LoRA's frozen base in half precision, adapters fp32 (fp16 is traced as bf16: the same bytes)
+    # issue 18: LoRA's frozen base in half precision, adapters fp32
     {"lora_rank": 4, "base_dtype": "fp16", "precision": "fp16-autocast"},
     {"lora_rank": 4, "base_dtype": "bf16", "precision": "bf16-autocast"},
     {"quantization": "nf4", "lora_rank": 4, "base_dtype": "fp16", "precision": "fp16-autocast"},  # 4-bit layers compute in fp16
@@ -568,12 +570,35 @@ def test_chunked_16bit_updates_are_traced_exactly(corpus, monkeypatch, mode):
 
 
 @pytest.mark.parametrize("optimizer", ["lomo", "adalomo"])
-def test_fp16_lomo_is_traced_as_bf16_and_says_so(optimizer):
+def test_fp16_lomo_is_traced_in_fp16_and_says_so(optimizer):
     plan = planner.plan(lambda: cm.build_model("tiny"), 2, seq_len=32, recipe=cm.Recipe(precision="fp16", optimizer=optimizer),
                         target=CPU_TARGET, find_max_batch=False)
     assert plan.method == "trace"
-    assert any("traced as pure bf16" in w for w in plan.warnings)
-    assert any("second" in w for w in plan.warnings) == (optimizer == "lomo")
+    assert any("traced in fp16" in w for w in plan.warnings)
+    assert any("two backward passes" in w for w in plan.warnings)
+
+
+def _tiny_t5():
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(0)
+    return T5ForConditionalGeneration(T5Config(vocab_size=256, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2,
+                                               num_heads=4, decoder_start_token_id=0, pad_token_id=0))
+
+
+def test_fp16_is_traced_in_fp16_where_the_model_branches_on_it(corpus):
+    """T5 clamps its hidden states only when they are fp16 (transformers' modeling_t5, "clamp inf values to
+    enable fp16 training"): traced in fp16 the plan is the CPU's measurement; bf16 as a proxy plans less."""
+    recipe = cm.Recipe(precision="fp16")
+    plan = planner.plan(_tiny_t5, 2, seq_len=32, recipe=recipe, target=CPU_TARGET, find_max_batch=False)
+    model, opt = recipe.build(_tiny_t5())
+    step = cm.make_train_step(model, opt, corpus, batch_size=2, seq_len=32, recipe=recipe)
+    measured = cm.measure_step(step, model=model, optimizer=opt, repeat=1)
+    assert plan.method == "trace", plan.warnings
+    assert plan.peak_bytes == measured.peak_bytes and plan.by_phase == measured.by_phase
+    proxy = planner.plan(_tiny_t5, 2, seq_len=32, recipe=cm.Recipe(precision="bf16", update_rounding=recipe.rounding_mode),
+                         target=CPU_TARGET, find_max_batch=False)
+    assert proxy.peak_bytes < measured.peak_bytes  # the clamps' copies: the proxy was low, the unsafe direction
 
 
 def _tiny_llama_big_vocab():
