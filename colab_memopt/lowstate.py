@@ -11,7 +11,8 @@ package is imported inside its factory, so `import colab_memopt` stays fast and 
   the gradient (rank 256, or rank 1 for APOLLO-Mini) only scale the raw gradient, channel-wise or (Mini)
   tensor-wise; with Fira's norm-growth limiter, as the package does by default.
 - 'torchao_adamw8bit', 'torchao_adamw4bit' (`torchao.optim`): AdamW with block-wise 8-bit / 4-bit moments
-  (tensor subclasses); tensors under 4096 values keep fp32 moments.
+  (tensor subclasses); tensors under 4096 values keep fp32 moments. Their update runs eagerly, on CUDA
+  too (torchao compiles it; a compiled step would differ from the measured and planned eager one).
 - 'badam' (`badam`, Luo et al. 2024): block coordinate descent: one block of the model trains at a time
   (`switch_block_every` steps each, last block first) with an fp32 copy, gradients and AdamW state of
   that block only; the other blocks are frozen (and, as the package does by default, the embeddings and
@@ -273,18 +274,18 @@ def _torchao(name: str, params: list[torch.Tensor], lr: float) -> torch.optim.Op
     base = AdamW8bit if name == "torchao_adamw8bit" else AdamW4bit
 
     class TorchaoAdamW(base):  # type: ignore[valid-type, misc]
-        """torchao's low-bit AdamW. Its step compiles torchao's `single_param_adam` with torch.compile per
-        tensor shape; on the CPU that took 20 s for the first shape on 2 cores, and torch.compile refuses
-        to run under a memory tracker ("non-infra torch dispatch mode present"). So where CUDA is not
-        used the same function runs eagerly: the same update, with eager PyTorch's temporaries."""
+        """torchao's low-bit AdamW, its update run eagerly everywhere, CUDA included.
+
+        torchao compiles its `single_param_adam` with torch.compile per tensor shape. torch.compile
+        refuses to run under a memory tracker ("non-infra torch dispatch mode present"), so a measured or
+        traced step can only be eager; compiled training steps would then differ from what was measured
+        and planned (the compiled kernel fuses away the dequantized fp32 moments that eager holds for one
+        parameter at a time). Here every step is eager, so what trains is what was measured and planned.
+        Compiling also costs time: about 20 s for the first shape on this project's 2-core CPU, once per
+        distinct shape (torchao lifts the recompile limit), and on a T4 it needs Triton on sm_75."""
 
         @torch.no_grad()
         def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-            on_cuda = any(p.is_cuda for g in self.param_groups for p in g["params"])
-            from torch.utils._python_dispatch import _get_current_dispatch_mode
-
-            if on_cuda and _get_current_dispatch_mode() is None:
-                return super().step(closure)
             original = torch.compile
             torch.compile = lambda fn=None, **kwargs: fn  # type: ignore[assignment]
             try:

@@ -185,3 +185,18 @@ def test_badam_needs_a_model_with_blocks():
         cm.make_optimizer("badam", [torch.nn.Parameter(torch.zeros(4))], lr=1e-3)
     with pytest.raises(ValueError, match="repeated blocks"):
         cm.Recipe(optimizer="badam").build(torch.nn.Sequential(torch.nn.Linear(4, 4)))
+
+
+def test_torchao_steps_eagerly_as_measured_and_planned(monkeypatch):
+    # torch.compile cannot run under the memory tracker: training compiled would differ from the measurement
+    pytest.importorskip("torchao")
+
+    def no_compile(*args, **kwargs):
+        raise AssertionError("torchao's update must run eagerly")
+
+    model = torch.nn.Linear(64, 128)
+    opt = lowstate.make_low_state_optimizer("torchao_adamw8bit", model.parameters(), lr=1e-3)
+    monkeypatch.setattr(torch, "compile", no_compile)
+    model(torch.randn(4, 64)).sum().backward()
+    opt.step()
+    assert torch.compile is no_compile  # put back after the step
