@@ -65,3 +65,14 @@ def test_recommend_works_from_the_installed_wheel_outside_the_repo(wheel, tmp_pa
             "r = cm.recommend('smollm2-135m', 1, seq_len=256); print(r.recipe); print('OK')")
     run = subprocess.run([py, "-c", code], cwd=tmp_path, env=_clean_env(), capture_output=True, text=True, timeout=300)
     assert run.returncode == 0 and run.stdout.strip().endswith("OK"), run.stderr[-3000:]
+
+
+def test_transformers_floor_takes_the_dtype_argument():
+    # loading.load_model and architectures pass `dtype=` to from_pretrained/from_config: transformers 4.56 on
+    import re
+
+    text = (REPO / "pyproject.toml").read_text()
+    floors = re.findall(r'"transformers>=([0-9.]+)"', text)
+    assert floors and all(tuple(int(x) for x in f.split(".")) >= (4, 56) for f in floors), floors
+    uses = [p.name for p in (REPO / "colab_memopt").glob("*.py") if re.search(r"from_(pretrained|config)\([^)]*\bdtype=", p.read_text())]
+    assert uses  # the reason for the floor; drop the floor's comment with the last use
