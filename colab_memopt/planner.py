@@ -1160,17 +1160,25 @@ def _host_costs(recipe: Recipe, batch: int, seq_len: int, n_params: int = 0) -> 
     return costs
 
 
-def offloaded_checkpoint_bytes(model: nn.Module, batch: int, seq_len: int, recipe: Recipe) -> int:
+def offloaded_checkpoint_bytes(model: nn.Module, batch: int, seq_len: int, recipe: Recipe, *, pinned: bool = False) -> int:
     """Return the host RAM of `recipe`'s offloaded checkpoints by rule: one (micro-batch x seq x hidden)
     input per block (0 unless checkpointing="offload"); a traced plan counts the traced bytes instead. The inputs are the residual
     stream, fp32 under autocast (fp32 weights and norms; so too after peft's prepare_model_for_kbit_training),
-    2 bytes only with pure 'bf16' weights."""
+    2 bytes only with pure 'bf16' weights. `pinned` (a CUDA target): each input is a pinned host copy, which
+    torch's caching host allocator rounds up to a power of two (`offload.pinned_bytes`)."""
+    from colab_memopt.offload import pinned_bytes
+
     if recipe.checkpointing != "offload":
         return 0
     dims = estimate._dims(model)
     micro = -(-batch // recipe.accumulation_steps)
     width = 2 if recipe.precision == "bf16" else 4
-    return dims["layers"] * micro * seq_len * dims["hidden"] * width
+    one = micro * seq_len * dims["hidden"] * width
+    return dims["layers"] * (pinned_bytes(one) if pinned else one)
+
+
+_PINNED_NOTE = ("; each a pinned copy, rounded up to a power of two as torch's caching host allocator allocates it "
+                "(ATen/core/CachingHostAllocator.h: PowerOf2Ceil), and kept cached between steps")
 
 
 def _load_costs(spec: Any, recipe: Recipe, target: Target) -> list[Cost]:
@@ -1347,11 +1355,13 @@ def plan(
     if rec.checkpointing == "offload":  # issue 16: the checkpointed blocks' inputs wait in host RAM
         if used == "trace":
             offloader = checkpoint_offloader(tracer.model)
-            result.host_costs.append(Cost("offloaded checkpoints", offloader.peak_host_bytes,
-                                          "traced: one block input per block (checkpointing.CheckpointOffloader)"))
+            result.host_costs.append(Cost("offloaded checkpoints",
+                                          offloader.peak_pinned_host_bytes if tgt.cuda else offloader.peak_host_bytes,
+                                          "traced: one block input per block (checkpointing.CheckpointOffloader)" + _PINNED_NOTE * tgt.cuda))
         else:
-            result.host_costs.append(Cost("offloaded checkpoints", offloaded_checkpoint_bytes(meta_model, batch, seq_len, rec),
-                                          "analytic: one block input per block (offloaded_checkpoint_bytes)"))
+            result.host_costs.append(Cost("offloaded checkpoints",
+                                          offloaded_checkpoint_bytes(meta_model, batch, seq_len, rec, pinned=tgt.cuda),
+                                          "analytic: one block input per block (offloaded_checkpoint_bytes)" + _PINNED_NOTE * tgt.cuda))
     if find_max_batch:
         budget = result.device_limit_bytes - sum(c.bytes for c in device_costs)
         if used == "trace":

@@ -691,3 +691,19 @@ def test_qlora_from_a_checkpoint_is_quantized_per_tensor_while_loading(monkeypat
     # loading.load_dtype: LoRA on a GPU without native bf16 loads the frozen base in fp16; no double quantization
     assert p.load_costs[2].bytes == planner.four_bit_dequant_bytes(biggest, 2, nested=False)
     assert p.load_costs[1].bytes >= p.by_category["parameters"]
+
+
+def test_offloaded_checkpoints_on_cuda_count_pinned_host_bytes_rounded():
+    # 4 blocks x (4 x 48 x 64 fp32 = 48 KiB): each pinned copy takes 64 KiB on CUDA
+    recipe = {"checkpointing": "offload"}
+    cuda = planner.plan(lambda: cm.build_model("tiny", n_layer=4), 4, seq_len=48, recipe=recipe, target="t4",
+                        find_max_batch=False)
+    cpu = planner.plan(lambda: cm.build_model("tiny", n_layer=4), 4, seq_len=48, recipe=recipe, target=CPU_TARGET,
+                       find_max_batch=False)
+    host = {p: {c.name: c for c in plan.host_costs}["offloaded checkpoints"] for p, plan in (("cuda", cuda), ("cpu", cpu))}
+    assert host["cpu"].bytes == 4 * 4 * 48 * 64 * 4 and host["cuda"].bytes == 4 * 64 * 1024
+    assert "PowerOf2Ceil" in host["cuda"].source
+    meta = cm.build_model("tiny", n_layer=4, device="meta")
+    rec = cm.Recipe(checkpointing="offload")
+    assert planner.offloaded_checkpoint_bytes(meta, 4, 48, rec, pinned=True) == 4 * 64 * 1024
+    assert planner.offloaded_checkpoint_bytes(meta, 4, 48, rec) == 4 * 4 * 48 * 64 * 4
