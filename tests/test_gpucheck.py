@@ -239,3 +239,19 @@ def test_a_call_budget_cuts_the_notebooks_short_and_says_so(tmp_path, monkeypatc
     monkeypatch.setattr(gpucheck, "load_budgets", lambda: ({}, 600, 3600))
     results = gpucheck.run_notebooks(tmp_path, gpucheck.child_env("none"), ["00"], deadline=time.monotonic() - 1)
     assert [(r.status, r.detail) for r in results] == [("failed", "not run: this call's --budget-seconds is spent")]
+
+
+def test_a_test_failing_only_for_an_absent_optional_package_is_skipped(monkeypatch):
+    import importlib.util
+
+    import conftest
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "galore_torch" else real(name, *a))
+    err = RuntimeError("optimizer 'galore_adamw8bit' needs galore-torch and bitsandbytes: pip install galore-torch")
+    assert conftest._absent_package(err) == "galore-torch"
+    missing = ModuleNotFoundError("No module named 'galore_torch'", name="galore_torch")
+    assert conftest._absent_package(missing) == "galore-torch"
+    # installed packages, and errors of other kinds, are not skipped: the test fails as it should
+    assert conftest._absent_package(RuntimeError("optimizer 'badam' needs badam: pip install badam")) is None
+    assert conftest._absent_package(ValueError("needs galore-torch")) is None
