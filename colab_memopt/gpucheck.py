@@ -1,17 +1,20 @@
 """`make test-gpu`: everything this project claims about CUDA, checked in one command on any CUDA GPU.
 
-    python -m colab_memopt.gpucheck [--out build/gpu] [--wheelhouse DIR] [--notebooks 00 05 ...] [--skip STEP ...]
+    python -m colab_memopt.gpucheck [--out build/gpu] [--wheelhouse DIR [--pip-target DIR]] [--only STEP ...]
+                                    [--part K/N] [--notebooks 00 05 ...] [--budget-seconds S] [--skip STEP ...]
+    python -m colab_memopt.gpucheck plan      # the calls that cover everything on a lent GPU machine (CALL_PLAN)
 
 Where torch sees no CUDA GPU it prints one line and exits 2. Otherwise, with `CM_EMULATE=t4` (the
 default on any GPU that is not a T4; `CM_EMULATE=none` turns it off) every process it starts caps the
 caching allocator to the T4's usable bytes less its context and takes the T4's code paths
 (`env.apply_emulation`), and every result is labelled "<gpu> emulating t4". The steps:
 
-0. preflight: the GPU, versions, and three measurements in fresh processes (the CUDA context outside
-   the allocator, the cuBLAS workspace the first matmul allocates, `is_bf16_supported`): env.json;
-1. install: what the machine lacks (bitsandbytes, deepspeed, papermill, nbval, ...) from PyPI, or from
-   a local wheel folder (`--wheelhouse`, `WHEELHOUSE=dir` in make) on machines without internet;
-2. the unit tests, then `tests/gpu` (what only CUDA shows);
+0. preflight (every call): the GPU, versions, and measurements in a fresh process (this GPU's own CUDA
+   context outside the allocator, the cuBLAS workspace the first matmul allocates, the workspaces a biased
+   Linear's backward adds: the autograd thread's cuBLAS one and cuBLASLt's, `is_bf16_supported`): env.json;
+1. install: what the machine lacks (`NEEDED`), one package at a time, each failure reported, from PyPI or,
+   without a network, from `make gpu-wheels`' folder (`--wheelhouse`, `WHEELHOUSE=dir` in make);
+2. the unit tests (`--part K/N`: one of N parts), then `tests/gpu` (what only CUDA shows);
 3. every notebook with its Colab defaults (papermill, a fresh kernel each, README.md untouched), each
    under its budget from tests/notebook_parameters_t4.yaml;
 4. the planner-accuracy grid on CUDA (benchmarks/planner_accuracy.py --grid cuda);
@@ -20,7 +23,8 @@ caching allocator to the T4's usable bytes less its context and takes the T4's c
    its emulation: technique_costs_t4.json or technique_costs_ampere.json, the name of the package data file the
    recommender reads for that class (copy it into colab_memopt/ to replace the published priors).
 It writes build/gpu/{env.json, results.json, planner_accuracy.json, technique_costs_<class>.json, claims.md}
-and prints a summary table last; the exit status is 1 if any step failed. Timings of an emulated run
+and prints a summary table last; the exit status is 1 if any step failed. `--only` runs some steps (a slice);
+each step's result is merged into results.json as soon as it ends, so slices run in separate calls add up. Timings of an emulated run
 are this GPU's, not a T4's.
 """
 
