@@ -53,12 +53,25 @@ def _absent_package(exc: BaseException) -> str | None:
     return None
 
 
+def _skip_if_absent(exc: Exception) -> None:
+    package = _absent_package(exc)
+    if package is not None:
+        pytest.skip(f"needs {package}, which is not installed here ({type(exc).__name__}: {str(exc)[:120]})")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    try:
+        return (yield)
+    except Exception as exc:
+        _skip_if_absent(exc)
+        raise
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item):
     try:
         return (yield)
     except Exception as exc:
-        package = _absent_package(exc)
-        if package is None:
-            raise
-        pytest.skip(f"needs {package}, which is not installed here ({type(exc).__name__}: {str(exc)[:120]})")
+        _skip_if_absent(exc)
+        raise

@@ -255,3 +255,17 @@ def test_a_test_failing_only_for_an_absent_optional_package_is_skipped(monkeypat
     # installed packages, and errors of other kinds, are not skipped: the test fails as it should
     assert conftest._absent_package(RuntimeError("optimizer 'badam' needs badam: pip install badam")) is None
     assert conftest._absent_package(ValueError("needs galore-torch")) is None
+
+
+def test_the_skip_hook_end_to_end(tmp_path):
+    (tmp_path / "test_fake.py").write_text(
+        "import pytest\nfrom colab_memopt import gpucheck\ngpucheck.NEEDED['cm_not_here'] = 'cm-not-here'\n\n"
+        "@pytest.fixture\ndef opt():\n    raise ModuleNotFoundError(\"No module named 'cm_not_here'\", name='cm_not_here')\n\n"
+        "def test_needs_it():\n    raise RuntimeError(\"optimizer 'x' needs cm-not-here: pip install cm-not-here\")\n\n"
+        "def test_fixture_needs_it(opt):\n    pass\n\n"
+        "def test_fails_for_another_reason():\n    raise RuntimeError('a real bug')\n")
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "conftest", "-p", "no:cacheprovider", "-rs", str(tmp_path)],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])})
+    assert "1 failed, 2 skipped" in run.stdout, run.stdout[-2000:]
+    assert "needs cm-not-here, which is not installed here" in run.stdout
