@@ -344,6 +344,11 @@ class Plan:
 
     @property
     def fits_device(self) -> bool:
+        return self.device_need_bytes <= self.device_limit_bytes
+
+    @property
+    def fits_run(self) -> bool:
+        """Return whether the whole run fits the device: loading (`load_costs`, by the path assumed there) and the step."""
         return self.run_peak_bytes <= self.device_limit_bytes
 
     @property
@@ -385,6 +390,7 @@ class Plan:
             "load_need_bytes": self.load_need_bytes,
             "run_peak_bytes": self.run_peak_bytes,
             "run_peak_phase": self.run_peak_phase,
+            "fits_run": self.fits_run,
             "seconds": self.seconds,
             "warnings": self.warnings,
         }
@@ -1352,6 +1358,11 @@ def plan(
         model_bytes = (result.by_category.get("parameters", 0) + result.by_category.get("buffers", 0)
                        + sum(c.bytes for c in device_costs if c.name == "quantization scales"))
         result.load_costs = four_bit_load_costs(meta_model, spec, rec, tgt, model_bytes)
+        if result.load_costs and not result.fits_run:
+            warn.append(f"loading needs {format_bytes(result.load_need_bytes)} on the device ({result.load_costs[1].name}, "
+                        f"{result.load_costs[2].name}), more than the {format_bytes(result.device_limit_bytes)} usable, though "
+                        "the step fits or not as said: load from a checkpoint, which transformers quantizes tensor by tensor "
+                        "on the device (loading.load_model with a hub id or a saved folder)")
     if rec.checkpointing == "offload":  # issue 16: the checkpointed blocks' inputs wait in host RAM
         if used == "trace":
             offloader = checkpoint_offloader(tracer.model)

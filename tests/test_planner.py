@@ -658,14 +658,16 @@ def test_qlora_cuda_plan_counts_the_forward_dequantization_and_the_load_peak(pre
     assert "device memory while loading" in str(p) and "run peak" in str(p)
 
 
-def test_qlora_load_peak_can_be_the_run_peak_and_decides_the_fit():
+def test_qlora_load_peak_can_be_the_run_peak_and_says_whether_the_run_fits():
     # batch 1 x 8 tokens: a tiny step, while the fp32 model (124M parameters) sits whole on the device before quantization
     p = planner.plan("gpt2-small", 1, seq_len=8, recipe={"quantization": "nf4", "lora_rank": 4}, target="t4", find_max_batch=False)
     assert p.run_peak_phase == "loading" and p.run_peak_bytes == p.load_need_bytes > p.device_need_bytes
     squeezed = dict(device_bytes=int((p.device_need_bytes + p.load_need_bytes) // 2 / 0.95), host_bytes=2**40,
                     compute_capability=(7, 5))
     q = planner.plan("gpt2-small", 1, seq_len=8, recipe={"quantization": "nf4", "lora_rank": 4}, target=squeezed, find_max_batch=False)
-    assert q.device_need_bytes <= q.device_limit_bytes and not q.fits_device  # the step fits; loading does not
+    assert q.fits_device and not q.fits_run  # the step fits; loading (the whole fp32 model first) does not
+    assert any(w.startswith("loading needs") and "load_model" in w for w in q.warnings)
+    assert p.fits_run and not any(w.startswith("loading needs") for w in p.warnings)
 
 
 def test_qlora_plan_lines_only_where_cuda_runs_a_4bit_base():
