@@ -4,6 +4,7 @@
 # make test-browser : the widget panels in JupyterLab, driven by headless Chromium (installs both)
 # make lab   : JupyterLab on notebooks/
 # make test-gpu : everything on a CUDA GPU (emulating a T4 on other GPUs); exits 2 with one line without CUDA
+# make gpu-wheels: the wheels a lent GPU machine without a network lacks, in carries of at most 60 MiB
 # A fresh machine needs only Python 3.11+ and make: the first target creates .venv and installs.
 
 SHELL := /bin/bash
@@ -20,7 +21,7 @@ export TORCH_EXTENSIONS_DIR ?= $(HOME)/.cache/torch_extensions
 export MPLBACKEND ?= Agg
 export PYTHONUNBUFFERED := 1
 
-.PHONY: install run readme test test-unit test-notebooks test-browser browser-deps lab clean test-gpu
+.PHONY: install run readme test test-unit test-notebooks test-browser browser-deps lab clean test-gpu gpu-wheels
 
 install: $(STAMP)
 
@@ -72,7 +73,15 @@ endif
 endif
 
 test-gpu:
-	$(GPU_PYTHON) -m colab_memopt.gpucheck --out build/gpu $(if $(WHEELHOUSE),--wheelhouse $(WHEELHOUSE))
+	$(GPU_PYTHON) -m colab_memopt.gpucheck --out build/gpu $(if $(WHEELHOUSE),--wheelhouse $(WHEELHOUSE)) $(GPU_ARGS)
+
+# make gpu-wheels [WHEELHOUSE_DIR=build/wheelhouse]: download (here, with a network) exactly the wheels a lent GPU machine
+# lacks for its Python 3.12 (manylinux x86_64; DeepSpeed as an sdist with setuptools and wheel), split into parts of at
+# most 60 MiB (colab_memopt/wheelhouse.py). There: make test-gpu WHEELHOUSE=<part> GPU_ARGS="--only install gpu-tests",
+# one slice per call; `python -m colab_memopt.gpucheck plan` prints the calls that cover everything (gpucheck.CALL_PLAN).
+WHEELHOUSE_DIR ?= build/wheelhouse
+gpu-wheels: $(STAMP)
+	$(PY) -m colab_memopt.wheelhouse --dest $(WHEELHOUSE_DIR)
 
 # The widget panels in a real browser. Debian's chromium (apt, needs root, as in CI) and the Python
 # playwright package from requirements-browser.txt; Playwright's browser download is not used.

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from colab_memopt.offload import TransferStats, host_side
+from colab_memopt.offload import TransferStats, held_host_bytes, host_side, pinned_bytes
 
 POLICIES = ("none", "full", "every_n", "segments", "selective", "offload")
 
@@ -172,13 +172,19 @@ class CheckpointOffloader:
 
     Attributes:
         stats: transfers each way (`offload.TransferStats`: counts, bytes, seconds).
-        peak_host_bytes: the most host bytes held at once since creation or `reset_peak`.
+        peak_host_bytes: the most host bytes held at once since creation or `reset_peak` (on CUDA the
+            copies are pinned, so each counts as torch's caching host allocator rounds it: the next power
+            of two, `offload.pinned_bytes`).
+        peak_pinned_host_bytes: the same peak with every copy rounded as a pinned one, wherever it ran:
+            what the planner gives a CUDA target from a CPU trace. Freed pinned blocks stay cached by torch
+            for the next step, so this much host RAM stays taken between steps too.
     """
 
     def __init__(self, prefetch: bool = True) -> None:
         self.prefetch = bool(prefetch)
         self.stats = TransferStats()
         self.peak_host_bytes = 0
+        self.peak_pinned_host_bytes = 0
         self._entries: list[weakref.ref[_Offloaded]] = []  # this step's offloaded inputs, in forward order
         self._streams: dict[torch.device, Any] = {}
 
@@ -186,11 +192,17 @@ class CheckpointOffloader:
     @property
     def host_bytes(self) -> int:
         """Return the bytes of block inputs held in host memory now (0 once backward freed the graph)."""
-        return sum(_bytes(e.host) for e in self._live())
+        return sum(held_host_bytes(e.host) for e in self._live())
+
+    @property
+    def pinned_host_bytes(self) -> int:
+        """Return the host bytes held now if every copy were pinned (CUDA): each rounded up to a power of two."""
+        return sum(pinned_bytes(_bytes(e.host)) for e in self._live())
 
     def reset_peak(self) -> None:
-        """Start counting `peak_host_bytes` again from what is held now."""
+        """Start counting `peak_host_bytes` (and `peak_pinned_host_bytes`) again from what is held now."""
         self.peak_host_bytes = self.host_bytes
+        self.peak_pinned_host_bytes = self.pinned_host_bytes
 
     def _live(self) -> list[_Offloaded]:
         return [e for e in (ref() for ref in self._entries) if e is not None]
@@ -219,6 +231,7 @@ class CheckpointOffloader:
         self.stats.bytes_to_host += _bytes(t)
         self.stats.seconds_to_host += time.perf_counter() - start
         self.peak_host_bytes = max(self.peak_host_bytes, self.host_bytes)
+        self.peak_pinned_host_bytes = max(self.peak_pinned_host_bytes, self.pinned_host_bytes)
         return entry
 
     def _unpack(self, packed: Any) -> torch.Tensor:

@@ -55,6 +55,33 @@ def host_side(emulated: bool) -> Iterator[None]:
         optim_mod._global_optimizer_post_hooks.update(post)
 
 
+def pinned_bytes(nbytes: int) -> int:
+    """Return the host bytes torch's caching host allocator takes for a pinned tensor of `nbytes` bytes.
+
+    It rounds every pinned allocation up to the next power of two and keeps freed blocks cached for
+    reuse (PyTorch `ATen/core/CachingHostAllocator.h`, `PowerOf2Ceil(size)` below
+    `pinned_max_round_threshold`, whose default is SIZE_MAX: `c10/core/AllocatorConfig.h`). So an 18 MiB
+    pinned copy holds 32 MiB of host RAM.
+
+    Example:
+        >>> pinned_bytes(18 * 2**20) == 32 * 2**20
+        True
+    """
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+        raise ValueError(f"nbytes must be an integer >= 0, got {nbytes!r}")
+    return 0 if nbytes == 0 else 1 << (nbytes - 1).bit_length()
+
+
+def held_host_bytes(t: torch.Tensor) -> int:
+    """Return the host bytes `t` holds: its bytes, rounded as the caching host allocator rounds them if pinned."""
+    nbytes = t.numel() * t.element_size()
+    try:
+        pinned = t.device.type == "cpu" and t.is_pinned()
+    except (RuntimeError, NotImplementedError):  # a fake or meta tensor (the planner's trace): not pinned
+        pinned = False
+    return pinned_bytes(nbytes) if pinned else nbytes
+
+
 def _host_copy(t: torch.Tensor, pin: bool) -> torch.Tensor:
     out = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
     out.copy_(t.detach())
@@ -179,8 +206,8 @@ class OffloadManager:
 
     @property
     def host_bytes(self) -> int:
-        """Return the bytes held in host memory."""
-        return sum(t.numel() * t.element_size() for t in self._host.values())
+        """Return the bytes held in host memory (pinned copies rounded up to a power of two, as torch allocates them)."""
+        return sum(held_host_bytes(t) for t in self._host.values())
 
     def get_statistics(self) -> TransferStats:
         """Return the transfer statistics so far (waiting for asynchronous copies to time them)."""
@@ -490,8 +517,9 @@ class LayerStreamer:
         return out
 
     def host_bytes(self) -> int:
-        """Return the host bytes of the streamed weights and their gradients."""
-        return sum(h.numel() * h.element_size() * (2 if h.grad is not None else 1) for h in self.host.values())
+        """Return the host bytes of the streamed weights and their gradients (pinned ones rounded up to a power of
+        two, as torch's caching host allocator allocates them)."""
+        return sum(held_host_bytes(h) + (held_host_bytes(h.grad) if h.grad is not None else 0) for h in self.host.values())
 
     def optimizer(self, factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer]) -> StreamingOptimizer:
         """Return an optimizer over the device parameters and the host copies, from `factory(params)`."""

@@ -117,8 +117,8 @@ def set_optimizer_impl(optimizer: torch.optim.Optimizer, impl: str) -> torch.opt
     return optimizer
 
 
-# torch's default CUBLAS_WORKSPACE_CONFIG (aten/src/ATen/cuda/CublasHandlePool.cpp): ':4096:2:16:8'
-# (8 MiB + 128 KiB) below sm_90, 32 MiB from sm_90 (Hopper) on.
+# torch's default CUBLAS_WORKSPACE_CONFIG (aten/src/ATen/cuda/CublasHandlePool.cpp, parseChosenWorkspaceSize):
+# ':4096:2:16:8' (8 MiB + 128 KiB), and 32 MiB on sm_90 (Hopper: `major == 9 && minor == 0`).
 _CUBLAS_DEFAULT_BELOW_SM90 = 4096 * 1024 * 2 + 16 * 1024 * 8
 _CUBLAS_DEFAULT_SM90 = 4096 * 1024 * 8
 
@@ -139,10 +139,65 @@ def cublas_workspace_bytes(compute_capability: tuple[int, int] | None, config: s
         if not pairs or "".join(f":{a}:{b}" for a, b in pairs) != config.strip():
             raise ValueError(f"CUBLAS_WORKSPACE_CONFIG must be ':SIZE_KiB:COUNT' pairs such as ':4096:8', got {config!r}")
         return sum(int(a) * 1024 * int(b) for a, b in pairs), f"CUBLAS_WORKSPACE_CONFIG={config} (set in the environment)"
-    if compute_capability is not None and tuple(compute_capability) >= (9, 0):
-        return _CUBLAS_DEFAULT_SM90, "torch's default cuBLAS workspace on sm_90+ (32 MiB, CublasHandlePool.cpp); make test-gpu measures it"
+    if compute_capability is not None and tuple(compute_capability) == (9, 0):  # `major == 9 && minor == 0` there
+        return _CUBLAS_DEFAULT_SM90, "torch's default cuBLAS workspace on sm_90 (32 MiB, CublasHandlePool.cpp); make test-gpu measures it"
     return _CUBLAS_DEFAULT_BELOW_SM90, ("torch's default cuBLAS workspace below sm_90 (':4096:2:16:8' = 8,519,680 B, "
                                         "CublasHandlePool.cpp), through the caching allocator; make test-gpu measures it")
+
+
+_CUBLASLT_DEFAULT_KIB = 1024  # CublasHandlePool.cpp, parseCUDABlasLtWorkspaceSize: "default size in KiB according to #73328"
+_CUBLAS_SOURCE = "https://github.com/pytorch/pytorch/blob/main/aten/src/ATen/cuda/CublasHandlePool.cpp"
+
+
+def cublaslt_workspace_bytes(config: str | None = None, unified: str | None = None) -> tuple[int, str]:
+    """Return (bytes, source) of the cuBLASLt workspace torch allocates per (handle, stream) on CUDA.
+
+    `config` is a `CUBLASLT_WORKSPACE_SIZE` value in KiB (None reads the environment; default 1024 KiB);
+    `unified` a `TORCH_CUBLASLT_UNIFIED_WORKSPACE` value (None reads the environment): when it is '1'/'true',
+    cuBLASLt calls share the cuBLAS workspace and allocate nothing of their own (0 bytes). torch allocates it
+    through the caching allocator on the first cuBLASLt matmul of a thread (`getCUDABlasLtWorkspace`):
+    `addmm` with a bias, every `nn.Linear` with one, goes there.
+
+    Example:
+        >>> cublaslt_workspace_bytes("", "")[0]   # 1 MiB
+        1048576
+    """
+    config = os.environ.get("CUBLASLT_WORKSPACE_SIZE") if config is None else config
+    unified = os.environ.get("TORCH_CUBLASLT_UNIFIED_WORKSPACE") if unified is None else unified
+    if unified and unified.strip().lower() in ("1", "true", "on", "yes", "y"):
+        return 0, f"TORCH_CUBLASLT_UNIFIED_WORKSPACE={unified}: cuBLASLt shares the cuBLAS workspace ({_CUBLAS_SOURCE})"
+    if config:
+        if not config.strip().isdigit():
+            raise ValueError(f"CUBLASLT_WORKSPACE_SIZE must be a size in KiB such as '1024', got {config!r}")
+        return int(config) * 1024, f"CUBLASLT_WORKSPACE_SIZE={config} KiB (set in the environment)"
+    return _CUBLASLT_DEFAULT_KIB * 1024, (f"torch's default cuBLASLt workspace (1024 KiB, parseCUDABlasLtWorkspaceSize; "
+                                          f"a separate one unless TORCH_CUBLASLT_UNIFIED_WORKSPACE=1: {_CUBLAS_SOURCE})")
+
+
+def cuda_workspace_costs(compute_capability: tuple[int, int] | None) -> list[Cost]:
+    """Return the plan lines of the cuBLAS and cuBLASLt workspaces a training step holds on CUDA.
+
+    torch keys each workspace by (cuBLAS handle, stream) (`setWorkspaceForHandle`,
+    `cublas_handle_stream_to_workspace` in CublasHandlePool.cpp) and a handle belongs to one thread
+    (`thread_local` pool window in `getCurrentCUDABlasHandle`). A step runs its matmuls on two threads:
+    forward (and the optimizer) on the caller's, backward on the autograd engine's device thread, so it
+    holds two cuBLAS workspaces; the forward's biased Linears (`addmm` through cuBLASLt) add a cuBLASLt
+    workspace. All are allocated through the caching allocator at the first step and kept: inside
+    `max_memory_allocated`, outside a later step's foreign-corrected peak. Sizes follow the environment
+    (`CUBLAS_WORKSPACE_CONFIG`, `CUBLASLT_WORKSPACE_SIZE`, `TORCH_CUBLASLT_UNIFIED_WORKSPACE`).
+    """
+    workspace, source = cublas_workspace_bytes(compute_capability)
+    lt, lt_source = cublaslt_workspace_bytes()
+    costs = [
+        Cost("cuBLAS workspace", workspace, f"forward thread's handle: {source}", in_allocator=True),
+        Cost("cuBLAS workspace (autograd thread)", workspace,
+             f"backward's matmuls run on the autograd engine's device thread, whose own cuBLAS handle gets its own "
+             f"workspace (handles are per thread, workspaces per (handle, stream): {_CUBLAS_SOURCE}); {source}",
+             in_allocator=True),
+    ]
+    if lt:
+        costs.append(Cost("cuBLASLt workspace", lt, f"addmm with a bias (nn.Linear) runs cuBLASLt: {lt_source}", in_allocator=True))
+    return costs
 
 
 def get_target(target: str | Target | dict[str, Any]) -> Target:
@@ -215,6 +270,7 @@ class Cost:
     bytes: int
     source: str
     in_allocator: bool = False  # allocated through the caching allocator: inside max_memory_allocated
+    in_step: bool = False  # allocated and freed inside each step (a transient): inside its foreign-corrected peak
 
 
 @dataclass
@@ -239,10 +295,33 @@ class Plan:
     seconds: float = 0.0
     warnings: list[str] = field(default_factory=list)
     optimizer_impl: str = "single-tensor"  # the optimizer implementation traced
+    load_costs: list[Cost] = field(default_factory=list)  # the device at the peak of loading (CUDA, 4-bit bases)
 
     @property
     def device_need_bytes(self) -> int:
         return self.peak_bytes + sum(c.bytes for c in self.device_costs)
+
+    @property
+    def step_peak_bytes(self) -> int:
+        """Return the step's own peak as `measure_step` reports it on CUDA (foreign bytes taken out): the tensors
+        at the peak plus the step's transients the trace cannot see (`Cost.in_step`, e.g. 4-bit dequantization)."""
+        return self.peak_bytes + sum(c.bytes for c in self.device_costs if c.in_step)
+
+    @property
+    def load_need_bytes(self) -> int:
+        """Return the device bytes at the peak of loading the model (0 where not planned: only CUDA 4-bit bases
+        are, since there quantizing on the device can be the run's highest point)."""
+        return sum(c.bytes for c in self.load_costs)
+
+    @property
+    def run_peak_bytes(self) -> int:
+        """Return the run's peak device need: the higher of loading and the training step."""
+        return max(self.device_need_bytes, self.load_need_bytes)
+
+    @property
+    def run_peak_phase(self) -> str:
+        """Return which part of the run is highest: 'loading' or 'step'."""
+        return "loading" if self.load_need_bytes > self.device_need_bytes else "step"
 
     @property
     def allocator_peak_bytes(self) -> int:
@@ -266,6 +345,11 @@ class Plan:
     @property
     def fits_device(self) -> bool:
         return self.device_need_bytes <= self.device_limit_bytes
+
+    @property
+    def fits_run(self) -> bool:
+        """Return whether the whole run fits the device: loading (`load_costs`, by the path assumed there) and the step."""
+        return self.run_peak_bytes <= self.device_limit_bytes
 
     @property
     def fits_host(self) -> bool:
@@ -301,6 +385,12 @@ class Plan:
             "analytic_peak_bytes": self.analytic_peak_bytes,
             "allocator_peak_bytes": self.allocator_peak_bytes,
             "optimizer_impl": self.optimizer_impl,
+            "step_peak_bytes": self.step_peak_bytes,
+            "load_costs": [asdict(c) for c in self.load_costs],
+            "load_need_bytes": self.load_need_bytes,
+            "run_peak_bytes": self.run_peak_bytes,
+            "run_peak_phase": self.run_peak_phase,
+            "fits_run": self.fits_run,
             "seconds": self.seconds,
             "warnings": self.warnings,
         }
@@ -319,6 +409,12 @@ class Plan:
         lines.append(f"  {'= need':18s} {format_bytes(self.device_need_bytes):>12s}   of {format_bytes(self.device_limit_bytes)} "
                      f"usable ({format_bytes(self.target.device_bytes)} less {self.headroom_fraction:.0%} headroom)")
         lines.append("peak by phase: " + ", ".join(f"{p} {format_bytes(b)}" for p, b in self.by_phase.items()))
+        if self.load_costs:
+            lines.append("device memory while loading:")
+            lines += [f"  {c.name:18s} {format_bytes(c.bytes):>12s}   {c.source}" for c in self.load_costs]
+            lines.append(f"  {'= need':18s} {format_bytes(self.load_need_bytes):>12s}")
+            lines.append(f"run peak: {format_bytes(self.run_peak_bytes)}, while {'loading' if self.run_peak_phase == 'loading' else 'training'} "
+                         f"(loading {format_bytes(self.load_need_bytes)}, step {format_bytes(self.device_need_bytes)})")
         lines.append("host RAM:")
         lines += [f"  {c.name:18s} {format_bytes(c.bytes):>12s}   {c.source}" for c in self.host_costs]
         lines.append(f"  {'= need':18s} {format_bytes(self.host_need_bytes):>12s}   of {format_bytes(self.host_limit_bytes)} usable")
@@ -945,6 +1041,135 @@ def _verified_max_batch(
     return (lo if lo >= lower else 0), hi - lo <= 1
 
 
+# bitsandbytes 0.50.2, backends/cuda/ops.py: the `gemm_4bit` CUDA kernel's dispatch. At or below 4 rows (tokens)
+# the fused cgemm_4bit kernel always runs; above 1536 the unfused fallback always does; between, a per-GPU heuristic.
+FOUR_BIT_FUSED_MAX_TOKENS = 4  # _GEMM_4BIT_CUSTOM_FLOOR_M
+FOUR_BIT_FALLBACK_ABOVE_TOKENS = 1536  # _gemm_4bit_custom_max_m (CUDA)
+_BNB_CUDA_OPS = "bitsandbytes 0.50.2 backends/cuda/ops.py"
+
+
+def _round_block(nbytes: int) -> int:
+    return -(-nbytes // _CUDA_MIN_BLOCK) * _CUDA_MIN_BLOCK
+
+
+def four_bit_dequant_bytes(numel: int, itemsize: int, *, nested: bool, blocksize: int = FOUR_BIT_BLOCKSIZE) -> int:
+    """Return the device bytes bitsandbytes allocates on CUDA to dequantize (or to quantize) one 4-bit weight.
+
+    The weight in `itemsize`-byte floats and, with nested (double-quantized) statistics, the per-block fp32
+    absmax twice (dequantized, then shifted by the offset; `_dequant_linear_fallback`, `quantize_4bit`), each
+    rounded up to the caching allocator's 512-byte blocks.
+
+    Example:
+        >>> four_bit_dequant_bytes(4096 * 4096, 2, nested=True)   # 32 MiB + 2 x 1 MiB
+        35651584
+    """
+    blocks = -(-numel // blocksize)
+    return _round_block(numel * itemsize) + (2 * _round_block(blocks * 4) if nested else 0)
+
+
+def _four_bit_numels(meta_model: nn.Module) -> list[int]:
+    """Return the weight sizes of the layers a 4-bit recipe quantizes (`quantization.linear_layers`: lm_head kept)."""
+    from colab_memopt.quantization import linear_layers
+
+    return [mod.weight.numel() for _, mod in linear_layers(meta_model)]
+
+
+def _four_bit_path(spec: Any, recipe: Recipe, target: Target, meta_model: nn.Module) -> tuple[bool, torch.dtype]:
+    """Return (quantized by transformers while loading, the dtype the weights are quantized from and computed in)."""
+    from colab_memopt.loading import has_weights, load_dtype
+    from colab_memopt.precision import BASE_DTYPES
+    from colab_memopt.presets import BF16_TARGETS
+    from colab_memopt.quantization import linear_layers
+
+    if has_weights(spec):  # loading.load_model: BitsAndBytesConfig, compute dtype = load dtype
+        return True, load_dtype(recipe, "cuda", native_bf16=target.name in BF16_TARGETS)
+    if recipe.base_dtype is not None:  # Recipe.build: the frozen base cast before quantize_model
+        return False, BASE_DTYPES[recipe.base_dtype]
+    weights = [mod.weight.dtype for _, mod in linear_layers(meta_model)]
+    return False, weights[0] if weights else torch.float32
+
+
+def four_bit_step_costs(meta_model: nn.Module, spec: Any, recipe: Recipe, target: Target, batch: int,
+                        seq_len: int) -> list[Cost]:
+    """Return the plan lines of what a 4-bit (QLoRA) step allocates on CUDA that a CPU trace does not see.
+
+    bitsandbytes' `MatMul4Bit.forward` calls the `gemm_4bit` op. Its CUDA kernel either runs the fused
+    `cgemm_4bit` kernel (output only) or, above 1536 tokens per micro-batch always and between 5 and 1536 by
+    a per-GPU heuristic, `_dequant_linear_fallback`: the layer's whole weight dequantized to the compute dtype
+    (and a nested absmax to fp32, twice), `F.linear`, then freed. That happens inside the op: the fake kernel
+    the trace runs allocates only the output, and the CUDA tracker cannot see inside an op either (it lands in
+    `untracked`). One layer at a time, so the largest layer's bytes are added once, to the traced peak: an
+    upper bound, since the transient need not coincide with the peak (with checkpointing the recomputed
+    forward runs it inside backward). Backward's dequantization (`MatMul4Bit.backward`: `F.dequantize_4bit`)
+    is a Python call of ops the trace runs, so it is traced already. Empty unless the recipe trains a 4-bit base.
+    """
+    if recipe.quantization not in ("nf4", "fp4") or recipe.quantization_phase != "all":
+        return []
+    numels = _four_bit_numels(meta_model)
+    tokens = -(-batch // recipe.accumulation_steps) * seq_len
+    if not numels or tokens <= FOUR_BIT_FUSED_MAX_TOKENS:
+        return []
+    by_transformers, dtype = _four_bit_path(spec, recipe, target, meta_model)
+    nbytes = four_bit_dequant_bytes(max(numels), dtype.itemsize, nested=not by_transformers)
+    when = (f"{tokens} tokens per micro-batch > {FOUR_BIT_FALLBACK_ABOVE_TOKENS}: always this path" if tokens > FOUR_BIT_FALLBACK_ABOVE_TOKENS
+            else f"{tokens} tokens per micro-batch: the fused kernel or this path by a per-GPU heuristic "
+                 "(_gemm_4bit_use_custom_cuda); planned as this path, an upper bound")
+    return [Cost("4-bit dequantized weight", nbytes,
+                 f"{_BNB_CUDA_OPS} _dequant_linear_fallback: the largest 4-bit layer's weight ({max(numels):,} values) "
+                 f"dequantized to {str(dtype).removeprefix('torch.')}"
+                 f"{' with its nested absmax in fp32 twice' if not by_transformers else ''} inside gemm_4bit, once per "
+                 f"layer call ({when}); not in the trace (the fake kernel allocates only the output)",
+                 in_allocator=True, in_step=True)]
+
+
+def four_bit_load_costs(meta_model: nn.Module, spec: Any, recipe: Recipe, target: Target, model_bytes: int) -> list[Cost]:
+    """Return the plan lines of the device at the peak of loading a 4-bit base onto CUDA (empty otherwise).
+
+    Two paths, as `loading.load_model` and `Recipe.build` take them:
+    - a checkpoint (hub id or folder with weights): transformers quantizes each weight as it arrives on the
+      device (`integrations/bitsandbytes.py`: `Params4bit(value, ...).to(value.device)`, per tensor), so the
+      peak is the loaded model (`model_bytes`: the step's parameters and buffers, and the quantization scales)
+      plus one weight in the load dtype (an upper bound: the largest one, as if it came last);
+    - no checkpoint (our named models, random weights): the whole model is on the device in its own dtype
+      before `quantize_model` replaces its layers one by one, each cloned (`quantization._bnb_linear`) and
+      quantized there (`Params4bit._quantize` -> `quantize_4bit`: its absmax in fp32, and again less the
+      offset for nested statistics), so the peak is the unquantized model plus one clone and its absmax.
+    The CUDA context is a line of both, as in the step.
+    """
+    if not target.cuda or recipe.quantization not in ("nf4", "fp4") or recipe.quantization_phase != "all":
+        return []
+    numels = _four_bit_numels(meta_model)
+    if not numels:
+        return []
+    by_transformers, dtype = _four_bit_path(spec, recipe, target, meta_model)
+    context = Cost("CUDA context", target.cuda_context_bytes, "assumed, as in the step")
+    name = str(dtype).removeprefix("torch.")
+    if by_transformers:
+        return [context,
+                Cost("loaded 4-bit model", model_bytes, "the step's parameters and buffers (traced; adapters included) "
+                     "and the quantization scales: what loading leaves on the device", in_allocator=True),
+                Cost("weight being quantized", four_bit_dequant_bytes(max(numels), dtype.itemsize, nested=False),
+                     f"transformers loads each weight to the device in {name} and quantizes it there "
+                     "(integrations/bitsandbytes.py, Params4bit.to -> bitsandbytes quantize_4bit); the largest, "
+                     "counted as if it came last", in_allocator=True)]
+    seen: dict[int, torch.Tensor] = {id(t): t for t in [*meta_model.parameters(), *meta_model.buffers()]}
+    quantize = four_bit_dequant_bytes(max(numels), dtype.itemsize, nested=True)
+    # precision.half_frozen_base casts tensor by tensor (Module.to): the whole model plus one tensor in base_dtype
+    cast = max((_round_block(t.numel() * dtype.itemsize) for t in seen.values() if t.is_floating_point()
+                and t.dtype != dtype), default=0) if recipe.base_dtype is not None else 0
+    lines = [context,
+             Cost("unquantized model", sum(_round_block(t.numel() * t.element_size()) for t in seen.values()),
+                  "the model as built, on the device before Recipe.build casts (base_dtype) and quantizes "
+                  "(quantization.quantize_model) it", in_allocator=True)]
+    if cast > quantize:
+        return [*lines, Cost("tensor being cast", cast, f"precision.half_frozen_base casts the model to {name} tensor by "
+                             "tensor before quantizing it (Module.to): the largest tensor's new copy", in_allocator=True)]
+    return [*lines, Cost("weight being quantized", quantize,
+                         f"quantization._bnb_linear clones the layer's weight ({name}) and bitsandbytes quantizes the clone "
+                         f"on the device (quantize_4bit: absmax in fp32, then less its offset: {_BNB_CUDA_OPS}); the "
+                         "largest layer", in_allocator=True)]
+
+
 def _host_costs(recipe: Recipe, batch: int, seq_len: int, n_params: int = 0) -> list[Cost]:
     rss = host_memory().rss_bytes
     costs = [
@@ -959,17 +1184,25 @@ def _host_costs(recipe: Recipe, batch: int, seq_len: int, n_params: int = 0) -> 
     return costs
 
 
-def offloaded_checkpoint_bytes(model: nn.Module, batch: int, seq_len: int, recipe: Recipe) -> int:
+def offloaded_checkpoint_bytes(model: nn.Module, batch: int, seq_len: int, recipe: Recipe, *, pinned: bool = False) -> int:
     """Return the host RAM of `recipe`'s offloaded checkpoints by rule: one (micro-batch x seq x hidden)
     input per block (0 unless checkpointing="offload"); a traced plan counts the traced bytes instead. The inputs are the residual
     stream, fp32 under autocast (fp32 weights and norms; so too after peft's prepare_model_for_kbit_training),
-    2 bytes only with pure 'bf16' weights."""
+    2 bytes only with pure 'bf16' weights. `pinned` (a CUDA target): each input is a pinned host copy, which
+    torch's caching host allocator rounds up to a power of two (`offload.pinned_bytes`)."""
+    from colab_memopt.offload import pinned_bytes
+
     if recipe.checkpointing != "offload":
         return 0
     dims = estimate._dims(model)
     micro = -(-batch // recipe.accumulation_steps)
     width = 2 if recipe.precision == "bf16" else 4
-    return dims["layers"] * micro * seq_len * dims["hidden"] * width
+    one = micro * seq_len * dims["hidden"] * width
+    return dims["layers"] * (pinned_bytes(one) if pinned else one)
+
+
+_PINNED_NOTE = ("; each a pinned copy, rounded up to a power of two as torch's caching host allocator allocates it "
+                "(ATen/core/CachingHostAllocator.h: PowerOf2Ceil), and kept cached between steps")
 
 
 def _load_costs(spec: Any, recipe: Recipe, target: Target) -> list[Cost]:
@@ -1062,10 +1295,10 @@ def plan(
     analytic = estimate.training_step_bytes(meta_model, batch, seq_len, rec)
     device_costs = []
     if tgt.cuda:
-        workspace, workspace_source = cublas_workspace_bytes(tgt.compute_capability)
         device_costs = [
             Cost("CUDA context", tgt.cuda_context_bytes, "assumed (0.5-2 GB seen on Colab; measure with NVML on your card)"),
-            Cost("cuBLAS workspace", workspace, workspace_source, in_allocator=True),
+            *cuda_workspace_costs(tgt.compute_capability),
+            *four_bit_step_costs(meta_model, spec, rec, tgt, batch, seq_len),
         ]
     warn: list[str] = []
     if rec.precision == "fp16":
@@ -1137,14 +1370,25 @@ def plan(
                                      in_allocator=True))
         if int8_warning:
             warn.append(int8_warning)
+    if tgt.cuda:  # issue 24: loading (and quantizing) can be the run's highest point
+        model_bytes = (result.by_category.get("parameters", 0) + result.by_category.get("buffers", 0)
+                       + sum(c.bytes for c in device_costs if c.name == "quantization scales"))
+        result.load_costs = four_bit_load_costs(meta_model, spec, rec, tgt, model_bytes)
+        if result.load_costs and not result.fits_run:
+            warn.append(f"loading needs {format_bytes(result.load_need_bytes)} on the device ({result.load_costs[1].name}, "
+                        f"{result.load_costs[2].name}), more than the {format_bytes(result.device_limit_bytes)} usable, though "
+                        "the step fits or not as said: load from a checkpoint, which transformers quantizes tensor by tensor "
+                        "on the device (loading.load_model with a hub id or a saved folder)")
     if rec.checkpointing == "offload":  # issue 16: the checkpointed blocks' inputs wait in host RAM
         if used == "trace":
             offloader = checkpoint_offloader(tracer.model)
-            result.host_costs.append(Cost("offloaded checkpoints", offloader.peak_host_bytes,
-                                          "traced: one block input per block (checkpointing.CheckpointOffloader)"))
+            result.host_costs.append(Cost("offloaded checkpoints",
+                                          offloader.peak_pinned_host_bytes if tgt.cuda else offloader.peak_host_bytes,
+                                          "traced: one block input per block (checkpointing.CheckpointOffloader)" + _PINNED_NOTE * tgt.cuda))
         else:
-            result.host_costs.append(Cost("offloaded checkpoints", offloaded_checkpoint_bytes(meta_model, batch, seq_len, rec),
-                                          "analytic: one block input per block (offloaded_checkpoint_bytes)"))
+            result.host_costs.append(Cost("offloaded checkpoints",
+                                          offloaded_checkpoint_bytes(meta_model, batch, seq_len, rec, pinned=tgt.cuda),
+                                          "analytic: one block input per block (offloaded_checkpoint_bytes)" + _PINNED_NOTE * tgt.cuda))
     if find_max_batch:
         budget = result.device_limit_bytes - sum(c.bytes for c in device_costs)
         if used == "trace":

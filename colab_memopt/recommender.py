@@ -465,7 +465,7 @@ def _recommend_mode(
         for rec in recipes:
             need = estimate.training_step_bytes(meta_model, batch, seq_len, rec).peak_bytes + fixed
             out.append(Candidate(_name(rec, tgt, mode, arch), rec, expected_slowdown(rec, costs), need, limit,
-                                 analytic_host_bytes=offloaded_checkpoint_bytes(meta_model, batch, seq_len, rec),
+                                 analytic_host_bytes=offloaded_checkpoint_bytes(meta_model, batch, seq_len, rec, pinned=tgt.cuda),
                                  host_limit_bytes=host_limit))
         # Fastest: least slowdown, then fewest techniques (equal expected time: take the simpler recipe), then memory.
         key = ((lambda c: (c.slowdown.ratio, c.slowdown.n_techniques, c.analytic_need_bytes)) if objective == "fastest"

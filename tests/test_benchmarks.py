@@ -20,18 +20,28 @@ def test_grids_include_foreach_rows_and_only_valid_batches():
     assert all(b >= f.get("accumulation_steps", 1) for _, b, _, f, _ in rows)
     cuda = pa._configs("cuda", cpu)
     assert {r[4] for r in cuda} == {"foreach"} and ("smollm2-135m", 1, 512, {}, "foreach") in cuda
+    # issue 24: no reference size whose every step is far below 64 MiB; QLoRA's dequantization is checked on CUDA
+    assert not {r[0] for r in cuda} & {"tiny", "small"}
+    assert any(r[3].get("quantization") == "nf4" for r in cuda)
 
 
-def test_pass_rule_is_one_percent_on_cpu_and_five_percent_or_one_mib_on_cuda():
+def test_cuda_rows_compare_like_with_like():
+    # the foreign-corrected measurement against Plan.step_peak_bytes: both without the fixed workspaces
+    import inspect
+
+    src = inspect.getsource(pa.main)
+    assert "predicted.step_peak_bytes if cuda" in src and "measured = report.peak_bytes" in src
+    assert "predicted.step_peak_bytes < CUDA_SMALL_BYTES" in src  # rows of 64 MiB and more
+
+
+def test_pass_rule_is_one_percent_on_cpu_and_five_percent_on_cuda():
     MiB = 2**20
     assert pa._passes({"rel_error_pct": 0.9, "measured_bytes": MiB, "abs_error_bytes": 0}, cuda=False)
     assert not pa._passes({"rel_error_pct": 1.1, "measured_bytes": MiB, "abs_error_bytes": 0}, cuda=False)
     big = 100 * MiB
     assert pa._passes({"rel_error_pct": -4.9, "measured_bytes": big, "abs_error_bytes": -4.9 * MiB}, cuda=True)
     assert not pa._passes({"rel_error_pct": 5.1, "measured_bytes": big, "abs_error_bytes": 5.1 * MiB}, cuda=True)
-    small = 10 * MiB  # below 64 MiB the fixed costs dominate: judged by 1 MiB absolute
-    assert pa._passes({"rel_error_pct": 9.0, "measured_bytes": small, "abs_error_bytes": 0.9 * MiB}, cuda=True)
-    assert not pa._passes({"rel_error_pct": 12.0, "measured_bytes": small, "abs_error_bytes": 1.2 * MiB}, cuda=True)
+
 
 
 def test_optimizer_quality_keeps_the_default_ranks_share_of_the_capacity_width():

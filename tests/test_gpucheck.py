@@ -93,3 +93,180 @@ def test_the_costs_step_writes_the_table_of_the_class_the_run_stands_for():
     assert gpucheck.costs_class("none", (8, 0)) == "ampere+"
     assert gpucheck.costs_file_name("t4", (9, 0)) == COSTS_FILES["t4"].name == "technique_costs_t4.json"
     assert gpucheck.costs_file_name("none", (9, 0)) == "technique_costs_ampere.json"
+
+
+# -- issue 24: make test-gpu on the GPU machines we can get (offline, in slices) --------------------------------
+
+def _third_party_imports() -> set[str]:
+    """Return the top-level modules the package, tests, benchmarks and notebooks import that are not the stdlib."""
+    import ast
+    import json
+
+    sources = [p.read_text() for folder in ("colab_memopt", "tests", "benchmarks") for p in (REPO / folder).rglob("*.py")]
+    for nb in (REPO / "notebooks").glob("*.ipynb"):
+        cells = json.loads(nb.read_text())["cells"]
+        sources += ["\n".join(line for line in "".join(c["source"]).splitlines() if not line.lstrip().startswith(("!", "%")))
+                    for c in cells if c["cell_type"] == "code"]
+    local = {p.stem for p in (REPO / "tests").rglob("*.py")} | {p.stem for p in (REPO / "benchmarks").glob("*.py")}
+    found = set()
+    for src in sources:
+        try:
+            tree = ast.parse(src)
+        except SyntaxError:
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                found |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                found.add(node.module.split(".")[0])
+    written = {"probe_workers"}  # benchmarks/reliability_probe.py writes it into a scratch folder and imports it
+    return found - set(sys.stdlib_module_names) - local - written - {"colab_memopt", "torch", "__future__", "playwright"}
+
+
+def test_needed_covers_every_package_the_tests_and_notebooks_import():
+    # playwright is the browser tests' own (make test-browser), never run by make test-gpu
+    missing = _third_party_imports() - set(gpucheck.NEEDED)
+    assert not missing, f"make test-gpu would not install {sorted(missing)}: add them to gpucheck.NEEDED"
+    for module in ("galore_torch", "apollo_torch", "torchao", "badam", "optimi", "trl", "datasets", "deepspeed"):
+        assert module in gpucheck.NEEDED
+
+
+def test_results_merge_step_by_step_so_a_stopped_run_keeps_what_finished(tmp_path):
+    import json
+
+    first = gpucheck.StepResult("unit 1/3", "failed", 5.0, "exit 1")
+    gpucheck.write_outputs(tmp_path, "H100 emulating t4", {"gpu": "H100"}, [first])
+    gpucheck.write_outputs(tmp_path, "H100 emulating t4", {}, [gpucheck.StepResult("gpu-tests", "passed", 9.0, "exit 0")])
+    again = gpucheck.StepResult("unit 1/3", "passed", 6.0, "exit 0")
+    written = gpucheck.write_outputs(tmp_path, "H100 emulating t4", {}, [again])
+    on_disk = json.loads((tmp_path / "results.json").read_text())
+    assert on_disk == written and on_disk["env"] == {"gpu": "H100"}  # a later slice keeps the first call's env
+    assert [s["step"] for s in on_disk["steps"]] == ["unit 1/3", "gpu-tests"] and on_disk["failed"] == []
+    assert on_disk["steps"][0]["seconds"] == 6.0
+
+
+def test_unit_tests_split_into_parts_that_cover_each_file_once():
+    files = sorted(str(p.relative_to(REPO)) for p in (REPO / "tests").glob("test_*.py"))
+    for n in (1, 3, 4):
+        parts = gpucheck.unit_parts(n)
+        assert len(parts) == n and all(parts) and sorted(f for part in parts for f in part) == files
+    assert gpucheck.parse_part("2/3") == (2, 3) and gpucheck.parse_part(None) is None
+    for bad in ("0/3", "4/3", "two", "1/0"):
+        with pytest.raises(ValueError, match="--part must be K/N"):
+            gpucheck.parse_part(bad)
+    with pytest.raises(ValueError, match="parts must be an integer >= 1"):
+        gpucheck.unit_parts(0)
+
+
+def test_only_and_notebooks_and_part_are_options():
+    for argv in (["--only", "bogus"], ["--part", "5/2"]):
+        with pytest.raises(SystemExit) as exc:
+            gpucheck.main(argv)
+        assert exc.value.code == 2
+
+
+def _fake_wheel(folder: Path, name: str, version: str = "1.0", body: str = "VALUE = 1\n") -> Path:
+    """Write a minimal valid wheel of a pure-Python package `name` into `folder`."""
+    import base64
+    import hashlib
+    import zipfile
+
+    dist = f"{name}-{version}.dist-info"
+    files = {f"{name}/__init__.py": body,
+             f"{dist}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
+             f"{dist}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    record = [f"{p},sha256={base64.urlsafe_b64encode(hashlib.sha256(t.encode()).digest()).rstrip(b'=').decode()},{len(t.encode())}"
+              for p, t in files.items()] + [f"{dist}/RECORD,,"]
+    path = folder / f"{name}-{version}-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w") as z:
+        for p, t in files.items():
+            z.writestr(p, t)
+        z.writestr(f"{dist}/RECORD", "\n".join(record) + "\n")
+    return path
+
+
+def test_install_works_offline_from_a_wheelhouse_one_package_at_a_time(tmp_path, monkeypatch):
+    # A fake wheelhouse in two parts, no index: one package installs, one is absent, one wheel is broken.
+    (tmp_path / "house" / "part1").mkdir(parents=True)
+    (tmp_path / "house" / "part2").mkdir()
+    _fake_wheel(tmp_path / "house" / "part1", "cm_fake_ok")
+    (tmp_path / "house" / "part2" / "cm_fake_broken-1.0-py3-none-any.whl").write_bytes(b"not a zip")
+    monkeypatch.setattr(gpucheck, "NEEDED", {"cm_fake_ok": "cm-fake-ok", "cm_fake_absent": "cm-fake-absent",
+                                             "cm_fake_broken": "cm-fake-broken"})
+    monkeypatch.setenv("PIP_NO_INDEX", "1")  # nothing may come from a network
+    site = tmp_path / "site"
+    result = gpucheck.install_missing(str(tmp_path / "house"), str(site))
+    assert (site / "cm_fake_ok" / "__init__.py").exists()
+    assert result.data["installed"] == ["cm_fake_ok-1.0-py3-none-any.whl"]
+    assert list(result.data["failed"]) == ["cm_fake_broken-1.0-py3-none-any.whl"]
+    assert result.data["absent"] == ["cm-fake-absent"] and result.status == "failed"
+    assert "FAILED" in result.detail and "absent" in result.detail
+    # a second call on the same machine installs nothing again
+    (tmp_path / "house" / "part2" / "cm_fake_broken-1.0-py3-none-any.whl").unlink()
+    again = gpucheck.install_missing(str(tmp_path / "house"), str(site))
+    assert again.data["installed"] == [] and again.status == "passed"
+    with pytest.raises(ValueError, match="must be a folder of wheels"):
+        gpucheck.install_missing(str(tmp_path / "nowhere"), str(site))
+    _fake_wheel(tmp_path / "house" / "part2", "cm_fake_ok", "2.0")
+    with pytest.raises(ValueError, match="two versions of cm-fake-ok"):
+        gpucheck.wheelhouse_files(str(tmp_path / "house"))
+
+
+def test_call_plan_covers_everything_within_the_device_budget(capsys):
+    from colab_memopt.runner import notebook_paths
+
+    plan = gpucheck.CALL_PLAN
+    assert sum(c["budget_minutes"] for c in plan) <= 45 and all(c["budget_minutes"] <= 9 for c in plan)
+    assert all(c["only"][0] == "install" for c in plan)  # every call starts on a bare machine
+    assert {s for c in plan for s in c["only"]} == set(gpucheck.STEPS)
+    parts = [c["part"] for c in plan if "unit" in c["only"]]
+    n = int(parts[0].split("/")[1])
+    assert sorted(parts) == [f"{k}/{n}" for k in range(1, n + 1)]
+    planned = [nb for c in plan for nb in c.get("notebooks", [])]
+    assert sorted(p.stem for p in notebook_paths(planned)) == sorted(p.stem for p in notebook_paths())
+    assert len(planned) == len(set(planned))
+    commands = gpucheck.call_commands()
+    assert len(commands) == len(plan) and all("--wheelhouse .whl/part1" in c and "--budget-seconds" in c for c in commands)
+    assert "--only install unit --part 2/2" in commands[2]
+    assert gpucheck.main(["plan"]) == 0  # no GPU needed to print it
+    printed = capsys.readouterr().out
+    assert printed.count("\ncall ") == len(plan) - 1 and "budgets, not measurements" in printed
+
+
+def test_a_call_budget_cuts_the_notebooks_short_and_says_so(tmp_path, monkeypatch):
+    import time
+
+    monkeypatch.setattr(gpucheck, "load_budgets", lambda: ({}, 600, 3600))
+    results = gpucheck.run_notebooks(tmp_path, gpucheck.child_env("none"), ["00"], deadline=time.monotonic() - 1)
+    assert [(r.status, r.detail) for r in results] == [("failed", "not run: this call's --budget-seconds is spent")]
+
+
+def test_a_test_failing_only_for_an_absent_optional_package_is_skipped(monkeypatch):
+    import importlib.util
+
+    import conftest
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "galore_torch" else real(name, *a))
+    err = RuntimeError("optimizer 'galore_adamw8bit' needs galore-torch and bitsandbytes: pip install galore-torch")
+    assert conftest._absent_package(err) == "galore-torch"
+    missing = ModuleNotFoundError("No module named 'galore_torch'", name="galore_torch")
+    assert conftest._absent_package(missing) == "galore-torch"
+    # installed packages, and errors of other kinds, are not skipped: the test fails as it should
+    assert conftest._absent_package(RuntimeError("optimizer 'badam' needs badam: pip install badam")) is None
+    assert conftest._absent_package(ValueError("needs galore-torch")) is None
+
+
+def test_the_skip_hook_end_to_end(tmp_path):
+    # a few seconds (a pytest child that imports torch): the hooks' wiring is what a unit check cannot show
+    (tmp_path / "test_fake.py").write_text(
+        "import pytest\nfrom colab_memopt import gpucheck\ngpucheck.NEEDED['cm_not_here'] = 'cm-not-here'\n\n"
+        "@pytest.fixture\ndef opt():\n    raise ModuleNotFoundError(\"No module named 'cm_not_here'\", name='cm_not_here')\n\n"
+        "def test_needs_it():\n    raise RuntimeError(\"optimizer 'x' needs cm-not-here: pip install cm-not-here\")\n\n"
+        "def test_fixture_needs_it(opt):\n    pass\n\n"
+        "def test_fails_for_another_reason():\n    raise RuntimeError('a real bug')\n")
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "conftest", "-p", "no:cacheprovider", "-rs", str(tmp_path)],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])})
+    assert "1 failed, 2 skipped" in run.stdout, run.stdout[-2000:]
+    assert "needs cm-not-here, which is not installed here" in run.stdout

@@ -179,3 +179,22 @@ def test_probe_row_139_a_bad_load_device_is_named(device, says):
     manager.offload("t", torch.ones(3))
     with pytest.raises(ValueError, match=says):
         manager.load("t", device)
+
+
+def test_pinned_bytes_round_up_to_a_power_of_two_as_torch_host_allocator_does():
+    # ATen/core/CachingHostAllocator.h: PowerOf2Ceil(size) for every pinned allocation (threshold SIZE_MAX)
+    assert offload.pinned_bytes(0) == 0 and offload.pinned_bytes(1) == 1 and offload.pinned_bytes(4096) == 4096
+    assert offload.pinned_bytes(1536 * 6144 * 2) == 32 * 2**20  # a Qwen2.5-1.5B block input: 18 MiB -> 32 MiB
+    assert offload.pinned_bytes(2**20 + 1) == 2**21
+    for bad in (-1, 1.5, True, None):
+        with pytest.raises(ValueError, match="nbytes must be an integer >= 0"):
+            offload.pinned_bytes(bad)
+
+
+def test_host_bytes_count_pinned_copies_as_allocated(monkeypatch):
+    manager = offload.OffloadManager(pin_memory=False)
+    manager.offload("U", torch.zeros(3, 1000))  # 12,000 bytes
+    assert manager.host_bytes == 12_000  # not pinned (the CPU): as it is
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self, *a: True)  # what CUDA would hold: pinned copies
+    assert manager.host_bytes == 16_384
+    assert offload.held_host_bytes(torch.zeros(5, device="meta")) == 20  # not a host tensor: its bytes as they are

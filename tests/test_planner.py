@@ -39,7 +39,8 @@ def test_plan_accepts_names_and_cuda_rounding_adds_a_little():
     cuda = planner.plan("tiny", 2, seq_len=32, target="t4", find_max_batch=False, optimizer_impl="single-tensor")
     assert 0 < cuda.peak_bytes - cpu.peak_bytes < 512 * 200
     assert cuda.peak_bytes % 512 == 0
-    assert [c.name for c in cuda.device_costs] == ["CUDA context", "cuBLAS workspace"] and cpu.device_costs == []
+    assert [c.name for c in cuda.device_costs] == ["CUDA context", "cuBLAS workspace", "cuBLAS workspace (autograd thread)",
+                                                   "cuBLASLt workspace"] and cpu.device_costs == []
 
 
 def test_max_batch_is_the_boundary():
@@ -403,7 +404,9 @@ def test_cuda_target_traces_foreach_and_plans_the_cublas_workspace():
     assert p.optimizer_impl == "foreach"
     workspace = next(c for c in p.device_costs if c.name == "cuBLAS workspace")
     assert workspace.bytes == 8_519_680 and workspace.in_allocator and "CublasHandlePool" in workspace.source
-    assert p.allocator_peak_bytes == p.peak_bytes + workspace.bytes
+    # issue 24: the autograd thread's own workspace and cuBLASLt's 1 MiB, all inside max_memory_allocated
+    assert p.allocator_peak_bytes == p.peak_bytes + 2 * workspace.bytes + 2**20
+    assert p.step_peak_bytes == p.peak_bytes  # workspaces are fixed costs, not the step's own
     assert p.to_dict()["optimizer_impl"] == "foreach"
     cpu = planner.plan(lambda: cm.build_model("tiny"), 2, seq_len=32, find_max_batch=False,
                        target={"device_bytes": 2**40, "host_bytes": 2**40, "cuda": False})
@@ -622,3 +625,112 @@ def test_chunked_loss_on_a_transformers_llama_is_traced_exactly(corpus, fields):
                          target=CPU_TARGET, find_max_batch=False)
     # the (96 x 4096) fp32 logits (1.5 MiB) and their gradient are gone: one 16-token chunk's instead
     assert plan.by_phase["forward"] < plain.by_phase["forward"] - 96 * 4096 * 4
+
+
+# -- issue 24: what CUDA allocates that the trace cannot see ------------------------------------------------
+
+def test_cuda_plans_every_cublas_and_cublaslt_workspace(monkeypatch):
+    for name in ("CUBLAS_WORKSPACE_CONFIG", "CUBLASLT_WORKSPACE_SIZE", "TORCH_CUBLASLT_UNIFIED_WORKSPACE"):
+        monkeypatch.delenv(name, raising=False)
+    costs = {c.name: c for c in planner.cuda_workspace_costs((7, 5))}
+    assert set(costs) == {"cuBLAS workspace", "cuBLAS workspace (autograd thread)", "cuBLASLt workspace"}
+    assert costs["cuBLAS workspace"].bytes == costs["cuBLAS workspace (autograd thread)"].bytes == 8_519_680
+    assert costs["cuBLASLt workspace"].bytes == 1024 * 1024
+    assert all(c.in_allocator and not c.in_step and "CublasHandlePool" in c.source for c in costs.values())
+    # sm_90 exactly takes 32 MiB (torch: `major == 9 && minor == 0`); others the ':4096:2:16:8' default
+    assert planner.cuda_workspace_costs((9, 0))[1].bytes == 32 * 2**20
+    assert planner.cuda_workspace_costs((10, 0))[1].bytes == 8_519_680
+    monkeypatch.setenv("CUBLASLT_WORKSPACE_SIZE", "4096")
+    assert planner.cublaslt_workspace_bytes()[0] == 4 * 2**20
+    monkeypatch.setenv("TORCH_CUBLASLT_UNIFIED_WORKSPACE", "1")
+    assert planner.cublaslt_workspace_bytes()[0] == 0
+    assert [c.name for c in planner.cuda_workspace_costs((7, 5))] == ["cuBLAS workspace", "cuBLAS workspace (autograd thread)"]
+    with pytest.raises(ValueError, match="CUBLASLT_WORKSPACE_SIZE must be a size in KiB"):
+        planner.cublaslt_workspace_bytes("1MB", "")
+
+
+def test_four_bit_dequant_bytes_follow_bitsandbytes_cuda_path():
+    # the weight in the compute dtype, plus the nested absmax dequantized to fp32 and shifted: 2 x 4 B per 64 values
+    assert planner.four_bit_dequant_bytes(4096 * 4096, 2, nested=True) == 32 * 2**20 + 2 * 2**20
+    assert planner.four_bit_dequant_bytes(4096 * 4096, 2, nested=False) == 32 * 2**20
+    assert planner.four_bit_dequant_bytes(100, 4, nested=True) == 512 + 2 * 512  # allocator blocks
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16-autocast"])
+def test_qlora_cuda_plan_counts_the_forward_dequantization_and_the_load_peak(precision):
+    fields = {"quantization": "nf4", "lora_rank": 4, "precision": precision}
+    if precision == "fp16-autocast":
+        fields["base_dtype"] = "fp16"
+    p = planner.plan("small", 16, seq_len=128, recipe=fields, target="t4", find_max_batch=False)  # 2048 tokens
+    meta = cm.build_model("small", device="meta")
+    biggest = max(m.weight.numel() for _, m in cm.quantization.linear_layers(meta))
+    itemsize = 2 if precision == "fp16-autocast" else 4
+    dequant = next(c for c in p.device_costs if c.name == "4-bit dequantized weight")
+    assert dequant.bytes == planner.four_bit_dequant_bytes(biggest, itemsize, nested=True)
+    assert dequant.in_step and dequant.in_allocator and "_dequant_linear_fallback" in dequant.source
+    assert "2048 tokens per micro-batch > 1536" in dequant.source  # above bitsandbytes' fused-kernel range
+    assert p.step_peak_bytes == p.peak_bytes + dequant.bytes
+    assert p.device_need_bytes >= p.step_peak_bytes
+    # loading: the whole (fp32) model is on the device before Recipe.build quantizes it
+    names = [c.name for c in p.load_costs]
+    assert names[:2] == ["CUDA context", "unquantized model"] and len(names) == 3
+    unquantized = sum(-(-t.numel() * t.element_size() // 512) * 512 for t in [*meta.parameters(), *meta.buffers()])
+    assert p.load_costs[1].bytes == unquantized
+    assert p.run_peak_bytes == max(p.device_need_bytes, p.load_need_bytes)
+    assert p.run_peak_phase in ("loading", "step")
+    d = p.to_dict()
+    assert d["run_peak_bytes"] == p.run_peak_bytes and d["load_costs"][1]["name"] == "unquantized model"
+    assert "device memory while loading" in str(p) and "run peak" in str(p)
+
+
+def test_qlora_load_peak_can_be_the_run_peak_and_says_whether_the_run_fits():
+    # batch 1 x 8 tokens: a tiny step, while the fp32 model (124M parameters) sits whole on the device before quantization
+    p = planner.plan("gpt2-small", 1, seq_len=8, recipe={"quantization": "nf4", "lora_rank": 4}, target="t4", find_max_batch=False)
+    assert p.run_peak_phase == "loading" and p.run_peak_bytes == p.load_need_bytes > p.device_need_bytes
+    squeezed = dict(device_bytes=int((p.device_need_bytes + p.load_need_bytes) // 2 / 0.95), host_bytes=2**40,
+                    compute_capability=(7, 5))
+    q = planner.plan("gpt2-small", 1, seq_len=8, recipe={"quantization": "nf4", "lora_rank": 4}, target=squeezed, find_max_batch=False)
+    assert q.fits_device and not q.fits_run  # the step fits; loading (the whole fp32 model first) does not
+    assert any(w.startswith("loading needs") and "load_model" in w for w in q.warnings)
+    assert p.fits_run and not any(w.startswith("loading needs") for w in p.warnings)
+
+
+def test_qlora_plan_lines_only_where_cuda_runs_a_4bit_base():
+    lora = planner.plan("tiny", 2, seq_len=32, recipe={"lora_rank": 4}, target="t4", find_max_batch=False)
+    assert lora.load_costs == [] and lora.run_peak_phase == "step" and lora.step_peak_bytes == lora.peak_bytes
+    cpu = planner.plan("tiny", 2, seq_len=32, recipe={"quantization": "nf4", "lora_rank": 4}, target=CPU_TARGET,
+                       find_max_batch=False)
+    assert cpu.load_costs == [] and not any(c.name == "4-bit dequantized weight" for c in cpu.device_costs)
+    # 4 tokens or fewer per micro-batch: bitsandbytes always runs its fused kernel, which dequantizes nothing
+    fused = planner.plan("tiny", 1, seq_len=4, recipe={"quantization": "nf4", "lora_rank": 4}, target="t4", find_max_batch=False)
+    assert not any(c.name == "4-bit dequantized weight" for c in fused.device_costs)
+
+
+def test_qlora_from_a_checkpoint_is_quantized_per_tensor_while_loading(monkeypatch):
+    import colab_memopt.loading as loading
+
+    monkeypatch.setattr(loading, "has_weights", lambda spec: True)  # as for a hub id: transformers quantizes on load
+    p = planner.plan("small", 2, seq_len=64, recipe={"quantization": "nf4", "lora_rank": 4}, target="t4", find_max_batch=False)
+    names = [c.name for c in p.load_costs]
+    assert names == ["CUDA context", "loaded 4-bit model", "weight being quantized"]
+    meta = cm.build_model("small", device="meta")
+    biggest = max(m.weight.numel() for _, m in cm.quantization.linear_layers(meta))
+    # loading.load_dtype: LoRA on a GPU without native bf16 loads the frozen base in fp16; no double quantization
+    assert p.load_costs[2].bytes == planner.four_bit_dequant_bytes(biggest, 2, nested=False)
+    assert p.load_costs[1].bytes >= p.by_category["parameters"]
+
+
+def test_offloaded_checkpoints_on_cuda_count_pinned_host_bytes_rounded():
+    # 4 blocks x (4 x 48 x 64 fp32 = 48 KiB): each pinned copy takes 64 KiB on CUDA
+    recipe = {"checkpointing": "offload"}
+    cuda = planner.plan(lambda: cm.build_model("tiny", n_layer=4), 4, seq_len=48, recipe=recipe, target="t4",
+                        find_max_batch=False)
+    cpu = planner.plan(lambda: cm.build_model("tiny", n_layer=4), 4, seq_len=48, recipe=recipe, target=CPU_TARGET,
+                       find_max_batch=False)
+    host = {p: {c.name: c for c in plan.host_costs}["offloaded checkpoints"] for p, plan in (("cuda", cuda), ("cpu", cpu))}
+    assert host["cpu"].bytes == 4 * 4 * 48 * 64 * 4 and host["cuda"].bytes == 4 * 64 * 1024
+    assert "PowerOf2Ceil" in host["cuda"].source
+    meta = cm.build_model("tiny", n_layer=4, device="meta")
+    rec = cm.Recipe(checkpointing="offload")
+    assert planner.offloaded_checkpoint_bytes(meta, 4, 48, rec, pinned=True) == 4 * 64 * 1024
+    assert planner.offloaded_checkpoint_bytes(meta, 4, 48, rec) == 4 * 4 * 48 * 64 * 4

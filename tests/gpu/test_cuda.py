@@ -175,3 +175,63 @@ def test_t4_emulation_caps_the_allocator(cuda):
         torch.empty(too_big, dtype=torch.uint8, device=cuda)
     gc.collect()
     torch.cuda.empty_cache()
+
+
+# -- issue 24: what CUDA allocates that a CPU trace cannot see ------------------------------------------------------
+
+def test_every_workspace_a_step_holds_is_a_plan_line():
+    # A fresh process: a biased Linear's forward (addmm through cuBLASLt) and backward (the autograd engine's device
+    # thread, with its own cuBLAS handle and workspace). Everything beyond the tensors is workspace.
+    code = ("import torch; r = lambda t: 512 * ((t.nbytes + 511) // 512); "
+            "lin = torch.nn.Linear(64, 64, device='cuda'); x = torch.randn(8, 64, device='cuda', requires_grad=True); "
+            "m = torch.cuda.memory_allocated(); lin(x).sum().backward(); torch.cuda.synchronize(); "
+            "print(torch.cuda.memory_allocated() - m - sum(r(t) for t in (x.grad, lin.weight.grad, lin.bias.grad)))")
+    measured = int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()[-1])
+    capability = (7, 5) if env.emulated_gpu("cuda") == "t4" else torch.cuda.get_device_capability()
+    costs = planner.cuda_workspace_costs(capability)
+    assert measured == sum(c.bytes for c in costs), (measured, [(c.name, c.bytes) for c in costs])
+
+
+def _four_bit_layer(cuda, n_out, n_in):
+    bnb = pytest.importorskip("bitsandbytes")
+    layer = bnb.nn.Linear4bit(n_in, n_out, bias=False, compute_dtype=torch.float16, quant_type="nf4")
+    layer.weight = bnb.nn.Params4bit(torch.randn(n_out, n_in, dtype=torch.float16) * 0.02, requires_grad=False, quant_type="nf4")
+    return layer.to(cuda)  # quantized on the device, nested statistics (Params4bit's default)
+
+
+def test_one_4bit_layer_forward_dequantizes_its_weight_as_planned(cuda):
+    # 2048 tokens > 1536: bitsandbytes' CUDA gemm_4bit always takes _dequant_linear_fallback
+    n_out, n_in, tokens = 4096, 1024, 2048
+    layer = _four_bit_layer(cuda, n_out, n_in)
+    x = torch.randn(tokens, n_in, device=cuda, dtype=torch.float16, requires_grad=True)
+    layer(x).sum().backward()  # warm-up: workspaces
+    x.grad = None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    y = layer(x)
+    torch.cuda.synchronize()
+    transient = torch.cuda.max_memory_allocated() - before - 512 * ((y.nbytes + 511) // 512)
+    planned = planner.four_bit_dequant_bytes(n_out * n_in, 2, nested=True)
+    assert 0 <= transient - planned <= 4 * 512, (transient, planned)
+
+
+def test_one_4bit_lora_block_step_matches_the_plan(cuda):
+    # One block of 4-bit LoRA layers (width 1024) at 32 x 64 = 2048 tokens: forward, backward, AdamW on the adapters.
+    # The plan's 4-bit line (the forward's dequantized weight) is in the step's peak here, and in the plan.
+    pytest.importorskip("bitsandbytes")
+    rec = cm.Recipe(quantization="nf4", lora_rank=8)
+    factory = lambda: cm.build_model("tiny", n_layer=1, d_model=1024)  # noqa: E731
+    p = planner.plan(factory, 32, seq_len=64, recipe=rec, target="t4", find_max_batch=False)
+    assert any(c.name == "4-bit dequantized weight" and c.in_step for c in p.device_costs)
+    model = factory().to(cuda)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    model, opt = rec.build(model)  # quantized on the device: the load-and-quantize peak
+    torch.cuda.synchronize()
+    load_peak = torch.cuda.max_memory_allocated()
+    planned_load = sum(c.bytes for c in p.load_costs if c.in_allocator)
+    assert 0.9 * planned_load <= load_peak <= planned_load, (load_peak, [(c.name, c.bytes) for c in p.load_costs])
+    step = cm.make_train_step(model, opt, cm.load_corpus(), batch_size=32, seq_len=64, recipe=rec)
+    report = cm.measure_step(step, model=model, optimizer=opt, repeat=1)
+    assert _within(p.step_peak_bytes, report.peak_bytes), (p.step_peak_bytes, report.peak_bytes, report.by_category)
