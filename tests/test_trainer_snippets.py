@@ -5,7 +5,8 @@ on, as fenced ```python blocks in its markdown (shown, not executed by the noteb
 and one code cell tagged `use-in-your-training` with the `cm.Recipe` equivalent and a `cm.plan` line (executed
 by the notebook run). Here every fenced block runs with the pinned transformers / TRL / peft / bitsandbytes, so
 a snippet cannot name a setting that does not exist; `from_pretrained` loads a tiny local checkpoint of the same
-family in place of the hub model (no network), with every keyword the snippet gives.
+family in place of the hub model (no network), with every keyword the snippet gives; and a `Trainer` (TRL's
+`SFTTrainer` for an `SFTConfig`) is built with each arguments object, so settings its constructor refuses fail too.
 """
 
 from __future__ import annotations
@@ -99,13 +100,49 @@ def test_the_plan_cell_names_a_valid_recipe_and_a_known_model(path, monkeypatch)
 
 @pytest.fixture(scope="module")
 def tiny_checkpoint(tmp_path_factory):
-    """A 2-layer Llama with random weights, saved as a checkpoint folder (what SmolLM2 and Llama 3 are)."""
+    """A 2-layer Llama with random weights and a word-level tokenizer, saved as a checkpoint folder."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
     folder = tmp_path_factory.mktemp("tiny_llama")
     config = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                                      num_key_value_heads=2, vocab_size=256, max_position_embeddings=128)
+                                      num_key_value_heads=2, vocab_size=256, max_position_embeddings=128,
+                                      pad_token_id=1, eos_token_id=2, bos_token_id=2)
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    vocab = {w: i for i, w in enumerate(["[UNK]", "[PAD]", "</s>"] + [f"w{i}" for i in range(20)])}
+    words = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=words, unk_token="[UNK]", pad_token="[PAD]",
+                                         eos_token="</s>").save_pretrained(folder)
     return str(folder)
+
+
+def _build_trainers(namespace: dict, checkpoint: str, name: str) -> None:
+    """Build a `Trainer` (or TRL's `SFTTrainer`) with every arguments object a snippet made.
+
+    The trainer applies what its constructor applies (checkpointing and its kwargs, the model's placement) on
+    the snippet's model, else on the tiny checkpoint. Left out: a DeepSpeed config (its engine needs a process
+    group and compiled ops; notebook 10 runs them for real) and, without an accelerator, TRL's
+    `activation_offloading` (its context asks `torch.accelerator` for the device type at construction).
+    """
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, Trainer, TrainingArguments
+    from trl import SFTConfig, SFTTrainer
+
+    models = [v for v in namespace.values() if isinstance(v, PreTrainedModel) or hasattr(v, "peft_config")]
+    for args in [v for v in namespace.values() if isinstance(v, TrainingArguments)]:
+        if args.deepspeed:
+            continue
+        if getattr(args, "activation_offloading", False) and torch.accelerator.current_accelerator() is None:
+            continue  # TRL's offloading context reads the accelerator's type at construction: a GPU run builds it
+        model = models[0] if models else AutoModelForCausalLM.from_pretrained(checkpoint)
+        tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+        if isinstance(args, SFTConfig):
+            data = Dataset.from_list([{"text": "w1 w2 w3 w4"}] * 4)
+            SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer)
+        else:
+            data = Dataset.from_list([{"input_ids": [3, 4, 5, 6], "labels": [3, 4, 5, 6]}] * 4)
+            Trainer(model=model, args=args, train_dataset=data)
 
 
 def _check_t4_settings(namespace: dict, code: str, name: str) -> None:
@@ -135,7 +172,8 @@ def test_the_snippets_run_with_the_pinned_stack(path, tiny_checkpoint, tmp_path,
     original = AutoModelForCausalLM.from_pretrained
 
     def from_pretrained(cls, model_id, *args, **kwargs):
-        loaded.append(model_id)
+        if model_id != tiny_checkpoint:  # a snippet's, not _build_trainers' own
+            loaded.append(model_id)
         return original(tiny_checkpoint, *args, **kwargs)
 
     monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", classmethod(from_pretrained))
@@ -155,6 +193,13 @@ def test_the_snippets_run_with_the_pinned_stack(path, tiny_checkpoint, tmp_path,
                       and "deprecat" in str(w.message).lower() and not ALLOWED_DEPRECATIONS.search(str(w.message))]
         assert not deprecated, f"{name} uses a deprecated setting: {deprecated}"
         _check_t4_settings(namespace, code, name)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the trainers' own notices (fp16 on a CPU, ...); errors still raise
+            try:
+                _build_trainers(namespace, tiny_checkpoint, name)
+            finally:
+                os.environ.clear()
+                os.environ.update(environ)
     assert set(loaded) <= KNOWN_MODEL_IDS, f"{path.name} loads a model the package does not know: {set(loaded) - KNOWN_MODEL_IDS}"
 
 
