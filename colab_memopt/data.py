@@ -99,7 +99,8 @@ def load_corpus(
     Args:
         max_bytes: bytes of text read (>= 1024).
         val_fraction: the held-out tail, in (0, 0.5).
-        source: None (the standard library's source files), a text file, a folder of text files (read
+        source: None (the standard library's source files), a text file, a JSON Lines file (`.jsonl`:
+            the `text_column` of each record, default 'text'), a folder of text files (read
             in sorted order, recursively, files ending in one of `TEXT_SUFFIXES`), or a `datasets`
             Dataset / DatasetDict (its 'train' split; the `text_column`, default 'text' or the first
             string column).
@@ -145,6 +146,8 @@ def _read_text(source: Any, max_bytes: int, text_column: str | None) -> tuple[by
     """Return (at most `max_bytes` of UTF-8 text, where it came from) from a file, a folder or a dataset."""
     if isinstance(source, (str, Path)):
         path = Path(source).expanduser()
+        if path.is_file() and path.suffix.lower() == ".jsonl":
+            return _jsonl_text(path, max_bytes, text_column)
         if path.is_file():
             return path.read_bytes()[:max_bytes], f"text file {path}"
         if path.is_dir():
@@ -163,6 +166,31 @@ def _read_text(source: Any, max_bytes: int, text_column: str | None) -> tuple[by
     if hasattr(source, "column_names"):
         return _dataset_text(source, max_bytes, text_column)
     raise TypeError(f"source must be None, a text file, a folder or a datasets Dataset, got {type(source).__name__}")
+
+
+def _jsonl_text(path: Path, max_bytes: int, text_column: str | None) -> tuple[bytes, str]:
+    """Return the `text_column` (default 'text') of a JSON Lines file's records, joined by blank lines."""
+    import json
+
+    column = text_column or "text"
+    chunks, total = [], 0
+    with path.open(encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path} line {number} is not JSON: {exc}") from None
+            if not isinstance(record, dict) or column not in record:
+                keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+                raise ValueError(f"{path} line {number} has no {column!r} field (it has {keys}); give text_column=")
+            data = (str(record[column]) + "\n\n").encode("utf-8")[: max_bytes - total]
+            chunks.append(data)
+            total += len(data)
+            if total >= max_bytes:
+                break
+    return b"".join(chunks), f"JSON Lines file {path}, field {column!r} ({len(chunks)} records)"
 
 
 def _dataset_text(dataset: Any, max_bytes: int, text_column: str | None) -> tuple[bytes, str]:

@@ -574,3 +574,30 @@ def _recommend_mode(
     if side:
         reasoning.append(side)
     return Recommendation(name, batch, seq_len, mode, objective, tgt, chosen, cands, costs.device, reasoning, costs)
+
+
+# Starting learning rates for fine-tuning a pretrained model with an AdamW-like optimizer, by what trains:
+# LoRA's adapters start from zero (B = 0) and take about ten times a full fine-tune's rate (2e-4: the QLoRA paper's
+# rate for its 7B and 13B models, arXiv:2305.14314; 2e-5: TRL's SFTConfig default, for full fine-tuning).
+FINETUNE_LR = {"full": 2e-5, "lora": 2e-4}
+_ADAM_LIKE_PREFIXES = ("adam", "paged_adamw", "torchao_adamw", "galore_adamw", "apollo", "badam", "adafactor")
+
+
+def finetune_lr(recipe: Recipe) -> float:
+    """Return a starting learning rate for fine-tuning a pretrained model with `recipe`.
+
+    2e-4 when the recipe trains LoRA adapters (`lora_rank` >= 1: LoRA and QLoRA), 2e-5 for full
+    fine-tuning (`FINETUNE_LR`). Both are for AdamW-like optimizers (Adam, AdamW and their 8-bit, paged,
+    GaLore, APOLLO, BAdam and Adafactor forms); SGD, Lion, LOMO and AdaLomo train at other scales, so for
+    them this raises ValueError asking for a learning rate.
+
+    Example:
+        >>> rec = recommend("smollm2-135m", 4, seq_len=512, target="t4")
+        >>> recipe = rec.recipe.with_(lr=finetune_lr(rec.recipe))  # 2e-5: auto picks full fine-tuning here
+    """
+    if not isinstance(recipe, Recipe):
+        raise TypeError(f"recipe must be a Recipe, got {type(recipe).__name__}")
+    if not recipe.optimizer.startswith(_ADAM_LIKE_PREFIXES):
+        raise ValueError(f"finetune_lr knows AdamW-like optimizers' rates, not optimizer={recipe.optimizer!r}'s: "
+                         "give the learning rate yourself (lr=...)")
+    return FINETUNE_LR["lora" if recipe.lora_rank else "full"]

@@ -185,3 +185,36 @@ def train(
     eval_precision = recipe.forward_precision() if recipe is not None else "fp32"
     log.val_loss = evaluate(model, corpus, batch_size=batch_size, seq_len=seq_len, precision=eval_precision)
     return log
+
+
+def run_steps(step: Callable[[], float], steps: int, *, log_every: int = 10,
+              print_fn: Callable[[str], None] = print) -> list[float]:
+    """Call `step` `steps` times and return its losses, printing progress every `log_every` steps.
+
+    Each progress line gives the step, the mean loss since the last line and the seconds so far;
+    `log_every=0` prints nothing. A non-finite loss stops the run with a ValueError naming the step.
+
+    Example:
+        >>> losses = run_steps(make_train_step(model, opt, corpus, batch_size=4, seq_len=256), 100, log_every=20)
+        step  20/100  loss 3.412  (4.1 s)
+    """
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
+    if isinstance(log_every, bool) or not isinstance(log_every, int) or log_every < 0:
+        raise ValueError(f"log_every must be an integer >= 0 (0: silent), got {log_every!r}")
+    import math
+    import time
+
+    losses: list[float] = []
+    logged = 0  # losses already summarised in a progress line
+    start = time.perf_counter()
+    width = len(str(steps))
+    for i in range(1, steps + 1):
+        loss = float(step())
+        if not math.isfinite(loss):
+            raise ValueError(f"the loss at step {i} is {loss}: lower the learning rate or check the data")
+        losses.append(loss)
+        if log_every and (i % log_every == 0 or i == steps):
+            recent, logged = losses[logged:], i
+            print_fn(f"step {i:{width}d}/{steps}  loss {sum(recent) / len(recent):.3f}  ({time.perf_counter() - start:.1f} s)")
+    return losses

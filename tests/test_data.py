@@ -1,3 +1,5 @@
+import json
+
 import pytest
 import torch
 
@@ -140,3 +142,24 @@ def test_bad_sources_are_named(tmp_path):
     (tmp_path / "tiny.txt").write_text("hi")
     with pytest.raises(ValueError, match="too few for a validation split"):
         cm.load_corpus(source=tmp_path / "tiny.txt")
+
+
+def test_a_jsonl_file_gives_its_text_field_and_names_a_bad_record(tmp_path):
+    path = tmp_path / "data.jsonl"
+    rows = [{"text": f"record {i}: " + "x" * 200, "id": i} for i in range(20)]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
+    corpus = cm.load_corpus(2048, source=path)
+    text = bytes(torch.cat([corpus.train, corpus.val]).tolist()).decode()
+    assert text.startswith("record 0: xxx") and "\n\nrecord 1: " in text and '"id"' not in text  # the field, not the JSON
+    assert "JSON Lines" in corpus.source and "'text'" in corpus.source
+    assert len(text) == 2048  # max_bytes still caps it
+    other = tmp_path / "other.jsonl"
+    other.write_text('{"body": "a"}\n')
+    with pytest.raises(ValueError, match=r"line 1 has no 'text' field \(it has \['body'\]\)"):
+        cm.load_corpus(2048, source=other)
+    other.write_text('{"body": "%s"}\n' % ("b" * 100))
+    assert set(bytes(cm.load_corpus(1024, source=other, text_column="body").train.tolist()).decode()) == {"b"}  # the newlines fall in the validation tail
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"text": "a"}\nnot json\n')
+    with pytest.raises(ValueError, match="line 2 is not JSON"):
+        cm.load_corpus(2048, source=broken)

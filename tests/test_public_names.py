@@ -43,12 +43,16 @@ def resolve(dotted: str) -> object:
     """Return the object `colab_memopt.<dotted>` names, importing submodules on the way."""
     obj: object = cm
     path = "colab_memopt"
-    for part in dotted.split("."):
-        path += f".{part}"
-        if hasattr(obj, part):
-            obj = getattr(obj, part)
-        else:
-            obj = importlib.import_module(path)
+    try:
+        for part in dotted.split("."):
+            path += f".{part}"
+            if hasattr(obj, part):
+                obj = getattr(obj, part)
+            else:
+                obj = importlib.import_module(path)
+    except (AttributeError, ModuleNotFoundError):  # a package attribute shadows its submodule (cm.train, the function, over train.py)
+        module, _, name = f"colab_memopt.{dotted}".rpartition(".")
+        obj = getattr(importlib.import_module(module), name)
     return obj
 
 

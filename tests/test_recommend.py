@@ -324,3 +324,16 @@ def test_full_fine_tuning_by_name_tries_the_lean_full_candidates_and_auto_goes_t
     assert set(labels) == set(FULL_CANDIDATES) and len(labels) == len(set(full_candidates(target="t4")))  # no repeats
     assert {r.precision for label, r in full_candidates(target="t4") if "16-bit" in label} == {"fp16"}
     assert {r.precision for label, r in full_candidates(target="a100-40gb") if "16-bit" in label} == {"bf16"}
+
+
+def test_finetune_lr_follows_the_mode_ten_times_apart():
+    from colab_memopt.recipe import Recipe
+    from colab_memopt.recommender import finetune_lr
+
+    full, lora, qlora = Recipe(precision="fp16-autocast"), Recipe(lora_rank=16), Recipe(lora_rank=16, quantization="nf4")
+    assert finetune_lr(full) == 2e-5 and finetune_lr(lora) == finetune_lr(qlora) == 2e-4
+    assert finetune_lr(Recipe(optimizer="paged_adamw8bit")) == 2e-5
+    with pytest.raises(ValueError, match="not optimizer='lomo'"):
+        finetune_lr(Recipe(optimizer="lomo", precision="fp16"))
+    with pytest.raises(TypeError, match="recipe must be a Recipe"):
+        finetune_lr({"lora_rank": 16})

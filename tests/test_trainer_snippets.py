@@ -1,0 +1,214 @@
+"""Every technique notebook ends its lesson with "Use it in your own training", and its code runs.
+
+The section holds the transformers / TRL / peft / bitsandbytes settings that switch the notebook's technique
+on, as fenced ```python blocks in its markdown (shown, not executed by the notebook: they load real models),
+and one code cell tagged `use-in-your-training` with the `cm.Recipe` equivalent and a `cm.plan` line (executed
+by the notebook run). Here every fenced block runs with the pinned transformers / TRL / peft / bitsandbytes, so
+a snippet cannot name a setting that does not exist; `from_pretrained` loads a tiny local checkpoint of the same
+family in place of the hub model (no network), with every keyword the snippet gives; and a `Trainer` (TRL's
+`SFTTrainer` for an `SFTConfig`) is built with each arguments object, so settings its constructor refuses fail too.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import warnings
+from pathlib import Path
+
+import nbformat
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("trl")
+pytest.importorskip("peft")
+pytest.importorskip("bitsandbytes")
+
+import colab_memopt as cm  # noqa: E402
+from colab_memopt import architectures  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+# 18 and later apply the techniques together to a user's own model (they are not one technique each)
+FIRST_CAPSTONE = 18
+TECHNIQUE_NOTEBOOKS = [p for p in NOTEBOOKS if int(p.name[:2]) < FIRST_CAPSTONE]
+HEADING = "## Use it in your own training"
+TAG = "use-in-your-training"
+FENCE = re.compile(r"```python\n(.*?)```", re.S)
+# Deprecations the snippets accept on purpose. The old checkpointing names are the only ones the transformers
+# 4.x preinstalled on Colab knows (5.x accepts them until v6); peft's prepare_model_for_kbit_training calls the
+# old method itself.
+ALLOWED_DEPRECATIONS = re.compile(
+    r"`(gradient_checkpointing|gradient_checkpointing_kwargs|gradient_checkpointing_enable|is_gradient_checkpointing)`"
+    r" is deprecated and will be removed in v6")
+# Hub ids the snippets may load: the sources of the package's named architectures
+KNOWN_MODEL_IDS = {a.source.removesuffix(" config.json") for a in architectures.ARCHITECTURES.values()}
+
+
+def _section(path: Path) -> tuple[list[str], list[nbformat.NotebookNode], list[str]]:
+    """Return (the section's markdown sources, its code cells, every '## ' heading in the notebook in order)."""
+    nb = nbformat.read(path, as_version=4)
+    headings = [c.source.splitlines()[0] for c in nb.cells if c.cell_type == "markdown" and c.source.startswith("## ")]
+    start = next((i for i, c in enumerate(nb.cells) if c.cell_type == "markdown" and c.source.startswith(HEADING)), None)
+    if start is None:
+        return [], [], headings
+    end = next((i for i in range(start + 1, len(nb.cells))
+                if nb.cells[i].cell_type == "markdown" and nb.cells[i].source.startswith("## ")), len(nb.cells))
+    cells = nb.cells[start:end]
+    return [c.source for c in cells if c.cell_type == "markdown"], [c for c in cells if c.cell_type == "code"], headings
+
+
+def _snippets(path: Path) -> list[str]:
+    markdown, _, _ = _section(path)
+    return [block for source in markdown for block in FENCE.findall(source)]
+
+
+def test_the_notebooks_are_found():
+    numbers = sorted(int(p.name[:2]) for p in TECHNIQUE_NOTEBOOKS)
+    assert numbers == list(range(FIRST_CAPSTONE)), numbers
+
+
+@pytest.mark.parametrize("path", TECHNIQUE_NOTEBOOKS, ids=lambda p: p.stem)
+def test_the_section_ends_the_lesson(path):
+    markdown, code, headings = _section(path)
+    assert markdown, f"{path.name} has no '{HEADING}' section"
+    assert headings.count(HEADING) == 1, headings
+    at = headings.index(HEADING)
+    assert any(h.startswith("## When not to use it") for h in headings[:at]), f"{path.name}: the section comes after 'When not to use it'"
+    assert not any(h.startswith("## Claims") for h in headings[:at]), f"{path.name}: the section comes before the claims"
+    assert _snippets(path), f"{path.name}: the section has no ```python block with the stack's settings"
+    tagged = [c for c in code if TAG in c.metadata.get("tags", [])]
+    assert len(tagged) == 1, f"{path.name}: the section needs one code cell tagged {TAG!r}"
+    assert "cm.Recipe(" in tagged[0].source and "cm.plan(" in tagged[0].source, tagged[0].source
+
+
+@pytest.mark.parametrize("path", TECHNIQUE_NOTEBOOKS, ids=lambda p: p.stem)
+def test_the_plan_cell_names_a_valid_recipe_and_a_known_model(path, monkeypatch):
+    """The tagged cell's recipes validate and its model is one the package knows offline (the notebook run plans it)."""
+    _, code, _ = _section(path)
+    cell = next(c for c in code if TAG in c.metadata.get("tags", []))
+    calls = []
+    monkeypatch.setattr(cm, "plan", lambda model, batch, **kw: calls.append((model, batch, kw)) or "")
+    exec(compile(cell.source, f"{path.name}:{TAG}", "exec"), {"cm": cm})
+    assert calls
+    for model, batch, kw in calls:
+        assert model in architectures.model_names(), model
+        assert isinstance(kw["recipe"], cm.Recipe) and kw["target"] == "t4"
+        assert kw.get("find_max_batch") is False, "one trace per plan keeps the notebook fast"
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory):
+    """A 2-layer Llama with random weights and a word-level tokenizer, saved as a checkpoint folder."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    folder = tmp_path_factory.mktemp("tiny_llama")
+    config = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=256, max_position_embeddings=128,
+                                      pad_token_id=1, eos_token_id=2, bos_token_id=2)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    vocab = {w: i for i, w in enumerate(["[UNK]", "[PAD]", "</s>"] + [f"w{i}" for i in range(20)])}
+    words = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=words, unk_token="[UNK]", pad_token="[PAD]",
+                                         eos_token="</s>").save_pretrained(folder)
+    return str(folder)
+
+
+def _build_trainers(namespace: dict, checkpoint: str, name: str) -> None:
+    """Build a `Trainer` (or TRL's `SFTTrainer`) with every arguments object a snippet made.
+
+    The trainer applies what its constructor applies (checkpointing and its kwargs, the model's placement) on
+    the snippet's model, else on the tiny checkpoint. Left out: a DeepSpeed config (its engine needs a process
+    group and compiled ops; notebook 10 runs them for real) and, without an accelerator, TRL's
+    `activation_offloading` (its context asks `torch.accelerator` for the device type at construction).
+    """
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, Trainer, TrainingArguments
+    from trl import SFTConfig, SFTTrainer
+
+    models = [v for v in namespace.values() if isinstance(v, PreTrainedModel) or hasattr(v, "peft_config")]
+    for args in [v for v in namespace.values() if isinstance(v, TrainingArguments)]:
+        if args.deepspeed:
+            continue
+        if getattr(args, "activation_offloading", False) and torch.accelerator.current_accelerator() is None:
+            continue  # TRL's offloading context reads the accelerator's type at construction: a GPU run builds it
+        model = models[0] if models else AutoModelForCausalLM.from_pretrained(checkpoint)
+        tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+        if isinstance(args, SFTConfig):
+            data = Dataset.from_list([{"text": "w1 w2 w3 w4"}] * 4)
+            SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer)
+        else:
+            data = Dataset.from_list([{"input_ids": [3, 4, 5, 6], "labels": [3, 4, 5, 6]}] * 4)
+            Trainer(model=model, args=args, train_dataset=data)
+
+
+def _check_t4_settings(namespace: dict, code: str, name: str) -> None:
+    """The objects a snippet built are right for a T4: no bf16, fp16 compute, SDPA, non-reentrant checkpointing."""
+    from transformers import BitsAndBytesConfig, PreTrainedModel, TrainingArguments
+
+    lines = [line.split("#")[0] for line in code.splitlines()]  # comments may name what not to do
+    for bad in ("bf16=True", "bfloat16", "flash_attention_2"):
+        assert not any(bad in line for line in lines), f"{name}: {bad} in a T4 snippet"
+    for value in namespace.values():
+        if isinstance(value, TrainingArguments):  # SFTConfig too
+            assert not value.bf16 and not value.bf16_full_eval, f"{name}: bf16 on (a T4 has no bf16)"
+            if value.activation_checkpointing:
+                kwargs = value.activation_checkpointing_kwargs or {}
+                assert kwargs.get("use_reentrant") is False, f"{name}: checkpointing without use_reentrant=False"
+        if isinstance(value, BitsAndBytesConfig) and value.load_in_4bit:
+            assert value.bnb_4bit_compute_dtype == torch.float16, f"{name}: 4-bit compute dtype must be fp16 on a T4"
+        if isinstance(value, PreTrainedModel):
+            assert value.config._attn_implementation in ("sdpa", "eager"), value.config._attn_implementation
+
+
+@pytest.mark.parametrize("path", TECHNIQUE_NOTEBOOKS, ids=lambda p: p.stem)
+def test_the_snippets_run_with_the_pinned_stack(path, tiny_checkpoint, tmp_path, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    loaded = []
+    original = AutoModelForCausalLM.from_pretrained
+
+    def from_pretrained(cls, model_id, *args, **kwargs):
+        if model_id != tiny_checkpoint:  # a snippet's, not _build_trainers' own
+            loaded.append(model_id)
+        return original(tiny_checkpoint, *args, **kwargs)
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", classmethod(from_pretrained))
+    monkeypatch.chdir(tmp_path)  # output_dir="out" lands here
+    environ = dict(os.environ)
+    for i, code in enumerate(_snippets(path)):
+        name = f"{path.name} snippet {i}"
+        namespace: dict = {"__name__": "__snippet__"}
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                exec(compile(code, name, "exec"), namespace)
+        finally:
+            os.environ.clear()
+            os.environ.update(environ)
+        deprecated = [str(w.message) for w in caught if issubclass(w.category, (FutureWarning, DeprecationWarning))
+                      and "deprecat" in str(w.message).lower() and not ALLOWED_DEPRECATIONS.search(str(w.message))]
+        assert not deprecated, f"{name} uses a deprecated setting: {deprecated}"
+        _check_t4_settings(namespace, code, name)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the trainers' own notices (fp16 on a CPU, ...); errors still raise
+            try:
+                _build_trainers(namespace, tiny_checkpoint, name)
+            finally:
+                os.environ.clear()
+                os.environ.update(environ)
+    assert set(loaded) <= KNOWN_MODEL_IDS, f"{path.name} loads a model the package does not know: {set(loaded) - KNOWN_MODEL_IDS}"
+
+
+def test_the_t4_check_catches_bf16_and_reentrant_checkpointing():
+    """The settings check is not vacuous: bf16 and reentrant checkpointing are refused."""
+    from transformers import TrainingArguments
+
+    with pytest.raises(AssertionError, match="bf16"):
+        _check_t4_settings({}, "args = TrainingArguments(bf16=True)", "bad")
+    args = TrainingArguments(output_dir="out", gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": True})
+    with pytest.raises(AssertionError, match="use_reentrant"):
+        _check_t4_settings({"args": args}, "", "bad")
