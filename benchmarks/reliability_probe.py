@@ -45,6 +45,7 @@ from colab_memopt.__main__ import main as cli  # noqa: E402
 from colab_memopt.fileio import write_json  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "results" / "reliability_probe.json"
+OUT2 = ROOT / "benchmarks" / "results" / "reliability_probe_2.json"
 ROWS: list[dict] = []
 GROUP = "?"
 
@@ -834,14 +835,89 @@ def notebook_rows() -> None:
             _add(row, f"notebook 02 {bad}", "silent-wrong", f"ran through in {time.monotonic() - start:.0f} s")
 
 
+# ------------------------------------------------------------------------------------- probe 2
+# The rows of the second probe (shared/reviews/reliability-probe-2.md) that were neither ok nor clear, by
+# its row numbers and group names. Fast rows run in CI's unit stage (tests/test_reliability_probe.py).
+SCRATCH: Path | None = None
+
+
+def _scratch() -> Path:
+    global SCRATCH
+    if SCRATCH is None:
+        SCRATCH = Path(tempfile.mkdtemp(prefix="probe2-"))
+    return SCRATCH
+
+
+def _config_folder(name: str, **changes) -> Path:
+    """A folder holding a small llama config.json with `changes` applied (None deletes a key)."""
+    from colab_memopt.architectures import small_config
+
+    folder = _scratch() / name
+    folder.mkdir(parents=True, exist_ok=True)
+    small_config("llama").save_pretrained(folder)
+    config = json.loads((folder / "config.json").read_text())
+    for key, value in changes.items():
+        if value is None:
+            config.pop(key, None)
+        else:
+            config[key] = value
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def resolve_rows(fast: bool = True) -> None:
+    global GROUP
+    GROUP = "resolve"
+    cases = ((6, dict(vocab_size=0), "vocab_size must be an integer >= 1, got 0"),
+             (7, dict(vocab_size=-5), "vocab_size must be .* got -5"),
+             (9, dict(num_hidden_layers=-2), "num_hidden_layers must be .* got -2"),
+             (10, dict(hidden_size="64"), "hidden_size"), (11, dict(hidden_size=64.5), "hidden_size"),
+             (17, dict(max_position_embeddings="2048"), "max_position_embeddings"),
+             (12, dict(num_attention_heads=5, num_key_value_heads=5), "not a multiple of .*heads"),
+             (13, dict(num_key_value_heads=0), "num_key_value_heads must be .* got 0"),
+             (19, dict(dtype="float7"), "dtype .*float7"))
+    for row, changes, names in cases:
+        folder = _config_folder(f"cfg{row}", **changes)
+        cli_case(row, f"plan --model {folder} --batch 1 --seq 32 --method analytic --json", 2, names)
+    folder = _config_folder("cfg16", max_position_embeddings=0)
+    cli_case(16, f"plan --model {folder} --batch 1 --method analytic", 2, "no usable max_position_embeddings.*--seq")
+    folder = _scratch() / "cfg24"
+    folder.mkdir(exist_ok=True)
+    (folder / "config.json").write_text("null")
+    cli_case(24, f"plan --model {folder} --batch 1 --seq 32 --method analytic", 2, "does not hold a JSON object|cfg24")
+    cli_case(33, "plan --model ~nonexistent_user_x/x --batch 1 --seq 32", 2, "unknown model")
+    for row, changes in ((84, dict(vocab_size=0)), (85, dict(num_hidden_layers=-2))):
+        folder = _config_folder(f"cfg{row}", **changes)
+        cli_case(row, f"doctor --model {folder} --method analytic --json", 2, "vocab_size|num_hidden_layers")
+    cli_case(112, f"recommend --model {_config_folder('cfg112', vocab_size=0)} --seq 32 --json", 2, "vocab_size")
+
+    def edited() -> tuple[int, int]:
+        folder = _config_folder("cfg34")
+        first = cm.plan(str(folder), 1, seq_len=64, method="analytic").by_category["parameters"]
+        config = json.loads((folder / "config.json").read_text())
+        config.update(num_hidden_layers=6, hidden_size=128, intermediate_size=256)
+        (folder / "config.json").write_text(json.dumps(config))
+        return first, cm.plan(str(folder), 1, seq_len=64, method="analytic").by_category["parameters"]
+    ok(34, "plan(folder), edit its config.json, plan(folder)", edited, lambda out: out[1] > 2 * out[0])
+    ok(35, "plan(pathlib.Path(folder))", lambda: cm.plan(_config_folder("cfg35"), 1, seq_len=32, method="analytic"))
+
+
+# Probe 2's groups by name (--only); each takes fast=True to run only its fast rows (CI's unit stage).
+PROBE2 = {"resolve": resolve_rows}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--skip-notebook", action="store_true", help="skip the 9 papermill runs of notebook 02")
     parser.add_argument("--skip-slow", action="store_true", help="skip the two ZeroJob rows that spawn DeepSpeed ranks")
-    parser.add_argument("--only", choices=["cli", "api", "faults", "notebook"], nargs="*")
+    parser.add_argument("--probe", type=int, choices=[1, 2], default=1,
+                        help="1: the first probe's inputs (writes reliability_probe.json); 2: the second's (reliability_probe_2.json)")
+    parser.add_argument("--only", choices=["cli", "api", "faults", "notebook", *PROBE2], nargs="*")
     args = parser.parse_args(argv)
     start = time.perf_counter()
-    parts = {"cli": cli_rows, "api": api_rows, "faults": lambda: fault_rows(args.skip_slow), "notebook": notebook_rows}
+    parts = ({"cli": cli_rows, "api": api_rows, "faults": lambda: fault_rows(args.skip_slow), "notebook": notebook_rows}
+             if args.probe == 1 else {name: (lambda fn=fn: fn(fast=False)) for name, fn in PROBE2.items()})
+    out = OUT if args.probe == 1 else OUT2
     for name, fn in parts.items():
         if args.only and name not in args.only or (name == "notebook" and args.skip_notebook):
             continue
@@ -850,17 +926,17 @@ def main(argv: list[str] | None = None) -> int:
     by_group: dict[str, Counter] = {}
     for r in ROWS:
         by_group.setdefault(r["group"], Counter())[r["verdict"]] += 1
-    verdicts = ("clear", "ok", "unclear", "traceback", "silent-wrong", "hang")
+    verdicts = ("clear", "ok", "unclear", "traceback", "silent-wrong", "hang", "data-loss")
     print("\ntried", len(ROWS), " ".join(f"{v} {counts.get(v, 0)}" for v in verdicts))
     for g, c in by_group.items():
         print(f"  {g}: {sum(c.values())} tried, " + ", ".join(f"{v} {c.get(v, 0)}" for v in verdicts))
     left = [f"{r['row']} {r['input']}: {r['verdict']}: {r['got']}" for r in ROWS if r["verdict"] not in ("clear", "ok")]
     print("\nnot clear or ok:" if left else "\nevery input clear or ok", *left, sep="\n  ")
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    write_json(OUT, {"tried": len(ROWS), "counts": {v: counts.get(v, 0) for v in verdicts},
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_json(out, {"tried": len(ROWS), "counts": {v: counts.get(v, 0) for v in verdicts},
                      "by_group": {g: dict(c) for g, c in by_group.items()}, "seconds": time.perf_counter() - start,
                      "torch": torch.__version__, "rows": ROWS})
-    print(f"wrote {OUT} in {time.perf_counter() - start:.0f} s")
+    print(f"wrote {out} in {time.perf_counter() - start:.0f} s")
     return 0
 
 

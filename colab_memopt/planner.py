@@ -1032,6 +1032,8 @@ def plan(
         seq_len = check_seq_len(limit if seq_len is None else seq_len, limit, name)
         meta_model = shape_model(model_factory)
     else:
+        if seq_len is None and spec.config is not None:
+            raise ValueError(f"model {name!r} has no usable max_position_embeddings in its config: give seq_len (--seq)")
         check_seq_len(seq_len, None, name)
         meta_model = shape_model(model_factory)
         check_seq_len(seq_len, max_positions(meta_model), type(meta_model).__name__)
