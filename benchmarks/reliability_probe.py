@@ -902,8 +902,175 @@ def resolve_rows(fast: bool = True) -> None:
     ok(35, "plan(pathlib.Path(folder))", lambda: cm.plan(_config_folder("cfg35"), 1, seq_len=32, method="analytic"))
 
 
+def _strict_json(text: str):
+    return json.loads(text, parse_constant=lambda c: (_ for _ in ()).throw(ValueError(f"non-standard JSON constant {c}")))
+
+
+def _costs_file(name: str, drop_class: bool = False, ratios: dict | None = None, cls: str = "t4") -> Path:
+    d = json.loads((ROOT / "colab_memopt" / "technique_costs.json").read_text())
+    d["device_class"] = cls
+    if drop_class:
+        d.pop("device_class")
+    if ratios is not None:
+        d["ratios"] = ratios
+    path = _scratch() / name
+    path.write_text(json.dumps(d))
+    return path
+
+
+def costs_rows(fast: bool = True) -> None:
+    global GROUP
+    GROUP = "costs"
+    R = "recommend --model smollm2-360m --batch 4 --seq 2048 --mode full --method analytic --json --costs"
+    big = _costs_file("big.json", ratios={"fp16-autocast": 1e308, "checkpoint-full": 1e308, "adamw8bit": 1e308})
+    cli_case(52, f"{R} {big}", 2, r"ratios .*\[0.01, 100.0\].*1e\+308")
+    cli_case(53, f"{R} {_costs_file('nocls.json', drop_class=True)}", 2, "no 'device_class'")
+    cli_case(54, f"{R} {_costs_file('names.json', ratios={'checkpoint_full': 1.3, 'fp16_autocast': 1.1})}", 2,
+             r"unknown technique name\(s\) \['checkpoint_full', 'fp16_autocast'\]")
+
+    def strict_stdout():
+        from colab_memopt.__main__ import _finite
+        return _strict_json(json.dumps(_finite({"expected_slowdown": float("inf"), "x": [float("nan"), 1.0]}), allow_nan=False))
+    ok(290, "--json with a non-finite figure is strict JSON", strict_stdout, lambda d: d == {"expected_slowdown": None, "x": [None, 1.0]})
+    if not fast:  # a fresh process: what a user's JSON parser reads
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        proc = subprocess.run([sys.executable, "-m", "colab_memopt", *R.split()[:-1]], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+        ok(290, "recommend --json in a fresh process, stdout parsed strictly", lambda: _strict_json(proc.stdout), lambda d: isinstance(d, dict))
+
+
+def _merged_ok() -> dict:
+    stems = [p.stem for p in sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))]
+    return {"device": "cpu", "torch": "x", "notebooks": {s: {"device": "cpu", "claims": []} for s in stems}}
+
+
+def _rollup(row: int, label: str, merged, readme_text: str | None = None, readme: Path | None = None, names: str = "") -> None:
+    """`python -m colab_memopt.rollup` on `merged`: exit 2, one stderr line naming `names`, the README unchanged."""
+    from colab_memopt import rollup
+
+    d = Path(tempfile.mkdtemp(dir=_scratch()))
+    results = d / "results.json"
+    results.write_text(json.dumps(merged))
+    if readme is None:
+        readme = d / "README.md"
+        readme.write_text(readme_text if readme_text is not None else (ROOT / "README.md").read_text())
+    before = readme.read_text() if readme.exists() else None
+    errs = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(errs):
+            code = rollup.main(["--results", str(results), "--claims", str(d / "claims.md"), "--readme", str(readme)])
+    except BaseException as e:  # noqa: BLE001
+        _add(row, label, "traceback", f"{type(e).__name__}: {e}")
+        return
+    after = readme.read_text() if readme.exists() else None
+    lines = errs.getvalue().strip().splitlines()
+    good = code == 2 and len(lines) == 1 and re.search(names, lines[0]) and before == after
+    _add(row, label, "clear" if good else ("silent-wrong" if code == 0 else "unclear"), f"exit {code}: {errs.getvalue().strip()}")
+
+
+def readme_rows(fast: bool = True) -> None:
+    global GROUP
+    GROUP = "readme"
+    first = next(iter(_merged_ok()["notebooks"]))
+
+    def with_entry(entry):
+        m = _merged_ok()
+        m["notebooks"][first] = entry
+        return m
+    _rollup(252, "results.json a list", [1, 2], names="must hold a JSON object")
+    _rollup(253, "an entry null", with_entry(None), names=f"{first}.*JSON object")
+    _rollup(254, "an entry a string", with_entry("x"), names=f"{first}.*JSON object")
+    claim = {"claim": "c", "source": "s", "measured": "m"}
+    _rollup(255, "a claim without verdict", with_entry({"device": "cpu", "claims": [claim]}), names=f"{first}.*verdict")
+    _rollup(256, "an entry without device", with_entry({"claims": []}), names=f"{first}.*device")
+    _rollup(257, "optimized without peak_bytes", with_entry({"device": "cpu", "baseline": {"peak_bytes": 10}, "optimized": {},
+                                                              "saving_pct": 5}), names=f"{first}.*optimized.*peak_bytes")
+    _rollup(258, "saving_pct a string", with_entry({"device": "cpu", "baseline": {"peak_bytes": 10}, "optimized": {"peak_bytes": 5},
+                                                    "saving_pct": "50"}), names=f"{first}.*saving_pct")
+    _rollup(259, "notebooks a list", {"device": "cpu", "notebooks": []}, names="'notebooks' must map")
+    _rollup(262, "a README without the index markers", _merged_ok(), readme_text="# readme\n", names="no notebook index markers")
+    from colab_memopt.rollup import INDEX_END, INDEX_START
+    _rollup(263, "the end marker before the start marker", _merged_ok(), readme_text=f"x\n{INDEX_END}\ny\n{INDEX_START}\n", names="end marker")
+    _rollup(264, "--readme naming a missing file", _merged_ok(), readme=_scratch() / "no_such_README.md", names="does not exist")
+
+
+def runner_rows(fast: bool = True) -> None:
+    global GROUP
+    GROUP = "runner"
+    from colab_memopt import runner
+
+    nb = _scratch() / "98_sleep.ipynb"
+    nb.write_text(json.dumps({"cells": [{"cell_type": "code", "metadata": {}, "source": "import time; time.sleep(120)",
+                                         "outputs": [], "execution_count": None}], "metadata": {"kernelspec": {"name": "python3",
+                              "display_name": "Python 3", "language": "python"}}, "nbformat": 4, "nbformat_minor": 5}))
+    for row, value in ((269, 0), (270, -1), (271, float("nan"))):
+        err(row, f"run_notebook(sleeping cell, cell_timeout={value})",
+            lambda v=value: runner.run_notebook(nb, _scratch() / "out", _scratch() / "res", {}, cell_timeout=v),
+            rf"cell_timeout must be a finite number of seconds > 0.*got {value}")
+
+    def runner_cli(argv):
+        errs = io.StringIO()
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(errs):
+            try:
+                code = runner.main(argv)
+            except SystemExit as e:
+                code = e.code
+        return code, errs.getvalue().strip()
+    for row, argv, names in ((273, ["--cell-timeout", "nan"], "cell_timeout.*nan"), (270, ["--cell-timeout", "0"], "cell_timeout.*got 0"),
+                             (274, ["--out", str(nb)], "--out must be a folder")):
+        try:
+            code, errs = runner_cli([*argv, "98_nothing"])
+        except BaseException as e:  # noqa: BLE001
+            _add(row, f"runner {' '.join(argv)}", "traceback", f"{type(e).__name__}: {e}")
+            continue
+        good = code == 2 and len(errs.splitlines()) == 1 and re.search(names, errs)
+        _add(row, f"runner {' '.join(argv)}", "clear" if good else "unclear", f"exit {code}: {errs}")
+    if os.geteuid() != 0:  # root writes through a read-only mode
+        ro = _scratch() / "ro"
+        ro.mkdir(exist_ok=True)
+        os.chmod(ro, 0o500)
+        code, errs = runner_cli(["--out", str(ro / "build"), "98_nothing"])
+        os.chmod(ro, 0o700)
+        _add(279, "runner --out in a folder it cannot write", "clear" if code == 2 and len(errs.splitlines()) == 1 and "ro" in errs
+             else "unclear", f"exit {code}: {errs}")
+    if not fast:  # two notebooks through papermill, the second raising: about 10 s
+        folder = _scratch() / "nbs"
+        folder.mkdir(exist_ok=True)
+        for name, source in (("98_ok", "x = 1"), ("98_raise", "raise ValueError('boom')")):
+            cells = [{"cell_type": "code", "metadata": {"tags": ["parameters"]}, "source": "results_dir = None", "outputs": [],
+                      "execution_count": None},
+                     {"cell_type": "code", "metadata": {}, "source": source, "outputs": [], "execution_count": None}]
+            (folder / f"{name}.ipynb").write_text(json.dumps({"cells": cells, "metadata": {"kernelspec": {
+                "name": "python3", "display_name": "Python 3", "language": "python"}}, "nbformat": 4, "nbformat_minor": 5}))
+        saved = runner.NOTEBOOK_DIR
+        runner.NOTEBOOK_DIR = folder
+        try:
+            code, errs = runner_cli(["--out", str(_scratch() / "build"), "--cell-timeout", "120"])
+        finally:
+            runner.NOTEBOOK_DIR = saved
+        good = code == 1 and re.search(r"notebook 98_raise failed in cell \d+: ValueError: boom", errs)
+        _add(272, "runner: two notebooks, the second raising", "clear" if good else "unclear", f"exit {code}: {errs[-300:]}")
+
+
+def fault2_rows(fast: bool = True) -> None:
+    global GROUP
+    GROUP = "faults"
+    from colab_memopt.fileio import STALE_PARTIAL_SECONDS, write_json as wj
+
+    def swept():
+        d = _scratch() / "results_partial"
+        d.mkdir(exist_ok=True)
+        stale, live = d / ".02_x.json.abc123.partial", d / ".02_x.json.def456.partial"
+        stale.write_bytes(b"x" * 1000)
+        live.write_bytes(b"y")
+        old = time.time() - STALE_PARTIAL_SECONDS - 60
+        os.utime(stale, (old, old))
+        wj(d / "02_x.json", {"a": 1})
+        return stale.exists(), live.exists(), json.loads((d / "02_x.json").read_text())
+    ok(151, "a killed writer's stale .partial, then the next write", swept, lambda out: out == (False, True, {"a": 1}))
+
+
 # Probe 2's groups by name (--only); each takes fast=True to run only its fast rows (CI's unit stage).
-PROBE2 = {"resolve": resolve_rows}
+PROBE2 = {"resolve": resolve_rows, "costs": costs_rows, "readme": readme_rows, "runner": runner_rows, "faults": fault2_rows}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -176,6 +176,19 @@ def _doctor(args: argparse.Namespace) -> tuple[int, Any]:
     return (0 if result.ok else 1), result
 
 
+def _finite(value: Any) -> Any:
+    """Return `value` with every non-finite float as None: --json prints strict JSON (no Infinity, no NaN)."""
+    import math
+
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; return the exit code (0 an answer, 1 does not fit, 2 bad input, 3 internal error).
 
@@ -211,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # noqa: BLE001 - a bug, not the input: say so, with the traceback on stderr
         traceback.print_exc()
         return answer(3, f"internal error ({type(exc).__name__}: {exc}); please report it with the command line")
-    print(json.dumps(result.to_dict(), indent=2) if as_json else result, file=stdout)
+    print(json.dumps(_finite(result.to_dict()), indent=2, allow_nan=False) if as_json else result, file=stdout)
     return code
 
 
