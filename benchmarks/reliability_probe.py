@@ -1069,8 +1069,150 @@ def fault2_rows(fast: bool = True) -> None:
     ok(151, "a killed writer's stale .partial, then the next write", swept, lambda out: out == (False, True, {"a": 1}))
 
 
+def _weights_folder(name: str, **save_kw) -> Path:
+    """A folder with a small llama's config.json and random weights (save_pretrained)."""
+    import shutil
+
+    from colab_memopt.architectures import small_config
+    from colab_memopt.loading import save_random_model
+
+    base = _scratch() / "_weights"
+    if not (base / "config.json").exists():
+        save_random_model(small_config("llama"), base)
+    folder = _scratch() / name
+    if folder.exists():
+        shutil.rmtree(folder)
+    shutil.copytree(base, folder)
+    return folder
+
+
+def load_rows(fast: bool = True) -> None:
+    global GROUP
+    GROUP = "load"
+    from colab_memopt import loading
+    from colab_memopt.architectures import small_config
+
+    def corrupt(row, name, content):
+        folder = _weights_folder(f"w{row}")
+        (folder / "model.safetensors").unlink()
+        (folder / name).write_bytes(content(folder))
+        err(row, f"load_model(folder whose {name} is {label})", lambda: cm.load_model(str(folder), None, "cpu"),
+            rf"{name} is not a readable .* weight file")
+    good = (_weights_folder("w_good") / "model.safetensors").read_bytes()
+    for row, label, content in ((196, "random bytes", lambda f: os.urandom(20000)), (197, "cut in half", lambda f: good[: len(good) // 2]),
+                                (198, "empty", lambda f: b"")):
+        corrupt(row, "model.safetensors", content)
+    label = "the text 'hello'"
+    corrupt(200, "pytorch_model.bin", lambda f: b"hello")
+
+    def sharded_missing():
+        folder = _weights_folder("w201")
+        (folder / "model.safetensors").unlink()
+        index = {"metadata": {}, "weight_map": {"lm_head.weight": "model-00001-of-00002.safetensors",
+                                                 "model.norm.weight": "model-00002-of-00002.safetensors"}}
+        (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+        return cm.load_model(str(folder), None, "cpu")
+    err(201, "load_model(folder with an index whose shards are missing)", sharded_missing,
+        r"names shard\(s\) \['model-00001-of-00002.safetensors', 'model-00002-of-00002.safetensors'\] that are not in")
+    ok(202, "load_model(folder, {'precision': 'fp16'}) loads fp16", lambda: cm.load_model(str(_weights_folder("w202")), {"precision": "fp16"}, "cpu"),
+       lambda out: out.dtype == torch.float16 and next(out.model.parameters()).dtype == torch.float16)
+    err(211, "load_model(folder, recipe='adamw')", lambda: cm.load_model(str(_weights_folder("w211")), "adamw", "cpu"),
+        "recipe must be a Recipe or a dict of its fields, got str")
+    err(215, "load_model('')", lambda: cm.load_model(""), "model must not be empty")
+    ok(216, "load_model(pathlib.Path(folder))", lambda: cm.load_model(_weights_folder("w216"), None, "cpu"),
+       lambda out: not out.random_weights)
+    err(217, "load_host_bytes(folder, device='tpu')", lambda: loading.load_host_bytes(str(_weights_folder("w217")), device="tpu"),
+        "device must be 'cpu' or 'cuda', got 'tpu'")
+
+    def low_ram():
+        saved = loading._host_room_bytes
+        loading._host_room_bytes = lambda: 300 * 2**20
+        try:
+            return cm.load_model("smollm2-135m", None, "cpu")
+        finally:
+            loading._host_room_bytes = saved
+    err(219, "load_model('smollm2-135m', None, 'cpu') with 300 MiB of host RAM left", low_ram,
+        r"needs about .* of host RAM and this process has 300.00 MiB left", exc=MemoryError)
+    del small_config
+
+
+class _WideTokenizer:
+    """A tokenizer whose ids (up to 65533) exceed its len() of 10."""
+
+    def encode(self, text, add_special_tokens=False):
+        return [ord(c) % 65534 for c in text]
+
+    def __len__(self):
+        return 10
+
+
+class _PlainTokenizer:
+    """A tokenizer whose encode() takes the text alone (the docstring asks only for encode() and len())."""
+
+    def encode(self, text):
+        return [min(ord(c), 255) for c in text]
+
+    def __len__(self):
+        return 256
+
+
+def corpus_rows(fast: bool = True) -> None:
+    global GROUP
+    GROUP = "corpus"
+    from colab_memopt.data import load_corpus
+
+    binary = _scratch() / "random.bin"
+    binary.write_bytes(os.urandom(20000))
+    err(221, "load_corpus(source=20 kB of random bytes)", lambda: load_corpus(source=binary), "looks binary")
+    latin = _scratch() / "latin1.txt"
+    latin.write_bytes(("café déjà vu, " * 400).encode("latin-1"))
+    warns(224, "load_corpus(Latin-1 file, tokenizer)", lambda: load_corpus(source=latin, tokenizer=_PlainTokenizer()),
+          r"latin1.txt: 1200 byte sequence\(s\) are not UTF-8")
+    text = _scratch() / "plain.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 200)
+    err(225, "load_corpus(tokenizer with ids >= len())", lambda: load_corpus(source=text, tokenizer=_WideTokenizer()),
+        r"token ids up to \d+ .*outside its len\(\) of 10")
+    ok(226, "load_corpus(tokenizer whose encode() takes the text alone)", lambda: load_corpus(source=text, tokenizer=_PlainTokenizer()),
+       lambda c: c.vocab_size == 256 and len(c.train) > 1000)
+    for row, kw, names in ((236, dict(max_bytes=1e6), "max_bytes must be an integer >= 1024, got 1000000.0"),
+                           (237, dict(max_bytes=float("inf")), "max_bytes must be .* got inf"),
+                           (238, dict(max_bytes="4MB"), "max_bytes must be .* got '4MB'"),
+                           (239, dict(val_fraction="0.1"), "val_fraction must be .* got '0.1'")):
+        err(row, f"load_corpus({kw})", lambda kw=kw: load_corpus(source=text, **kw), names)
+        err(row, f"load_corpus({kw}) (the standard library)", lambda kw=kw: load_corpus(**kw), names)
+
+    def reads_only_max_bytes():
+        import builtins
+        big = _scratch() / "big.txt"
+        with open(big, "wb") as f:  # a sparse 6 GiB file: only what is read costs memory
+            f.truncate(6 * 2**30)
+            f.seek(0)
+            f.write(b"hello world " * 1000)
+        read = []
+        real_open = builtins.open
+
+        def spy(file, mode="r", *a, **k):
+            handle = real_open(file, mode, *a, **k)
+            if str(file) == str(big):
+                real_read = handle.read
+                handle.read = lambda n=-1: read.append(n) or real_read(n)  # noqa: B023
+            return handle
+        builtins.open = spy
+        try:
+            corpus = load_corpus(max_bytes=8192, source=big)
+        except ValueError as e:  # the sparse tail is NUL bytes: refused as binary only if it was read
+            corpus = e
+        finally:
+            builtins.open = real_open
+            big.unlink()
+        return read, corpus
+    ok(246, "load_corpus(a 6 GiB file, max_bytes=8192) reads 8192 bytes", reads_only_max_bytes,
+       lambda out: out[0] == [8192] and not isinstance(out[1], Exception))
+
+
 # Probe 2's groups by name (--only); each takes fast=True to run only its fast rows (CI's unit stage).
-PROBE2 = {"resolve": resolve_rows, "costs": costs_rows, "readme": readme_rows, "runner": runner_rows, "faults": fault2_rows}
+PROBE2 = {"resolve": resolve_rows, "costs": costs_rows, "readme": readme_rows, "runner": runner_rows, "faults": fault2_rows,
+          "load": load_rows, "corpus": corpus_rows}
 
 
 def main(argv: list[str] | None = None) -> int:
