@@ -1210,9 +1210,115 @@ def corpus_rows(fast: bool = True) -> None:
        lambda out: out[0] == [8192] and not isinstance(out[1], Exception))
 
 
+def api2_rows(fast: bool = True) -> None:
+    global GROUP
+    GROUP = "api"
+    from colab_memopt.monitor import MemoryProfiler
+
+    model = cm.build_model("tiny")
+    for row, kw, names in ((291, dict(capacity_bytes=float("nan")), "capacity_bytes must be a finite number of bytes, got nan"),
+                           (292, dict(capacity_bytes=2**30, warmup_steps="1"), "warmup_steps must be an integer >= 0, got '1'"),
+                           (293, dict(capacity_bytes=2**30, leak_window=0), "leak_window must be an integer >= 2.*got 0"),
+                           (294, dict(capacity_bytes=2**30, spike_threshold_bytes=-1), "spike_threshold_bytes must be >= 0, got -1")):
+        err(row, f"MemoryProfiler(model, {kw})", lambda kw=kw: MemoryProfiler(model, device="cpu", **kw), names)
+
+
+def cli2_rows(fast: bool = True) -> None:
+    global GROUP
+    GROUP = "cli"
+    folder = _weights_folder("llama83")
+    for row, cmd in ((83, "doctor"), (114, "plan")):
+        extra = " --batch 1 --seq 32" if cmd == "plan" else " --seq 32"
+        cli_case(row, f"{cmd} --model {folder}{extra} --method analytic --recipe lora_rank=8 --json", 0,
+                 check=(lambda out, errs: "q_proj" in out) if cmd == "plan" else None)
+    cli_case(119, "plan --model tiny --batch 2 --seq 32 --recipe optimizer=adam_mini precision=fp16 --json", 0)
+
+    def no_fit_message():  # the message's numbers come from the leanest planned candidate, never "short by 0 B"
+        from colab_memopt.recommender import Candidate, _no_fit_message
+        from colab_memopt.costs import Slowdown
+        from colab_memopt.planner import get_target
+        planned = cm.plan("tiny", 2, seq_len=32, method="analytic", target={"device_bytes": 2**20, "host_bytes": 2**33})
+        slow = Slowdown(1.0, {}, [], "cpu")
+        screened = Candidate("screened-only", cm.Recipe(), slow, 1000, 2**19)
+        traced = Candidate("planned", cm.Recipe(), slow, 900, 2**19, plan=planned)
+        return _no_fit_message([screened, traced], "tiny", "full", 2, 32, get_target("t4"), 2**19, 0.1)
+    ok(113, "NoRecipeFits message: a screened candidate leaner than the planned one", no_fit_message,
+       lambda m: "leanest planned candidate, planned," in m and "short by 0 B" not in m and "screened-only" not in m)
+    if not fast:
+        cli_case(113, "recommend --model llama-3.2-1b --seq 8192 --mode full --json", 1, r"leanest planned candidate")
+
+
+def recipe2_rows(fast: bool = True) -> None:
+    global GROUP
+    GROUP = "recipe"
+    import math as _math
+
+    def two_steps(**fields):
+        torch.manual_seed(0)
+        r = cm.Recipe(**fields)
+        m, opt = r.build(cm.build_model("tiny"))
+        before = [p.detach().clone() for p in m.parameters()]
+        step = cm.make_train_step(m, opt, cm.load_corpus(), batch_size=2, seq_len=16, recipe=r)
+        losses = [float(step()) for _ in range(2)]
+        moved = sum(not torch.equal(b, p) for b, p in zip(before, m.parameters()))
+        return losses, moved, len(before)
+    for prec in ("fp16", "bf16"):
+        ok(136, f"Recipe(precision={prec!r}, optimizer='adam_mini') build + 2 steps", lambda p=prec: two_steps(precision=p, optimizer="adam_mini"),
+           lambda out: all(_math.isfinite(x) for x in out[0]) and out[1] >= out[2] - 2)
+
+
+def slow2_rows(fast: bool = True) -> None:
+    global GROUP
+    GROUP = "slow"
+    from colab_memopt.architectures import small_config
+
+    folder = _scratch() / "huge"
+    small_config("llama", hidden_size=16384, intermediate_size=53248, num_hidden_layers=300, num_attention_heads=128,
+                 num_key_value_heads=8, vocab_size=256000).save_pretrained(folder)
+    start = time.monotonic()
+    cli_case(999, f"plan --model {folder} --batch 1 --seq 512 --json", 1, check=None)
+    seconds = time.monotonic() - start
+    ROWS[-1]["input"] += f" (answered in {seconds:.1f} s)"
+    if seconds > 20:
+        ROWS[-1]["verdict"] = "hang"
+
+
+def lomo_then_zero_rows(fast: bool = True) -> None:
+    global GROUP
+    GROUP = "faults"
+    if fast:  # the environment DeepSpeed's engine reads, after LOMO started a process group without it
+        def env_after_lomo():
+            import torch.distributed as dist
+            from colab_memopt import zero
+            from colab_memopt.lomo import _ensure_process_group
+            saved = {k: os.environ.pop(k, None) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+            try:
+                _ensure_process_group()
+                zero.init_distributed()
+                return {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}, dist.is_initialized()
+            finally:
+                for k, v in saved.items():
+                    if v is not None:
+                        os.environ[k] = v
+        ok(282, "LOMO's process group, then zero.init_distributed: the engine's environment", env_after_lomo,
+           lambda out: out[0] == {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"})
+        return
+    code = ("import os, colab_memopt as cm\n"
+            "r = cm.Recipe(precision='fp16', optimizer='lomo'); m, o = r.build(cm.build_model('tiny'))\n"
+            "cm.make_train_step(m, o, cm.load_corpus(), batch_size=2, seq_len=16, recipe=r)()\n"
+            "e, o = cm.Recipe(zero_stage=2).build(cm.build_model('tiny'))\n"
+            "print('zero built', type(e).__name__)\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
+    ok(282, "LOMO in pure fp16 for a step, then Recipe(zero_stage=2).build in the same process",
+       lambda: proc.stdout.strip().splitlines()[-1] if proc.returncode == 0 else (_ for _ in ()).throw(RuntimeError(proc.stderr[-300:])),
+       lambda out: out.startswith("zero built"))
+
+
 # Probe 2's groups by name (--only); each takes fast=True to run only its fast rows (CI's unit stage).
 PROBE2 = {"resolve": resolve_rows, "costs": costs_rows, "readme": readme_rows, "runner": runner_rows, "faults": fault2_rows,
-          "load": load_rows, "corpus": corpus_rows}
+          "load": load_rows, "corpus": corpus_rows, "api": api2_rows, "cli": cli2_rows, "recipe": recipe2_rows,
+          "slow": slow2_rows, "lomo_zero": lomo_then_zero_rows}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -437,6 +437,10 @@ def doctor(
     tgt, capability = _target(target)
     module = model if isinstance(model, nn.Module) else None
     spec = _spec(model)
+    if spec is not None and module is None:  # planned from a name or folder: the family's LoRA targets, as load_model
+        from colab_memopt.presets import with_family_lora_targets
+
+        rec = with_family_lora_targets(rec, spec.family)
     name = spec.name if spec is not None else type(model).__name__
     if seq_len is None:
         seq_len = min(512, spec.max_seq_len or 512) if spec is not None else 512

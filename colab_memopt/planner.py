@@ -967,6 +967,11 @@ def _load_costs(spec: Any, recipe: Recipe, target: Target) -> list[Cost]:
                  f"{format_bytes(load.classic_host_bytes)})")]
 
 
+# Model states over this many times the device: answered by the analytic estimate at once, without a trace
+# (a 1.3e12-parameter config took a minute or more to trace only to say it does not fit).
+HOPELESS_FACTOR = 2
+
+
 def plan(
     model_factory: Callable[[], nn.Module] | str | Any,
     batch: int,
@@ -1028,6 +1033,9 @@ def plan(
         shape_model(model_factory)  # names the bad factory in plan's own words
         raise
     name, limit, model_factory = spec.name, spec.max_seq_len, spec.build
+    from colab_memopt.presets import with_family_lora_targets
+
+    rec = with_family_lora_targets(rec, spec.family)  # a folder's llama: q_proj..., not the reference model's names
     if limit is not None:
         seq_len = check_seq_len(limit if seq_len is None else seq_len, limit, name)
         meta_model = shape_model(model_factory)
@@ -1072,7 +1080,13 @@ def plan(
 
     used = "analytic"
     trace = None
-    if method != "analytic" and rec.untraceable_reason:
+    states = sum(analytic.by_category.get(k, 0) for k in ("parameters", "gradients", "optimizer_state"))
+    if method == "auto" and states > HOPELESS_FACTOR * tgt.device_bytes and not rec.uses_deepspeed \
+            and not rec.layer_offload_active and rec.optimizer_state_offload == "keep":
+        warn.append(f"not traced: the weights, gradients and optimizer state alone ({states / 2**30:.1f} GiB by the "
+                    f"analytic estimate) are {states / tgt.device_bytes:.0f}x {tgt.name}'s device memory, so no trace could "
+                    "make it fit; the figures are the analytic estimate")
+    elif method != "analytic" and rec.untraceable_reason:
         if method == "trace":
             raise ValueError(f"cannot trace this recipe: {rec.untraceable_reason}")
         warn.append(f"not traced: {rec.untraceable_reason}; the figures are the analytic estimate")
