@@ -217,6 +217,25 @@ class Cost:
     in_allocator: bool = False  # allocated through the caching allocator: inside max_memory_allocated
 
 
+def estimate_band() -> dict[str, Any]:
+    """Return the analytic estimate's error against traces, as benchmarks/estimate_accuracy.py measured it."""
+    from pathlib import Path
+
+    from colab_memopt.fileio import read_json
+
+    path = Path(__file__).with_name("estimate_band.json")
+    return dict(read_json(path)) if path.exists() else {"source": "not measured (benchmarks/estimate_accuracy.py)"}
+
+
+def describe_estimate_error(band: dict[str, Any]) -> str:
+    """Return one line saying how far the analytic estimate was from traces."""
+    if "cases" not in band:
+        return f"the analytic estimate's error is {band.get('source', 'not measured')}"
+    return (f"the analytic estimate was within 10% of the traced peak on {band['within_10pct']} of {band['cases']} "
+            f"traced cases, off by {band['min_rel_error_pct']:+.0f}% to {band['max_rel_error_pct']:+.0f}% "
+            f"({band['source']}); keep a margin or trace the step")
+
+
 @dataclass
 class Plan:
     """The predicted memory of one training step on a target."""
@@ -303,7 +322,14 @@ class Plan:
             "optimizer_impl": self.optimizer_impl,
             "seconds": self.seconds,
             "warnings": self.warnings,
+            "estimate": self.method == "analytic",
+            "estimate_error": self.estimate_error,
         }
+
+    @property
+    def estimate_error(self) -> dict[str, Any] | None:
+        """Return the analytic estimate's measured error against traces (None for a traced plan)."""
+        return estimate_band() if self.method == "analytic" else None
 
     def __str__(self) -> str:
         lines = [
@@ -326,6 +352,8 @@ class Plan:
         why = [] if self.fits else [w for w, ok in (("device memory", self.fits_device), ("host RAM", self.fits_host)) if not ok]
         lines.append(f"verdict: {verdict}" + (f" ({' and '.join(why)})" if why else "")
                      + f"; device headroom {format_bytes(self.device_limit_bytes - self.device_need_bytes)}")
+        if self.estimate_error:
+            lines.append(f"ESTIMATE, NOT TRACED: {describe_estimate_error(self.estimate_error)}")
         if self.max_batch is not None:
             lines.append(f"largest batch that fits: {self.max_batch}")
         lines += [f"warning: {w}" for w in self.warnings]

@@ -35,6 +35,7 @@ from colab_memopt.costs import Slowdown, TechniqueCosts, costs_for_target, expec
 from colab_memopt.loss import DEFAULT_CHUNK_TOKENS
 from colab_memopt.measure import format_bytes
 from colab_memopt.planner import (
+    describe_estimate_error,
     Plan,
     Target,
     check_headroom,
@@ -187,6 +188,7 @@ class Recommendation:
             "slowdown_parts": self.chosen.slowdown.parts, "slowdown_measured_on": self.costs_device,
             "costs": self._costs_dict(),
             "reasoning": self.reasoning, "warnings": self.warnings, "candidates": [c.to_dict() for c in self.candidates],
+            "estimate": self.plan.method == "analytic", "estimate_error": self.plan.estimate_error,
         }
 
     def _costs_dict(self) -> dict[str, Any]:
@@ -212,6 +214,7 @@ class Recommendation:
             f"  recipe: {_changed(c.recipe)}",
             f"  predicted peak {format_bytes(self.plan.peak_bytes)}, need {format_bytes(self.plan.device_need_bytes)} of "
             f"{format_bytes(self.plan.device_limit_bytes)} usable ({self.plan.method})",
+            *([f"  ESTIMATE, NOT TRACED: {describe_estimate_error(self.plan.estimate_error)}"] if self.plan.estimate_error else []),
             f"  expected slowdown x{c.slowdown.ratio:.2f} vs fp32 AdamW ("
             + (f"{self.costs.table}" if self.costs is not None else f"ratios measured on {self.costs_device}") + ")",
             *[f"    {t} x{r:.2f}: {c.slowdown.sources.get(t, '')}" for t, r in c.slowdown.parts.items()],
