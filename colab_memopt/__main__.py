@@ -108,7 +108,29 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--seq", type=int, default=None, help="tokens per sequence (default: min(512, the model's maximum))")
     d.add_argument("--method", default="auto", choices=["auto", "trace", "analytic"])
     d.add_argument("--json", action="store_true", help="print one JSON object")
+    for command in (p, r, d):
+        command.add_argument("--verbose", action="store_true",
+                             help="let the libraries' own notes and warnings through to stderr (default: hidden)")
     return parser
+
+
+@contextlib.contextmanager
+def _quiet(verbose: bool):
+    """Hide third-party notes (torchao's missing CUDA libraries, bitsandbytes' kernels note, transformers'
+    config and loss-type notes, torch's deprecation lines): logging below ERROR and Python warnings."""
+    import logging
+
+    if verbose:
+        yield
+        return
+    previous = logging.root.manager.disable
+    logging.disable(logging.WARNING)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        logging.disable(previous)
 
 
 def _target(args: argparse.Namespace) -> Any:
@@ -154,15 +176,29 @@ def _doctor(args: argparse.Namespace) -> tuple[int, Any]:
     return (0 if result.ok else 1), result
 
 
+def _finite(value: Any) -> Any:
+    """Return `value` with every non-finite float as None: --json prints strict JSON (no Infinity, no NaN)."""
+    import math
+
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; return the exit code (0 an answer, 1 does not fit, 2 bad input, 3 internal error).
 
     With --json, stdout holds exactly one JSON object, an error too ({"error": ..., "exit_code": ...});
     whatever the libraries print while planning (DeepSpeed's accelerator line, ...) goes to stderr.
     """
-    from colab_memopt.recommender import NoRecipeFits
-
     argv = list(sys.argv[1:] if argv is None else argv)
+    with _quiet("--verbose" in argv):  # importing the planner imports torchao, bitsandbytes, transformers
+        from colab_memopt.recommender import NoRecipeFits
+
     as_json = "--json" in argv
     stdout = sys.stdout
 
@@ -173,11 +209,12 @@ def main(argv: list[str] | None = None) -> int:
         return code
 
     try:
-        args = _parser().parse_args(argv)
+        with _quiet("--verbose" in argv):  # the parser imports the planner, which imports the libraries
+            args = _parser().parse_args(argv)
     except UsageError as exc:
         return answer(2, f"error: {exc} (see --help)")
     try:
-        with contextlib.redirect_stdout(sys.stderr):  # library output while planning; the answer alone on stdout
+        with contextlib.redirect_stdout(sys.stderr), _quiet(args.verbose):  # the answer alone on stdout
             code, result = {"recommend": _recommend, "doctor": _doctor}.get(args.command, _plan)(args)
     except NoRecipeFits as exc:
         return answer(1, f"no recipe fits: {exc}")
@@ -187,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # noqa: BLE001 - a bug, not the input: say so, with the traceback on stderr
         traceback.print_exc()
         return answer(3, f"internal error ({type(exc).__name__}: {exc}); please report it with the command line")
-    print(json.dumps(result.to_dict(), indent=2) if as_json else result, file=stdout)
+    print(json.dumps(_finite(result.to_dict()), indent=2, allow_nan=False) if as_json else result, file=stdout)
     return code
 
 

@@ -165,11 +165,48 @@ def _config_seq_len(config: Any) -> int | None:
     return None
 
 
+# Config fields that size the model: each, where the config has it, must be an integer >= 1.
+_SIZE_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                "intermediate_size", "head_dim")
+
+
+def check_config(config: Any, where: str) -> None:
+    """Raise ValueError naming the field if `config` (a config or config.json's dict) cannot size a model."""
+    import torch
+
+    get = config.get if isinstance(config, dict) else lambda key, default=None: getattr(config, key, default)
+    values = {}
+    for key in _SIZE_FIELDS:
+        try:
+            value = get(key, None)
+        except Exception:  # noqa: BLE001 - a property that cannot compute from a broken config
+            value = None
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{where}: {key} must be an integer >= 1, got {value!r}")
+        values[key] = value
+    positions = get("max_position_embeddings", None)
+    if positions is not None and (isinstance(positions, bool) or not isinstance(positions, int) or positions < 0):
+        raise ValueError(f"{where}: max_position_embeddings must be an integer >= 0, got {positions!r}")
+    hidden, heads = values.get("hidden_size"), values.get("num_attention_heads")
+    if hidden and heads and "head_dim" not in values and hidden % heads:
+        raise ValueError(f"{where}: hidden_size {hidden} is not a multiple of num_attention_heads {heads}")
+    kv = values.get("num_key_value_heads")
+    if heads and kv and heads % kv:
+        raise ValueError(f"{where}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}")
+    for key in ("dtype", "torch_dtype"):
+        dtype = get(key, None)
+        if isinstance(dtype, str) and not isinstance(getattr(torch, dtype.removeprefix("torch."), None), torch.dtype):
+            raise ValueError(f"{where}: {key} must name a torch dtype ('float32', 'float16', 'bfloat16'), got {dtype!r}")
+
+
 def _from_config(name: str, config: Any, source: str, path: str | None = None) -> ModelSpec:
     """Return the spec of a transformers causal LM built from `config` (fp32 weights, whatever the checkpoint's dtype)."""
     import torch
     import transformers
 
+    check_config(config, source)
     from_config = transformers.AutoModelForCausalLM.from_config
     try:
         transformers.AutoModelForCausalLM._model_mapping[type(config)]
@@ -190,12 +227,44 @@ def _from_config(name: str, config: Any, source: str, path: str | None = None) -
 
 
 def _read_config(path: Any) -> Any:
+    import json
+    from pathlib import Path
+
     import transformers
 
+    file = Path(path) / "config.json" if Path(path).is_dir() else Path(path)
     try:
-        return transformers.AutoConfig.from_pretrained(str(path))
-    except (OSError, ValueError, KeyError) as exc:
-        raise ValueError(f"cannot read a transformers config from {str(path)!r}: {str(exc).splitlines()[0]}") from None
+        raw = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot read {str(file)!r} as JSON: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{str(file)!r} does not hold a JSON object (a transformers config), got {type(raw).__name__}")
+    check_config(raw, str(file))
+    try:
+        config = transformers.AutoConfig.from_pretrained(str(path))
+    except Exception as exc:  # noqa: BLE001 - transformers' strict validation raises its own classes: the file is the user's
+        text = " ".join(str(exc).split())[:400] or type(exc).__name__
+        raise ValueError(f"cannot read a transformers config from {str(path)!r}: {text}") from None
+    if not isinstance(config, transformers.PretrainedConfig):
+        raise ValueError(f"config.json in {str(path)!r} does not hold a JSON object of a transformers config")
+    return config
+
+
+# Specs of local folders, keyed by the config.json's resolved path, modification time and size: an edited
+# config.json is read again (a folder's name alone would answer for the old model).
+_FOLDERS: dict[tuple[str, int, int], ModelSpec] = {}
+_FOLDER_SPECS: dict[str, ModelSpec] = {}  # the spec each folder name last resolved to
+
+
+def _from_folder(model: str, folder: Any) -> ModelSpec:
+    config_path = folder / "config.json"
+    stat = config_path.stat()
+    key = (str(config_path.resolve()), stat.st_mtime_ns, stat.st_size)
+    if key not in _FOLDERS:
+        _FOLDERS[key] = _from_config(model, _read_config(folder), f"local config {config_path}", str(folder))
+    spec = _FOLDERS[key]
+    _RESOLVED[model] = _FOLDER_SPECS[model] = spec
+    return spec
 
 
 def resolve_model(model: Any) -> ModelSpec:
@@ -217,23 +286,32 @@ def resolve_model(model: Any) -> ModelSpec:
     """
     from pathlib import Path
 
+    import os
+
     if isinstance(model, ModelSpec):
         return model
+    if isinstance(model, os.PathLike):
+        model = os.fspath(model)
+    if isinstance(model, str) and not model.strip():
+        raise ValueError("model must not be empty: give a name, a Hugging Face id, a folder or a config.json")
     if isinstance(model, str):
         if model in MODEL_SIZES or model in ARCHITECTURES:
             arch = ARCHITECTURES.get(model)
             return ModelSpec(model, model_factory(model), max_seq_len(model), arch.family if arch else None,
                              arch.hf_config() if arch else None, source="colab_memopt.architectures")
-        if model in _RESOLVED:
+        if model in _RESOLVED and _RESOLVED[model] is not _FOLDER_SPECS.get(model):
             return _RESOLVED[model]
-        path = Path(model).expanduser()
+        try:
+            path = Path(model).expanduser()
+        except RuntimeError:  # '~user/...' for a user that does not exist: keep the path as given
+            path = Path(model)
         if path.is_dir() or path.is_file():
             folder = path if path.is_dir() else path.parent
             if path.is_file() and path.name != "config.json":
                 raise ValueError(f"a model file must be a config.json, got {model!r}")
             if not (folder / "config.json").is_file():
                 raise ValueError(f"the folder {str(folder)!r} holds no config.json: give a folder saved with save_pretrained")
-            return _from_config(model, _read_config(folder), f"local config {folder / 'config.json'}", str(folder))
+            return _from_folder(model, folder)
         if model.count("/") == 1 and not model.startswith((".", "/", "~")) and all(model.split("/")):
             return _from_hub(model)
         raise ValueError(

@@ -293,6 +293,10 @@ def measure_technique_costs(
     )
 
 
+# A step-time ratio outside these bounds is not a measurement of a technique (1e308 overflows every product).
+RATIO_BOUNDS = (0.01, 100.0)
+
+
 def load_technique_costs(path: str | Path | None = None) -> TechniqueCosts:
     """Read measured ratios (default: the package's technique_costs.json); say how to make them if absent."""
     p = Path(path) if path is not None else COSTS_FILE
@@ -309,13 +313,22 @@ def load_technique_costs(path: str | Path | None = None) -> TechniqueCosts:
     if missing:
         raise ValueError(f"{p} lacks {missing} (a technique costs file has {list(_COSTS_KEYS)}); {how}")
     ratios = d["ratios"]
-    bad = {k: v for k, v in ratios.items() if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf")} \
+    lo, hi = RATIO_BOUNDS
+    bad = {k: v for k, v in ratios.items() if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi} \
         if isinstance(ratios, dict) else ratios
     if not isinstance(ratios, dict) or bad:
-        raise ValueError(f"{p}: 'ratios' must map technique names to finite step-time ratios > 0, got {bad!r}")
+        raise ValueError(f"{p}: 'ratios' must map technique names to step-time ratios in [{lo}, {hi}], got {bad!r}")
+    known = set(TECHNIQUES).union(*(PRIORS[c] for c in PRIORS))
+    unknown = sorted(k for k in ratios if k not in known)
+    if unknown:
+        raise ValueError(f"{p}: unknown technique name(s) {unknown} in 'ratios'; the names are {sorted(known)}")
     cls = d.get("device_class")
     if cls is None and path is None:
         cls = "cpu"  # the package's default table, measured on this project's CPU (benchmarks/technique_costs.py)
+    if cls is None:
+        raise ValueError(f"{p} has no 'device_class' (one of {DEVICE_CLASSES}): a ratio measured on one device class "
+                         "never stands for another, so a cost file must say where it was measured; "
+                         "benchmarks/technique_costs.py writes it")
     if cls is not None and cls not in DEVICE_CLASSES:
         raise ValueError(f"{p}: 'device_class' must be one of {DEVICE_CLASSES}, got {cls!r}")
     return TechniqueCosts(

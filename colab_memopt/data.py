@@ -113,20 +113,34 @@ def load_corpus(
         >>> x = corpus.batch(8, 64)  # (8, 64) byte tokens
         >>> mine = load_corpus(source="my_notes.txt", tokenizer="HuggingFaceTB/SmolLM2-135M")
     """
+    _check(max_bytes, val_fraction)
     if source is None and tokenizer is None:
         return _stdlib_corpus(max_bytes, val_fraction)
-    _check(max_bytes, val_fraction)
     raw, where = (_stdlib_text(max_bytes) if source is None else _read_text(source, max_bytes, text_column))
     if not raw:
         raise ValueError(f"the corpus source {where} holds no text")
+    _check_text(raw, where)
     tok, tok_name = _tokenizer(tokenizer)
     if tok is None:
         tokens = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
         vocab = 256
     else:
-        ids = tok.encode(raw.decode("utf-8", errors="replace"), add_special_tokens=False)
+        text = raw.decode("utf-8", errors="replace")
+        replaced = text.count("\ufffd") - raw.count("\ufffd".encode())
+        if replaced:
+            import warnings
+
+            warnings.warn(f"{where}: {replaced} byte sequence(s) are not UTF-8 (Latin-1 or another encoding?) and became "
+                          "U+FFFD before tokenizing: convert the text to UTF-8 to keep them", stacklevel=2)
+        try:
+            ids = tok.encode(text, add_special_tokens=False)
+        except TypeError:  # a tokenizer whose encode() takes the text alone
+            ids = tok.encode(text)
         tokens = torch.tensor(ids, dtype=torch.int32)  # (N,) token ids
         vocab = len(tok)
+        if len(tokens) and (int(tokens.max()) >= vocab or int(tokens.min()) < 0):
+            raise ValueError(f"the tokenizer {tok_name!r} returned token ids up to {int(tokens.max())} (and down to "
+                             f"{int(tokens.min())}), outside its len() of {vocab}: an embedding of {vocab} rows cannot take them")
     n_val = int(len(tokens) * val_fraction)
     if n_val < 2:
         raise ValueError(f"the corpus from {where} has {len(tokens)} tokens: too few for a validation split "
@@ -136,10 +150,21 @@ def load_corpus(
 
 
 def _check(max_bytes: int, val_fraction: float) -> None:
-    if max_bytes < 1024:
-        raise ValueError(f"max_bytes must be >= 1024, got {max_bytes}")
-    if not 0.0 < val_fraction < 0.5:
-        raise ValueError(f"val_fraction must be in (0, 0.5), got {val_fraction}")
+    if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1024:
+        raise ValueError(f"max_bytes must be an integer >= 1024, got {max_bytes!r}")
+    if isinstance(val_fraction, bool) or not isinstance(val_fraction, (int, float)) or not 0.0 < val_fraction < 0.5:
+        raise ValueError(f"val_fraction must be a number in (0, 0.5), got {val_fraction!r}")
+
+
+def _check_text(raw: bytes, where: str) -> None:
+    """Raise ValueError if `raw` looks binary: NUL bytes in its first 8 kB, or mostly not UTF-8 there."""
+    head = raw[:8192]
+    if b"\x00" in head:
+        raise ValueError(f"{where} looks binary (NUL bytes in its first 8 kB), not text: give a text file")
+    text = head.decode("utf-8", errors="replace")
+    bad = text.count("\ufffd") - head.count("\ufffd".encode())
+    if bad > 0.3 * max(1, len(text)):  # Latin-1 prose has a few percent; random bytes over half
+        raise ValueError(f"{where} looks binary ({bad} of its first {len(head)} bytes are not UTF-8), not text: give a text file")
 
 
 def _read_text(source: Any, max_bytes: int, text_column: str | None) -> tuple[bytes, str]:
@@ -149,7 +174,8 @@ def _read_text(source: Any, max_bytes: int, text_column: str | None) -> tuple[by
         if path.is_file() and path.suffix.lower() == ".jsonl":
             return _jsonl_text(path, max_bytes, text_column)
         if path.is_file():
-            return path.read_bytes()[:max_bytes], f"text file {path}"
+            with open(path, "rb") as f:  # at most max_bytes: a 20 GB dump must not be read whole
+                return f.read(max_bytes), f"text file {path}"
         if path.is_dir():
             files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES
                            and not any(part.startswith(".") for part in p.relative_to(path).parts))
@@ -157,7 +183,8 @@ def _read_text(source: Any, max_bytes: int, text_column: str | None) -> tuple[by
                 raise ValueError(f"the folder {str(path)!r} holds no text files (suffixes {TEXT_SUFFIXES})")
             chunks, total = [], 0
             for f in files:
-                chunks.append(f.read_bytes()[: max_bytes - total])
+                with open(f, "rb") as handle:
+                    chunks.append(handle.read(max_bytes - total))
                 total += len(chunks[-1])
                 if total >= max_bytes:
                     break
@@ -243,8 +270,8 @@ def _offline() -> bool:
 def _stdlib_text(max_bytes: int) -> tuple[bytes, str]:
     chunks, total = [], 0
     for path in stdlib_source_files():
-        data = path.read_bytes()
-        chunks.append(data[: max_bytes - total])
+        with open(path, "rb") as f:
+            chunks.append(f.read(max_bytes - total))
         total += len(chunks[-1])
         if total >= max_bytes:
             break

@@ -33,7 +33,7 @@ from torch import nn
 from colab_memopt import env, estimate
 from colab_memopt.architectures import resolve_model
 from colab_memopt.measure import format_bytes, host_memory
-from colab_memopt.planner import TARGETS, Target, get_target, plan
+from colab_memopt.planner import TARGETS, Target, describe_estimate_error, get_target, plan
 from colab_memopt.recipe import Recipe
 
 CODES = (
@@ -302,9 +302,11 @@ def check_fit(spec: Any, recipe: Recipe, batch: int, seq_len: int, tgt: Target, 
     return Finding(
         "does-not-fit", "error",
         f"the plan needs {format_bytes(p.device_need_bytes)} of device memory at batch {batch} x {seq_len} tokens; "
-        f"{tgt.name} allows {format_bytes(p.device_limit_bytes)} ({p.method})",
+        f"{tgt.name} allows {format_bytes(p.device_limit_bytes)} ({p.method}"
+        + (f"; an estimate, not traced: {describe_estimate_error(p.estimate_error)})" if p.estimate_error else ")"),
         "the first step would run out of memory",
-        fix, {"need_bytes": p.device_need_bytes, "limit_bytes": p.device_limit_bytes, **details},
+        fix, {"need_bytes": p.device_need_bytes, "limit_bytes": p.device_limit_bytes, "estimate": p.method == "analytic",
+              **details},
     ), p
 
 
@@ -437,6 +439,10 @@ def doctor(
     tgt, capability = _target(target)
     module = model if isinstance(model, nn.Module) else None
     spec = _spec(model)
+    if spec is not None and module is None:  # planned from a name or folder: the family's LoRA targets, as load_model
+        from colab_memopt.presets import with_family_lora_targets
+
+        rec = with_family_lora_targets(rec, spec.family)
     name = spec.name if spec is not None else type(model).__name__
     if seq_len is None:
         seq_len = min(512, spec.max_seq_len or 512) if spec is not None else 512

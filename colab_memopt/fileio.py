@@ -42,6 +42,29 @@ def _mode_for(path: Path) -> int:
         return 0o666 & ~umask
 
 
+# A temporary file untouched for this long is a killed writer's, not a live one's (a live write keeps writing).
+STALE_PARTIAL_SECONDS = 3600
+
+
+def sweep_partials(path: str | Path, older_than_s: float = STALE_PARTIAL_SECONDS) -> list[Path]:
+    """Remove the temporary files that killed writers of `path` left (`.<name>.*.partial`, older than
+    `older_than_s` seconds); return those removed. `atomic_write` calls it before each write."""
+    import glob
+    import time
+
+    path = Path(path)
+    removed = []
+    now = time.time()
+    for tmp in path.parent.glob(f".{glob.escape(path.name)}.*.partial"):
+        try:
+            if now - tmp.stat().st_mtime > older_than_s:
+                tmp.unlink()
+                removed.append(tmp)
+        except OSError:  # another writer removed or replaced it meanwhile
+            continue
+    return removed
+
+
 def atomic_write(path: str | Path, save: Callable[[Path], None]) -> Path:
     """Write `path` whole: `save(tmp)` writes a temporary file in the same folder, which then replaces `path`.
 
@@ -55,6 +78,7 @@ def atomic_write(path: str | Path, save: Callable[[Path], None]) -> Path:
     folder = path.parent
     if not folder.is_dir():
         raise FileNotFoundError(f"cannot write {path}: its folder {folder} does not exist or is not a folder")
+    sweep_partials(path)
     fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=folder)
     os.close(fd)
     tmp = Path(tmp_name)

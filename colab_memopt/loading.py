@@ -57,6 +57,8 @@ def load_dtype(recipe: Recipe, device_type: str, native_bf16: bool = False) -> t
     """
     if recipe.precision == "bf16":
         return torch.bfloat16
+    if recipe.precision == "fp16":  # pure fp16 weights: load them so, not in fp32 cast later (twice the memory)
+        return torch.float16
     if recipe.base_dtype is not None:  # issue 18: the recipe names the frozen base's dtype
         return torch.float16 if recipe.base_dtype == "fp16" else torch.bfloat16
     if device_type == "cuda" and recipe.lora_rank:
@@ -92,9 +94,53 @@ class LoadPlan:
 
 
 def _weight_files(folder: str | None) -> list[Path]:
+    """Return a folder's weight files; a sharded checkpoint's index must find every shard it names."""
     if folder is None:
         return []
-    return sorted(p for p in Path(folder).iterdir() if p.suffix in WEIGHT_SUFFIXES and p.is_file())
+    files = sorted(p for p in Path(folder).iterdir() if p.suffix in WEIGHT_SUFFIXES and p.is_file())
+    for index in sorted(Path(folder).glob("*.index.json")):
+        from colab_memopt.fileio import read_json
+
+        data = read_json(index)
+        weight_map = data.get("weight_map") if isinstance(data, dict) else None
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index} has no 'weight_map': not a sharded checkpoint's index (a truncated download?)")
+        missing = sorted({str(v) for v in weight_map.values()} - {p.name for p in files})
+        if missing:
+            raise ValueError(f"{index} names shard(s) {missing[:4]}{' ...' if len(missing) > 4 else ''} that are not in "
+                             f"{folder} (a partial download?): download them, or remove the index for random weights")
+    return files
+
+
+def check_weight_files(files: list[Path]) -> None:
+    """Raise ValueError naming the file if a weight file cannot be read (a truncated or corrupt download)."""
+    for path in files:
+        try:
+            if path.suffix == ".safetensors":
+                from safetensors import safe_open
+
+                with safe_open(str(path), "pt") as f:
+                    f.keys()
+            else:
+                torch.load(path, map_location="meta", weights_only=True, mmap=True)
+        except Exception as exc:  # noqa: BLE001 - safetensors' and the unpickler's own errors name nothing
+            raise ValueError(f"{path} is not a readable {path.suffix.lstrip('.')} weight file (a truncated or corrupt "
+                             f"download?): {' '.join(str(exc).split())[:200]}") from None
+
+
+def _host_room_bytes() -> int:
+    """Return the host RAM this process can still take: the machine's available RAM, or less under an address-space limit."""
+    import resource
+
+    from colab_memopt.env import host_memory
+
+    room = host_memory().available_bytes
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft != resource.RLIM_INFINITY:
+        import psutil
+
+        room = min(room, soft - psutil.Process().memory_info().vms)
+    return room
 
 
 def has_weights(spec: ModelSpec) -> bool:
@@ -119,6 +165,8 @@ def load_host_bytes(model: Any, recipe: Recipe | None = None, device: str | torc
     """
     recipe = recipe or Recipe()
     spec = resolve_model(model)
+    if not isinstance(device, torch.device) and not (isinstance(device, str) and device.split(":")[0] in ("cpu", "cuda")):
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
     dev = torch.device(device) if not isinstance(device, torch.device) else device
     with torch.device("meta"):
         params = _unique_params(spec.build())
@@ -195,6 +243,8 @@ def load_model(id_or_path: Any, recipe: Recipe | dict[str, Any] | None = None, d
         >>> loaded = load_model("Qwen/Qwen2.5-0.5B", Recipe.preset("balanced", mode="qlora", model="qwen2.5-0.5b"))
         >>> step = make_train_step(loaded.model, loaded.optimizer, corpus, batch_size=4, seq_len=512, recipe=loaded.recipe)
     """
+    if recipe is not None and not isinstance(recipe, (Recipe, dict)):
+        raise TypeError(f"recipe must be a Recipe or a dict of its fields, got {type(recipe).__name__} {recipe!r}")
     rec = recipe if isinstance(recipe, Recipe) else Recipe.from_dict(recipe or {})
     if rec.uses_deepspeed or rec.layer_offload_active:
         raise ValueError("load_model applies in-process recipes; DeepSpeed (zero_stage, offload_*) and layer streaming "
@@ -215,6 +265,12 @@ def load_model(id_or_path: Any, recipe: Recipe | dict[str, Any] | None = None, d
 
     source = spec.path or spec.name
     weights = has_weights(spec)
+    check_weight_files(_weight_files(spec.path))
+    need = load_host_bytes(spec, rec, dev.type, native_bf16=bf16_native(dev)).host_bytes
+    room = _host_room_bytes()
+    if need > room:
+        raise MemoryError(f"loading {spec.name} to {dev} needs about {format_bytes(need)} of host RAM and this process "
+                          f"has {format_bytes(room)} left: free memory (restart the runtime), or load to 'cuda' shard by shard")
     start = time.perf_counter()
     with HostPeak() as host:
         if weights:
@@ -223,7 +279,13 @@ def load_model(id_or_path: Any, recipe: Recipe | dict[str, Any] | None = None, d
                 kwargs["device_map"] = {"": dev.index or 0}
                 if four_bit:
                     kwargs["quantization_config"] = _bnb_config(rec, dtype)
-            model = transformers.AutoModelForCausalLM.from_pretrained(source, **kwargs)
+            try:
+                model = transformers.AutoModelForCausalLM.from_pretrained(source, **kwargs)
+            except (MemoryError, torch.OutOfMemoryError):
+                raise
+            except Exception as exc:  # noqa: BLE001 - the checkpoint is the user's: name it
+                raise ValueError(f"cannot load the weights in {source} ({', '.join(p.name for p in _weight_files(spec.path))}): "
+                                 f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}") from exc
         else:
             notes.append("no weight files: random weights from the config")
             model = transformers.AutoModelForCausalLM.from_config(spec.config, dtype=dtype)

@@ -157,8 +157,20 @@ class MemoryProfiler:
         leak_window: int = 4,
         warmup_steps: int = 1,
     ) -> None:
-        if warmup_steps < 0:
-            raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
+        import math
+
+        def integer(value: Any) -> bool:
+            return isinstance(value, int) and not isinstance(value, bool)
+
+        if not integer(warmup_steps) or warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be an integer >= 0, got {warmup_steps!r}")
+        if not integer(leak_window) or leak_window < 2:
+            raise ValueError(f"leak_window must be an integer >= 2 (steps compared for a leak), got {leak_window!r}")
+        for name, value in (("capacity_bytes", capacity_bytes), ("spike_threshold_bytes", spike_threshold_bytes)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)):
+                raise ValueError(f"{name} must be a finite number of bytes, got {value!r}")
+        if spike_threshold_bytes is not None and spike_threshold_bytes < 0:
+            raise ValueError(f"spike_threshold_bytes must be >= 0, got {spike_threshold_bytes!r}")
         self.warmup_steps = warmup_steps
         self.device = pick_device(device)
         if capacity_bytes is None:

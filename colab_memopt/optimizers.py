@@ -178,6 +178,8 @@ class AdamMini(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
+            if not group["params"]:  # UpdateRounding steps one parameter at a time: the other groups are empty then
+                continue
             (p,) = group["params"]
             if p.grad is None:
                 continue

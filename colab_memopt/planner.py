@@ -273,6 +273,25 @@ class Cost:
     in_step: bool = False  # allocated and freed inside each step (a transient): inside its foreign-corrected peak
 
 
+def estimate_band() -> dict[str, Any]:
+    """Return the analytic estimate's error against traces, as benchmarks/estimate_accuracy.py measured it."""
+    from pathlib import Path
+
+    from colab_memopt.fileio import read_json
+
+    path = Path(__file__).with_name("estimate_band.json")
+    return dict(read_json(path)) if path.exists() else {"source": "not measured (benchmarks/estimate_accuracy.py)"}
+
+
+def describe_estimate_error(band: dict[str, Any]) -> str:
+    """Return one line saying how far the analytic estimate was from traces."""
+    if "cases" not in band:
+        return f"the analytic estimate's error is {band.get('source', 'not measured')}"
+    return (f"the analytic estimate was within 10% of the traced peak on {band['within_10pct']} of {band['cases']} "
+            f"traced cases, off by {band['min_rel_error_pct']:+.0f}% to {band['max_rel_error_pct']:+.0f}% "
+            f"({band['source']}); keep a margin or trace the step")
+
+
 @dataclass
 class Plan:
     """The predicted memory of one training step on a target."""
@@ -393,7 +412,14 @@ class Plan:
             "fits_run": self.fits_run,
             "seconds": self.seconds,
             "warnings": self.warnings,
+            "estimate": self.method == "analytic",
+            "estimate_error": self.estimate_error,
         }
+
+    @property
+    def estimate_error(self) -> dict[str, Any] | None:
+        """Return the analytic estimate's measured error against traces (None for a traced plan)."""
+        return estimate_band() if self.method == "analytic" else None
 
     def __str__(self) -> str:
         lines = [
@@ -422,6 +448,8 @@ class Plan:
         why = [] if self.fits else [w for w, ok in (("device memory", self.fits_device), ("host RAM", self.fits_host)) if not ok]
         lines.append(f"verdict: {verdict}" + (f" ({' and '.join(why)})" if why else "")
                      + f"; device headroom {format_bytes(self.device_limit_bytes - self.device_need_bytes)}")
+        if self.estimate_error:
+            lines.append(f"ESTIMATE, NOT TRACED: {describe_estimate_error(self.estimate_error)}")
         if self.max_batch is not None:
             lines.append(f"largest batch that fits: {self.max_batch}")
         lines += [f"warning: {w}" for w in self.warnings]
@@ -1218,6 +1246,11 @@ def _load_costs(spec: Any, recipe: Recipe, target: Target) -> list[Cost]:
                  f"{format_bytes(load.classic_host_bytes)})")]
 
 
+# Model states over this many times the device: answered by the analytic estimate at once, without a trace
+# (a 1.3e12-parameter config took a minute or more to trace only to say it does not fit).
+HOPELESS_FACTOR = 2
+
+
 def plan(
     model_factory: Callable[[], nn.Module] | str | Any,
     batch: int,
@@ -1279,10 +1312,15 @@ def plan(
         shape_model(model_factory)  # names the bad factory in plan's own words
         raise
     name, limit, model_factory = spec.name, spec.max_seq_len, spec.build
+    from colab_memopt.presets import with_family_lora_targets
+
+    rec = with_family_lora_targets(rec, spec.family)  # a folder's llama: q_proj..., not the reference model's names
     if limit is not None:
         seq_len = check_seq_len(limit if seq_len is None else seq_len, limit, name)
         meta_model = shape_model(model_factory)
     else:
+        if seq_len is None and spec.config is not None:
+            raise ValueError(f"model {name!r} has no usable max_position_embeddings in its config: give seq_len (--seq)")
         check_seq_len(seq_len, None, name)
         meta_model = shape_model(model_factory)
         check_seq_len(seq_len, max_positions(meta_model), type(meta_model).__name__)
@@ -1319,7 +1357,13 @@ def plan(
 
     used = "analytic"
     trace = None
-    if method != "analytic" and rec.untraceable_reason:
+    states = sum(analytic.by_category.get(k, 0) for k in ("parameters", "gradients", "optimizer_state"))
+    if method == "auto" and states > HOPELESS_FACTOR * tgt.device_bytes and not rec.uses_deepspeed \
+            and not rec.layer_offload_active and rec.optimizer_state_offload == "keep":
+        warn.append(f"not traced: the weights, gradients and optimizer state alone ({states / 2**30:.1f} GiB by the "
+                    f"analytic estimate) are {states / tgt.device_bytes:.0f}x {tgt.name}'s device memory, so no trace could "
+                    "make it fit; the figures are the analytic estimate")
+    elif method != "analytic" and rec.untraceable_reason:
         if method == "trace":
             raise ValueError(f"cannot trace this recipe: {rec.untraceable_reason}")
         warn.append(f"not traced: {rec.untraceable_reason}; the figures are the analytic estimate")

@@ -96,6 +96,15 @@ LORA_TARGETS_BY_FAMILY: dict[str, tuple[str, ...]] = {
 }
 
 
+def with_family_lora_targets(recipe: Any, family: str | None) -> Any:
+    """Return `recipe` with the family's LoRA targets where it keeps the reference model's defaults (as `load_model`)."""
+    from colab_memopt.quantization import DEFAULT_LORA_TARGETS
+
+    if recipe.lora_rank and recipe.lora_targets == DEFAULT_LORA_TARGETS and family in LORA_TARGETS_BY_FAMILY:
+        return recipe.with_(lora_targets=LORA_TARGETS_BY_FAMILY[family])
+    return recipe
+
+
 def preset_names() -> list[str]:
     """Return the preset names, from least to most memory saved."""
     return list(PRESETS)

@@ -340,6 +340,8 @@ class Recipe:
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> Recipe:
         """Return a recipe from a dict, rejecting unknown fields by name."""
+        if not isinstance(values, dict):
+            raise TypeError(f"recipe must be a Recipe or a dict of its fields, got {type(values).__name__} {values!r}")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:

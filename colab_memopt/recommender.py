@@ -35,6 +35,7 @@ from colab_memopt.costs import Slowdown, TechniqueCosts, costs_for_target, expec
 from colab_memopt.loss import DEFAULT_CHUNK_TOKENS
 from colab_memopt.measure import format_bytes
 from colab_memopt.planner import (
+    describe_estimate_error,
     Plan,
     Target,
     check_headroom,
@@ -71,6 +72,27 @@ LONG_CONTEXT_AXES: dict[str, list[dict[str, Any]]] = {
 }
 ACCUMULATION_STEPS = (1, 2, 4)
 OBJECTIVES = ("fastest", "least_memory")
+
+
+def _no_fit_message(cands: list[Candidate], name: str, mode: str, batch: int, seq_len: int, tgt: Any, limit: int,
+                    headroom: float) -> str:
+    """Say why no candidate fits with numbers that hold: the leanest *planned* candidate (a screen's figure can be far
+    under the trace), and what it is short of: device memory, or host RAM where the device fits."""
+    planned = [c for c in cands if c.plan is not None]
+    leanest = min(planned or cands, key=lambda c: c.need_bytes)
+    how = f"planned ({leanest.plan.method})" if leanest.plan is not None else "by the analytic screen; none was planned"
+    if leanest.short_bytes > 0:
+        short = (f"needs {format_bytes(leanest.need_bytes)} of device memory, {how}, and {tgt.name} allows {format_bytes(limit)} "
+                 f"(short by {format_bytes(leanest.short_bytes)}). It would need a device with at least "
+                 f"{format_bytes(int(leanest.need_bytes / (1 - headroom)))}")
+    else:
+        host_need = leanest.plan.host_need_bytes if leanest.plan is not None else leanest.analytic_host_bytes
+        host_limit = leanest.plan.host_limit_bytes if leanest.plan is not None else leanest.host_limit_bytes
+        short = (f"fits the device ({format_bytes(leanest.need_bytes)} of {format_bytes(limit)}, {how}) but needs "
+                 f"{format_bytes(host_need)} of host RAM where {tgt.name} has {format_bytes(host_limit or 0)}. It would need more host RAM")
+    return (f"no recipe fits {name} ({mode}) at batch {batch} x {seq_len} tokens on {tgt.name}: the leanest "
+            f"{'planned ' if leanest.plan is not None else ''}candidate, {leanest.name}, {short}, or a smaller batch or sequence, "
+            f"{'LoRA/QLoRA (mode=lora or qlora), ' if mode == 'full' else ''}or offloading to host memory.")
 
 
 class NoRecipeFits(ValueError):
@@ -166,6 +188,7 @@ class Recommendation:
             "slowdown_parts": self.chosen.slowdown.parts, "slowdown_measured_on": self.costs_device,
             "costs": self._costs_dict(),
             "reasoning": self.reasoning, "warnings": self.warnings, "candidates": [c.to_dict() for c in self.candidates],
+            "estimate": self.plan.method == "analytic", "estimate_error": self.plan.estimate_error,
         }
 
     def _costs_dict(self) -> dict[str, Any]:
@@ -191,6 +214,7 @@ class Recommendation:
             f"  recipe: {_changed(c.recipe)}",
             f"  predicted peak {format_bytes(self.plan.peak_bytes)}, need {format_bytes(self.plan.device_need_bytes)} of "
             f"{format_bytes(self.plan.device_limit_bytes)} usable ({self.plan.method})",
+            *([f"  ESTIMATE, NOT TRACED: {describe_estimate_error(self.plan.estimate_error)}"] if self.plan.estimate_error else []),
             f"  expected slowdown x{c.slowdown.ratio:.2f} vs fp32 AdamW ("
             + (f"{self.costs.table}" if self.costs is not None else f"ratios measured on {self.costs_device}") + ")",
             *[f"    {t} x{r:.2f}: {c.slowdown.sources.get(t, '')}" for t, r in c.slowdown.parts.items()],
@@ -559,15 +583,7 @@ def _recommend_mode(
         cands += more
         chosen = confirm(more)
     if chosen is None:
-        leanest = min(cands, key=lambda c: c.need_bytes)
-        raise NoRecipeFits(
-            f"no recipe fits {name} ({mode}) at batch {batch} x {seq_len} tokens on {tgt.name}: the leanest candidate, "
-            f"{leanest.name}, needs {format_bytes(leanest.need_bytes)} of device memory and {tgt.name} allows "
-            f"{format_bytes(limit)} (short by {format_bytes(leanest.short_bytes)}). It would need a device with at least "
-            f"{format_bytes(int(leanest.need_bytes / (1 - headroom)))}, or a smaller batch or sequence, "
-            f"{'LoRA/QLoRA (mode=lora or qlora), ' if mode == 'full' else ''}or offloading to host memory.",
-            cands,
-        )
+        raise NoRecipeFits(_no_fit_message(cands, name, mode, batch, seq_len, tgt, limit, headroom), cands)
     reasoning.append(f"chosen: {chosen.name}, expected slowdown x{chosen.slowdown.ratio:.2f}"
                      + (f" (not measured: {chosen.slowdown.unmeasured}, counted as 1.0)" if chosen.slowdown.unmeasured else ""))
     side = _side_by_side(chosen, meta_model, batch, seq_len, fixed)

@@ -109,11 +109,49 @@ def missing_notebooks(merged: Mapping[str, Any], notebook_dir: Path | None = Non
     return [p.stem for p in sorted(notebook_dir.glob("[0-9][0-9]_*.ipynb")) if p.stem not in results]
 
 
+_CLAIM_KEYS = ("claim", "source", "measured", "verdict")
+
+
+def check_merged(merged: Any, where: Any) -> None:
+    """Raise ValueError naming `where`, the notebook and the key if merged results cannot make claims.md or the index."""
+    def number(value: Any) -> bool:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+    if not isinstance(merged, Mapping):
+        raise ValueError(f"{where} must hold a JSON object with 'notebooks', got a {type(merged).__name__}")
+    notebooks = merged.get("notebooks", {})
+    if not isinstance(notebooks, Mapping):
+        raise ValueError(f"{where}: 'notebooks' must map notebook names to their results, got a {type(notebooks).__name__}")
+    for name, entry in notebooks.items():
+        if not isinstance(entry, Mapping):
+            raise ValueError(f"{where}: notebook {name!r}'s results must be a JSON object, got {type(entry).__name__}")
+        if "device" not in entry:
+            raise ValueError(f"{where}: notebook {name!r}'s results lack 'device'")
+        claims = entry.get("claims") or []
+        if not isinstance(claims, list):
+            raise ValueError(f"{where}: notebook {name!r}'s 'claims' must be a list, got {type(claims).__name__}")
+        for i, claim in enumerate(claims):
+            missing = [k for k in _CLAIM_KEYS if not isinstance(claim, Mapping) or k not in claim]
+            if missing:
+                raise ValueError(f"{where}: notebook {name!r}'s claim {i} lacks {missing} (a claim has {list(_CLAIM_KEYS)})")
+        for key in ("baseline", "optimized"):
+            part = entry.get(key)
+            if part is not None and not (isinstance(part, Mapping) and number(part.get("peak_bytes"))):
+                raise ValueError(f"{where}: notebook {name!r}'s {key!r} must be an object with a numeric 'peak_bytes', got {part!r}")
+        for key in ("saving_pct", "time_ratio"):
+            if entry.get(key) is not None and not number(entry[key]):
+                raise ValueError(f"{where}: notebook {name!r}'s {key!r} must be a number, got {entry[key]!r}")
+        if entry.get("optimized") is not None and entry.get("saving_pct") is not None and entry.get("baseline") is None:
+            raise ValueError(f"{where}: notebook {name!r} has 'optimized' and 'saving_pct' but no 'baseline'")
+
+
 def update_readme(readme: Path, index: str) -> str:
     """Return the README text with the index between the markers replaced (the markers must be there)."""
     text = readme.read_text()
     if INDEX_START not in text or INDEX_END not in text:
         raise ValueError(f"{readme} has no notebook index markers ({INDEX_START!r} ... {INDEX_END!r})")
+    if text.index(INDEX_END) < text.index(INDEX_START):
+        raise ValueError(f"{readme}: the notebook index's end marker comes before its start marker")
     head, rest = text.split(INDEX_START, 1)
     _, tail = rest.split(INDEX_END, 1)
     return head + index + tail
@@ -131,10 +169,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {results} does not exist: run `make run` first", file=sys.stderr)
         return 2
     try:
-        merged = read_json(results)
-    except ValueError as exc:
+        return _write(args, results)
+    except (ValueError, OSError) as exc:  # the results or the README are the user's: one line, nothing changed
         print(f"error: {exc}", file=sys.stderr)
         return 2
+
+
+def _write(args: argparse.Namespace, results: Path) -> int:
+    merged = read_json(results)
+    check_merged(merged, results)
+    readme = Path(args.readme)
+    if not args.no_readme and not readme.is_file():
+        raise ValueError(f"{readme} does not exist: give --readme the README that holds the notebook index")
     Path(args.claims).parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(args.claims, claims_markdown(merged))
     print(f"wrote {args.claims}")
@@ -144,7 +190,6 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {results} has no results for {missing} (a partial run?): run `make run` for every "
                   "notebook before `make readme`; the README was not changed", file=sys.stderr)
             return 2
-        readme = Path(args.readme)
         atomic_write_text(readme, update_readme(readme, index_markdown(merged)))
         print(f"updated the notebook index in {readme}")
     return 0

@@ -60,6 +60,25 @@ class NotebookRun:
 CELL_TIMEOUT_SECONDS = 1800  # a cell that runs longer is stopped with an error, never waited on forever
 
 
+def check_cell_timeout(cell_timeout: Any) -> float:
+    """Return `cell_timeout` if it is a finite number of seconds > 0 (nbclient reads 0 and negatives as "no limit")."""
+    import math
+
+    if isinstance(cell_timeout, bool) or not isinstance(cell_timeout, (int, float)) or not math.isfinite(cell_timeout) \
+            or cell_timeout <= 0:
+        raise ValueError(f"cell_timeout must be a finite number of seconds > 0 (0 or less would turn the hang "
+                         f"protection off), got {cell_timeout!r}")
+    return cell_timeout
+
+
+def failure_line(name: str, exc: BaseException, output: Path) -> str:
+    """Return one line saying which notebook failed, in which cell, with what, and where its output is."""
+    cell = getattr(exc, "exec_count", None) or getattr(exc, "cell_index", None)
+    what = f"{getattr(exc, 'ename', type(exc).__name__)}: {getattr(exc, 'evalue', str(exc))}"
+    where = f" in cell {cell}" if cell is not None else ""
+    return f"notebook {name} failed{where}: {' '.join(what.split())[:300]}; its output: {output}"
+
+
 def run_notebook(path: Path, out_dir: Path, results_dir: Path, parameters: dict[str, Any],
                  cell_timeout: float = CELL_TIMEOUT_SECONDS) -> NotebookRun:
     """Execute one notebook with papermill, writing the executed copy into `out_dir`.
@@ -70,6 +89,7 @@ def run_notebook(path: Path, out_dir: Path, results_dir: Path, parameters: dict[
     """
     import papermill
 
+    check_cell_timeout(cell_timeout)
     out_dir.mkdir(parents=True, exist_ok=True)
     params = {**parameters, "results_dir": str(results_dir)}
     output = out_dir / path.name
@@ -109,9 +129,6 @@ def parameters_for(name: str, *, gpu: bool, cpu_params: dict[str, dict[str, Any]
 
 
 def main(argv: list[str] | None = None) -> int:
-    from colab_memopt.fileio import atomic_write_text, write_json
-    from colab_memopt.report import merge_results, summary_table
-
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("names", nargs="*", help="notebooks to run (stem or number prefix); default all")
     parser.add_argument("--out", default=str(REPO_ROOT / "build"), help="build folder (default: build/)")
@@ -121,11 +138,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cell-timeout", type=float, default=CELL_TIMEOUT_SECONDS,
                         help=f"seconds a cell may run before the notebook fails (default {CELL_TIMEOUT_SECONDS})")
     args = parser.parse_args(argv)
+    try:
+        check_cell_timeout(args.cell_timeout)
+        out = Path(args.out).resolve()
+        if out.exists() and not out.is_dir():
+            raise ValueError(f"--out must be a folder, got the file {args.out!r}")
+        return _run(args, out)
+    except (ValueError, OSError) as exc:  # the user's arguments or file system: one line
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace, out: Path) -> int:
+    from colab_memopt.fileio import atomic_write_text, write_json
+    from colab_memopt.report import merge_results, summary_table
 
     import torch
 
-    # Absolute: papermill runs each notebook in its own folder, where a relative path would point elsewhere.
-    out = Path(args.out).resolve()
+    # Absolute (resolved in main): papermill runs each notebook in its own folder, where a relative path would point elsewhere.
     results_dir = out / "results"
     gpu = torch.cuda.is_available() and not args.cpu_sized
     cpu_params = load_cpu_parameters(Path(args.cpu_params))
@@ -136,9 +166,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"prepared {len(paths)} notebook(s) with CI parameters in {args.prepare_only}")
         return 0
     print(f"running {len(paths)} notebook(s) on {'CUDA with Colab defaults' if gpu else 'the CPU with CI parameters'}")
+    (out / "notebooks").mkdir(parents=True, exist_ok=True)
+    failed = []
     for path in paths:
-        run = run_notebook(path, out / "notebooks", results_dir, parameters_for(path.stem, gpu=gpu, cpu_params=cpu_params),
-                           cell_timeout=args.cell_timeout)
+        print(f"  {path.stem}: running", flush=True)
+        try:
+            run = run_notebook(path, out / "notebooks", results_dir, parameters_for(path.stem, gpu=gpu, cpu_params=cpu_params),
+                               cell_timeout=args.cell_timeout)
+        except Exception as exc:  # noqa: BLE001 - papermill's execution error, a dead kernel, a timeout: name the notebook
+            failed.append(failure_line(path.stem, exc, out / "notebooks" / path.name))
+            print(f"  {failed[-1]}", file=sys.stderr, flush=True)
+            continue
         print(f"  {run.name}: {run.seconds:.1f} s -> {run.output.relative_to(out.parent) if out.is_relative_to(out.parent) else run.output}")
     merged = merge_results(results_dir)
     write_json(out / "results.json", merged)
@@ -151,6 +189,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wrote {out / 'claims.md'}")
     if not args.names:
         print("the README's notebook index is unchanged: `make readme` refreshes it from these results")
+    if failed:
+        print(f"{len(failed)} of {len(paths)} notebook(s) failed:", *failed, sep="\n  ", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -46,7 +46,7 @@ def test_bad_batches(corpus, kwargs, message):
 
 
 def test_bad_corpus_arguments():
-    with pytest.raises(ValueError, match="max_bytes must be >= 1024, got 10"):
+    with pytest.raises(ValueError, match="max_bytes must be an integer >= 1024, got 10"):
         cm.load_corpus(10)
     with pytest.raises(ValueError, match="val_fraction"):
         cm.load_corpus(4096, 0.9)
