@@ -258,7 +258,9 @@ class CheckpointOffloader:
         start = time.perf_counter()
         host = entry.host
         if device.type == "cuda":
-            stream = self._streams.setdefault(device, torch.cuda.Stream(device))
+            if device not in self._streams:  # one side stream per device, created once
+                self._streams[device] = torch.cuda.Stream(device)
+            stream = self._streams[device]
             stream.wait_stream(torch.cuda.current_stream(device))  # the forward's copy to the host is done
             with torch.cuda.stream(stream):
                 entry.device = torch.empty(host.shape, dtype=host.dtype, device=device)

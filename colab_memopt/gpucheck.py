@@ -46,6 +46,7 @@ from typing import Any
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BUDGETS_FILE = REPO_ROOT / "tests" / "notebook_parameters_t4.yaml"
 T4_DEVICE_LIMIT_BYTES = int(14.74 * 2**30)  # what a Colab T4 shows PyTorch (env.T4_USABLE_BYTES)
+ASSUMED_T4_CONTEXT_BYTES = int(0.75 * 2**30)  # env.ASSUMED_T4_CONTEXT_BYTES (this module imports no torch)
 STEPS = ("install", "unit", "gpu-tests", "notebooks", "planner", "costs")
 # import name -> pip name: every package the tests, the notebooks and the benchmarks import besides torch (the
 # lent GPU machines' image has torch, transformers, peft, accelerate, matplotlib, pytest and more:
@@ -187,6 +188,8 @@ def preflight(out: Path, env: dict[str, str]) -> dict[str, Any]:
         "measured": measured, "planned_cublas_workspace_bytes": planned, "planned_cublas_workspace_source": source,
         # planner.cuda_workspace_costs: the autograd thread's cuBLAS workspace and the cuBLASLt one (the probe's second figure)
         "planned_step_more_workspace_bytes": planned + lt,
+        "measured_note": f"context_bytes and cublas_workspace_bytes are this GPU's ({torch.cuda.get_device_name(0)}), "
+                         "measured in a fresh process; under T4 emulation they are not a T4's figures",
     }
     (out / "env.json").write_text(json.dumps(info, indent=2) + "\n")
     return info
@@ -354,6 +357,14 @@ def run_notebooks(out: Path, env: dict[str, str], names: list[str] | None,
             result.data = {"peak_bytes": max(peaks, default=0), "workspace_bytes": workspaces, "device": entry.get("device")}
             if peaks and need > T4_DEVICE_LIMIT_BYTES:
                 result.status, result.detail = "failed", f"peak {max(peaks):,} B + workspaces {workspaces:,} B over the T4's 14.74 GiB"
+            # the process's need: the allocator's high-water mark (cached blocks included) plus a T4's
+            # context (assumed: this GPU's own context is not a T4's), held against what a T4 shows PyTorch
+            reserved = entry.get("cuda_max_reserved_bytes")
+            result.data["max_reserved_bytes"] = reserved
+            if reserved is not None and reserved + ASSUMED_T4_CONTEXT_BYTES > T4_DEVICE_LIMIT_BYTES:
+                result.status, result.detail = "failed", (
+                    f"reserved {reserved:,} B + an assumed T4 context of {ASSUMED_T4_CONTEXT_BYTES:,} B is over "
+                    "the T4's 14.74 GiB")
         results.append(result)
         if done is not None:
             done(result)

@@ -35,6 +35,7 @@ __all__ = [
     "host_memory",
     "compare",
     "format_bytes",
+    "max_reserved_bytes",
 ]
 
 
@@ -47,6 +48,33 @@ def format_bytes(nbytes: float) -> str:
             return f"{sign}{value:.0f} {unit}" if unit == "B" else f"{sign}{value:.2f} {unit}"
         value /= 1024
     raise AssertionError("unreachable")
+
+
+# The highest `max_memory_reserved` per CUDA device before each peak reset made here, so that the
+# process's high-water mark survives the resets (`max_reserved_bytes`).
+_RESERVED_HIGH_WATER: dict[int, int] = {}
+
+
+def _reset_cuda_peak(device: torch.device) -> None:
+    """Reset the CUDA peak statistics of `device`, keeping its reserved high-water mark."""
+    index = torch.device(device).index
+    index = torch.cuda.current_device() if index is None else index
+    _RESERVED_HIGH_WATER[index] = max(_RESERVED_HIGH_WATER.get(index, 0), torch.cuda.max_memory_reserved(index))
+    torch.cuda.reset_peak_memory_stats(index)
+
+
+def max_reserved_bytes(device: str | torch.device | None = None) -> int | None:
+    """Return the most bytes the caching allocator held on a CUDA device in this process, None without CUDA.
+
+    `torch.cuda.max_memory_reserved()` since the process started, across the peak resets that
+    `measure_step` and `LiveMemory` make: what the process held from the allocator (cached blocks
+    included), to which the CUDA context adds. Its need on a card is about this plus the context.
+    """
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None
+    index = torch.device(device if device is not None else "cuda").index
+    index = torch.cuda.current_device() if index is None else index
+    return max(_RESERVED_HIGH_WATER.get(index, 0), torch.cuda.max_memory_reserved(index))
 
 
 # The tracker's categories plus 'untracked' (CUDA only): allocator bytes of the step that no tracked
@@ -242,7 +270,7 @@ def measure_step(
     tracker.track_external(*[obj for obj in (model, optimizer, *track) if obj is not None])
     if dev.type == "cuda":
         _sync(dev)
-        torch.cuda.reset_peak_memory_stats(dev)
+        _reset_cuda_peak(dev)
         allocated_at_reset = torch.cuda.memory_allocated(dev)
         tracked_at_reset = tracker.live_bytes()
 
@@ -425,7 +453,7 @@ class LiveMemory:
     def __enter__(self) -> LiveMemory:
         if self.device.type == "cuda":
             _sync(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
+            _reset_cuda_peak(self.device)
         else:
             self._mode = LiveBytesMode(sys.maxsize, device=self.device)
             self._mode.track(*self._track)
@@ -460,7 +488,7 @@ class LiveMemory:
         """Start a new peak from the bytes live now."""
         if self.device.type == "cuda":
             _sync(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
+            _reset_cuda_peak(self.device)
         elif self._mode is not None:
             self._mode.peak = self._mode.live
 

@@ -963,6 +963,10 @@ class _Tracer:
         with self.mode, _fake_safe_transformers(), _fake_safe_lomo(self.recipe), _fake_safe_low_state(self.recipe), \
                 _fake_safe_scalers(self.recipe), _int8_as_on_cuda() if self.int8_as_on_cuda else contextlib.nullcontext():
             step = self._step(batch)
+            scaler = getattr(step, "scaler", None)
+            if isinstance(scaler, torch.amp.GradScaler) and scaler.is_enabled():
+                # a real warm-up step leaves the GradScaler's scale and growth tracker allocated (8 bytes)
+                scaler._lazy_init_scale_growth_tracker(torch.device("cpu"))
             tracker = TensorTracker(device=torch.device("cpu"), cuda_rounding=self.cuda_rounding)
             tracker.track_external(self.model, self.optimizer)
             with tracker:

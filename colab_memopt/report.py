@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from colab_memopt.fileio import nonfinite_paths, read_json, write_json
-from colab_memopt.measure import MemoryReport, format_bytes
+from colab_memopt.measure import MemoryReport, format_bytes, max_reserved_bytes
 
 VERDICTS = ("holds", "partly holds", "does not hold", "not measurable here")
 
@@ -111,6 +111,9 @@ def record(
         "time_ratio": time_ratio,
         "metrics": _jsonable(dict(metrics or {})),
         "claims": [asdict(c) for c in checked],
+        # the process's allocator high-water mark on CUDA (cached blocks included; None elsewhere): with the
+        # CUDA context, what the notebook needed of the card (measure.max_reserved_bytes)
+        "cuda_max_reserved_bytes": max_reserved_bytes(),
     }
     nonfinite = nonfinite_paths(entry)
     if nonfinite:

@@ -270,3 +270,27 @@ def test_the_skip_hook_end_to_end(tmp_path):
                          env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])})
     assert "1 failed, 2 skipped" in run.stdout, run.stdout[-2000:]
     assert "needs cm-not-here, which is not installed here" in run.stdout
+
+@pytest.mark.parametrize("reserved,status", [(10 * 2**30, "passed"), (int(14.5 * 2**30), "failed"), (None, "passed")])
+def test_notebooks_are_held_to_the_t4_by_reserved_bytes_plus_a_context(tmp_path, monkeypatch, reserved, status):
+    # a step peak under the T4 can still need more of the card: the allocator's cache and the CUDA context
+    import json
+
+    from colab_memopt import env, runner
+
+    assert gpucheck.ASSUMED_T4_CONTEXT_BYTES == env.ASSUMED_T4_CONTEXT_BYTES
+    path = notebook_paths()[0]
+    monkeypatch.setattr(runner, "notebook_paths", lambda names: [path])
+
+    def fake_run(step, cmd, env_, timeout_s, log):
+        report = {"peak_bytes": 8 * 2**30}
+        (tmp_path / "results").mkdir(exist_ok=True)
+        (tmp_path / "results" / f"{path.stem}.json").write_text(json.dumps(
+            {"device": "cuda", "baseline": report, "optimized": None, "cuda_max_reserved_bytes": reserved}))
+        return gpucheck.StepResult(step, "passed", 1.0, "exit 0")
+
+    monkeypatch.setattr(gpucheck, "run_command", fake_run)
+    (result,) = gpucheck.run_notebooks(tmp_path, {}, None)
+    assert result.status == status and result.data["max_reserved_bytes"] == reserved
+    if status == "failed":
+        assert "assumed T4 context" in result.detail

@@ -167,6 +167,7 @@ TRACED_RECIPES = [
     {"checkpointing": "offload"},
     {"loss_chunk_tokens": 16},
     {"loss_chunk_tokens": 24, "checkpointing": "offload", "precision": "bf16-autocast"},
+    {"loss_chunk_tokens": 16, "precision": "fp16-autocast"},  # the T4's: the GradScaler's scale reaches its backward
     {"accumulation_steps": 2},
     {"attention_window": 16},
     {"attention": "semiseparable"},

@@ -1,6 +1,7 @@
 import json
 
 import pytest
+import torch
 
 import colab_memopt as cm
 from colab_memopt.report import VERDICTS, merge_results, summary_table
@@ -22,7 +23,9 @@ def test_record_writes_the_schema(tmp_path):
     )
     on_disk = json.loads((tmp_path / "00_demo.json").read_text())
     assert on_disk == entry
-    assert set(entry) == {"device", "seconds", "baseline", "optimized", "saving_pct", "time_ratio", "metrics", "claims"}
+    assert set(entry) == {"device", "seconds", "baseline", "optimized", "saving_pct", "time_ratio", "metrics", "claims",
+                          "cuda_max_reserved_bytes"}
+    assert entry["cuda_max_reserved_bytes"] is None or torch.cuda.is_available()  # CUDA only
     assert entry["baseline"] == {"label": "base", "peak_bytes": 1000, "step_seconds": 1.0}
     assert entry["saving_pct"] == pytest.approx(40.0) and entry["time_ratio"] == pytest.approx(1.5)
     assert entry["claims"][0] == {"claim": "X saves 50%", "source": "paper", "measured": "40%", "verdict": "partly holds"}
