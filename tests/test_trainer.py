@@ -171,3 +171,45 @@ def test_fit_trainer_returns_changes_after_which_the_plan_fits_a_t4():
 def test_fit_trainer_switches_bf16_to_fp16_on_a_t4_even_when_it_fits():
     fit = tr.fit_trainer(sft_args(bf16=True), model=Qwen2Config(**DIMS), lora=lora(), target="t4")
     assert fit.changes == {"bf16": False, "fp16": True} and fit.fits
+
+
+TRL_YAML = """\
+# as `trl sft --config sft.yaml` reads it: SFTConfig, ModelConfig and ScriptArguments keys in one file
+model_name_or_path: {model}
+dataset_name: trl-lib/Capybara
+learning_rate: 2.0e-4
+per_device_train_batch_size: 2
+gradient_accumulation_steps: 4
+max_length: 48
+gradient_checkpointing: true
+gradient_checkpointing_kwargs:
+  use_reentrant: false
+fp16: true
+optim: paged_adamw_8bit
+use_peft: true
+lora_r: 4
+lora_alpha: 8
+lora_dropout: 0.05
+lora_target_modules: [q_proj, v_proj]
+output_dir: {out}
+"""
+
+
+def test_cli_plans_a_trl_yaml_config(tmp_path, capsys):
+    import json
+
+    from colab_memopt.__main__ import main
+
+    Qwen2Config(**DIMS).save_pretrained(tmp_path / "model")
+    config = tmp_path / "sft.yaml"
+    config.write_text(TRL_YAML.format(model=tmp_path / "model", out=tmp_path / "out"))
+    code = main(["plan", "--training-args", str(config), "--target", "t4", "--no-max-batch", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0 and out["fits"], out
+    assert (out["batch"], out["seq_len"]) == (8, 48)
+    assert out["recipe"]["optimizer"] == "paged_adamw8bit" and out["recipe"]["precision"] == "fp16-autocast"
+    assert out["recipe"]["lora_rank"] == 4 and out["recipe"]["accumulation_steps"] == 4
+    assert any("dataset_name" in w for w in out["warnings"]) and any("lora_dropout=0.05" in w for w in out["warnings"])
+    config.write_text(config.read_text() + "lora_rnak: 8\n")
+    assert main(["plan", "--training-args", str(config), "--json"]) == 2
+    assert "lora_rnak" in json.loads(capsys.readouterr().out)["error"]
