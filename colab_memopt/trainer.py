@@ -686,3 +686,162 @@ def fit_trainer(
     notes = ["none of these settings fits: shorten max_length, use LoRA / QLoRA (BitsAndBytesConfig(load_in_4bit=True)) "
              "or a smaller model"]
     return TrainerFit({}, before, None, 1.0, tried, notes)
+
+
+# -- guarding a run --------------------------------------------------------------------------------------
+class MemoryGuardError(RuntimeError):
+    """Raised by `MemoryGuardCallback` before the first step of a run that will not fit its target."""
+
+
+def _running_trainer() -> Any:
+    """Return the Trainer whose `train()` is calling us (callbacks are not handed the Trainer itself)."""
+    import inspect
+
+    from transformers import Trainer
+
+    frame = inspect.currentframe()
+    while frame is not None:
+        candidate = frame.f_locals.get("self")
+        if isinstance(candidate, Trainer):
+            return candidate
+        frame = frame.f_back
+    raise RuntimeError("MemoryGuardCallback found no Trainer calling it: add it to a Trainer (callbacks=[...])")
+
+
+def MemoryGuardCallback(target: str | Target | dict[str, Any] = "t4", *, headroom: float = 0.05,
+                        seq_len: int | None = None, max_plans: int = 8, verbose: bool = True) -> Any:  # noqa: N802 - a class to its users
+    """Return a transformers `TrainerCallback` that plans the run before its first step and measures it.
+
+    At `on_train_begin` it plans the Trainer's own step on the real model (`plan_trainer`) for `target`;
+    if the run will not fit, it raises `MemoryGuardError` before the first step, with the changes
+    `fit_trainer` finds (at most `max_plans` plans). During training it records the peak of every step (the CUDA allocator on a
+    GPU, the tensor tracker on the CPU: `measure.LiveMemory`) and keeps the highest per logging step
+    (`.peaks`: (global step, bytes)); at the end it prints the plan beside the measured peak
+    (`.report`). On the CPU the measured peak is compared with a plan of this CPU run (what runs here),
+    on a GPU with the target's plan as the allocator sees it.
+
+    Example:
+        >>> trainer = SFTTrainer(..., callbacks=[cm.MemoryGuardCallback(target="t4")])
+        >>> trainer.train()   # stops before step 1 if it will not fit a T4
+    """
+    from transformers import TrainerCallback
+
+    from colab_memopt.measure import LiveMemory, format_bytes
+
+    class _MemoryGuardCallback(TrainerCallback):
+        def __init__(self) -> None:
+            self.target = _target(target)
+            self.plan: Plan | None = None  # the target's plan
+            self.compare_plan: Plan | None = None  # the plan of what runs here, compared with the measurement
+            self.peaks: list[tuple[int, int]] = []  # (global step, peak bytes since the last log)
+            self.report: dict[str, Any] = {}
+            self._memory: LiveMemory | None = None
+            self._since_log = 0
+
+        def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):  # type: ignore[no-untyped-def]
+            trainer = _running_trainer()
+            self.plan = plan_trainer(trainer, target=self.target, headroom=headroom, seq_len=seq_len)
+            if not self.plan.fits:
+                fit = fit_trainer(trainer, target=self.target, headroom=headroom, seq_len=seq_len, max_plans=max_plans)
+                advice = fit.snippet() if fit.fits else "\n".join(fit.notes)
+                raise MemoryGuardError(
+                    f"this run will not fit {self.target.name}: it needs {format_bytes(self.plan.device_need_bytes)} of "
+                    f"{format_bytes(self.plan.device_limit_bytes)} usable (colab_memopt.plan_trainer). "
+                    f"Stopped before the first step. fit_trainer's changes:\n{advice}")
+            device = args.device
+            on_gpu = getattr(device, "type", str(device)) == "cuda"
+            self.compare_plan = self.plan if on_gpu else plan_trainer(trainer, target=CPU_TARGET_NAME, seq_len=seq_len)
+            self._memory = LiveMemory(model, trainer.optimizer, device=device)
+            self._memory.__enter__()
+            if verbose:
+                print(f"MemoryGuard: plan on {self.target.name}: {format_bytes(self.plan.device_need_bytes)} of "
+                      f"{format_bytes(self.plan.device_limit_bytes)} usable: fits")
+
+        def on_step_begin(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+            if self._memory is not None:
+                self._memory.reset_peak()
+
+        def on_step_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+            if self._memory is not None:
+                self._since_log = max(self._since_log, self._memory.peak_bytes)
+
+        def on_log(self, args, state, control, logs=None, **kwargs):  # type: ignore[no-untyped-def]
+            if self._since_log:
+                self.peaks.append((state.global_step, self._since_log))
+                self._since_log = 0
+
+        def on_train_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+            if self._memory is None:
+                return
+            self._memory.__exit__(None, None, None)
+            if self._since_log:
+                self.peaks.append((state.global_step, self._since_log))
+            measured = max((p for _, p in self.peaks), default=0)
+            planned = (self.compare_plan.allocator_peak_bytes if self.compare_plan.target.cuda
+                       else self.compare_plan.peak_bytes)
+            self.report = {"target": self.target.name, "target_need_bytes": self.plan.device_need_bytes,
+                           "target_limit_bytes": self.plan.device_limit_bytes, "planned_bytes": planned,
+                           "measured_bytes": measured, "planned_on": self.compare_plan.target.name,
+                           "error_pct": 100 * (planned - measured) / measured if measured else None}
+            if verbose and measured:
+                print(f"MemoryGuard: measured step peak {format_bytes(measured)}, planned {format_bytes(planned)} "
+                      f"({self.report['error_pct']:+.2f}%, plan of this {self.compare_plan.target.name} run)")
+
+    return _MemoryGuardCallback()
+
+
+# -- a Recipe as Trainer settings ------------------------------------------------------------------------
+_RECIPE_TO_OPTIM = {"adamw": "adamw_torch", "adamw8bit": "adamw_8bit", "paged_adamw8bit": "paged_adamw_8bit",
+                    "adafactor": "adafactor", "sgd": "sgd", "lion8bit": "lion_8bit", "lion": "lion_32bit",
+                    "galore_adamw8bit": "galore_adamw_8bit", "galore_adamw": "galore_adamw", "apollo": "apollo_adamw",
+                    "lomo": "lomo", "adalomo": "adalomo"}
+
+
+def recipe_settings(recipe: Recipe | dict[str, Any], batch: int, seq_len: int) -> dict[str, Any]:
+    """Return a `Recipe` (at an effective `batch` of `seq_len` tokens) as Hugging Face settings.
+
+    {'training_args': SFTConfig / TrainingArguments fields, 'lora': LoraConfig fields or None,
+    'bnb': BitsAndBytesConfig fields or None, 'not_expressible': the recipe fields they cannot say}.
+    """
+    rec = recipe if isinstance(recipe, Recipe) else Recipe.from_dict(dict(recipe))
+    missing: list[str] = []
+    accumulation = rec.accumulation_steps
+    args: dict[str, Any] = {"per_device_train_batch_size": max(1, batch // accumulation),
+                            "gradient_accumulation_steps": accumulation, "max_length": seq_len, "learning_rate": rec.lr}
+    if rec.optimizer in _RECIPE_TO_OPTIM:
+        args["optim"] = _RECIPE_TO_OPTIM[rec.optimizer]
+    else:
+        missing.append(f"optimizer={rec.optimizer!r} (no Trainer optim; pass it with optimizers=(opt, None))")
+    if rec.precision == "fp16-autocast":
+        args["fp16"] = True
+    elif rec.precision == "bf16-autocast":
+        args["bf16"] = True
+    elif rec.precision in ("bf16", "fp16"):
+        args["model_init_kwargs"] = {"dtype": "bfloat16" if rec.precision == "bf16" else "float16"}
+        missing.append(f"precision={rec.precision!r}: the Trainer trains the weights in that dtype with no update rounding")
+    if rec.base_dtype is not None:
+        args["model_init_kwargs"] = {"dtype": "float16" if rec.base_dtype == "fp16" else "bfloat16"}
+    if rec.checkpointing == "full":
+        args.update(gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False})
+    elif rec.checkpointing != "none":
+        missing.append(f"checkpointing={rec.checkpointing!r} (the Trainer checkpoints every layer or none)")
+    lora = None
+    if rec.lora_rank:
+        lora = {"r": rec.lora_rank, "lora_alpha": 2 * rec.lora_rank, "lora_dropout": 0.0,
+                "target_modules": list(rec.lora_targets), "task_type": "CAUSAL_LM"}
+    bnb = None
+    if rec.quantization in ("nf4", "fp4") and rec.quantization_phase == "all":
+        bnb = {"load_in_4bit": True, "bnb_4bit_quant_type": rec.quantization,
+               "bnb_4bit_compute_dtype": "bfloat16" if rec.precision == "bf16-autocast" else "float16"}
+    elif rec.quantization == "bnb_int8" and rec.quantization_phase == "all":
+        bnb = {"load_in_8bit": True}
+    elif rec.quantization is not None:
+        missing.append(f"quantization={rec.quantization!r} ({rec.quantization_phase})")
+    if rec.loss_chunk_tokens is not None:
+        missing.append(f"loss_chunk_tokens={rec.loss_chunk_tokens} (TRL's SFTTrainer computes the loss by tiles itself)")
+    defaults = Recipe()
+    for name in ("activation_compression", "compression_checkpointing", "attention", "attention_window", "phase_offload",
+                 "update_rounding", "layer_offload_active", "zero_stage", "offload_optimizer", "offload_param"):
+        if getattr(rec, name) != getattr(defaults, name):
+            missing.append(f"{name}={getattr(rec, name)!r}")
+    return {"training_args": args, "lora": lora, "bnb": bnb, "not_expressible": missing}

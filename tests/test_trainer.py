@@ -213,3 +213,34 @@ def test_cli_plans_a_trl_yaml_config(tmp_path, capsys):
     config.write_text(config.read_text() + "lora_rnak: 8\n")
     assert main(["plan", "--training-args", str(config), "--json"]) == 2
     assert "lora_rnak" in json.loads(capsys.readouterr().out)["error"]
+
+
+def test_memory_guard_measures_the_run_and_stops_one_that_will_not_fit(capsys):
+    guard = tr.MemoryGuardCallback(target="t4")
+    trainer = sft_trainer("llama", "adamw_torch_fused")
+    trainer.add_callback(guard)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.train()
+    assert guard.plan.fits and len(guard.peaks) == 2  # logging_steps=1: one peak per logged step
+    assert guard.report["planned_on"] == "cpu" and abs(guard.report["error_pct"]) < 1, guard.report
+    assert "MemoryGuard: measured step peak" in capsys.readouterr().out
+    tiny = {"name": "tiny", "device_bytes": 4 * 2**20, "host_bytes": 2**40, "cuda_context_bytes": 0}
+    stopper = tr.MemoryGuardCallback(target=tiny, max_plans=1)
+    trainer = sft_trainer("llama", "adamw_torch_fused", gradient_checkpointing=False)
+    trainer.add_callback(stopper)
+    with pytest.raises(tr.MemoryGuardError, match="will not fit tiny.*before the first step"):
+        trainer.train()
+    assert trainer.state.global_step == 0
+
+
+def test_a_recipe_reads_back_from_its_trainer_settings():
+    recipe = cm.Recipe(optimizer="paged_adamw8bit", precision="fp16-autocast", checkpointing="full", accumulation_steps=4,
+                       lora_rank=16, lora_targets=("q_proj", "v_proj"), quantization="nf4", lr=2e-4)
+    out = tr.recipe_settings(recipe, 16, 512)
+    assert out["training_args"]["per_device_train_batch_size"] == 4 and out["not_expressible"] == []
+    args = SFTConfig(output_dir="/tmp/x", use_cpu=True, report_to=[], **out["training_args"])
+    back, _ = tr.trainer_recipe(args, LoraConfig(**out["lora"]), BitsAndBytesConfig(**out["bnb"]))
+    assert back == recipe
+    assert tr.recipe_settings(recipe.with_(checkpointing="selective"), 16, 512)["not_expressible"] == [
+        "checkpointing='selective' (the Trainer checkpoints every layer or none)"]
