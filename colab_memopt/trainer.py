@@ -329,6 +329,8 @@ def _target(target: Any) -> Target:
 
         total = host_memory().total_bytes
         return Target("cpu", total, total, cuda_context_bytes=0, description="this machine's CPU and RAM", cuda=False)
+    if isinstance(target, dict) and isinstance(target.get("compute_capability"), list):  # from YAML or JSON
+        target = {**target, "compute_capability": tuple(target["compute_capability"])}
     return get_target(target)
 
 
@@ -737,6 +739,8 @@ def MemoryGuardCallback(target: str | Target | dict[str, Any] = "t4", *, headroo
             self.report: dict[str, Any] = {}
             self._memory: LiveMemory | None = None
             self._since_log = 0
+            self._step_start = 0.0
+            self.step_seconds: list[float] = []
 
         def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):  # type: ignore[no-untyped-def]
             trainer = _running_trainer()
@@ -760,10 +764,12 @@ def MemoryGuardCallback(target: str | Target | dict[str, Any] = "t4", *, headroo
         def on_step_begin(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
             if self._memory is not None:
                 self._memory.reset_peak()
+            self._step_start = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
             if self._memory is not None:
                 self._since_log = max(self._since_log, self._memory.peak_bytes)
+            self.step_seconds.append(time.perf_counter() - self._step_start)
 
         def on_log(self, args, state, control, logs=None, **kwargs):  # type: ignore[no-untyped-def]
             if self._since_log:
@@ -787,7 +793,44 @@ def MemoryGuardCallback(target: str | Target | dict[str, Any] = "t4", *, headroo
                 print(f"MemoryGuard: measured step peak {format_bytes(measured)}, planned {format_bytes(planned)} "
                       f"({self.report['error_pct']:+.2f}%, plan of this {self.compare_plan.target.name} run)")
 
+        def memory_report(self, label: str = "Trainer run") -> Any:
+            """Return the run's highest step peak as a `measure.MemoryReport` (no breakdown: the guard samples
+            the live bytes, not their categories)."""
+            import statistics
+
+            from colab_memopt.measure import MemoryReport
+
+            if not self.peaks:
+                raise ValueError("no step measured yet: train with this callback first")
+            device = self._memory.device if self._memory is not None else torch.device("cpu")
+            return MemoryReport(
+                peak_bytes=max(p for _, p in self.peaks), by_category={}, category_peaks={}, resident_bytes={},
+                by_phase={}, by_module={}, step_seconds=statistics.median(self.step_seconds), device=str(device),
+                method="MemoryGuardCallback: measure.LiveMemory over each Trainer step", label=label)
+
     return _MemoryGuardCallback()
+
+
+def save_example_chat_model(family: str, folder: str | Any) -> str:
+    """Save a small random causal LM of a transformers family with a character tokenizer and a chat template
+    to `folder`, for CI and tests, which have no hub access; return the folder. Its generations are noise."""
+    from pathlib import Path
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from colab_memopt import architectures, loading
+
+    folder = Path(folder)
+    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2, **{chr(i): i for i in range(32, 127)}, "\n": 127}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+    tokenizer.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}<eos>\n{% endfor %}"
+                               "{% if add_generation_prompt %}assistant: {% endif %}")
+    loading.save_random_model(architectures.small_config(family, vocab_size=128, eos_token_id=1, bos_token_id=1), folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
 
 
 # -- a Recipe as Trainer settings ------------------------------------------------------------------------
