@@ -159,7 +159,7 @@ class Recommendation:
     def trainer_settings(self) -> dict[str, Any]:
         """Return the chosen recipe as Trainer settings: {'training_args': SFTConfig fields, 'lora': LoraConfig fields
         or None, 'bnb': BitsAndBytesConfig fields or None, 'not_expressible': what they cannot say} (`trainer.recipe_settings`)."""
-        from colab_memopt.trainer import recipe_settings
+        from colab_memopt.hfconfig import recipe_settings
 
         return recipe_settings(self.recipe, self.batch, self.seq_len)
 

@@ -26,6 +26,7 @@ from transformers import (  # noqa: E402
 from trl import SFTConfig, SFTTrainer  # noqa: E402
 
 import colab_memopt as cm  # noqa: E402
+from colab_memopt import guard, hfconfig  # noqa: E402
 from colab_memopt import trainer as tr  # noqa: E402
 
 DIMS = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -126,7 +127,7 @@ def test_trainer_recipe_names_what_the_recipe_cannot_say():
     peft = LoraConfig(r=16, lora_dropout=0.1, bias="all", target_modules=["q_proj", "v_proj"], modules_to_save=["lm_head"])
     bnb = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                              bnb_4bit_compute_dtype=torch.float16, llm_int8_skip_modules=["lm_head"])
-    recipe, notes = tr.trainer_recipe(args, peft, bnb)
+    recipe, notes = hfconfig.trainer_recipe(args, peft, bnb)
     assert (recipe.optimizer, recipe.precision, recipe.checkpointing, recipe.accumulation_steps) == (
         "paged_adamw8bit", "fp16-autocast", "full", 4)
     assert (recipe.lora_rank, recipe.lora_targets, recipe.quantization, recipe.lr) == (16, ("q_proj", "v_proj"), "nf4", 2e-4)
@@ -138,10 +139,10 @@ def test_trainer_recipe_names_what_the_recipe_cannot_say():
 
 def test_optims_outside_the_plan_are_refused_by_name():
     with pytest.raises(ValueError, match="'galore_adamw'.*cannot be planned"):
-        tr.check_optim("galore_adamw")
+        hfconfig.check_optim("galore_adamw")
     with pytest.raises(ValueError, match="'adamw_foo' is not a transformers OptimizerNames"):
-        tr.check_optim("adamw_foo")
-    assert tr.check_optim("adamw_torch_fused") == "adamw_torch_fused"
+        hfconfig.check_optim("adamw_foo")
+    assert hfconfig.check_optim("adamw_torch_fused") == "adamw_torch_fused"
     with pytest.raises(ValueError, match=r"unknown SFTConfig field\(s\) \['per_device_batch'\]"):
         tr.plan_trainer(sft_args(), model=Qwen2Config(**DIMS), target="cpu", per_device_batch=2)
     with pytest.raises(ValueError, match="needs model="):
@@ -216,7 +217,7 @@ def test_cli_plans_a_trl_yaml_config(tmp_path, capsys):
 
 
 def test_memory_guard_measures_the_run_and_stops_one_that_will_not_fit(capsys):
-    guard = tr.MemoryGuardCallback(target="t4")
+    guard = cm.MemoryGuardCallback(target="t4")
     trainer = sft_trainer("llama", "adamw_torch_fused")
     trainer.add_callback(guard)
     with warnings.catch_warnings():
@@ -226,10 +227,10 @@ def test_memory_guard_measures_the_run_and_stops_one_that_will_not_fit(capsys):
     assert guard.report["planned_on"] == "cpu" and abs(guard.report["error_pct"]) < 1, guard.report
     assert "MemoryGuard: measured step peak" in capsys.readouterr().out
     tiny = {"name": "tiny", "device_bytes": 4 * 2**20, "host_bytes": 2**40, "cuda_context_bytes": 0}
-    stopper = tr.MemoryGuardCallback(target=tiny, max_plans=1)
+    stopper = cm.MemoryGuardCallback(target=tiny, max_plans=1)
     trainer = sft_trainer("llama", "adamw_torch_fused", gradient_checkpointing=False)
     trainer.add_callback(stopper)
-    with pytest.raises(tr.MemoryGuardError, match="will not fit tiny.*before the first step"):
+    with pytest.raises(guard.MemoryGuardError, match="will not fit tiny.*before the first step"):
         trainer.train()
     assert trainer.state.global_step == 0
 
@@ -237,10 +238,10 @@ def test_memory_guard_measures_the_run_and_stops_one_that_will_not_fit(capsys):
 def test_a_recipe_reads_back_from_its_trainer_settings():
     recipe = cm.Recipe(optimizer="paged_adamw8bit", precision="fp16-autocast", checkpointing="full", accumulation_steps=4,
                        lora_rank=16, lora_targets=("q_proj", "v_proj"), quantization="nf4", lr=2e-4)
-    out = tr.recipe_settings(recipe, 16, 512)
+    out = hfconfig.recipe_settings(recipe, 16, 512)
     assert out["training_args"]["per_device_train_batch_size"] == 4 and out["not_expressible"] == []
     args = SFTConfig(output_dir="/tmp/x", use_cpu=True, report_to=[], **out["training_args"])
-    back, _ = tr.trainer_recipe(args, LoraConfig(**out["lora"]), BitsAndBytesConfig(**out["bnb"]))
+    back, _ = hfconfig.trainer_recipe(args, LoraConfig(**out["lora"]), BitsAndBytesConfig(**out["bnb"]))
     assert back == recipe
-    assert tr.recipe_settings(recipe.with_(checkpointing="selective"), 16, 512)["not_expressible"] == [
+    assert hfconfig.recipe_settings(recipe.with_(checkpointing="selective"), 16, 512)["not_expressible"] == [
         "checkpointing='selective' (the Trainer checkpoints every layer or none)"]
