@@ -119,15 +119,16 @@ def _synthetic_batch(trainer: Any, batch: int, seq_len: int) -> dict[str, Any]:
     return dict(out)
 
 
-def _trace_step(trainer: Any, args: Any, batch: int, seq_len: int, *, cuda: bool) -> tuple[_Trace, int]:
-    """Trace the Trainer's step on fake tensors; return (the trace, the number of trainable parameters)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+def _trace_step(trainer: Any, args: Any, batch: int, seq_len: int, *, cuda: bool, mode: Any = None) -> tuple[_Trace, int]:
+    """Trace the Trainer's step on fake tensors; return (the trace, the number of trainable parameters).
 
+    `mode`: the fake-tensor mode a planner-built Trainer's model lives in (its parameters are fake already);
+    None swaps a real Trainer's parameters for fake ones for the duration."""
     grad_accum = int(args.gradient_accumulation_steps)
     micro = int(args.per_device_train_batch_size)
     model = trainer.model
-    mode = FakeTensorMode(shape_env=ShapeEnv(allow_scalar_outputs=True), allow_non_fake_inputs=True)
+    swap = mode is None
+    mode = mode if mode is not None else _new_mode()
     recipe = Recipe(optimizer=OPTIM_TO_RECIPE.get(str(getattr(args.optim, "value", args.optim)), "adamw"))
     saved = {k: copy.deepcopy(getattr(trainer, k)) for k in ("_metrics", "_total_train_tokens") if hasattr(trainer, k)}
     saved_optimizer, saved_training = trainer.optimizer, model.training
@@ -141,7 +142,7 @@ def _trace_step(trainer: Any, args: Any, batch: int, seq_len: int, *, cuda: bool
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs)
         elif not args.gradient_checkpointing and gc_was:
             model.gradient_checkpointing_disable()
-        with _fake_parameters(model, mode), mode, _ScalarMode(), _fake_safe_module_to(), \
+        with _fake_parameters(model, mode) if swap else contextlib.nullcontext(), mode, _ScalarMode(), _fake_safe_module_to(), \
                 _fake_safe_bitsandbytes(mode, recipe, cuda=cuda), _fake_safe_transformers():
             trainer.optimizer = None
             optimizer = trainer.create_optimizer(model)
@@ -184,6 +185,14 @@ def _trace_step(trainer: Any, args: Any, batch: int, seq_len: int, *, cuda: bool
         tracker.category_peaks["activations"],
     )
     return trace, n_trainable
+
+
+def _new_mode() -> Any:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    # allow_scalar_outputs: `.item()` gives a symbol (then `_ScalarMode` a value); real inputs become fake
+    return FakeTensorMode(shape_env=ShapeEnv(allow_scalar_outputs=True), allow_non_fake_inputs=True)
 
 
 def _prefer_impl(optimizer: Any, cuda: bool) -> None:
@@ -252,8 +261,14 @@ def _fake_trainer(args: Any, model: Any, lora: Any, bnb: Any, seq_len: int, mode
     with mode, _fake_safe_module_to(), _quiet_datasets():
         net = spec.build().to(dtype)
         if bnb is not None and (getattr(bnb, "load_in_4bit", False) or getattr(bnb, "load_in_8bit", False)):
-            raise ValueError("plan_trainer with a BitsAndBytesConfig needs the Trainer built on the quantized model "
-                             "(pass the trainer); from settings alone use cm.plan with recipe quantization='nf4'")
+            # as from_pretrained(quantization_config=bnb) loads it: the linear layers in bitsandbytes' 4-bit or 8-bit
+            # storage (the planner's fake-tensor stand-ins of Linear4bit / Linear8bitLt), the skipped ones kept
+            from colab_memopt.quantization import quantize_model
+
+            scheme = str(bnb.bnb_4bit_quant_type) if bnb.load_in_4bit else "bnb_int8"
+            with _fake_safe_bitsandbytes(mode, Recipe(quantization=scheme, lora_rank=1)):
+                quantize_model(net, scheme, skip=tuple(bnb.llm_int8_skip_modules or ("lm_head",)))
+            net.is_loaded_in_4bit, net.is_loaded_in_8bit = bool(bnb.load_in_4bit), bool(bnb.load_in_8bit)
         if sft:
             from trl import SFTTrainer
 
@@ -348,16 +363,13 @@ def plan_trainer(
     if tgt.cuda and type(args).__name__ == "SFTConfig":
         warn.append("TRL's fused LM head is traced on its CPU path (torch tiles, every position scored); on CUDA with "
                     "Triton it scores only the trained positions in its own kernels: the plan is the most it can hold")
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.experimental.symbolic_shapes import ShapeEnv
-
-    holder = real_trainer
+    holder, mode = real_trainer, None
     if holder is None:
-        holder = _fake_trainer(args, model, lora, bnb, seq, FakeTensorMode(shape_env=ShapeEnv(allow_scalar_outputs=True),
-                                                                       allow_non_fake_inputs=True))
+        mode = _new_mode()
+        holder = _fake_trainer(args, model, lora, bnb, seq, mode)
     micro = int(args.per_device_train_batch_size)
     with _args_of(holder, args):
-        trace, _n = _trace_step(holder, args, micro, seq, cuda=tgt.cuda)
+        trace, _n = _trace_step(holder, args, micro, seq, cuda=tgt.cuda, mode=mode)
     name = _model_name(holder.model, model)
     batch = micro * int(args.gradient_accumulation_steps)
     device_costs: list[Cost] = []
@@ -375,7 +387,7 @@ def plan_trainer(
         optimizer_impl=f"the Trainer's optim={optim!r}" + (" (torch's CUDA choice)" if tgt.cuda else ""),
     )
     if find_max_batch:
-        result.max_batch = _max_micro_batch(holder, args, seq, tgt, result, trace)
+        result.max_batch = _max_micro_batch(holder, args, seq, tgt, result, trace, mode)
     result.seconds = time.perf_counter() - start
     return result
 
@@ -418,14 +430,15 @@ def _model_name(net: Any, given: Any) -> str:
     return str(getattr(config, "_name_or_path", "") or getattr(config, "model_type", "") or type(net).__name__)
 
 
-def _max_micro_batch(trainer: Any, args: Any, seq_len: int, tgt: Target, plan: Plan, trace: _Trace) -> int:
+def _max_micro_batch(trainer: Any, args: Any, seq_len: int, tgt: Target, plan: Plan, trace: _Trace, mode: Any) -> int:
     """Return the largest per_device_train_batch_size that fits: linear in the batch from two traces, then confirmed."""
     budget = plan.device_limit_bytes - sum(c.bytes for c in plan.device_costs)
     micro = int(args.per_device_train_batch_size)
 
     def peak(b: int) -> int:
         with _args_of(trainer, _changed_args(args, {"per_device_train_batch_size": b})):
-            return _trace_step(trainer, _changed_args(args, {"per_device_train_batch_size": b}), b, seq_len, cuda=tgt.cuda)[0].peak_bytes
+            return _trace_step(trainer, _changed_args(args, {"per_device_train_batch_size": b}), b, seq_len, cuda=tgt.cuda,
+                               mode=mode)[0].peak_bytes
 
     other = micro + 1
     p1, p2 = trace.peak_bytes, peak(other)

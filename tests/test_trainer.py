@@ -245,3 +245,15 @@ def test_a_recipe_reads_back_from_its_trainer_settings():
     assert back == recipe
     assert hfconfig.recipe_settings(recipe.with_(checkpointing="selective"), 16, 512)["not_expressible"] == [
         "checkpointing='selective' (the Trainer checkpoints every layer or none)"]
+
+
+def test_a_bitsandbytes_config_is_planned_on_4_bit_layers():
+    nf4 = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                             bnb_4bit_compute_dtype=torch.float16)
+    plain = tr.plan_trainer(sft_args(fp16=True), model=big_dims(), lora=lora(), target="t4")
+    qlora = tr.plan_trainer(sft_args(fp16=True), model=big_dims(), lora=lora(), bnb=nf4, target="t4")
+    assert qlora.recipe["quantization"] == "nf4" and plain.recipe["quantization"] is None
+    # the two layers' linear weights (about 0.3B) go from 4 bytes to about 0.5 per weight; the embeddings stay
+    saved = plain.by_category["parameters"] - qlora.by_category["parameters"]
+    linear = 2 * (2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 11008)
+    assert 0.85 * 3.5 * linear < saved < 3.5 * linear, (saved, linear)
