@@ -69,6 +69,9 @@ from colab_memopt.report import Claim, record
 from colab_memopt.evaluation import evaluate
 from colab_memopt.optimizers import make_optimizer
 from colab_memopt.train import make_eval_step, make_train_step, train, train_step
+# 19_your_trainer_on_a_free_t4: a Hugging Face Trainer / TRL SFTTrainer planned, fitted and guarded as it is
+from colab_memopt.guard import MemoryGuardCallback
+from colab_memopt.trainer import fit_trainer, plan_trainer
 
 __version__ = "0.1.0"
 
@@ -150,4 +153,8 @@ __all__ = [
     "LoadedModel",
     "load_model",
     "HostPeak",
+    # 19_your_trainer_on_a_free_t4
+    "plan_trainer",
+    "fit_trainer",
+    "MemoryGuardCallback",
 ]

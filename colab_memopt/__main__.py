@@ -1,6 +1,7 @@
 """Command line.
 
     python -m colab_memopt plan --model gpt2 --batch 8 --seq 1024 --target t4 [--json]
+    python -m colab_memopt plan --model ID --training-args sft.yaml [--lora FILE] [--bnb FILE] --target t4
     python -m colab_memopt recommend --model llama-3.2-1b --seq 512 --target t4 [--mode auto] [--json]
     python -m colab_memopt doctor --model Qwen/Qwen2.5-0.5B --recipe precision=bf16-autocast --target t4 [--json]
 
@@ -69,8 +70,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"colab-memopt {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="{plan,recommend}")
     p = sub.add_parser("plan", help="predict a training step's peak memory on a target, without a GPU")
-    p.add_argument("--model", required=True, help=f"one of: {', '.join(model_names())}; or a Hugging Face id, a local folder or a config.json")
-    p.add_argument("--batch", type=int, required=True, help="sequences per step (>= 1)")
+    p.add_argument("--model", default=None, help=f"one of: {', '.join(model_names())}; or a Hugging Face id, a local folder or a config.json "
+                   "(with --training-args, default: the file's model_name_or_path)")
+    p.add_argument("--batch", type=int, default=None, help="sequences per step (>= 1; with --training-args, from the file)")
     p.add_argument("--seq", type=int, default=None, help="tokens per sequence (default: the model's maximum)")
     p.add_argument("--target", default="t4", help=f"one of {', '.join(TARGETS)} (or give --device-bytes and --host-bytes)")
     p.add_argument("--device-bytes", type=int, help="an explicit device memory size in bytes")
@@ -79,6 +81,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--method", default="auto", choices=["auto", "trace", "analytic"])
     p.add_argument("--no-max-batch", action="store_true", help="skip the search for the largest batch")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--training-args", default=None, metavar="FILE",
+                   help="plan a Trainer run: a TrainingArguments / SFTConfig JSON or YAML (a TRL CLI config too)")
+    p.add_argument("--lora", nargs="+", default=None, metavar="FILE|FIELD=VALUE", help="a peft LoraConfig file or fields")
+    p.add_argument("--bnb", nargs="+", default=None, metavar="FILE|FIELD=VALUE", help="a BitsAndBytesConfig file or fields")
 
     from colab_memopt.presets import MODES
     from colab_memopt.recommender import OBJECTIVES
@@ -153,9 +159,41 @@ def _recommend(args: argparse.Namespace) -> tuple[int, Any]:
     return 0, result
 
 
+def _file_or_fields(items: list[str] | None) -> Any:
+    from colab_memopt.hfconfig import inline_fields
+
+    if items is None:
+        return None
+    return items[0] if len(items) == 1 and "=" not in items[0] else inline_fields(items)
+
+
+def _plan_trainer(args: argparse.Namespace) -> tuple[int, Any]:
+    from colab_memopt.hfconfig import read_training_config
+    from colab_memopt.trainer import plan_trainer
+
+    if args.batch is not None or args.recipe:
+        raise ValueError("--training-args gives the batch and the settings: leave --batch and --recipe out")
+    cfg = read_training_config(args.training_args, lora=_file_or_fields(args.lora), bnb=_file_or_fields(args.bnb))
+    model = args.model or cfg.model
+    if model is None:
+        raise ValueError("--training-args: give --model (the file names no model_name_or_path)")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = plan_trainer(cfg.args, model=model, lora=cfg.lora, bnb=cfg.bnb, target=_target(args), seq_len=args.seq,
+                              find_max_batch=not args.no_max_batch)
+    result.warnings += [f"read, no effect on memory: {k}" for k in cfg.ignored] + cfg.notes
+    return (0 if result.fits else 1), result
+
+
 def _plan(args: argparse.Namespace) -> tuple[int, Any]:
     from colab_memopt.planner import plan
 
+    if args.training_args is not None:
+        return _plan_trainer(args)
+    if args.lora is not None or args.bnb is not None:
+        raise ValueError("--lora and --bnb go with --training-args (for a Recipe, use --recipe lora_rank=16 quantization=nf4)")
+    if args.model is None or args.batch is None:
+        raise ValueError("plan needs --model and --batch (or --training-args FILE)")
     target: Any = _target(args)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # fallbacks are reported in the plan's own warnings

@@ -39,7 +39,8 @@ LAYERS: tuple[Layer, ...] = (
     Layer("recipe", "the Recipe, its presets and the training step that apply the techniques",
           ("recipe", "presets", "train", "loading")),
     Layer("planning", "what fits before a run, and what went wrong after one",
-          ("estimate", "planner", "costs", "recommender", "capacity", "monitor", "oom", "doctor")),
+          ("estimate", "planner", "costs", "recommender", "capacity", "monitor", "oom", "doctor", "hfconfig", "trainer",
+           "guard")),
     Layer("tooling", "the notebooks' runner, roll-up, plots and widgets, and the command line",
           ("runner", "rollup", "project", "plots", "widgets", "layers", "gpucheck", "__main__")),
 )

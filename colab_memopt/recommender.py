@@ -178,6 +178,13 @@ class Recommendation:
         """Return the chosen plan's warnings (an analytic fallback, a recipe the trace cannot follow, ...)."""
         return list(self.plan.warnings)
 
+    def trainer_settings(self) -> dict[str, Any]:
+        """Return the chosen recipe as Trainer settings: {'training_args': SFTConfig fields, 'lora': LoraConfig fields
+        or None, 'bnb': BitsAndBytesConfig fields or None, 'not_expressible': what they cannot say} (`trainer.recipe_settings`)."""
+        from colab_memopt.hfconfig import recipe_settings
+
+        return recipe_settings(self.recipe, self.batch, self.seq_len)
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "model": self.model, "batch": self.batch, "seq_len": self.seq_len, "mode": self.mode,

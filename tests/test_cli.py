@@ -54,7 +54,7 @@ def test_probe_rows_33_34_deepspeed_output_goes_to_stderr_and_stdout_is_json(arg
     (["recommend", "--model", "tiny", "--seq", "32", "--headroom", "nan"], "headroom must be in [0, 1) (the fraction of memory kept free), got nan"),  # row 48
     (["recommend", "--model", "tiny", "--seq", "32", "--headroom", "1"], "headroom must be in [0, 1) (the fraction of memory kept free), got 1.0"),  # row 49
     (["plan", "--model", "tiny", "--batch", "abc"], "argument --batch: invalid int value: 'abc'"),
-    (["plan", "--batch", "1"], "the following arguments are required: --model"),
+    (["plan", "--batch", "1"], "plan needs --model and --batch (or --training-args FILE)"),
     (["plan", "--model", "tiny", "--batch", "1", "--nope"], "unrecognized arguments: --nope"),
 ])
 def test_probe_rows_bad_input_is_exit_2_with_one_line_and_a_json_error(argv, says, capsys):

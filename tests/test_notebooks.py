@@ -77,6 +77,9 @@ REQUIRED_METRICS = {
     "05_memory_efficient_attention": {
         "attention_saving_pct_longest", "longest_seq", "naive_growth_exponent", "sdpa_growth_exponent",
     },
+    "19_your_trainer_on_a_free_t4": {
+        "draft_need_bytes", "fitted_need_bytes", "planned_peak_bytes", "measured_peak_bytes", "plan_rel_error_pct",
+    },
 }
 PARAM_NAME = re.compile(r"^[a-z_][a-z0-9_]*$")
 

@@ -89,6 +89,7 @@ PANELS: dict[str, Change] = {
                                          expect_gone="lomo at lr"),
     "17_long_context": Change("chunked loss", "toggle", plot=True, expect="chosen"),
     "18_your_own_model": Change("mode", "select", "full", expect="(full)", expect_gone="(lora)"),
+    "19_your_trainer_on_a_free_t4": Change("optim", "select", "adafactor", expect="optim='adafactor'"),
 }
 # notebook stem -> why its panel is not driven in the browser.
 EXCLUDED: dict[str, str] = {}

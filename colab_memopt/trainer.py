@@ -1,0 +1,579 @@
+"""Plan a Hugging Face `Trainer` (or TRL `SFTTrainer`) run as it is, and fit it to a target.
+
+`plan_trainer` traces the Trainer's own step on fake tensors: the model the Trainer holds (its
+parameters swapped for fake ones for the duration, so nothing is allocated), the optimizer the
+Trainer itself builds from `optim` (`Trainer.create_optimizer`), one batch made by the Trainer's own
+data collator at `max_length`, then what the training loop runs: `Trainer.training_step` (its
+`compute_loss`, TRL's fused LM head and token metrics included, and the backward) for each
+micro-batch, the gradient clipping, `optimizer.step()` and `model.zero_grad()`. What peft's LoRA
+dropout keeps (a dropped copy of each adapted layer's input and its mask), the fused AdamW kernel
+(no foreach temporaries) and bitsandbytes' 8-bit states are in that trace because they run in it.
+
+The settings are also read into this project's `Recipe` (`hfconfig.trainer_recipe`), the common
+language of `plan`, `recommend` and the notebooks; what a Recipe cannot say is listed, never dropped
+silently. `fit_trainer` searches the Trainer's own settings for the cheapest change that fits.
+`hfconfig.py` reads the settings from files; `guard.py` holds `MemoryGuardCallback`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from colab_memopt.planner import (
+    Cost,
+    Plan,
+    Target,
+    _fake_safe_bitsandbytes,
+    _fake_safe_module_to,
+    _fake_safe_transformers,
+    _host_costs,
+    _Trace,
+    check_headroom,
+    cublas_workspace_bytes,
+    get_target,
+)
+from colab_memopt.hfconfig import OPTIM_TO_RECIPE, check_optim, trainer_recipe
+from colab_memopt.recipe import Recipe
+from colab_memopt.tracker import PHASES, TensorTracker
+
+
+class _ScalarMode(torch.utils._python_dispatch.TorchDispatchMode):
+    """Answer `.item()` / `bool()` of a fake tensor with 1, so that the Trainer's metrics and branches on a
+    value (`if num_valid > 0`, `loss.item()`) run; the bytes of a step do not depend on those values."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func is torch.ops.aten._local_scalar_dense.default:
+            t = args[0]
+            return True if t.dtype == torch.bool else (1 if not t.is_floating_point() else 1.0)
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def _fake_parameters(model: nn.Module, mode: Any) -> Iterator[None]:
+    """Swap every parameter and buffer of `model` for a fake tensor of the same shape, dtype and
+    `requires_grad` (tied weights stay tied), for the duration; the real ones come back afterwards."""
+    saved: list[tuple[Any, str, str, Any]] = []
+    swapped: dict[int, Any] = {}
+    try:
+        for module in model.modules():
+            for kind in ("_parameters", "_buffers"):
+                table = getattr(module, kind)
+                for name, t in list(table.items()):
+                    if t is None:
+                        continue
+                    if id(t) not in swapped:
+                        fake = mode.from_tensor(t.detach(), static_shapes=True)
+                        swapped[id(t)] = nn.Parameter(fake, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else fake
+                    saved.append((table, name, kind, t))
+                    table[name] = swapped[id(t)]
+        yield
+    finally:
+        for table, name, _kind, t in reversed(saved):
+            table[name] = t
+
+
+def _unwrap(trainer: Any) -> tuple[Any, Any]:
+    """Return (trainer or None, args) from a Trainer, or from TrainingArguments."""
+    from transformers import Trainer, TrainingArguments
+
+    if isinstance(trainer, Trainer):
+        return trainer, trainer.args
+    if isinstance(trainer, TrainingArguments):
+        return None, trainer
+    raise TypeError("plan_trainer takes a transformers Trainer (or TRL SFTTrainer), or TrainingArguments / SFTConfig "
+                    f"with model=; got {type(trainer).__name__}")
+
+
+def seq_len_of(args: Any) -> int:
+    """Return the tokens per sequence the run pads or truncates to: SFTConfig's `max_length` (or the old
+    `max_seq_length`); for plain TrainingArguments there is none: pass seq_len=."""
+    for name in ("max_length", "max_seq_length"):
+        value = getattr(args, name, None)
+        if value is not None:
+            return int(value)
+    raise ValueError("these TrainingArguments set no max_length: pass seq_len= (tokens per sequence)")
+
+
+def _synthetic_batch(trainer: Any, batch: int, seq_len: int) -> dict[str, Any]:
+    """Return one batch the Trainer's own collator makes from `batch` examples of `seq_len` tokens
+    (every position a trained token: the most the run can hold)."""
+    examples = []
+    columns = set(getattr(trainer.train_dataset, "column_names", None) or ["input_ids"])
+    for _ in range(batch):
+        ex: dict[str, Any] = {"input_ids": [1] * seq_len}
+        for name in ("completion_mask", "assistant_masks"):
+            if name in columns:
+                ex[name] = [1] * seq_len
+        if "labels" in columns:
+            ex["labels"] = [1] * seq_len
+        examples.append(ex)
+    out = trainer.data_collator(examples)
+    return dict(out)
+
+
+def _trace_step(trainer: Any, args: Any, batch: int, seq_len: int, *, cuda: bool, mode: Any = None) -> tuple[_Trace, int]:
+    """Trace the Trainer's step on fake tensors; return (the trace, the number of trainable parameters).
+
+    `mode`: the fake-tensor mode a planner-built Trainer's model lives in (its parameters are fake already);
+    None swaps a real Trainer's parameters for fake ones for the duration."""
+    grad_accum = int(args.gradient_accumulation_steps)
+    micro = int(args.per_device_train_batch_size)
+    model = trainer.model
+    swap = mode is None
+    mode = mode if mode is not None else _new_mode()
+    recipe = Recipe(optimizer=OPTIM_TO_RECIPE.get(str(getattr(args.optim, "value", args.optim)), "adamw"))
+    saved = {k: copy.deepcopy(getattr(trainer, k)) for k in ("_metrics", "_total_train_tokens") if hasattr(trainer, k)}
+    saved_optimizer, saved_training = trainer.optimizer, model.training
+    gc_was = bool(getattr(model, "is_gradient_checkpointing", False))
+    # The run's autocast: accelerate autocasts fp16 and bf16 on CUDA, only bf16 on the CPU (an fp16 run there is fp32);
+    # CUDA's fp16 autocast is traced as CPU bf16 autocast (the same 2-byte activations).
+    autocasts = bool(args.bf16 or (args.fp16 and cuda))
+    autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if autocasts else contextlib.nullcontext
+    try:
+        if args.gradient_checkpointing and not gc_was:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs)
+        elif not args.gradient_checkpointing and gc_was:
+            model.gradient_checkpointing_disable()
+        with _fake_parameters(model, mode) if swap else contextlib.nullcontext(), mode, _ScalarMode(), _fake_safe_module_to(), \
+                _fake_safe_bitsandbytes(mode, recipe, cuda=cuda), _fake_safe_transformers():
+            trainer.optimizer = None
+            optimizer = trainer.create_optimizer(model)
+            _prefer_impl(optimizer, cuda)
+            n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+            # warm-up: the optimizer state exists after the first step, as in every step after it
+            for p in model.parameters():
+                if p.requires_grad:
+                    p.grad = torch.zeros_like(p)
+            optimizer.step()
+            model.zero_grad()
+            # Micro-batches after the second hold what the second holds (the gradients accumulate in place): two
+            # are traced, whatever gradient_accumulation_steps is.
+            inputs = [_synthetic_batch(trainer, micro, seq_len) for _ in range(grad_accum)]
+            tokens = micro * grad_accum * seq_len
+            tracker = TensorTracker(device=torch.device("cpu"), cuda_rounding=cuda)
+            tracker.track_external(model, optimizer, *[t for b in inputs for t in b.values() if isinstance(t, torch.Tensor)])
+            with tracker:
+                for batch_inputs in inputs[:2]:
+                    with autocast():
+                        trainer.training_step(model, batch_inputs, num_items_in_batch=torch.tensor(tokens))
+                if args.max_grad_norm and args.max_grad_norm > 0:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                optimizer.step()
+                model.zero_grad()
+    finally:
+        trainer.optimizer = saved_optimizer
+        for k, v in saved.items():
+            setattr(trainer, k, v)
+        model.train(saved_training)
+        if args.gradient_checkpointing and not gc_was:
+            model.gradient_checkpointing_disable()
+        elif not args.gradient_checkpointing and gc_was:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs)
+    trace = _Trace(
+        tracker.peak_bytes,
+        dict(tracker.peak_categories),
+        {p: tracker.phase_peaks.get(p, 0) for p in PHASES},
+        {p: dict(c) for p, c in tracker.phase_peak_categories.items()},
+        tracker.category_peaks["activations"],
+    )
+    return trace, n_trainable
+
+
+def _new_mode() -> Any:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    # allow_scalar_outputs: `.item()` gives a symbol (then `_ScalarMode` a value); real inputs become fake
+    return FakeTensorMode(shape_env=ShapeEnv(allow_scalar_outputs=True), allow_non_fake_inputs=True)
+
+
+def _prefer_impl(optimizer: Any, cuda: bool) -> None:
+    """Run torch optimizers as the target runs them: with `foreach=None` torch picks foreach for CUDA
+    tensors and single-tensor on the CPU; a fused optimizer (`adamw_torch_fused`) stays fused."""
+    for group in getattr(optimizer, "param_groups", []):
+        if "foreach" in group and group.get("foreach") is None and not group.get("fused"):
+            group["foreach"] = bool(cuda)
+
+
+# -- planning ------------------------------------------------------------------------------------------
+CPU_TARGET_NAME = "cpu"
+
+
+def _target(target: Any) -> Target:
+    """Return the target: a planner target, or 'cpu' (this machine's RAM, no CUDA costs, as a CPU run holds)."""
+    if target == CPU_TARGET_NAME:
+        from colab_memopt.measure import host_memory
+
+        total = host_memory().total_bytes
+        return Target("cpu", total, total, cuda_context_bytes=0, description="this machine's CPU and RAM", cuda=False)
+    if isinstance(target, dict) and isinstance(target.get("compute_capability"), list):  # from YAML or JSON
+        target = {**target, "compute_capability": tuple(target["compute_capability"])}
+    return get_target(target)
+
+
+def _plan_tokenizer() -> Any:
+    """Return a three-token tokenizer: what the planner's Trainer needs (a pad token), nothing more."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({"<pad>": 0, "<eos>": 1, "<unk>": 2}, unk_token="<unk>"))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+
+
+def _model_dtype(args: Any, spec: Any) -> torch.dtype:
+    """Return the dtype the run loads the weights in: SFTConfig's model_init_kwargs dtype, else the checkpoint's
+    config dtype for 'auto', else fp32 (transformers' default for a model built from a config)."""
+    kwargs = getattr(args, "model_init_kwargs", None) or {}
+    value = kwargs.get("dtype", kwargs.get("torch_dtype"))
+    if value == "auto":
+        value = getattr(spec.config, "dtype", None) if spec.config is not None else None
+    if value is None:
+        return torch.float32
+    if isinstance(value, str):
+        value = getattr(torch, value, None)
+    if not isinstance(value, torch.dtype):
+        raise ValueError(f"model_init_kwargs dtype must be 'auto', 'float32', 'float16' or 'bfloat16', got {kwargs!r}")
+    return value
+
+
+def _fake_trainer(args: Any, model: Any, lora: Any, bnb: Any, seq_len: int, mode: Any) -> Any:
+    """Build the Trainer these settings would build, around a fake-tensor model (nothing allocated)."""
+    from datasets import Dataset
+    from transformers import Trainer, default_data_collator
+
+    from colab_memopt import architectures
+
+    spec = architectures.resolve_model(model)
+    dtype = _model_dtype(args, spec)
+    sft = type(args).__name__ == "SFTConfig"
+    rows = {"input_ids": [[1] * seq_len]}
+    if not sft:
+        rows.update(attention_mask=[[1] * seq_len], labels=[[1] * seq_len])
+    data = Dataset.from_dict(rows)
+    with mode, _fake_safe_module_to(), _quiet_datasets():
+        net = spec.build().to(dtype)
+        if bnb is not None and (getattr(bnb, "load_in_4bit", False) or getattr(bnb, "load_in_8bit", False)):
+            # as from_pretrained(quantization_config=bnb) loads it: the linear layers in bitsandbytes' 4-bit or 8-bit
+            # storage (the planner's fake-tensor stand-ins of Linear4bit / Linear8bitLt), the skipped ones kept
+            from colab_memopt.quantization import quantize_model
+
+            scheme = str(bnb.bnb_4bit_quant_type) if bnb.load_in_4bit else "bnb_int8"
+            with _fake_safe_bitsandbytes(mode, Recipe(quantization=scheme, lora_rank=1)):
+                quantize_model(net, scheme, skip=tuple(bnb.llm_int8_skip_modules or ("lm_head",)))
+            net.is_loaded_in_4bit, net.is_loaded_in_8bit = bool(bnb.load_in_4bit), bool(bnb.load_in_8bit)
+        if sft:
+            from trl import SFTTrainer
+
+            return SFTTrainer(model=net, args=args, train_dataset=data, processing_class=_plan_tokenizer(), peft_config=lora)
+        if lora is not None:
+            from peft import get_peft_model
+
+            net = get_peft_model(net, lora)
+        return Trainer(model=net, args=args, train_dataset=data, data_collator=default_data_collator)
+
+
+@contextlib.contextmanager
+def _quiet_datasets() -> Iterator[None]:
+    """Hide `datasets`' progress bars while the planner's one-row dataset is prepared."""
+    import datasets
+
+    was = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if was:
+            datasets.enable_progress_bars()
+
+
+def plan_trainer(
+    trainer: Any,
+    *,
+    model: Any = None,
+    lora: Any = None,
+    bnb: Any = None,
+    target: str | Target | dict[str, Any] = "t4",
+    seq_len: int | None = None,
+    headroom: float = 0.05,
+    find_max_batch: bool = False,
+    **changes: Any,
+) -> Plan:
+    """Predict the peak memory of one optimizer step of a Hugging Face Trainer run on a target, without a GPU.
+
+    Args:
+        trainer: a `transformers.Trainer` or TRL `SFTTrainer` (planned on the model it holds), or
+            `TrainingArguments` / `SFTConfig` with `model=`.
+        model: with TrainingArguments: a model id, a local folder or config.json, a `PretrainedConfig`
+            or one of `architectures.model_names()` (random weights under fake tensors).
+        lora: with TrainingArguments: a peft `LoraConfig` (a Trainer already holds its peft model).
+        bnb: a `BitsAndBytesConfig`; read into the Recipe (a Trainer already holds the quantized model).
+        target: 't4', 'l4', 'a100-40gb', 'a100-80gb', 'h100-80gb', 'cpu' (this machine), a `Target` or a dict.
+        seq_len: tokens per sequence (default: SFTConfig's max_length).
+        headroom: fraction of device memory kept free.
+        find_max_batch: also find the largest per_device_train_batch_size that fits (two more traces).
+        **changes: TrainingArguments fields to change for this plan (what `fit_trainer` tries), e.g.
+            `per_device_train_batch_size=2`.
+
+    Returns the same `Plan` as `cm.plan`: `batch` is the effective batch (per-device batch x
+    accumulation steps), `recipe` the Recipe these settings amount to (`trainer_recipe`), and
+    `warnings` name every setting the Recipe cannot say and what the trace cannot run.
+
+    Example:
+        >>> p = cm.plan_trainer(SFTConfig(per_device_train_batch_size=8, max_length=1024),
+        ...                     model="HuggingFaceTB/SmolLM2-135M-Instruct", lora=LoraConfig(r=16), target="t4")
+        >>> p.fits, p.device_need_bytes
+    """
+    start = time.perf_counter()
+    headroom = check_headroom(headroom)
+    tgt = _target(target)
+    real_trainer, args = _unwrap(trainer)
+    if changes:
+        args = _changed_args(args, changes)
+    optim = check_optim(args.optim)
+    if real_trainer is None and model is None:
+        raise ValueError("plan_trainer(TrainingArguments) needs model= (a model id, folder, config or name)")
+    if real_trainer is not None and (model is not None or lora is not None):
+        raise ValueError("a Trainer already holds its model and peft adapters: leave model= and lora= out")
+    if real_trainer is not None and lora is None:
+        lora = _peft_config(real_trainer.model)
+    if real_trainer is not None and bnb is None:
+        bnb = getattr(getattr(real_trainer.model, "config", None), "quantization_config", None)
+        bnb = None if isinstance(bnb, dict) else bnb
+    seq = int(seq_len) if seq_len is not None else seq_len_of(args)
+    if seq < 1:
+        raise ValueError(f"seq_len must be >= 1, got {seq}")
+    recipe, notes = trainer_recipe(args, lora, bnb)
+    warn = [f"not in the Recipe: {n}" for n in notes]
+    if args.fp16 and not tgt.cuda:
+        warn.append("fp16=True on the CPU: accelerate runs no fp16 autocast there, so the step is planned in fp32 as it runs")
+    if args.fp16 and tgt.cuda:
+        warn.append("fp16 autocast is traced as bf16 autocast (the same 2-byte activations); the GradScaler's few scalars "
+                    "are not traced")
+    if tgt.cuda and args.bf16 and tgt.compute_capability is not None and tuple(tgt.compute_capability) < (8, 0):
+        warn.append(f"bf16=True on {tgt.name} (sm_{tgt.compute_capability[0]}{tgt.compute_capability[1]}): no native bf16; "
+                    "use fp16=True there")
+    if tgt.cuda and type(args).__name__ == "SFTConfig":
+        warn.append("TRL's fused LM head is traced on its CPU path (torch tiles, every position scored); on CUDA with "
+                    "Triton it scores only the trained positions in its own kernels: the plan is the most it can hold")
+    holder, mode = real_trainer, None
+    if holder is None:
+        mode = _new_mode()
+        holder = _fake_trainer(args, model, lora, bnb, seq, mode)
+    micro = int(args.per_device_train_batch_size)
+    with _args_of(holder, args):
+        trace, _n = _trace_step(holder, args, micro, seq, cuda=tgt.cuda, mode=mode)
+    name = _model_name(holder.model, model)
+    batch = micro * int(args.gradient_accumulation_steps)
+    device_costs: list[Cost] = []
+    if tgt.cuda:
+        workspace, source = cublas_workspace_bytes(tgt.compute_capability)
+        device_costs = [
+            Cost("CUDA context", tgt.cuda_context_bytes, "assumed (0.5-2 GB seen on Colab; measure with NVML on your card)"),
+            Cost("cuBLAS workspace", workspace, source, in_allocator=True),
+        ]
+    result = Plan(
+        model=name, batch=batch, seq_len=seq, recipe=recipe.to_dict(), target=tgt, method="trace",
+        peak_bytes=trace.peak_bytes, by_category=trace.by_category, by_phase=trace.by_phase,
+        by_phase_category=trace.phase_categories, device_costs=device_costs, host_costs=_host_costs(recipe, batch, seq),
+        headroom_fraction=headroom, analytic_peak_bytes=0, warnings=warn,
+        optimizer_impl=f"the Trainer's optim={optim!r}" + (" (torch's CUDA choice)" if tgt.cuda else ""),
+    )
+    if find_max_batch:
+        result.max_batch = _max_micro_batch(holder, args, seq, tgt, result, trace, mode)
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+def _changed_args(args: Any, changes: dict[str, Any]) -> Any:
+    """Return a copy of TrainingArguments with `changes`, refusing names it does not have."""
+    import dataclasses
+
+    known = {f.name for f in dataclasses.fields(args)}
+    unknown = sorted(set(changes) - known)
+    if unknown:
+        raise ValueError(f"unknown {type(args).__name__} field(s) {unknown}")
+    new = copy.copy(args)
+    for key, value in changes.items():
+        setattr(new, key, value)
+    return new
+
+
+@contextlib.contextmanager
+def _args_of(trainer: Any, args: Any) -> Iterator[None]:
+    saved = trainer.args
+    trainer.args = args
+    try:
+        yield
+    finally:
+        trainer.args = saved
+
+
+def _peft_config(model: Any) -> Any:
+    configs = getattr(model, "peft_config", None)
+    if isinstance(configs, dict) and configs:
+        return next(iter(configs.values()))
+    return None
+
+
+def _model_name(net: Any, given: Any) -> str:
+    if isinstance(given, str):
+        return given
+    config = getattr(net, "config", None)
+    return str(getattr(config, "_name_or_path", "") or getattr(config, "model_type", "") or type(net).__name__)
+
+
+def _max_micro_batch(trainer: Any, args: Any, seq_len: int, tgt: Target, plan: Plan, trace: _Trace, mode: Any) -> int:
+    """Return the largest per_device_train_batch_size that fits: linear in the batch from two traces, then confirmed."""
+    budget = plan.device_limit_bytes - sum(c.bytes for c in plan.device_costs)
+    micro = int(args.per_device_train_batch_size)
+
+    def peak(b: int) -> int:
+        with _args_of(trainer, _changed_args(args, {"per_device_train_batch_size": b})):
+            return _trace_step(trainer, _changed_args(args, {"per_device_train_batch_size": b}), b, seq_len, cuda=tgt.cuda,
+                               mode=mode)[0].peak_bytes
+
+    other = micro + 1
+    p1, p2 = trace.peak_bytes, peak(other)
+    per_sample = max(p2 - p1, 1)
+    guess = max(0, micro + (budget - p1) // per_sample)
+    while guess > 0 and peak(guess) > budget:
+        guess -= 1
+    return int(guess)
+
+
+# -- fitting -------------------------------------------------------------------------------------------
+_EIGHT_BIT = ("adamw_8bit", "paged_adamw_8bit", "adafactor")
+_FULL_ADAM = ("adamw_torch", "adamw_torch_fused", "adamw_apex_fused", "adamw_anyprecision", "paged_adamw",
+              "paged_adamw_32bit")
+
+
+@dataclass
+class TrainerFit:
+    """What to change in a Trainer's settings so the run fits a target, with the plans before and after."""
+
+    changes: dict[str, Any]  # TrainingArguments / SFTConfig fields to set
+    before: Plan
+    after: Plan | None  # None: nothing tried fits
+    slowdown: float  # expected step time after / before, from the target's technique-cost table
+    tried: list[tuple[dict[str, Any], int, float]] = field(default_factory=list)  # (changes, peak bytes, slowdown)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def fits(self) -> bool:
+        return self.after is not None and self.after.fits
+
+    def snippet(self, name: str = "SFTConfig") -> str:
+        """Return the lines to paste into your `SFTConfig(...)` / `TrainingArguments(...)` call."""
+        if not self.changes:
+            return f"# {name}(...) fits as it is: nothing to change"
+        lines = [f"# in your {name}(...) / TrainingArguments(...) call, set:"]
+        lines += [f"    {k}={v!r}," for k, v in self.changes.items()]
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        from colab_memopt.measure import format_bytes
+
+        before = self.before
+        head = (f"before: needs {format_bytes(before.device_need_bytes)} of {format_bytes(before.device_limit_bytes)} "
+                f"usable on {before.target.name}: {'fits' if before.fits else 'does not fit'}")
+        if self.after is None:
+            return head + f"\nno change tried fits ({len(self.tried)} tried)"
+        return "\n".join([head, f"after:  needs {format_bytes(self.after.device_need_bytes)}: "
+                          f"{'fits' if self.after.fits else 'does not fit'}; expected step time x{self.slowdown:.2f}",
+                          self.snippet(), *[f"note: {n}" for n in self.notes]])
+
+
+def _slowdown(args: Any, tgt: Target, lora: Any, bnb: Any) -> float:
+    """Return the expected step time of these settings against plain fp32 training on the target (costs.py)."""
+    from colab_memopt import costs
+
+    recipe, _ = trainer_recipe(args, lora, bnb)
+    accumulation = recipe.accumulation_steps
+    if accumulation > 4:  # the table has 2 and 4: a longer accumulation counts as 4 (a lower bound on its cost)
+        recipe = recipe.with_(accumulation_steps=4)
+    elif accumulation == 3:
+        recipe = recipe.with_(accumulation_steps=2)
+    return costs.expected_slowdown(recipe, costs.costs_for_target(tgt)).ratio
+
+
+def _candidates(args: Any, tgt: Target) -> list[dict[str, Any]]:
+    """Return the change sets to try: precision, checkpointing, a lean optimizer and a smaller per-device batch
+    with more accumulation (the effective batch kept), each alone and together."""
+    import itertools
+
+    precision: list[dict[str, Any]] = [{}]
+    if tgt.cuda and tgt.compute_capability is not None and tuple(tgt.compute_capability) < (8, 0):
+        if args.bf16:  # no native bf16 on a T4: fp16 is a must, not an option
+            precision = [{"bf16": False, "fp16": True}]
+        elif not args.fp16:
+            precision = [{}, {"fp16": True}]
+    elif tgt.cuda and not (args.fp16 or args.bf16):
+        precision = [{}, {"bf16": True}]
+    checkpointing: list[dict[str, Any]] = [{}]
+    if not args.gradient_checkpointing:
+        checkpointing.append({"gradient_checkpointing": True, "gradient_checkpointing_kwargs": {"use_reentrant": False}})
+    optim = str(getattr(args.optim, "value", args.optim))
+    optims: list[dict[str, Any]] = [{}] + ([{"optim": o} for o in _EIGHT_BIT] if optim in _FULL_ADAM else [])
+    micro, accum = int(args.per_device_train_batch_size), int(args.gradient_accumulation_steps)
+    effective = micro * accum
+    batches: list[dict[str, Any]] = [{}] + [
+        {"per_device_train_batch_size": b, "gradient_accumulation_steps": effective // b}
+        for b in range(micro - 1, 0, -1) if effective % b == 0]
+    return [{**p, **c, **o, **b} for p, c, o, b in itertools.product(precision, checkpointing, optims, batches)]
+
+
+def fit_trainer(
+    trainer: Any,
+    *,
+    model: Any = None,
+    lora: Any = None,
+    bnb: Any = None,
+    target: str | Target | dict[str, Any] = "t4",
+    seq_len: int | None = None,
+    headroom: float = 0.05,
+    max_plans: int = 24,
+) -> TrainerFit:
+    """Return the cheapest change to a Trainer's own settings that makes the run fit the target.
+
+    Tries the precision the target runs natively (fp16 on a T4), gradient checkpointing
+    (use_reentrant=False), an 8-bit or factored optimizer, and a smaller `per_device_train_batch_size`
+    with `gradient_accumulation_steps` raised so the effective batch stays the same; alone and
+    together, cheapest expected step time first (`costs.py`'s table for the target's device class),
+    fewer changes first among equals, planning each with `plan_trainer` until one fits (at most
+    `max_plans` plans). Arguments as `plan_trainer`.
+
+    Example:
+        >>> fit = cm.fit_trainer(trainer, target="t4")
+        >>> print(fit.snippet()); fit.after.fits
+    """
+    tgt = _target(target)
+    kwargs = dict(model=model, lora=lora, bnb=bnb, target=tgt, seq_len=seq_len, headroom=headroom)
+    before = plan_trainer(trainer, **kwargs)
+    _, args = _unwrap(trainer)
+    if real_lora := (lora if lora is not None else _peft_config(getattr(trainer, "model", None))):
+        lora = real_lora
+    base_cost = _slowdown(args, tgt, lora, bnb)
+    if before.fits and not (args.bf16 and tgt.cuda and tgt.compute_capability and tuple(tgt.compute_capability) < (8, 0)):
+        return TrainerFit({}, before, before, 1.0)
+    ranked = sorted(((c, _slowdown(_changed_args(args, c), tgt, lora, bnb) / base_cost) for c in _candidates(args, tgt) if c),
+                    key=lambda cs: (round(cs[1], 3), len(cs[0])))
+    tried: list[tuple[dict[str, Any], int, float]] = []
+    for changes, cost in ranked[:max_plans]:
+        after = plan_trainer(trainer, **kwargs, **changes)
+        tried.append((changes, after.device_need_bytes, cost))
+        if after.fits:
+            notes = [] if "gradient_accumulation_steps" not in changes else [
+                f"effective batch kept: {changes['per_device_train_batch_size']} x {changes['gradient_accumulation_steps']} "
+                f"= {before.batch}"]
+            return TrainerFit(changes, before, after, cost, tried, notes)
+    notes = ["none of these settings fits: shorten max_length, use LoRA / QLoRA (BitsAndBytesConfig(load_in_4bit=True)) "
+             "or a smaller model"]
+    return TrainerFit({}, before, None, 1.0, tried, notes)
