@@ -327,7 +327,7 @@ def checkpointed_blocks(n_blocks: int, policy: str, interval: int = 1) -> list[i
     return list(range(0, n_blocks, interval))  # segments: the first block of each segment
 
 
-def apply_checkpointing(model: nn.Module, policy: str, interval: int = 1) -> nn.Module:
+def apply_checkpointing(model: nn.Module, policy: str, interval: int = 1, *, keep_blocks: int = 0) -> nn.Module:
     """Apply a checkpointing policy to the model's repeated blocks, in place; return the model.
 
     Args:
@@ -335,11 +335,18 @@ def apply_checkpointing(model: nn.Module, policy: str, interval: int = 1) -> nn.
         policy: one of POLICIES.
         interval: for 'every_n', checkpoint blocks interval-1, 2*interval-1, ...; for 'segments',
             recompute `interval` consecutive blocks from one stored input.
+        keep_blocks: for 'offload', how many blocks (the last ones, which backward reaches first) keep
+            their input on the device as 'full' does; the others' inputs go to host memory. The split that
+            uses both memories (`planner.offload_split` chooses it for a target).
 
     Example:
         >>> apply_checkpointing(build_model("small"), "selective")
     """
     check_policy(policy, interval)
+    if isinstance(keep_blocks, bool) or not isinstance(keep_blocks, int) or keep_blocks < 0:
+        raise ValueError(f"keep_blocks must be an integer >= 0, got {keep_blocks!r}")
+    if keep_blocks and policy != "offload":
+        raise ValueError(f"keep_blocks={keep_blocks} applies to policy 'offload' only, got policy {policy!r}")
     if policy == "none":  # also fine on a model without repeated blocks
         if any(isinstance(m, nn.ModuleList) for m in model.modules()) or hasattr(model, "blocks"):
             with contextlib.suppress(ValueError):
@@ -375,10 +382,14 @@ def apply_checkpointing(model: nn.Module, policy: str, interval: int = 1) -> nn.
                 block.forward = _passthrough(is_tuple)
         return model
     if policy == "offload":
+        if keep_blocks > len(blocks):
+            raise ValueError(f"keep_blocks={keep_blocks} exceeds the model's {len(blocks)} blocks")
         offloader = CheckpointOffloader()
         setattr(blocks, _OFFLOADER, offloader)
-        for block in blocks:
-            block.forward = _offloaded(getattr(block, _ORIGINAL), offloader)
+        first_kept = len(blocks) - keep_blocks
+        for i, block in enumerate(blocks):
+            block.forward = (_offloaded(getattr(block, _ORIGINAL), offloader) if i < first_kept
+                             else _checkpointed(getattr(block, _ORIGINAL), selective=False))
         return model
     chosen = set(checkpointed_blocks(len(blocks), policy, interval))
     for i, block in enumerate(blocks):

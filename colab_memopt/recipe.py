@@ -36,6 +36,7 @@ from colab_memopt.precision import (
     prepare_model,
 )
 from colab_memopt.rounding import UpdateRounding, check_update_rounding
+from colab_memopt.tiling import apply_tiled_mlp, check_tile_tokens, find_mlps
 from colab_memopt.quantization import (
     DEFAULT_LORA_TARGETS,
     SCHEMES,
@@ -87,6 +88,11 @@ class Recipe:
         loss_chunk_tokens: None computes the loss from the full (tokens x vocab) logits; an integer computes
             it by chunks of that many tokens (`loss.apply_chunked_loss`: the reference model and transformers
             causal LMs), never holding the full logits or their gradient (notebook 17).
+        mlp_tile_tokens: None runs each block's MLP on all tokens at once; an integer runs it by tiles of that
+            many tokens, each recomputed in backward, so one tile's intermediate activations live at a time
+            (`tiling.apply_tiled_mlp`, notebook 17).
+        offload_keep_blocks: under checkpointing='offload', how many blocks (the last ones, which backward
+            reaches first) keep their input on the device; the others' inputs wait in host RAM. 0 offloads all.
     """
 
     optimizer: str = "adamw"
@@ -132,6 +138,9 @@ class Recipe:
     offload_param: bool = False
     # -- 17_long_context: the loss by chunks of tokens (`loss.apply_chunked_loss`); None: the plain loss
     loss_chunk_tokens: int | None = None
+    # issue 28: each block's MLP by sequence tiles; under 'offload', how many blocks' inputs stay on the device
+    mlp_tile_tokens: int | None = None
+    offload_keep_blocks: int = 0
 
     def __post_init__(self) -> None:
         self.validate()
@@ -247,6 +256,13 @@ class Recipe:
         c = self.loss_chunk_tokens
         if c is not None and (isinstance(c, bool) or not isinstance(c, int) or c < 1):
             raise ValueError(f"recipe.loss_chunk_tokens must be None or an integer >= 1 (tokens per chunk), got {c!r}")
+        check_tile_tokens(self.mlp_tile_tokens, name="recipe.mlp_tile_tokens")
+        k = self.offload_keep_blocks
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+            raise ValueError(f"recipe.offload_keep_blocks must be an integer >= 0 (blocks), got {k!r}")
+        if k and self.checkpointing != "offload":
+            raise ValueError(f"recipe.offload_keep_blocks={k} splits the checkpoints of checkpointing='offload' between "
+                             f"device and host: set checkpointing='offload' (got {self.checkpointing!r}) or leave it 0")
         # 09_cpu_offload
         for name in ("layer_offload_active", "layer_offload_prefetch"):
             value = getattr(self, name)
@@ -393,6 +409,8 @@ class Recipe:
             badam_blocks(model)  # BAdam trains one of the model's repeated blocks at a time
         if self.loss_chunk_tokens is not None:
             check_chunkable(model)
+        if self.mlp_tile_tokens is not None:
+            find_mlps(model)
 
     def build(self, model: nn.Module) -> tuple[nn.Module, torch.optim.Optimizer]:
         """Apply the recipe's model-side techniques and return (model, optimizer).
@@ -408,6 +426,7 @@ class Recipe:
         self.check_model(model)
         if self.uses_deepspeed:
             apply_chunked_loss(model, self.loss_chunk_tokens)
+            apply_tiled_mlp(model, self.mlp_tile_tokens)
             return zero.initialize(model, self)
         if self.attention is not None or self.attention_window is not None:
             for block in model.blocks:
@@ -429,7 +448,8 @@ class Recipe:
         if self.activation_compression is not None or self.compression_checkpointing:
             compress_activations(model, self.activation_compression, checkpoint_blocks=self.compression_checkpointing)
         apply_chunked_loss(model, self.loss_chunk_tokens)  # after LoRA: the head must still be a plain Linear
-        apply_checkpointing(model, self.checkpointing, self.checkpoint_interval)
+        apply_tiled_mlp(model, self.mlp_tile_tokens)  # after LoRA: the adapters sit inside the MLP
+        apply_checkpointing(model, self.checkpointing, self.checkpoint_interval, keep_blocks=self.offload_keep_blocks)
         if self.layer_offload_active:
             streamer = LayerStreamer(model, self.layer_offload_active, self.layer_offload_prefetch)
             return model, streamer.optimizer(lambda ps: make_optimizer(self.optimizer, ps, lr=self.lr))
