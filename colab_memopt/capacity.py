@@ -300,6 +300,10 @@ class LongestSequence:
     plans: int
     seconds: float
     converged: bool
+    # issue 28: the checkpoints split between device and host at max_seq_len (None: no split searched)
+    offload_keep_blocks: int | None = None
+    limited_by: str | None = None  # what stops the next length: 'device memory', 'host RAM', both, or the cap
+    breakdown: dict[str, Any] | None = None  # at the first miss: device and host costs, largest categories
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -308,7 +312,8 @@ class LongestSequence:
 def longest_sequence(model: str, recipe: Recipe, *, mode: str = "", batch: int = 1, target: Any = "t4",
                      step_tokens: int = 1024, headroom: float = 0.05, method: str = "auto",
                      host_base_bytes: int | None = None, max_tokens: int | None = None,
-                     guess_tokens: int | None = None, max_plans: int = 16) -> LongestSequence:
+                     guess_tokens: int | None = None, max_plans: int = 16,
+                     split_checkpoints: bool = False) -> LongestSequence:
     """Return the longest multiple of `step_tokens` at which `plan` says one step of `recipe` fits `target`.
 
     Device memory and host RAM both must fit (`Plan.fits`). The search starts at `guess_tokens` (default:
@@ -316,6 +321,9 @@ def longest_sequence(model: str, recipe: Recipe, *, mode: str = "", batch: int =
     x `step_tokens` until the verdict changes, then bisects (`planner._verified_max_batch`): each probe is
     one `plan` (a trace on fake tensors where the recipe traces). `host_base_bytes` replaces the planner's
     "this process" line (this Python process's RSS) by a fixed figure, e.g. a fresh process's.
+    `split_checkpoints` (recipe with checkpointing='offload'): a length also fits when some blocks' checkpoints
+    kept on the device make both memories fit (`planner.offload_split`, decided from the all-offloaded plan);
+    the answer's length is planned again with that split, and `offload_keep_blocks` says it.
 
     Example:
         >>> longest_sequence("llama-3.2-1b", Recipe(precision="fp16-autocast", checkpointing="offload",
@@ -337,22 +345,35 @@ def longest_sequence(model: str, recipe: Recipe, *, mode: str = "", batch: int =
     top = limit // step_tokens
     plans: dict[int, Any] = {}
 
+    from colab_memopt.planner import offload_split
+
+    split = split_checkpoints and recipe.checkpointing == "offload"
+    if split:
+        recipe = recipe.with_(offload_keep_blocks=0)
+        n_blocks = estimate._dims(_meta_model(model))["layers"]
+
+    def plan_at(units: int, rec: Recipe) -> Any:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            p = plan(model, batch, seq_len=units * step_tokens, recipe=rec, target=tgt, headroom=headroom,
+                     find_max_batch=False, method=method)
+        if host_base_bytes is not None:
+            p.host_costs = [c for c in p.host_costs if c.name != "this process"]
+            from colab_memopt.planner import Cost
+
+            p.host_costs.insert(0, Cost("base process", host_base_bytes, "given (host_base_bytes)"))
+        return p
+
     def planned(units: int) -> Any:
         if units not in plans:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                p = plan(model, batch, seq_len=units * step_tokens, recipe=recipe, target=tgt, headroom=headroom,
-                         find_max_batch=False, method=method)
-            if host_base_bytes is not None:
-                p.host_costs = [c for c in p.host_costs if c.name != "this process"]
-                from colab_memopt.planner import Cost
-
-                p.host_costs.insert(0, Cost("base process", host_base_bytes, "given (host_base_bytes)"))
-            plans[units] = p
+            plans[units] = plan_at(units, recipe)
         return plans[units]
 
     def fits(units: int) -> bool:
-        return units <= top and planned(units).fits
+        if units > top:
+            return False
+        p = planned(units)
+        return p.fits or (split and offload_split(p, n_blocks) is not None)
 
     if guess_tokens is None:  # the analytic answer: a cheap first guess
         lo, hi = 0, top + 1
@@ -368,14 +389,23 @@ def longest_sequence(model: str, recipe: Recipe, *, mode: str = "", batch: int =
         guess = max(1, guess_tokens // step_tokens)
     units, converged = _verified_max_batch(fits, min(guess, top), max_traces=max_plans, lower=1)
     best = plans.get(units)
+    keep = None
+    if split and best is not None:
+        keep = offload_split(best, n_blocks) if not best.fits else 0
+        if keep:  # the answer planned with its split: its own figures, not the bound it was chosen by
+            best = plan_at(units, recipe.with_(offload_keep_blocks=keep))
+            if not best.fits:
+                converged = False
     miss_units = units + 1
     miss = plans.get(miss_units)
-    first_miss = None
+    first_miss, limited_by, breakdown = None, None, None
     if miss is not None:
         first_miss = {"seq_len": miss_units * step_tokens, "device_need_bytes": miss.device_need_bytes,
                       "host_need_bytes": miss.host_need_bytes, "fits_device": miss.fits_device, "fits_host": miss.fits_host}
+        limited_by, breakdown = limit_breakdown(miss, n_blocks if split else None)
     elif units >= top:
         first_miss = {"seq_len": None, "why": f"the search's cap of {limit} tokens (the model's maximum or max_tokens)"}
+        limited_by = "the sequence cap"
     ref = best if best is not None else next(iter(plans.values()), None)
     host_off = None
     if best is not None:
@@ -386,7 +416,40 @@ def longest_sequence(model: str, recipe: Recipe, *, mode: str = "", batch: int =
         device_need_bytes=best.device_need_bytes if best is not None else None,
         host_need_bytes=best.host_need_bytes if best is not None else None, offloaded_checkpoint_bytes=host_off,
         first_miss=first_miss, plans=len(plans), seconds=time.perf_counter() - start, converged=converged,
+        offload_keep_blocks=keep, limited_by=limited_by, breakdown=breakdown,
     )
+
+
+def limit_breakdown(p: Any, n_blocks: int | None = None) -> tuple[str, dict[str, Any]]:
+    """Return what stops a plan that does not fit ('device memory', 'host RAM' or both) and its traced breakdown.
+
+    The breakdown has each memory's need, limit and excess (bytes), the device peak's categories, the host
+    lines, and, with `n_blocks` (checkpoints that may be split), the blocks' worth of checkpoints the host
+    is over and the device could still take (`planner.offload_split`'s terms).
+    """
+    device_over = p.device_need_bytes - p.device_limit_bytes
+    host_over = p.host_need_bytes - p.host_limit_bytes
+    out: dict[str, Any] = {
+        "device_need_bytes": p.device_need_bytes, "device_limit_bytes": p.device_limit_bytes, "device_over_bytes": device_over,
+        "host_need_bytes": p.host_need_bytes, "host_limit_bytes": p.host_limit_bytes, "host_over_bytes": host_over,
+        "device_categories": dict(sorted(p.by_category.items(), key=lambda kv: -kv[1])),
+        "device_costs": {c.name: c.bytes for c in p.device_costs},
+        "host_costs": {c.name: c.bytes for c in p.host_costs},
+    }
+    offloaded = out["host_costs"].get("offloaded checkpoints", 0)
+    if n_blocks and offloaded:
+        per_block = -(-offloaded // n_blocks)
+        out["checkpoint_block_bytes"] = per_block
+        out["blocks_host_must_shed"] = max(0, -(-host_over // per_block))
+        out["blocks_device_can_take"] = max(0, -device_over // per_block)
+        # a split moves blocks from host to device: the memory that still runs short after the best split
+        if out["blocks_host_must_shed"] > out["blocks_device_can_take"]:
+            short = out["blocks_host_must_shed"] * per_block - max(0, -device_over)
+            out["short_after_split_bytes"] = short
+    what = [w for w, over in (("device memory", device_over > 0), ("host RAM", host_over > 0)) if over]
+    if n_blocks and offloaded and not device_over > 0 and host_over > 0:
+        what = ["device memory and host RAM together (no split of the checkpoints fits both)"]
+    return " and ".join(what) or "nothing (it fits)", out
 
 
 def _changed_fields(recipe: Recipe) -> dict[str, Any]:

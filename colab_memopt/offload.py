@@ -55,6 +55,28 @@ def host_side(emulated: bool) -> Iterator[None]:
         optim_mod._global_optimizer_post_hooks.update(post)
 
 
+def pinned_host_bytes(nbytes: int) -> int:
+    """Return the host bytes one pinned allocation of `nbytes` takes: the one place host rounding is applied.
+
+    torch's pinned-memory allocator (`CachingHostAllocator`, behind `torch.empty(..., pin_memory=True)` on
+    CUDA) rounds each request up to a power of two (`c10::llvm::PowerOf2Ceil` in its `allocate`), so a
+    402,653,184-byte block input (49,152 tokens x 4,096 x 2 B) would take 536,870,912 bytes. The offloaded
+    checkpoints are stored in pieces of power-of-two bytes (`power_of_two_pieces`), for which this is exact.
+    """
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+        raise ValueError(f"nbytes must be an integer >= 0, got {nbytes!r}")
+    return 0 if nbytes == 0 else 1 << (nbytes - 1).bit_length()
+
+
+def power_of_two_pieces(numel: int) -> list[int]:
+    """Return `numel` split into counts of elements that are powers of two, largest first (its binary digits).
+
+    With an element size that is a power of two (every torch dtype), each piece's bytes are a power of two,
+    which the pinned allocator takes without rounding (`pinned_host_bytes`).
+    """
+    return [1 << i for i in range(numel.bit_length() - 1, -1, -1) if numel >> i & 1]
+
+
 def _host_copy(t: torch.Tensor, pin: bool) -> torch.Tensor:
     out = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
     out.copy_(t.detach())

@@ -951,7 +951,54 @@ def offloaded_checkpoint_bytes(model: nn.Module, batch: int, seq_len: int, recip
     dims = estimate._dims(model)
     micro = -(-batch // recipe.accumulation_steps)
     width = 2 if recipe.precision == "bf16" else 4
-    return dims["layers"] * micro * seq_len * dims["hidden"] * width
+    return max(0, dims["layers"] - recipe.offload_keep_blocks) * micro * seq_len * dims["hidden"] * width
+
+
+def offload_split(p: Plan, n_blocks: int) -> int | None:
+    """Return how many blocks' checkpoints to keep on the device (`Recipe.offload_keep_blocks`) so that a step
+    planned with every checkpoint offloaded (`p`, checkpointing='offload', offload_keep_blocks=0) fits both
+    memories; None when no split does.
+
+    Each block kept on the device moves one block input (its host bytes, `offloaded checkpoints` / n_blocks,
+    as the pinned allocator takes them) from host RAM to the device. The device need grows by at most that
+    much per block (the kept inputs are all alive at worst; backward frees them as it goes), so the least
+    split that fits the host (`need`) and the most the device's free bytes hold (`room`) bound the choice; the
+    split keeps the middle, leaving spare blocks' worth in both memories.
+    """
+    host = sum(c.bytes for c in p.host_costs if c.name == "offloaded checkpoints")
+    if p.recipe.get("checkpointing") != "offload" or p.recipe.get("offload_keep_blocks") or not host or n_blocks < 1:
+        return None
+    per_block = -(-host // n_blocks)
+    device_free = p.device_limit_bytes - p.device_need_bytes
+    host_over = p.host_need_bytes - p.host_limit_bytes
+    if device_free < 0:
+        return None
+    need = max(0, -(-host_over // per_block))
+    room = min(n_blocks, device_free // per_block)
+    return None if need > room else (need + room) // 2
+
+
+def plan_offload_split(model_factory: Any, batch: int, *, seq_len: int, recipe: Recipe, target: Any = "t4",
+                       headroom: float = 0.05, method: str = "auto") -> Plan:
+    """Return the plan of `recipe` (checkpointing='offload') with the checkpoints split between device and host
+    for `target` (`offload_split`; two plans): the split's plan when one fits, else the all-offloaded plan.
+
+    Example:
+        >>> p = plan_offload_split("llama-3.2-1b", 1, seq_len=32768, recipe=Recipe(checkpointing="offload"))
+        >>> p.recipe["offload_keep_blocks"], p.fits
+    """
+    from colab_memopt import architectures
+
+    if recipe.checkpointing != "offload":
+        raise ValueError(f"plan_offload_split needs checkpointing='offload', got {recipe.checkpointing!r}")
+    whole = plan(model_factory, batch, seq_len=seq_len, recipe=recipe.with_(offload_keep_blocks=0), target=target,
+                 headroom=headroom, find_max_batch=False, method=method)
+    n_blocks = estimate._dims(shape_model(architectures.resolve_model(model_factory).build))["layers"]
+    keep = offload_split(whole, n_blocks)
+    if not keep:
+        return whole
+    return plan(model_factory, batch, seq_len=seq_len, recipe=recipe.with_(offload_keep_blocks=keep), target=target,
+                headroom=headroom, find_max_batch=False, method=method)
 
 
 def _load_costs(spec: Any, recipe: Recipe, target: Target) -> list[Cost]:
