@@ -309,7 +309,34 @@ class LongestSequence:
         return asdict(self)
 
 
-def longest_sequence(model: str, recipe: Recipe, *, mode: str = "", batch: int = 1, target: Any = "t4",
+LONG_CONTEXT_TILE_TOKENS = 4096  # the MLP's tile in the longest-context round (tokens)
+
+
+def long_context_recipe(model: str | None, mode: str, target: Any = "t4") -> Recipe:
+    """Return the longest-context round's recipe for a mode (issue 28) on `target`.
+
+    Every block checkpointed with its input in host RAM (`checkpointing='offload'`; `longest_sequence` splits
+    the checkpoints between device and host where the host is short), the loss by chunks of 128 tokens, each
+    MLP by tiles of `LONG_CONTEXT_TILE_TOKENS`. LoRA and QLoRA: AdamW on the adapters, the frozen base in the
+    target's 16-bit autocast dtype. Full fine-tuning: 8-bit AdamW stepping each parameter inside backward (no
+    full set of gradients held), in fp32 on a T4 (an in-backward step cannot run under fp16's GradScaler),
+    under bf16 autocast where bf16 is native.
+    """
+    from colab_memopt.loss import DEFAULT_CHUNK_TOKENS
+    from colab_memopt.presets import mixed_precision, mode_fields
+    from colab_memopt.recommender import BASE_FOR_PRECISION
+
+    precision = mixed_precision(get_target(target))
+    fields: dict[str, Any] = dict(checkpointing="offload", loss_chunk_tokens=DEFAULT_CHUNK_TOKENS,
+                                  mlp_tile_tokens=LONG_CONTEXT_TILE_TOKENS)
+    if mode == "full":
+        fields.update(optimizer="adamw8bit_in_backward", precision="fp32" if precision == "fp16-autocast" else precision)
+    else:
+        fields.update(optimizer="adamw", precision=precision, base_dtype=BASE_FOR_PRECISION[precision])
+    return Recipe.from_dict({**fields, **mode_fields(mode, model)})
+
+
+def longest_sequence(model: str, recipe: Recipe | None = None, *, mode: str = "", batch: int = 1, target: Any = "t4",
                      step_tokens: int = 1024, headroom: float = 0.05, method: str = "auto",
                      host_base_bytes: int | None = None, max_tokens: int | None = None,
                      guess_tokens: int | None = None, max_plans: int = 16,
@@ -325,9 +352,13 @@ def longest_sequence(model: str, recipe: Recipe, *, mode: str = "", batch: int =
     kept on the device make both memories fit (`planner.offload_split`, decided from the all-offloaded plan);
     the answer's length is planned again with that split, and `offload_keep_blocks` says it.
 
+    `recipe=None` runs the longest-context round of `mode` ('full', 'lora' or 'qlora'): `long_context_recipe`
+    with the checkpoints split where the host is short (`split_checkpoints=True`).
+
     Example:
         >>> longest_sequence("llama-3.2-1b", Recipe(precision="fp16-autocast", checkpointing="offload",
         ...                                         loss_chunk_tokens=128)).max_seq_len
+        >>> longest_sequence("llama-3.1-8b", mode="qlora", target="t4")  # the round's recipe, split checkpoints
     """
     import time
     import warnings
@@ -337,6 +368,10 @@ def longest_sequence(model: str, recipe: Recipe, *, mode: str = "", batch: int =
     if isinstance(step_tokens, bool) or not isinstance(step_tokens, int) or step_tokens < 1:
         raise ValueError(f"step_tokens must be an integer >= 1, got {step_tokens!r}")
     check_headroom(headroom)
+    if recipe is None:
+        if mode not in MODES:
+            raise ValueError(f"longest_sequence without a recipe needs mode one of {list(MODES)}, got {mode!r}")
+        recipe, split_checkpoints = long_context_recipe(model, mode, target), True
     start = time.perf_counter()
     tgt = get_target(target)
     limit = architectures.max_seq_len(model)
@@ -455,3 +490,65 @@ def limit_breakdown(p: Any, n_blocks: int | None = None) -> tuple[str, dict[str,
 def _changed_fields(recipe: Recipe) -> dict[str, Any]:
     base = Recipe().to_dict()
     return {k: v for k, v in recipe.to_dict().items() if base[k] != v}
+
+
+@dataclass
+class ContextReport:
+    """The longest trainable sequence per mode on a target (`longest_context`), each with its recipe."""
+
+    model: str
+    target: str
+    results: dict[str, LongestSequence]
+    skipped: dict[str, str]  # mode -> why it cannot be planned (a family without LoRA targets, ...)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"model": self.model, "target": self.target, "results": {m: r.to_dict() for m, r in self.results.items()},
+                "skipped": self.skipped}
+
+    def __str__(self) -> str:
+        from colab_memopt.measure import format_bytes
+
+        methods = ", ".join(sorted({r.method for r in self.results.values()}))
+        lines = [f"longest trainable sequence: {self.model} on {self.target}, batch 1 (planned: {methods})"]
+        for mode, r in self.results.items():
+            if not r.max_seq_len:
+                lines.append(f"  {mode:5s}  nothing fits at {r.step_tokens} tokens ({r.limited_by or 'see first_miss'})")
+                continue
+            split = f", {r.offload_keep_blocks} blocks' checkpoints kept on the device" if r.offload_keep_blocks else ""
+            lines.append(f"  {mode:5s}  {r.max_seq_len:>7,} tokens  device {format_bytes(r.device_need_bytes or 0)}, "
+                         f"host {format_bytes(r.host_need_bytes or 0)}{split}")
+            lines.append(f"         recipe {r.recipe}")
+            if r.limited_by:
+                nxt = (r.first_miss or {}).get("seq_len")
+                lines.append(f"         next limit: {r.limited_by}" + (f" at {nxt:,} tokens" if nxt else ""))
+        lines += [f"  {mode:5s}  not planned: {why}" for mode, why in self.skipped.items()]
+        return "\n".join(lines)
+
+
+def longest_context(model: str, *, target: Any = "t4", modes: tuple[str, ...] = tuple(MODES), step_tokens: int = 1024,
+                    max_plans: int = 12, method: str = "auto", host_base_bytes: int | None = None) -> ContextReport:
+    """Return the longest trainable sequence of `model` on `target` for each mode, with the recipe that reaches it.
+
+    Each mode runs `longest_sequence(model, mode=mode)`: the longest-context round's recipe (`long_context_recipe`:
+    offloaded checkpoints split where the host is short, the loss by chunks, the MLP by tiles), searched by plans
+    in steps of `step_tokens`. A mode the model cannot train (no LoRA targets) is left out with its reason.
+    What `python -m colab_memopt context` prints.
+
+    Example:
+        >>> print(longest_context("llama-3.2-1b", modes=("full",)))
+    """
+    for m in modes:
+        if m not in MODES:
+            raise ValueError(f"modes must be among {list(MODES)}, got {m!r}")
+    results, skipped = {}, {}
+    for m in modes:
+        try:
+            recipe = long_context_recipe(model, m, target)
+        except ValueError as exc:  # e.g. a family with no LoRA targets: the mode cannot train, say why
+            skipped[m] = str(exc)
+            continue
+        results[m] = longest_sequence(model, recipe, mode=m, target=target, step_tokens=step_tokens, max_plans=max_plans,
+                                      method=method, host_base_bytes=host_base_bytes, split_checkpoints=True)
+    if not results:
+        raise ValueError(f"no mode of {list(modes)} can be planned for {model!r}: {skipped}")
+    return ContextReport(model, get_target(target).name, results, skipped)
