@@ -1014,6 +1014,30 @@ def _load_costs(spec: Any, recipe: Recipe, target: Target) -> list[Cost]:
                  f"{format_bytes(load.classic_host_bytes)})")]
 
 
+def _plan_auto_chunk(model_factory: Any, batch: int, *, seq_len: int | None, recipe: Recipe, **kwargs: Any) -> Plan:
+    """Plan `recipe` with loss_chunk_tokens='auto': plan it at DEFAULT_CHUNK_TOKENS, take the device bytes that plan
+    leaves free as the room at the loss (the peak is at the loss or later, so it is at least that), choose the chunk
+    (`loss.auto_chunk_tokens`) and plan that chunk; the larger chunk only where its own plan fits too."""
+    from colab_memopt import architectures
+    from colab_memopt.loss import DEFAULT_CHUNK_TOKENS, auto_chunk_tokens
+
+    base = plan(model_factory, batch, seq_len=seq_len, recipe=recipe.with_(loss_chunk_tokens=DEFAULT_CHUNK_TOKENS), **kwargs)
+    dims = estimate._dims(shape_model(architectures.resolve_model(model_factory).build))
+    micro = -(-batch // recipe.accumulation_steps)
+    chunk = auto_chunk_tokens(max(0, base.device_limit_bytes - base.device_need_bytes), dims["vocab"], dims["hidden"],
+                              micro * base.seq_len)
+    note = (f"loss_chunk_tokens='auto': {chunk} tokens, from the {format_bytes(max(0, base.device_limit_bytes - base.device_need_bytes))} "
+            f"the plan at {DEFAULT_CHUNK_TOKENS} tokens leaves free (loss.auto_chunk_tokens)")
+    if chunk != DEFAULT_CHUNK_TOKENS:
+        bigger = plan(model_factory, batch, seq_len=seq_len, recipe=recipe.with_(loss_chunk_tokens=chunk), **kwargs)
+        if bigger.fits or not base.fits:
+            bigger.warnings.append(note)
+            return bigger
+        note += f"; {chunk} did not fit its own plan, so {DEFAULT_CHUNK_TOKENS}"
+    base.warnings.append(note)
+    return base
+
+
 def plan(
     model_factory: Callable[[], nn.Module] | str | Any,
     batch: int,
@@ -1065,6 +1089,9 @@ def plan(
     if recipe is not None and not isinstance(recipe, (Recipe, dict)):
         raise TypeError(f"recipe must be a Recipe or a dict of its fields, got {type(recipe).__name__} {recipe!r}")
     rec = recipe if isinstance(recipe, Recipe) else Recipe.from_dict(recipe or {})
+    if rec.loss_chunk_tokens == "auto":  # issue 28: the chunk from the memory the plan leaves at the loss
+        return _plan_auto_chunk(model_factory, batch, seq_len=seq_len, recipe=rec, target=target, headroom=headroom,
+                                find_max_batch=find_max_batch, method=method, optimizer_impl=optimizer_impl)
     if batch < rec.accumulation_steps:
         raise ValueError(f"batch {batch} is smaller than recipe.accumulation_steps={rec.accumulation_steps}: "
                          "the batch is the effective batch, split into that many micro-batches")

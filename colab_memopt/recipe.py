@@ -87,7 +87,9 @@ class Recipe:
         attention_window: sliding-window attention in tokens (reference model only); None: full causal.
         loss_chunk_tokens: None computes the loss from the full (tokens x vocab) logits; an integer computes
             it by chunks of that many tokens (`loss.apply_chunked_loss`: the reference model and transformers
-            causal LMs), never holding the full logits or their gradient (notebook 17).
+            causal LMs), never holding the full logits or their gradient (notebook 17). 'auto': the planner
+            chooses the chunk from the device memory its plan leaves at the loss (`loss.auto_chunk_tokens`);
+            `plan(...).recipe` holds the number, which `build` needs (it refuses 'auto').
         mlp_tile_tokens: None runs each block's MLP on all tokens at once; an integer runs it by tiles of that
             many tokens, each recomputed in backward, so one tile's intermediate activations live at a time
             (`tiling.apply_tiled_mlp`, notebook 17).
@@ -137,7 +139,7 @@ class Recipe:
     offload_optimizer: bool = False
     offload_param: bool = False
     # -- 17_long_context: the loss by chunks of tokens (`loss.apply_chunked_loss`); None: the plain loss
-    loss_chunk_tokens: int | None = None
+    loss_chunk_tokens: int | str | None = None
     # issue 28: each block's MLP by sequence tiles; under 'offload', how many blocks' inputs stay on the device
     mlp_tile_tokens: int | None = None
     offload_keep_blocks: int = 0
@@ -254,8 +256,8 @@ class Recipe:
             raise ValueError(f"recipe.attention_window must be None or an integer >= 1 (tokens), got {w!r}")
         # 17_long_context
         c = self.loss_chunk_tokens
-        if c is not None and (isinstance(c, bool) or not isinstance(c, int) or c < 1):
-            raise ValueError(f"recipe.loss_chunk_tokens must be None or an integer >= 1 (tokens per chunk), got {c!r}")
+        if c is not None and c != "auto" and (isinstance(c, bool) or not isinstance(c, int) or c < 1):
+            raise ValueError(f"recipe.loss_chunk_tokens must be None, 'auto' or an integer >= 1 (tokens per chunk), got {c!r}")
         check_tile_tokens(self.mlp_tile_tokens, name="recipe.mlp_tile_tokens")
         k = self.offload_keep_blocks
         if isinstance(k, bool) or not isinstance(k, int) or k < 0:
@@ -424,6 +426,10 @@ class Recipe:
         and the optimizer steps their host copies (`offload.StreamingOptimizer`).
         """
         self.check_model(model)
+        if self.loss_chunk_tokens == "auto":
+            raise ValueError("recipe.loss_chunk_tokens='auto' is chosen for a target by the planner: build the recipe "
+                             "of plan(model, batch, seq_len=..., recipe=..., target=...).recipe (it holds the chunk), or "
+                             "give an integer")
         if self.uses_deepspeed:
             apply_chunked_loss(model, self.loss_chunk_tokens)
             apply_tiled_mlp(model, self.mlp_tile_tokens)
