@@ -136,3 +136,68 @@ def test_split_checkpoints_keep_the_last_blocks_on_the_device(corpus):
         assert host == checkpoint_offloader(model).peak_host_bytes == (4 - keep) * 4 * 64 * 64 * 4
     with pytest.raises(ValueError, match="keep_blocks=5 exceeds the model's 4 blocks"):
         cm.Recipe(checkpointing="offload", offload_keep_blocks=5).build(factory())
+
+
+# -- the split chosen for a target, the longest sequence per mode, the CLI, loss_chunk_tokens='auto' ------------
+
+def _fake_plan(device_need, device_limit, host_need, host_limit, offloaded, keep=0):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(recipe={"checkpointing": "offload", "offload_keep_blocks": keep}, device_need_bytes=device_need,
+                           device_limit_bytes=device_limit, host_need_bytes=host_need, host_limit_bytes=host_limit,
+                           host_costs=[planner.Cost("offloaded checkpoints", offloaded, "")])
+
+
+def test_offload_split_keeps_the_middle_of_what_both_memories_allow():
+    # 10 blocks of 100 bytes offloaded; the host is 250 over (3 blocks must come back), the device has 720 free (7 fit)
+    assert planner.offload_split(_fake_plan(1000, 1720, 1250, 1000, 1000), 10) == 5
+    assert planner.offload_split(_fake_plan(1000, 1720, 900, 1000, 1000), 10) == 3  # host fits: spare split in two
+    assert planner.offload_split(_fake_plan(1000, 1250, 1450, 1000, 1000), 10) is None  # 5 must come back, 2 fit
+    assert planner.offload_split(_fake_plan(1100, 1000, 900, 1000, 1000), 10) is None  # the device alone is over
+    assert planner.offload_split(_fake_plan(1000, 1720, 1250, 1000, 1000, keep=2), 10) is None  # already split
+
+
+def test_longest_sequence_splits_the_checkpoints_when_the_host_is_short():
+    """A CPU target whose host holds only part of the checkpoints: the split reaches further than offloading all."""
+    recipe = cm.Recipe(checkpointing="offload", loss_chunk_tokens=16)
+    at = planner.plan("tiny", 1, seq_len=64, recipe=recipe, target={**CPU_TARGET, "device_bytes": 2**40}, find_max_batch=False)
+    offloaded = {c.name: c.bytes for c in at.host_costs}["offloaded checkpoints"]
+    base = at.host_need_bytes - offloaded
+    # the host holds half the checkpoints of 64 tokens: all of them offloaded fit up to 32 tokens
+    target = {"name": "small-host", "device_bytes": 2**40, "host_bytes": int((base + offloaded // 2) / 0.95) + 1,
+              "cuda": False}
+    kw = dict(target=target, step_tokens=16, host_base_bytes=base, max_plans=6, guess_tokens=32)
+    plain = cm.capacity.longest_sequence("tiny", recipe, **kw)
+    split = cm.capacity.longest_sequence("tiny", recipe, split_checkpoints=True, **kw)
+    assert split.max_seq_len > plain.max_seq_len and split.offload_keep_blocks >= 1
+    assert plain.limited_by == "host RAM" and plain.breakdown["host_over_bytes"] > 0
+
+
+def test_context_command_answers_per_mode(capsys):
+    from colab_memopt.__main__ import main
+
+    assert main(["context", "--model", "tiny", "--mode", "full", "--step", "32", "--max-plans", "3", "--json"]) == 0
+    import json
+
+    out = json.loads(capsys.readouterr().out)
+    full = out["results"]["full"]
+    assert full["max_seq_len"] >= 32 and full["recipe"]["mlp_tile_tokens"] == cm.capacity.LONG_CONTEXT_TILE_TOKENS
+    assert full["limited_by"] == "the sequence cap"
+    assert main(["context", "--model", "tiny", "--mode", "everything"]) == 2
+
+
+def test_auto_loss_chunk_is_chosen_from_the_memory_left():
+    from colab_memopt.loss import DEFAULT_CHUNK_TOKENS, auto_chunk_tokens
+
+    assert auto_chunk_tokens(0, 128256, 4096, 49152) == DEFAULT_CHUNK_TOKENS
+    # 529,288 bytes per chunk token at Llama-3's vocabulary (one fp32 logits row, traced)
+    assert auto_chunk_tokens(2 * 2**30, 128256, 4096, 49152) == 4096
+    assert auto_chunk_tokens(300 * 2**20, 128256, 4096, 49152) == 512
+    assert auto_chunk_tokens(2**40, 256, 64, 100) == 128
+    p = planner.plan(lambda: cm.build_model("tiny"), 2, seq_len=64, recipe=cm.Recipe(loss_chunk_tokens="auto"),
+                     target=CPU_TARGET, find_max_batch=False)
+    assert p.recipe["loss_chunk_tokens"] == 128 and "loss_chunk_tokens='auto': 128 tokens" in p.warnings[-1]
+    with pytest.raises(ValueError, match="loss_chunk_tokens='auto' is chosen for a target by the planner"):
+        cm.Recipe(loss_chunk_tokens="auto").build(cm.build_model("tiny"))
+    with pytest.raises(ValueError, match="must be None, 'auto' or an integer"):
+        cm.Recipe(loss_chunk_tokens="big")
