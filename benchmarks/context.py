@@ -92,7 +92,7 @@ SPLIT_STEP_TOKENS = 4096  # the issue-28 rows: a coarse step, from the target up
 # the tiled block measured on the CPU: Llama-3.1-8B's proportions (intermediate 3.5 x hidden, 4 query heads per
 # key/value head) at a width the CPU runs in seconds
 TILED_BLOCK = dict(hidden_size=256, intermediate_size=896, num_attention_heads=8, num_key_value_heads=2,
-                   tokens=4096, tile_tokens=512)
+                   tokens=2048, tile_tokens=256)
 STACK = "import torch, transformers, peft, bitsandbytes, colab_memopt"
 
 

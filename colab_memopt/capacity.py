@@ -431,7 +431,7 @@ def longest_sequence(model: str, recipe: Recipe | None = None, *, mode: str = ""
             best = plan_at(units, recipe.with_(offload_keep_blocks=keep))
             if not best.fits:
                 converged = False
-    miss_units = units + 1
+    miss_units = min((u for u in plans if u > units), default=units + 1)  # the nearest length planned above
     miss = plans.get(miss_units)
     first_miss, limited_by, breakdown = None, None, None
     if miss is not None:

@@ -54,12 +54,13 @@ def _grads(family, fields, ids, precision, *, tile=None, checkpointing="none"):
     return loss.detach().float(), grads, model
 
 
-@pytest.mark.parametrize("precision", list(PRECISIONS))
-@pytest.mark.parametrize("mode", list(MODES))
-@pytest.mark.parametrize("family", list(FACTORIES))
+# every mode and precision on the Llama; the reference model without bf16 (slow on this CPU); one Qwen2 row
+GRID = ([("llama", m, p) for m in MODES for p in PRECISIONS] + [("reference", m, p) for m in MODES for p in ("fp32", "fp16")]
+        + [("qwen2", "lora", "bf16")])
+
+
+@pytest.mark.parametrize(("family", "mode", "precision"), GRID)
 def test_tiled_mlp_gradients_equal_the_untiled_step(family, mode, precision):
-    if precision == "fp32" and mode == "qlora" and family == "qwen2":
-        pytest.skip("covered by llama and the reference model (keeps the grid fast)")
     ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(1))
     loss, grads, _ = _grads(family, MODES[mode], ids, precision)
     tiled_loss, tiled_grads, model = _grads(family, MODES[mode], ids, precision, tile=24, checkpointing="full")
