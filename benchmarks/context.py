@@ -119,6 +119,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache", nargs="+", default=[str(CACHE)],
                         help="the plans' cache (JSON; the first is written); rows found in any are not planned again")
     parser.add_argument("--cached-only", action="store_true", help="plan nothing: write the rows the caches hold")
+    parser.add_argument("--guess-tokens", type=int, default=None,
+                        help="start the issue-28 rows' search here instead of at the target (rows already cached are "
+                             "planned again; a cached row's plan at the target is kept as the row's 'at_target')")
     parser.add_argument("--tiled-block", action="store_true",
                         help="measure the tiled MLP on one Llama-shaped block (CPU) into the results; plan nothing")
     args = parser.parse_args(argv)
@@ -140,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
             if mode not in RECIPE_MODES.get(name, (mode,)):
                 continue
             key = f"{model}|{mode}|{name}"
+            earlier = cache.pop(key, None) if args.guess_tokens and name in SPLIT_RECIPES else None
             if key in cache:
                 row = cache[key]
             elif args.cached_only:
@@ -149,12 +153,17 @@ def main(argv: list[str] | None = None) -> int:
                 try:
                     recipe = recipe_for(mode, model, name)  # a family without LoRA targets: a row saying so
                     split = name in SPLIT_RECIPES
-                    guess = TARGETS.get((model, mode), (None,))[0] if split else None
+                    guess = (args.guess_tokens or TARGETS.get((model, mode), (None,))[0]) if split else None
                     res = longest_sequence(model, recipe, mode=mode, target=tgt,
                                            step_tokens=SPLIT_STEP_TOKENS if split else STEP_TOKENS,
                                            host_base_bytes=base_rss, max_plans=args.max_plans,
                                            split_checkpoints=split, guess_tokens=guess)
                     row = {"recipe_name": name, **res.to_dict(), "host_base_bytes": base_rss}
+                    need = TARGETS.get((model, mode), (None,))[0]
+                    if earlier and need and row["max_seq_len"] < need and (earlier.get("first_miss") or {}).get("seq_len") == need:
+                        # the earlier search's plan at the target: what stops the target, traced
+                        row["at_target"] = {"first_miss": earlier["first_miss"], "limited_by": earlier.get("limited_by"),
+                                            "breakdown": earlier.get("breakdown")}
                 except Exception as exc:  # noqa: BLE001 - a row that cannot be planned says why
                     row = {"model": model, "mode": mode, "recipe_name": name, "recipe": RECIPES[name],
                            "error": f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"}
@@ -177,6 +186,7 @@ def _write(out: str, rows: list[dict], tgt, base_rss: int, start: float, not_pla
         k = f"{r['model']}/{r['mode']}"
         if "max_seq_len" in r and (k not in best or r["max_seq_len"] > best[k]["max_seq_len"]):
             best[k] = {"max_seq_len": r["max_seq_len"], "recipe_name": r["recipe_name"], "recipe": r["recipe"],
+                       "at_target": r.get("at_target"),
                        "host_need_bytes": r["host_need_bytes"], "device_need_bytes": r["device_need_bytes"],
                        "method": r["method"], "offload_keep_blocks": r.get("offload_keep_blocks"),
                        "limited_by": r.get("limited_by")}
@@ -189,7 +199,7 @@ def _write(out: str, rows: list[dict], tgt, base_rss: int, start: float, not_pla
                         "max_seq_len": got["max_seq_len"], "met": got["max_seq_len"] >= need,
                         "stretch_met": None if stretch is None else got["max_seq_len"] >= stretch,
                         "recipe_name": got["recipe_name"], "method": got["method"],
-                        "limited_by": got.get("limited_by")})
+                        "limited_by": got.get("limited_by"), "at_target": got.get("at_target")})
     previous = json.loads(Path(out).read_text()) if Path(out).exists() else {}
     write_json(out, {
         "target": {"name": tgt.name, "device_bytes": tgt.device_bytes, "host_bytes": tgt.host_bytes,

@@ -20,6 +20,7 @@ from colab_memopt.planner import get_target
 from colab_memopt.presets import MODES, PRESETS, preset_fields
 from colab_memopt.recipe import Recipe
 from colab_memopt.recommender import FULL_CANDIDATES, PURE16, full_candidates  # noqa: F401 - re-exported
+from colab_memopt.recommender import LONG_CONTEXT_TILE_TOKENS, long_context_recipe  # noqa: F401 - re-exported
 
 
 @dataclass
@@ -307,33 +308,6 @@ class LongestSequence:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-LONG_CONTEXT_TILE_TOKENS = 4096  # the MLP's tile in the longest-context round (tokens)
-
-
-def long_context_recipe(model: str | None, mode: str, target: Any = "t4") -> Recipe:
-    """Return the longest-context round's recipe for a mode (issue 28) on `target`.
-
-    Every block checkpointed with its input in host RAM (`checkpointing='offload'`; `longest_sequence` splits
-    the checkpoints between device and host where the host is short), the loss by chunks of 128 tokens, each
-    MLP by tiles of `LONG_CONTEXT_TILE_TOKENS`. LoRA and QLoRA: AdamW on the adapters, the frozen base in the
-    target's 16-bit autocast dtype. Full fine-tuning: 8-bit AdamW stepping each parameter inside backward (no
-    full set of gradients held), in fp32 on a T4 (an in-backward step cannot run under fp16's GradScaler),
-    under bf16 autocast where bf16 is native.
-    """
-    from colab_memopt.loss import DEFAULT_CHUNK_TOKENS
-    from colab_memopt.presets import mixed_precision, mode_fields
-    from colab_memopt.recommender import BASE_FOR_PRECISION
-
-    precision = mixed_precision(get_target(target))
-    fields: dict[str, Any] = dict(checkpointing="offload", loss_chunk_tokens=DEFAULT_CHUNK_TOKENS,
-                                  mlp_tile_tokens=LONG_CONTEXT_TILE_TOKENS)
-    if mode == "full":
-        fields.update(optimizer="adamw8bit_in_backward", precision="fp32" if precision == "fp16-autocast" else precision)
-    else:
-        fields.update(optimizer="adamw", precision=precision, base_dtype=BASE_FOR_PRECISION[precision])
-    return Recipe.from_dict({**fields, **mode_fields(mode, model)})
 
 
 def longest_sequence(model: str, recipe: Recipe | None = None, *, mode: str = "", batch: int = 1, target: Any = "t4",

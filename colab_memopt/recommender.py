@@ -403,13 +403,35 @@ def _recommend_auto(model: Any, batch: int, kwargs: dict[str, Any]) -> Recommend
     return rec
 
 
+LONG_CONTEXT_TILE_TOKENS = 4096  # the MLP's tile in the longest-context round (tokens)
+
+
+def long_context_recipe(model: str | None, mode: str, target: Any = "t4") -> Recipe:
+    """Return the longest-context round's recipe for a mode (issue 28) on `target`.
+
+    Every block checkpointed with its input in host RAM (`checkpointing='offload'`; `longest_sequence` splits
+    the checkpoints between device and host where the host is short), the loss by chunks of 128 tokens, each
+    MLP by tiles of `LONG_CONTEXT_TILE_TOKENS`. LoRA and QLoRA: AdamW on the adapters, the frozen base in the
+    target's 16-bit autocast dtype. Full fine-tuning: 8-bit AdamW stepping each parameter inside backward (no
+    full set of gradients held), in fp32 on a T4 (an in-backward step cannot run under fp16's GradScaler),
+    under bf16 autocast where bf16 is native.
+    """
+    precision = mixed_precision(get_target(target))
+    fields: dict[str, Any] = dict(checkpointing="offload", loss_chunk_tokens=DEFAULT_CHUNK_TOKENS,
+                                  mlp_tile_tokens=LONG_CONTEXT_TILE_TOKENS)
+    if mode == "full":
+        fields.update(optimizer="adamw8bit_in_backward", precision="fp32" if precision == "fp16-autocast" else precision)
+    else:
+        fields.update(optimizer="adamw", precision=precision, base_dtype=BASE_FOR_PRECISION[precision])
+    return Recipe.from_dict({**fields, **mode_fields(mode, model)})
+
+
 def _longest_context_round(factory: Any, arch: str | None, batch: int, seq_len: int, mode: str, tgt: Target,
                            headroom: float, method: str, half_precision: bool, meta_model: nn.Module,
                            screened: Callable[..., list[Candidate]], cands: list[Candidate],
                            reasoning: list[str]) -> Candidate | None:
     """Try `capacity.long_context_recipe` (the MLP by tiles, the loss by chunks, the checkpoints offloaded and split
     between device and host by `planner.plan_offload_split`); return its candidate when it fits, else None."""
-    from colab_memopt.capacity import long_context_recipe
     from colab_memopt.planner import plan_offload_split
 
     try:
