@@ -257,7 +257,7 @@ class Recipe:
         # 17_long_context
         c = self.loss_chunk_tokens
         if c is not None and c != "auto" and (isinstance(c, bool) or not isinstance(c, int) or c < 1):
-            raise ValueError(f"recipe.loss_chunk_tokens must be None, 'auto' or an integer >= 1 (tokens per chunk), got {c!r}")
+            raise ValueError(f"recipe.loss_chunk_tokens must be None or an integer >= 1 (tokens per chunk), or 'auto', got {c!r}")
         check_tile_tokens(self.mlp_tile_tokens, name="recipe.mlp_tile_tokens")
         k = self.offload_keep_blocks
         if isinstance(k, bool) or not isinstance(k, int) or k < 0:

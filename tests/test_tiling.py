@@ -200,5 +200,5 @@ def test_auto_loss_chunk_is_chosen_from_the_memory_left():
     assert p.recipe["loss_chunk_tokens"] == 128 and "loss_chunk_tokens='auto': 128 tokens" in p.warnings[-1]
     with pytest.raises(ValueError, match="loss_chunk_tokens='auto' is chosen for a target by the planner"):
         cm.Recipe(loss_chunk_tokens="auto").build(cm.build_model("tiny"))
-    with pytest.raises(ValueError, match="must be None, 'auto' or an integer"):
+    with pytest.raises(ValueError, match="must be None or an integer >= 1 .tokens per chunk., or 'auto', got 'big'"):
         cm.Recipe(loss_chunk_tokens="big")
