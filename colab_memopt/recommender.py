@@ -441,6 +441,12 @@ def _longest_context_round(factory: Any, arch: str | None, batch: int, seq_len: 
         return None
     if rec.precision not in precision_options(tgt, half_precision) or not _applies(rec, meta_model):
         return None
+    limit = int(tgt.device_bytes * (1 - headroom)) - (tgt.cuda_context_bytes if tgt.cuda else 0)
+    states = estimate.training_step_bytes(meta_model, batch, 1, rec).peak_bytes  # at one token: what no length changes
+    if states > limit:
+        reasoning.append(f"no longest-context round: its recipe needs {format_bytes(states)} at a single token, over the "
+                         f"device limit: the sequence is not what does not fit")
+        return None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         split = plan_offload_split(arch if arch is not None else factory, batch, seq_len=seq_len, recipe=rec, target=tgt,
