@@ -228,6 +228,7 @@ def _tiled_block(out: str) -> int:
                               hidden=config.hidden_size, repeat=3)
     res.update({"block": {**dims, "family": "llama", "dtype": "fp32"},
                 "device": f"measured on {platform.machine()} CPU ({os.cpu_count()} threads, shared), torch {torch.__version__}",
+                "load_average_after": os.getloadavg()[0],  # the step times are only as good as the machine was quiet
                 "what": "one checkpointed decoder block's forward + backward (its recomputation included), "
                         "measure.measure_step, median of 3 timed steps"})
     results = json.loads(Path(out).read_text()) if Path(out).exists() else {}
