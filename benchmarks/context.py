@@ -20,9 +20,17 @@ adapters; LoRA rank 16 on the family's projections, QLoRA with an nf4 base):
   head included) stored in fp16 (`Recipe.base_dtype`, the recommender's default on a T4).
 - offload+chunked-loss+in-backward (full fine-tuning only): both, in fp32 with 8-bit AdamW stepping each
   parameter inside backward (`adamw8bit_in_backward`): no full set of gradients is held.
+- offload-split+chunked-loss+fp16-base+tiled-mlp (LoRA and QLoRA) and offload-split+chunked-loss+in-backward+
+  tiled-mlp (full fine-tuning), issue 28: as above, with each block's MLP run by tiles of 4,096 tokens
+  (`Recipe.mlp_tile_tokens`, `tiling`) and the checkpoints split between device and host where all of them do
+  not fit the host (`longest_sequence(split_checkpoints=True)`, `planner.offload_split`; the row's
+  `offload_keep_blocks`). These rows search in steps of 4,096 tokens from the targets up (each 8B plan takes
+  minutes on 2 shared cores), and say what limits the next step (`limited_by`, `breakdown`).
+`--tiled-block` measures (not plans) one checkpointed Llama-shaped block's forward and backward on the CPU,
+its MLP untiled and tiled (`tiling.measure_tiled_block`): the peak saved and the time it costs.
 Each plan is cached in build/context_cache.json, so an interrupted run resumes. Writes
 benchmarks/results/context.json after every row and prints the table last.
-Targets (issue 16): Llama-3.1-8B QLoRA >= 32,768 tokens (stretch 48K); Llama-3.2-1B full >= 16,384.
+Targets (issue 28): Llama-3.1-8B QLoRA >= 49,152 tokens (stretch 65,536); Llama-3.2-1B full >= 32,768.
 """
 
 from __future__ import annotations
@@ -68,9 +76,23 @@ RECIPES = {
 # LoRA and QLoRA (issue 18's default on a T4): the frozen base, embeddings and head included, in fp16.
 RECIPES["offload+chunked-loss+fp16-base"] = dict(checkpointing="offload", loss_chunk_tokens=DEFAULT_CHUNK_TOKENS,
                                                   base_dtype="fp16")
-RECIPE_MODES = {"offload+chunked-loss+in-backward": ("full",), "offload+chunked-loss+fp16-base": ("lora", "qlora")}
-TARGETS = {("llama-3.1-8b", "qlora"): (32768, 49152), ("llama-3.2-1b", "full"): (16384, None)}
+# issue 28: the MLP by sequence tiles, the checkpoints split between device and host
+MLP_TILE_TOKENS = 4096
+RECIPES["offload-split+chunked-loss+fp16-base+tiled-mlp"] = dict(
+    RECIPES["offload+chunked-loss+fp16-base"], mlp_tile_tokens=MLP_TILE_TOKENS)
+RECIPES["offload-split+chunked-loss+in-backward+tiled-mlp"] = dict(
+    RECIPES["offload+chunked-loss+in-backward"], mlp_tile_tokens=MLP_TILE_TOKENS)
+RECIPE_MODES = {"offload+chunked-loss+in-backward": ("full",), "offload+chunked-loss+fp16-base": ("lora", "qlora"),
+                "offload-split+chunked-loss+fp16-base+tiled-mlp": ("lora", "qlora"),
+                "offload-split+chunked-loss+in-backward+tiled-mlp": ("full",)}
+SPLIT_RECIPES = {"offload-split+chunked-loss+fp16-base+tiled-mlp", "offload-split+chunked-loss+in-backward+tiled-mlp"}
+TARGETS = {("llama-3.1-8b", "qlora"): (49152, 65536), ("llama-3.2-1b", "full"): (32768, None)}
 STEP_TOKENS = 1024
+SPLIT_STEP_TOKENS = 4096  # the issue-28 rows: a coarse step, from the target up
+# the tiled block measured on the CPU: Llama-3.1-8B's proportions (intermediate 3.5 x hidden, 4 query heads per
+# key/value head) at a width the CPU runs in seconds
+TILED_BLOCK = dict(hidden_size=256, intermediate_size=896, num_attention_heads=8, num_key_value_heads=2,
+                   tokens=2048, tile_tokens=256)
 STACK = "import torch, transformers, peft, bitsandbytes, colab_memopt"
 
 
@@ -97,7 +119,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache", nargs="+", default=[str(CACHE)],
                         help="the plans' cache (JSON; the first is written); rows found in any are not planned again")
     parser.add_argument("--cached-only", action="store_true", help="plan nothing: write the rows the caches hold")
+    parser.add_argument("--guess-tokens", type=int, default=None,
+                        help="start the issue-28 rows' search here instead of at the target (rows already cached are "
+                             "planned again; a cached row's plan at the target is kept as the row's 'at_target')")
+    parser.add_argument("--tiled-block", action="store_true",
+                        help="measure the tiled MLP on one Llama-shaped block (CPU) into the results; plan nothing")
     args = parser.parse_args(argv)
+    if args.tiled_block:
+        return _tiled_block(args.out)
     cache_path = Path(args.cache[0])
     warnings.simplefilter("ignore")
     start = time.perf_counter()
@@ -114,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
             if mode not in RECIPE_MODES.get(name, (mode,)):
                 continue
             key = f"{model}|{mode}|{name}"
+            earlier = cache.pop(key, None) if args.guess_tokens and name in SPLIT_RECIPES else None
             if key in cache:
                 row = cache[key]
             elif args.cached_only:
@@ -122,9 +152,18 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 try:
                     recipe = recipe_for(mode, model, name)  # a family without LoRA targets: a row saying so
-                    res = longest_sequence(model, recipe, mode=mode, target=tgt, step_tokens=STEP_TOKENS,
-                                           host_base_bytes=base_rss, max_plans=args.max_plans)
+                    split = name in SPLIT_RECIPES
+                    guess = (args.guess_tokens or TARGETS.get((model, mode), (None,))[0]) if split else None
+                    res = longest_sequence(model, recipe, mode=mode, target=tgt,
+                                           step_tokens=SPLIT_STEP_TOKENS if split else STEP_TOKENS,
+                                           host_base_bytes=base_rss, max_plans=args.max_plans,
+                                           split_checkpoints=split, guess_tokens=guess)
                     row = {"recipe_name": name, **res.to_dict(), "host_base_bytes": base_rss}
+                    need = TARGETS.get((model, mode), (None,))[0]
+                    if earlier and need and row["max_seq_len"] < need and (earlier.get("first_miss") or {}).get("seq_len") == need:
+                        # the earlier search's plan at the target: what stops the target, traced
+                        row["at_target"] = {"first_miss": earlier["first_miss"], "limited_by": earlier.get("limited_by"),
+                                            "breakdown": earlier.get("breakdown")}
                 except Exception as exc:  # noqa: BLE001 - a row that cannot be planned says why
                     row = {"model": model, "mode": mode, "recipe_name": name, "recipe": RECIPES[name],
                            "error": f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"}
@@ -147,8 +186,10 @@ def _write(out: str, rows: list[dict], tgt, base_rss: int, start: float, not_pla
         k = f"{r['model']}/{r['mode']}"
         if "max_seq_len" in r and (k not in best or r["max_seq_len"] > best[k]["max_seq_len"]):
             best[k] = {"max_seq_len": r["max_seq_len"], "recipe_name": r["recipe_name"], "recipe": r["recipe"],
+                       "at_target": r.get("at_target"),
                        "host_need_bytes": r["host_need_bytes"], "device_need_bytes": r["device_need_bytes"],
-                       "method": r["method"]}
+                       "method": r["method"], "offload_keep_blocks": r.get("offload_keep_blocks"),
+                       "limited_by": r.get("limited_by")}
     targets = []
     for (model, mode), (need, stretch) in TARGETS.items():
         got = best.get(f"{model}/{mode}")
@@ -157,7 +198,9 @@ def _write(out: str, rows: list[dict], tgt, base_rss: int, start: float, not_pla
         targets.append({"model": model, "mode": mode, "target_tokens": need, "stretch_tokens": stretch,
                         "max_seq_len": got["max_seq_len"], "met": got["max_seq_len"] >= need,
                         "stretch_met": None if stretch is None else got["max_seq_len"] >= stretch,
-                        "recipe_name": got["recipe_name"], "method": got["method"]})
+                        "recipe_name": got["recipe_name"], "method": got["method"],
+                        "limited_by": got.get("limited_by"), "at_target": got.get("at_target")})
+    previous = json.loads(Path(out).read_text()) if Path(out).exists() else {}
     write_json(out, {
         "target": {"name": tgt.name, "device_bytes": tgt.device_bytes, "host_bytes": tgt.host_bytes,
                    "cuda_context_bytes": tgt.cuda_context_bytes, "headroom": 0.05},
@@ -168,7 +211,32 @@ def _write(out: str, rows: list[dict], tgt, base_rss: int, start: float, not_pla
         "recipes": RECIPES, "recipe_modes": RECIPE_MODES, "rows": rows, "best": best, "targets": targets,
         "not_planned": not_planned,
         "seconds": time.perf_counter() - start,
+        **({"tiled_mlp": previous["tiled_mlp"]} if "tiled_mlp" in previous else {}),
     })
+
+
+def _tiled_block(out: str) -> int:
+    """Measure one checkpointed Llama-shaped block, its MLP untiled and tiled, and add it to the results."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    from colab_memopt.tiling import measure_tiled_block
+
+    dims = {k: v for k, v in TILED_BLOCK.items() if k not in ("tokens", "tile_tokens")}
+    config = LlamaConfig(**dims, attn_implementation="sdpa")
+    res = measure_tiled_block(lambda: LlamaDecoderLayer(config, 0), TILED_BLOCK["tokens"], TILED_BLOCK["tile_tokens"],
+                              hidden=config.hidden_size, repeat=3)
+    res.update({"block": {**dims, "family": "llama", "dtype": "fp32"},
+                "device": f"measured on {platform.machine()} CPU ({os.cpu_count()} threads, shared), torch {torch.__version__}",
+                "load_average_after": os.getloadavg()[0],  # the step times are only as good as the machine was quiet
+                "what": "one checkpointed decoder block's forward + backward (its recomputation included), "
+                        "measure.measure_step, median of 3 timed steps"})
+    results = json.loads(Path(out).read_text()) if Path(out).exists() else {}
+    results["tiled_mlp"] = res
+    write_json(out, results)
+    print(f"tiled MLP: peak {format_bytes(res['untiled_peak_bytes'])} -> {format_bytes(res['tiled_peak_bytes'])} "
+          f"({res['saving_pct']:.1f}% saved), time {res['untiled_seconds']:.2f} s -> {res['tiled_seconds']:.2f} s")
+    return 0
 
 
 if __name__ == "__main__":

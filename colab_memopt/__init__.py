@@ -68,6 +68,9 @@ from colab_memopt.oom import diagnose
 from colab_memopt.report import Claim, record
 from colab_memopt.evaluation import evaluate
 from colab_memopt.optimizers import make_optimizer
+# issue 28: the MLP by sequence tiles; the longest trainable sequence per mode
+from colab_memopt import tiling
+from colab_memopt.capacity import longest_context, longest_sequence
 from colab_memopt.train import make_eval_step, make_train_step, train, train_step
 # 19_your_trainer_on_a_free_t4: a Hugging Face Trainer / TRL SFTTrainer planned, fitted and guarded as it is
 from colab_memopt.guard import MemoryGuardCallback
@@ -157,4 +160,7 @@ __all__ = [
     "plan_trainer",
     "fit_trainer",
     "MemoryGuardCallback",
+    "tiling",
+    "longest_context",
+    "longest_sequence",
 ]

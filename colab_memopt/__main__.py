@@ -68,7 +68,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="python -m colab_memopt", description="colab-memopt tools. Exit codes: 0 an answer, "
                      "1 does not fit / no recipe fits, 2 bad input, 3 an internal error.")
     parser.add_argument("--version", action="version", version=f"colab-memopt {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{plan,recommend}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{plan,recommend,doctor,context}")
     p = sub.add_parser("plan", help="predict a training step's peak memory on a target, without a GPU")
     p.add_argument("--model", default=None, help=f"one of: {', '.join(model_names())}; or a Hugging Face id, a local folder or a config.json "
                    "(with --training-args, default: the file's model_name_or_path)")
@@ -106,6 +106,16 @@ def _parser() -> argparse.ArgumentParser:
                         "bf16 where native, and LoRA's frozen base in that dtype)")
     r.add_argument("--method", default="auto", choices=["auto", "trace", "analytic"], help="planner method for the confirming plans")
     r.add_argument("--json", action="store_true", help="print one JSON object")
+    c = sub.add_parser("context", help="the longest trainable sequence per mode on a target, and the recipe that reaches it")
+    c.add_argument("--model", required=True, help="a name, a Hugging Face id, a local folder or a config.json")
+    c.add_argument("--target", default="t4", help=f"one of {', '.join(TARGETS)} (or give --device-bytes and --host-bytes)")
+    c.add_argument("--device-bytes", type=int, help="an explicit device memory size in bytes")
+    c.add_argument("--host-bytes", type=int, help="an explicit host RAM size in bytes")
+    c.add_argument("--mode", action="append", choices=list(MODES), help="a mode to search (repeatable; default all)")
+    c.add_argument("--step", type=int, default=1024, help="the search's step in tokens (default 1024)")
+    c.add_argument("--max-plans", type=int, default=12, help="plans per mode at most (default 12)")
+    c.add_argument("--method", default="auto", choices=["auto", "trace", "analytic"])
+    c.add_argument("--json", action="store_true", help="print one JSON object")
     d = sub.add_parser("doctor", help="the T4 pitfalls of a model and recipe, found before the first step")
     d.add_argument("--model", required=True, help="a name, a Hugging Face id, a local folder or a config.json")
     d.add_argument("--recipe", nargs="*", default=[], metavar="FIELD=VALUE", help="recipe fields, e.g. precision=bf16-autocast")
@@ -204,6 +214,16 @@ def _plan(args: argparse.Namespace) -> tuple[int, Any]:
     return (0 if result.fits else 1), result
 
 
+def _context(args: argparse.Namespace) -> tuple[int, Any]:
+    from colab_memopt.capacity import longest_context
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = longest_context(args.model, target=_target(args), modes=tuple(args.mode or ()) or ("full", "lora", "qlora"),
+                                 step_tokens=args.step, max_plans=args.max_plans, method=args.method)
+    return (0 if any(r.max_seq_len for r in result.results.values()) else 1), result
+
+
 def _doctor(args: argparse.Namespace) -> tuple[int, Any]:
     from colab_memopt.doctor import doctor
 
@@ -252,8 +272,8 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as exc:
         return answer(2, f"error: {exc} (see --help)")
     try:
-        with contextlib.redirect_stdout(sys.stderr), _quiet(args.verbose):  # the answer alone on stdout
-            code, result = {"recommend": _recommend, "doctor": _doctor}.get(args.command, _plan)(args)
+        with contextlib.redirect_stdout(sys.stderr), _quiet(getattr(args, "verbose", False)):  # the answer alone on stdout
+            code, result = {"recommend": _recommend, "doctor": _doctor, "context": _context}.get(args.command, _plan)(args)
     except NoRecipeFits as exc:
         return answer(1, f"no recipe fits: {exc}")
     except (ValueError, TypeError, OSError) as exc:  # the user's input: one line naming the value

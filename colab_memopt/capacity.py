@@ -20,6 +20,7 @@ from colab_memopt.planner import get_target
 from colab_memopt.presets import MODES, PRESETS, preset_fields
 from colab_memopt.recipe import Recipe
 from colab_memopt.recommender import FULL_CANDIDATES, PURE16, full_candidates  # noqa: F401 - re-exported
+from colab_memopt.recommender import LONG_CONTEXT_TILE_TOKENS, long_context_recipe  # noqa: F401 - re-exported
 
 
 @dataclass
@@ -300,15 +301,20 @@ class LongestSequence:
     plans: int
     seconds: float
     converged: bool
+    # issue 28: the checkpoints split between device and host at max_seq_len (None: no split searched)
+    offload_keep_blocks: int | None = None
+    limited_by: str | None = None  # what stops the next length: 'device memory', 'host RAM', both, or the cap
+    breakdown: dict[str, Any] | None = None  # at the first miss: device and host costs, largest categories
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
-def longest_sequence(model: str, recipe: Recipe, *, mode: str = "", batch: int = 1, target: Any = "t4",
+def longest_sequence(model: str, recipe: Recipe | None = None, *, mode: str = "", batch: int = 1, target: Any = "t4",
                      step_tokens: int = 1024, headroom: float = 0.05, method: str = "auto",
                      host_base_bytes: int | None = None, max_tokens: int | None = None,
-                     guess_tokens: int | None = None, max_plans: int = 16) -> LongestSequence:
+                     guess_tokens: int | None = None, max_plans: int = 16,
+                     split_checkpoints: bool = False) -> LongestSequence:
     """Return the longest multiple of `step_tokens` at which `plan` says one step of `recipe` fits `target`.
 
     Device memory and host RAM both must fit (`Plan.fits`). The search starts at `guess_tokens` (default:
@@ -316,10 +322,17 @@ def longest_sequence(model: str, recipe: Recipe, *, mode: str = "", batch: int =
     x `step_tokens` until the verdict changes, then bisects (`planner._verified_max_batch`): each probe is
     one `plan` (a trace on fake tensors where the recipe traces). `host_base_bytes` replaces the planner's
     "this process" line (this Python process's RSS) by a fixed figure, e.g. a fresh process's.
+    `split_checkpoints` (recipe with checkpointing='offload'): a length also fits when some blocks' checkpoints
+    kept on the device make both memories fit (`planner.offload_split`, decided from the all-offloaded plan);
+    the answer's length is planned again with that split, and `offload_keep_blocks` says it.
+
+    `recipe=None` runs the longest-context round of `mode` ('full', 'lora' or 'qlora'): `long_context_recipe`
+    with the checkpoints split where the host is short (`split_checkpoints=True`).
 
     Example:
         >>> longest_sequence("llama-3.2-1b", Recipe(precision="fp16-autocast", checkpointing="offload",
         ...                                         loss_chunk_tokens=128)).max_seq_len
+        >>> longest_sequence("llama-3.1-8b", mode="qlora", target="t4")  # the round's recipe, split checkpoints
     """
     import time
     import warnings
@@ -329,6 +342,10 @@ def longest_sequence(model: str, recipe: Recipe, *, mode: str = "", batch: int =
     if isinstance(step_tokens, bool) or not isinstance(step_tokens, int) or step_tokens < 1:
         raise ValueError(f"step_tokens must be an integer >= 1, got {step_tokens!r}")
     check_headroom(headroom)
+    if recipe is None:
+        if mode not in MODES:
+            raise ValueError(f"longest_sequence without a recipe needs mode one of {list(MODES)}, got {mode!r}")
+        recipe, split_checkpoints = long_context_recipe(model, mode, target), True
     start = time.perf_counter()
     tgt = get_target(target)
     limit = architectures.max_seq_len(model)
@@ -337,22 +354,35 @@ def longest_sequence(model: str, recipe: Recipe, *, mode: str = "", batch: int =
     top = limit // step_tokens
     plans: dict[int, Any] = {}
 
+    from colab_memopt.planner import offload_split
+
+    split = split_checkpoints and recipe.checkpointing == "offload"
+    if split:
+        recipe = recipe.with_(offload_keep_blocks=0)
+        n_blocks = estimate._dims(_meta_model(model))["layers"]
+
+    def plan_at(units: int, rec: Recipe) -> Any:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            p = plan(model, batch, seq_len=units * step_tokens, recipe=rec, target=tgt, headroom=headroom,
+                     find_max_batch=False, method=method)
+        if host_base_bytes is not None:
+            p.host_costs = [c for c in p.host_costs if c.name != "this process"]
+            from colab_memopt.planner import Cost
+
+            p.host_costs.insert(0, Cost("base process", host_base_bytes, "given (host_base_bytes)"))
+        return p
+
     def planned(units: int) -> Any:
         if units not in plans:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                p = plan(model, batch, seq_len=units * step_tokens, recipe=recipe, target=tgt, headroom=headroom,
-                         find_max_batch=False, method=method)
-            if host_base_bytes is not None:
-                p.host_costs = [c for c in p.host_costs if c.name != "this process"]
-                from colab_memopt.planner import Cost
-
-                p.host_costs.insert(0, Cost("base process", host_base_bytes, "given (host_base_bytes)"))
-            plans[units] = p
+            plans[units] = plan_at(units, recipe)
         return plans[units]
 
     def fits(units: int) -> bool:
-        return units <= top and planned(units).fits
+        if units > top:
+            return False
+        p = planned(units)
+        return p.fits or (split and offload_split(p, n_blocks) is not None)
 
     if guess_tokens is None:  # the analytic answer: a cheap first guess
         lo, hi = 0, top + 1
@@ -368,14 +398,23 @@ def longest_sequence(model: str, recipe: Recipe, *, mode: str = "", batch: int =
         guess = max(1, guess_tokens // step_tokens)
     units, converged = _verified_max_batch(fits, min(guess, top), max_traces=max_plans, lower=1)
     best = plans.get(units)
-    miss_units = units + 1
+    keep = None
+    if split and best is not None:
+        keep = offload_split(best, n_blocks) if not best.fits else 0
+        if keep:  # the answer planned with its split: its own figures, not the bound it was chosen by
+            best = plan_at(units, recipe.with_(offload_keep_blocks=keep))
+            if not best.fits:
+                converged = False
+    miss_units = min((u for u in plans if u > units), default=units + 1)  # the nearest length planned above
     miss = plans.get(miss_units)
-    first_miss = None
+    first_miss, limited_by, breakdown = None, None, None
     if miss is not None:
         first_miss = {"seq_len": miss_units * step_tokens, "device_need_bytes": miss.device_need_bytes,
                       "host_need_bytes": miss.host_need_bytes, "fits_device": miss.fits_device, "fits_host": miss.fits_host}
+        limited_by, breakdown = limit_breakdown(miss, n_blocks if split else None)
     elif units >= top:
         first_miss = {"seq_len": None, "why": f"the search's cap of {limit} tokens (the model's maximum or max_tokens)"}
+        limited_by = "the sequence cap"
     ref = best if best is not None else next(iter(plans.values()), None)
     host_off = None
     if best is not None:
@@ -386,9 +425,104 @@ def longest_sequence(model: str, recipe: Recipe, *, mode: str = "", batch: int =
         device_need_bytes=best.device_need_bytes if best is not None else None,
         host_need_bytes=best.host_need_bytes if best is not None else None, offloaded_checkpoint_bytes=host_off,
         first_miss=first_miss, plans=len(plans), seconds=time.perf_counter() - start, converged=converged,
+        offload_keep_blocks=keep, limited_by=limited_by, breakdown=breakdown,
     )
+
+
+def limit_breakdown(p: Any, n_blocks: int | None = None) -> tuple[str, dict[str, Any]]:
+    """Return what stops a plan that does not fit ('device memory', 'host RAM' or both) and its traced breakdown.
+
+    The breakdown has each memory's need, limit and excess (bytes), the device peak's categories, the host
+    lines, and, with `n_blocks` (checkpoints that may be split), the blocks' worth of checkpoints the host
+    is over and the device could still take (`planner.offload_split`'s terms).
+    """
+    device_over = p.device_need_bytes - p.device_limit_bytes
+    host_over = p.host_need_bytes - p.host_limit_bytes
+    out: dict[str, Any] = {
+        "device_need_bytes": p.device_need_bytes, "device_limit_bytes": p.device_limit_bytes, "device_over_bytes": device_over,
+        "host_need_bytes": p.host_need_bytes, "host_limit_bytes": p.host_limit_bytes, "host_over_bytes": host_over,
+        "device_categories": dict(sorted(p.by_category.items(), key=lambda kv: -kv[1])),
+        "device_costs": {c.name: c.bytes for c in p.device_costs},
+        "host_costs": {c.name: c.bytes for c in p.host_costs},
+    }
+    offloaded = out["host_costs"].get("offloaded checkpoints", 0)
+    if n_blocks and offloaded:
+        per_block = -(-offloaded // n_blocks)
+        out["checkpoint_block_bytes"] = per_block
+        out["blocks_host_must_shed"] = max(0, -(-host_over // per_block))
+        out["blocks_device_can_take"] = max(0, -device_over // per_block)
+        # a split moves blocks from host to device: the memory that still runs short after the best split
+        if out["blocks_host_must_shed"] > out["blocks_device_can_take"]:
+            short = out["blocks_host_must_shed"] * per_block - max(0, -device_over)
+            out["short_after_split_bytes"] = short
+    what = [w for w, over in (("device memory", device_over > 0), ("host RAM", host_over > 0)) if over]
+    if n_blocks and offloaded and not device_over > 0 and host_over > 0:
+        what = ["device memory and host RAM together (no split of the checkpoints fits both)"]
+    return " and ".join(what) or "nothing (it fits)", out
 
 
 def _changed_fields(recipe: Recipe) -> dict[str, Any]:
     base = Recipe().to_dict()
     return {k: v for k, v in recipe.to_dict().items() if base[k] != v}
+
+
+@dataclass
+class ContextReport:
+    """The longest trainable sequence per mode on a target (`longest_context`), each with its recipe."""
+
+    model: str
+    target: str
+    results: dict[str, LongestSequence]
+    skipped: dict[str, str]  # mode -> why it cannot be planned (a family without LoRA targets, ...)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"model": self.model, "target": self.target, "results": {m: r.to_dict() for m, r in self.results.items()},
+                "skipped": self.skipped}
+
+    def __str__(self) -> str:
+        from colab_memopt.measure import format_bytes
+
+        methods = ", ".join(sorted({r.method for r in self.results.values()}))
+        lines = [f"longest trainable sequence: {self.model} on {self.target}, batch 1 (planned: {methods})"]
+        for mode, r in self.results.items():
+            if not r.max_seq_len:
+                lines.append(f"  {mode:5s}  nothing fits at {r.step_tokens} tokens ({r.limited_by or 'see first_miss'})")
+                continue
+            split = f", {r.offload_keep_blocks} blocks' checkpoints kept on the device" if r.offload_keep_blocks else ""
+            lines.append(f"  {mode:5s}  {r.max_seq_len:>7,} tokens  device {format_bytes(r.device_need_bytes or 0)}, "
+                         f"host {format_bytes(r.host_need_bytes or 0)}{split}")
+            lines.append(f"         recipe {r.recipe}")
+            if r.limited_by:
+                nxt = (r.first_miss or {}).get("seq_len")
+                lines.append(f"         next limit: {r.limited_by}" + (f" at {nxt:,} tokens" if nxt else ""))
+        lines += [f"  {mode:5s}  not planned: {why}" for mode, why in self.skipped.items()]
+        return "\n".join(lines)
+
+
+def longest_context(model: str, *, target: Any = "t4", modes: tuple[str, ...] = tuple(MODES), step_tokens: int = 1024,
+                    max_plans: int = 12, method: str = "auto", host_base_bytes: int | None = None) -> ContextReport:
+    """Return the longest trainable sequence of `model` on `target` for each mode, with the recipe that reaches it.
+
+    Each mode runs `longest_sequence(model, mode=mode)`: the longest-context round's recipe (`long_context_recipe`:
+    offloaded checkpoints split where the host is short, the loss by chunks, the MLP by tiles), searched by plans
+    in steps of `step_tokens`. A mode the model cannot train (no LoRA targets) is left out with its reason.
+    What `python -m colab_memopt context` prints.
+
+    Example:
+        >>> print(longest_context("llama-3.2-1b", modes=("full",)))
+    """
+    for m in modes:
+        if m not in MODES:
+            raise ValueError(f"modes must be among {list(MODES)}, got {m!r}")
+    results, skipped = {}, {}
+    for m in modes:
+        try:
+            recipe = long_context_recipe(model, m, target)
+        except ValueError as exc:  # e.g. a family with no LoRA targets: the mode cannot train, say why
+            skipped[m] = str(exc)
+            continue
+        results[m] = longest_sequence(model, recipe, mode=m, target=target, step_tokens=step_tokens, max_plans=max_plans,
+                                      method=method, host_base_bytes=host_base_bytes, split_checkpoints=True)
+    if not results:
+        raise ValueError(f"no mode of {list(modes)} can be planned for {model!r}: {skipped}")
+    return ContextReport(model, get_target(target).name, results, skipped)

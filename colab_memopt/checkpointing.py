@@ -34,7 +34,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from colab_memopt.offload import TransferStats, held_host_bytes, host_side, pinned_bytes
+from colab_memopt.offload import TransferStats, held_host_bytes, host_side, pinned_bytes, power_of_two_pieces
 
 POLICIES = ("none", "full", "every_n", "segments", "selective", "offload")
 
@@ -111,10 +111,11 @@ def _checkpointed(forward: Callable[..., Any], *, selective: bool) -> Callable[.
 class _Offloaded:
     """One block input held in host memory, and its device copy once it is loaded back."""
 
-    __slots__ = ("host", "index", "target", "device", "event", "__weakref__")
+    __slots__ = ("host", "shape", "index", "target", "device", "event", "__weakref__")
 
-    def __init__(self, host: torch.Tensor, index: int, target: torch.device) -> None:
-        self.host = host
+    def __init__(self, host: list[torch.Tensor], shape: torch.Size, index: int, target: torch.device) -> None:
+        self.host = host  # flat pieces of power-of-two bytes (`offload.power_of_two_pieces`)
+        self.shape = shape
         self.index = index
         self.target = target  # the device it came from and goes back to
         self.device: torch.Tensor | None = None
@@ -123,6 +124,11 @@ class _Offloaded:
 
 def _bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+def _host_bytes(entry: _Offloaded) -> int:
+    """Return the host bytes an offloaded input takes as the pinned allocator allocates them."""
+    return sum(pinned_bytes(_bytes(piece)) for piece in entry.host)
 
 
 def _fake_mode_of(t: torch.Tensor) -> contextlib.AbstractContextManager:
@@ -192,12 +198,12 @@ class CheckpointOffloader:
     @property
     def host_bytes(self) -> int:
         """Return the bytes of block inputs held in host memory now (0 once backward freed the graph)."""
-        return sum(held_host_bytes(e.host) for e in self._live())
+        return sum(held_host_bytes(piece) for e in self._live() for piece in e.host)
 
     @property
     def pinned_host_bytes(self) -> int:
-        """Return the host bytes held now if every copy were pinned (CUDA): each rounded up to a power of two."""
-        return sum(pinned_bytes(_bytes(e.host)) for e in self._live())
+        """Return the host bytes held now if every copy were pinned (CUDA), as the pinned allocator takes them."""
+        return sum(_host_bytes(e) for e in self._live())
 
     def reset_peak(self) -> None:
         """Start counting `peak_host_bytes` (and `peak_pinned_host_bytes`) again from what is held now."""
@@ -223,9 +229,14 @@ class CheckpointOffloader:
         pin = t.device.type == "cuda"
         # On the CPU this is the emulated host: a separate copy the tracker does not see.
         with host_side(t.device.type == "cpu"), _fake_mode_of(t):
-            host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
-            host.copy_(t.detach(), non_blocking=pin)  # ordered on the compute stream before t's memory is reused
-        entry = _Offloaded(host, len(self._entries), t.device)
+            # Pieces of power-of-two bytes: the pinned allocator rounds each allocation up to one (offload.pinned_bytes).
+            flat, host, start_at = t.detach().reshape(-1), [], 0
+            for n in power_of_two_pieces(t.numel()) or [0]:
+                piece = torch.empty(n, dtype=t.dtype, device="cpu", pin_memory=pin)
+                piece.copy_(flat[start_at:start_at + n], non_blocking=pin)  # ordered before t's memory is reused
+                host.append(piece)
+                start_at += n
+        entry = _Offloaded(host, t.shape, len(self._entries), t.device)
         self._entries.append(weakref.ref(entry))
         self.stats.to_host += 1
         self.stats.bytes_to_host += _bytes(t)
@@ -263,17 +274,25 @@ class CheckpointOffloader:
             stream = self._streams[device]
             stream.wait_stream(torch.cuda.current_stream(device))  # the forward's copy to the host is done
             with torch.cuda.stream(stream):
-                entry.device = torch.empty(host.shape, dtype=host.dtype, device=device)
-                entry.device.copy_(host, non_blocking=True)
+                entry.device = _joined(host, entry.shape, device, non_blocking=True)
                 entry.event = torch.cuda.Event()
                 entry.event.record(stream)
         else:
             # A separate device-side tensor, which the tracker counts, as a GPU would hold it.
-            entry.device = torch.empty(host.shape, dtype=host.dtype, device=device)
-            entry.device.copy_(host)
+            entry.device = _joined(host, entry.shape, device, non_blocking=False)
         self.stats.to_device += 1
-        self.stats.bytes_to_device += _bytes(host)
+        self.stats.bytes_to_device += sum(_bytes(piece) for piece in host)
         self.stats.seconds_to_device += time.perf_counter() - start
+
+
+def _joined(pieces: list[torch.Tensor], shape: torch.Size, device: torch.device, *, non_blocking: bool) -> torch.Tensor:
+    """Return one device tensor of `shape` filled from the host pieces, in order."""
+    out = torch.empty(shape, dtype=pieces[0].dtype, device=device)
+    flat, start = out.view(-1), 0
+    for piece in pieces:
+        flat[start:start + piece.numel()].copy_(piece, non_blocking=non_blocking)
+        start += piece.numel()
+    return out
 
 
 def _offloaded(forward: Callable[..., Any], offloader: CheckpointOffloader) -> Callable[..., Any]:
@@ -342,7 +361,7 @@ def checkpointed_blocks(n_blocks: int, policy: str, interval: int = 1) -> list[i
     return list(range(0, n_blocks, interval))  # segments: the first block of each segment
 
 
-def apply_checkpointing(model: nn.Module, policy: str, interval: int = 1) -> nn.Module:
+def apply_checkpointing(model: nn.Module, policy: str, interval: int = 1, *, keep_blocks: int = 0) -> nn.Module:
     """Apply a checkpointing policy to the model's repeated blocks, in place; return the model.
 
     Args:
@@ -350,11 +369,18 @@ def apply_checkpointing(model: nn.Module, policy: str, interval: int = 1) -> nn.
         policy: one of POLICIES.
         interval: for 'every_n', checkpoint blocks interval-1, 2*interval-1, ...; for 'segments',
             recompute `interval` consecutive blocks from one stored input.
+        keep_blocks: for 'offload', how many blocks (the last ones, which backward reaches first) keep
+            their input on the device as 'full' does; the others' inputs go to host memory. The split that
+            uses both memories (`planner.offload_split` chooses it for a target).
 
     Example:
         >>> apply_checkpointing(build_model("small"), "selective")
     """
     check_policy(policy, interval)
+    if isinstance(keep_blocks, bool) or not isinstance(keep_blocks, int) or keep_blocks < 0:
+        raise ValueError(f"keep_blocks must be an integer >= 0, got {keep_blocks!r}")
+    if keep_blocks and policy != "offload":
+        raise ValueError(f"keep_blocks={keep_blocks} applies to policy 'offload' only, got policy {policy!r}")
     if policy == "none":  # also fine on a model without repeated blocks
         if any(isinstance(m, nn.ModuleList) for m in model.modules()) or hasattr(model, "blocks"):
             with contextlib.suppress(ValueError):
@@ -390,10 +416,14 @@ def apply_checkpointing(model: nn.Module, policy: str, interval: int = 1) -> nn.
                 block.forward = _passthrough(is_tuple)
         return model
     if policy == "offload":
+        if keep_blocks > len(blocks):
+            raise ValueError(f"keep_blocks={keep_blocks} exceeds the model's {len(blocks)} blocks")
         offloader = CheckpointOffloader()
         setattr(blocks, _OFFLOADER, offloader)
-        for block in blocks:
-            block.forward = _offloaded(getattr(block, _ORIGINAL), offloader)
+        first_kept = len(blocks) - keep_blocks
+        for i, block in enumerate(blocks):
+            block.forward = (_offloaded(getattr(block, _ORIGINAL), offloader) if i < first_kept
+                             else _checkpointed(getattr(block, _ORIGINAL), selective=False))
         return model
     chosen = set(checkpointed_blocks(len(blocks), policy, interval))
     for i, block in enumerate(blocks):

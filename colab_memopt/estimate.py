@@ -323,6 +323,7 @@ def training_step_bytes(model: torch.nn.Module, batch: int, seq: int, recipe: An
         on_device = min(2, kept) if policy == "offload" else kept
         act -= kept * per_block - (on_device * micro * seq * d["hidden"] * value_bytes + per_block)
     chunk = getattr(recipe, "loss_chunk_tokens", None)
+    chunk = 128 if chunk == "auto" else chunk  # the planner's first plan of 'auto' (loss.DEFAULT_CHUNK_TOKENS)
     if chunk is not None:  # notebook 17: one chunk's fp32 logits and their gradient, plus the hidden states' gradient
         d = _dims(model)
         act += (2 * min(chunk, micro * seq) * d["vocab"] * 4 + micro * seq * d["hidden"] * value_bytes

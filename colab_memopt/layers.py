@@ -34,7 +34,7 @@ LAYERS: tuple[Layer, ...] = (
     Layer("blocks", "the model, the data and the techniques, one module each, each usable alone",
           ("models", "architectures", "data", "evaluation", "attention", "structured", "precision",
            "checkpointing", "accumulation", "lowstate", "optimizers", "rounding", "lomo", "quantization", "compression",
-           "loss", "offload",
+           "loss", "offload", "tiling",
            "zero", "phases", "batching")),
     Layer("recipe", "the Recipe, its presets and the training step that apply the techniques",
           ("recipe", "presets", "train", "loading")),

@@ -69,6 +69,8 @@ __all__ = [
     "check_chunkable",
     "apply_chunked_loss",
     "traced_loss_bytes",
+    "AUTO_CHUNK_MAX_TOKENS",
+    "auto_chunk_tokens",
 ]
 
 # Tokens per chunk. Picked by `benchmarks/chunked_loss.py`'s sweep on this project's 2-core CPU
@@ -479,3 +481,33 @@ def traced_loss_bytes(tokens: int, vocab: int, hidden: int, *, chunk_tokens: int
     inputs = sum(t.numel() * t.element_size() for t in (h, w, y))
     return {"peak_bytes": tracker.peak_bytes, "input_bytes": inputs, "after_bytes": after,
             "transient_bytes": tracker.peak_bytes - after}
+
+
+AUTO_CHUNK_MAX_TOKENS = 4096  # loss_chunk_tokens='auto' never goes past this (bigger chunks only add memory)
+
+
+def auto_chunk_tokens(free_bytes: int, vocab: int, hidden: int, tokens: int, *,
+                      dtype: torch.dtype = torch.float32) -> int:
+    """Return the loss chunk (tokens) for `loss_chunk_tokens='auto'`: the largest power of two from
+    DEFAULT_CHUNK_TOKENS up to AUTO_CHUNK_MAX_TOKENS (and at most `tokens`, rounded up to a power of two) whose
+    extra bytes over a DEFAULT_CHUNK_TOKENS chunk fit `free_bytes`, the device memory left at the loss (a plan's).
+
+    The bytes per chunk token are traced, not assumed: the loss step's transient at two chunk sizes
+    (`traced_loss_bytes`, on fake tensors) gives its slope, which is linear in the chunk.
+
+    Example:
+        >>> auto_chunk_tokens(2 * 2**30, 128256, 4096, 49152)  # 2 GiB left: a chunk of 1,024 tokens
+    """
+    for name, value in (("free_bytes", free_bytes), ("vocab", vocab), ("hidden", hidden), ("tokens", tokens)):
+        if isinstance(value, bool) or not isinstance(value, int) or (value < 1 and name != "free_bytes"):
+            raise ValueError(f"{name} must be an integer{'' if name == 'free_bytes' else ' >= 1'}, got {value!r}")
+    base = DEFAULT_CHUNK_TOKENS
+    probe = 2 * base
+    small = traced_loss_bytes(probe, vocab, hidden, chunk_tokens=base, dtype=dtype)["transient_bytes"]
+    large = traced_loss_bytes(probe, vocab, hidden, chunk_tokens=probe, dtype=dtype)["transient_bytes"]
+    per_token = max(1, (large - small) // base)  # bytes per token of chunk
+    chunk = base
+    cap = min(AUTO_CHUNK_MAX_TOKENS, 1 << max(0, (tokens - 1).bit_length()))
+    while chunk * 2 <= cap and (chunk * 2 - base) * per_token <= free_bytes:
+        chunk *= 2
+    return chunk

@@ -82,6 +82,15 @@ def held_host_bytes(t: torch.Tensor) -> int:
     return pinned_bytes(nbytes) if pinned else nbytes
 
 
+def power_of_two_pieces(numel: int) -> list[int]:
+    """Return `numel` split into counts of elements that are powers of two, largest first (its binary digits).
+
+    With an element size that is a power of two (every torch dtype), each piece's bytes are a power of two,
+    which the pinned allocator takes without rounding (`pinned_bytes`).
+    """
+    return [1 << i for i in range(numel.bit_length() - 1, -1, -1) if numel >> i & 1]
+
+
 def _host_copy(t: torch.Tensor, pin: bool) -> torch.Tensor:
     out = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
     out.copy_(t.detach())

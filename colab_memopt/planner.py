@@ -1221,8 +1221,10 @@ def offloaded_checkpoint_bytes(model: nn.Module, batch: int, seq_len: int, recip
     input per block (0 unless checkpointing="offload"); a traced plan counts the traced bytes instead. The inputs are the residual
     stream, fp32 under autocast (fp32 weights and norms; so too after peft's prepare_model_for_kbit_training),
     2 bytes only with pure 'bf16' weights. `pinned` (a CUDA target): each input is a pinned host copy, which
-    torch's caching host allocator rounds up to a power of two (`offload.pinned_bytes`)."""
-    from colab_memopt.offload import pinned_bytes
+    torch's caching host allocator rounds up to a power of two (`offload.pinned_bytes`); the offloader stores
+    it in pieces of power-of-two bytes (`offload.power_of_two_pieces`), so the rounding adds nothing.
+    Blocks kept on the device (`Recipe.offload_keep_blocks`) hold no host bytes."""
+    from colab_memopt.offload import pinned_bytes, power_of_two_pieces
 
     if recipe.checkpointing != "offload":
         return 0
@@ -1230,11 +1232,60 @@ def offloaded_checkpoint_bytes(model: nn.Module, batch: int, seq_len: int, recip
     micro = -(-batch // recipe.accumulation_steps)
     width = 2 if recipe.precision == "bf16" else 4
     one = micro * seq_len * dims["hidden"] * width
-    return dims["layers"] * (pinned_bytes(one) if pinned else one)
+    # stored in pieces of power-of-two bytes (offload.power_of_two_pieces), which the pinned allocator takes unrounded
+    per_block = sum(pinned_bytes(n * width) for n in power_of_two_pieces(one // width)) if pinned else one
+    return max(0, dims["layers"] - recipe.offload_keep_blocks) * per_block
 
 
-_PINNED_NOTE = ("; each a pinned copy, rounded up to a power of two as torch's caching host allocator allocates it "
-                "(ATen/core/CachingHostAllocator.h: PowerOf2Ceil), and kept cached between steps")
+_PINNED_NOTE = ("; each a pinned copy stored in pieces of power-of-two bytes, which torch's caching host allocator "
+                "(ATen/core/CachingHostAllocator.h: PowerOf2Ceil) takes without rounding, kept cached between steps")
+
+
+def offload_split(p: Plan, n_blocks: int) -> int | None:
+    """Return how many blocks' checkpoints to keep on the device (`Recipe.offload_keep_blocks`) so that a step
+    planned with every checkpoint offloaded (`p`, checkpointing='offload', offload_keep_blocks=0) fits both
+    memories; None when no split does.
+
+    Each block kept on the device moves one block input (its host bytes, `offloaded checkpoints` / n_blocks,
+    as the pinned allocator takes them) from host RAM to the device. The device need grows by at most that
+    much per block (the kept inputs are all alive at worst; backward frees them as it goes), so the least
+    split that fits the host (`need`) and the most the device's free bytes hold (`room`) bound the choice; the
+    split keeps the middle, leaving spare blocks' worth in both memories.
+    """
+    host = sum(c.bytes for c in p.host_costs if c.name == "offloaded checkpoints")
+    if p.recipe.get("checkpointing") != "offload" or p.recipe.get("offload_keep_blocks") or not host or n_blocks < 1:
+        return None
+    per_block = -(-host // n_blocks)
+    device_free = p.device_limit_bytes - p.device_need_bytes
+    host_over = p.host_need_bytes - p.host_limit_bytes
+    if device_free < 0:
+        return None
+    need = max(0, -(-host_over // per_block))
+    room = min(n_blocks, device_free // per_block)
+    return None if need > room else (need + room) // 2
+
+
+def plan_offload_split(model_factory: Any, batch: int, *, seq_len: int, recipe: Recipe, target: Any = "t4",
+                       headroom: float = 0.05, method: str = "auto") -> Plan:
+    """Return the plan of `recipe` (checkpointing='offload') with the checkpoints split between device and host
+    for `target` (`offload_split`; two plans): the split's plan when one fits, else the all-offloaded plan.
+
+    Example:
+        >>> p = plan_offload_split("llama-3.2-1b", 1, seq_len=32768, recipe=Recipe(checkpointing="offload"))
+        >>> p.recipe["offload_keep_blocks"], p.fits
+    """
+    from colab_memopt import architectures
+
+    if recipe.checkpointing != "offload":
+        raise ValueError(f"plan_offload_split needs checkpointing='offload', got {recipe.checkpointing!r}")
+    whole = plan(model_factory, batch, seq_len=seq_len, recipe=recipe.with_(offload_keep_blocks=0), target=target,
+                 headroom=headroom, find_max_batch=False, method=method)
+    n_blocks = estimate._dims(shape_model(architectures.resolve_model(model_factory).build))["layers"]
+    keep = offload_split(whole, n_blocks)
+    if not keep:
+        return whole
+    return plan(model_factory, batch, seq_len=seq_len, recipe=recipe.with_(offload_keep_blocks=keep), target=target,
+                headroom=headroom, find_max_batch=False, method=method)
 
 
 def _load_costs(spec: Any, recipe: Recipe, target: Target) -> list[Cost]:
@@ -1253,6 +1304,30 @@ def _load_costs(spec: Any, recipe: Recipe, target: Target) -> list[Cost]:
 # Model states over this many times the device: answered by the analytic estimate at once, without a trace
 # (a 1.3e12-parameter config took a minute or more to trace only to say it does not fit).
 HOPELESS_FACTOR = 2
+
+
+def _plan_auto_chunk(model_factory: Any, batch: int, *, seq_len: int | None, recipe: Recipe, **kwargs: Any) -> Plan:
+    """Plan `recipe` with loss_chunk_tokens='auto': plan it at DEFAULT_CHUNK_TOKENS, take the device bytes that plan
+    leaves free as the room at the loss (the peak is at the loss or later, so it is at least that), choose the chunk
+    (`loss.auto_chunk_tokens`) and plan that chunk; the larger chunk only where its own plan fits too."""
+    from colab_memopt import architectures
+    from colab_memopt.loss import DEFAULT_CHUNK_TOKENS, auto_chunk_tokens
+
+    base = plan(model_factory, batch, seq_len=seq_len, recipe=recipe.with_(loss_chunk_tokens=DEFAULT_CHUNK_TOKENS), **kwargs)
+    dims = estimate._dims(shape_model(architectures.resolve_model(model_factory).build))
+    micro = -(-batch // recipe.accumulation_steps)
+    chunk = auto_chunk_tokens(max(0, base.device_limit_bytes - base.device_need_bytes), dims["vocab"], dims["hidden"],
+                              micro * base.seq_len)
+    note = (f"loss_chunk_tokens='auto': {chunk} tokens, from the {format_bytes(max(0, base.device_limit_bytes - base.device_need_bytes))} "
+            f"the plan at {DEFAULT_CHUNK_TOKENS} tokens leaves free (loss.auto_chunk_tokens)")
+    if chunk != DEFAULT_CHUNK_TOKENS:
+        bigger = plan(model_factory, batch, seq_len=seq_len, recipe=recipe.with_(loss_chunk_tokens=chunk), **kwargs)
+        if bigger.fits or not base.fits:
+            bigger.warnings.append(note)
+            return bigger
+        note += f"; {chunk} did not fit its own plan, so {DEFAULT_CHUNK_TOKENS}"
+    base.warnings.append(note)
+    return base
 
 
 def plan(
@@ -1306,6 +1381,9 @@ def plan(
     if recipe is not None and not isinstance(recipe, (Recipe, dict)):
         raise TypeError(f"recipe must be a Recipe or a dict of its fields, got {type(recipe).__name__} {recipe!r}")
     rec = recipe if isinstance(recipe, Recipe) else Recipe.from_dict(recipe or {})
+    if rec.loss_chunk_tokens == "auto":  # issue 28: the chunk from the memory the plan leaves at the loss
+        return _plan_auto_chunk(model_factory, batch, seq_len=seq_len, recipe=rec, target=target, headroom=headroom,
+                                find_max_batch=find_max_batch, method=method, optimizer_impl=optimizer_impl)
     if batch < rec.accumulation_steps:
         raise ValueError(f"batch {batch} is smaller than recipe.accumulation_steps={rec.accumulation_steps}: "
                          "the batch is the effective batch, split into that many micro-batches")

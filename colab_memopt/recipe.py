@@ -36,6 +36,7 @@ from colab_memopt.precision import (
     prepare_model,
 )
 from colab_memopt.rounding import UpdateRounding, check_update_rounding
+from colab_memopt.tiling import apply_tiled_mlp, check_tile_tokens, find_mlps
 from colab_memopt.quantization import (
     DEFAULT_LORA_TARGETS,
     SCHEMES,
@@ -86,7 +87,14 @@ class Recipe:
         attention_window: sliding-window attention in tokens (reference model only); None: full causal.
         loss_chunk_tokens: None computes the loss from the full (tokens x vocab) logits; an integer computes
             it by chunks of that many tokens (`loss.apply_chunked_loss`: the reference model and transformers
-            causal LMs), never holding the full logits or their gradient (notebook 17).
+            causal LMs), never holding the full logits or their gradient (notebook 17). 'auto': the planner
+            chooses the chunk from the device memory its plan leaves at the loss (`loss.auto_chunk_tokens`);
+            `plan(...).recipe` holds the number, which `build` needs (it refuses 'auto').
+        mlp_tile_tokens: None runs each block's MLP on all tokens at once; an integer runs it by tiles of that
+            many tokens, each recomputed in backward, so one tile's intermediate activations live at a time
+            (`tiling.apply_tiled_mlp`, notebook 17).
+        offload_keep_blocks: under checkpointing='offload', how many blocks (the last ones, which backward
+            reaches first) keep their input on the device; the others' inputs wait in host RAM. 0 offloads all.
     """
 
     optimizer: str = "adamw"
@@ -131,7 +139,10 @@ class Recipe:
     offload_optimizer: bool = False
     offload_param: bool = False
     # -- 17_long_context: the loss by chunks of tokens (`loss.apply_chunked_loss`); None: the plain loss
-    loss_chunk_tokens: int | None = None
+    loss_chunk_tokens: int | str | None = None
+    # issue 28: each block's MLP by sequence tiles; under 'offload', how many blocks' inputs stay on the device
+    mlp_tile_tokens: int | None = None
+    offload_keep_blocks: int = 0
 
     def __post_init__(self) -> None:
         self.validate()
@@ -245,8 +256,15 @@ class Recipe:
             raise ValueError(f"recipe.attention_window must be None or an integer >= 1 (tokens), got {w!r}")
         # 17_long_context
         c = self.loss_chunk_tokens
-        if c is not None and (isinstance(c, bool) or not isinstance(c, int) or c < 1):
-            raise ValueError(f"recipe.loss_chunk_tokens must be None or an integer >= 1 (tokens per chunk), got {c!r}")
+        if c is not None and c != "auto" and (isinstance(c, bool) or not isinstance(c, int) or c < 1):
+            raise ValueError(f"recipe.loss_chunk_tokens must be None or an integer >= 1 (tokens per chunk), or 'auto', got {c!r}")
+        check_tile_tokens(self.mlp_tile_tokens, name="recipe.mlp_tile_tokens")
+        k = self.offload_keep_blocks
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+            raise ValueError(f"recipe.offload_keep_blocks must be an integer >= 0 (blocks), got {k!r}")
+        if k and self.checkpointing != "offload":
+            raise ValueError(f"recipe.offload_keep_blocks={k} splits the checkpoints of checkpointing='offload' between "
+                             f"device and host: set checkpointing='offload' (got {self.checkpointing!r}) or leave it 0")
         # 09_cpu_offload
         for name in ("layer_offload_active", "layer_offload_prefetch"):
             value = getattr(self, name)
@@ -395,6 +413,8 @@ class Recipe:
             badam_blocks(model)  # BAdam trains one of the model's repeated blocks at a time
         if self.loss_chunk_tokens is not None:
             check_chunkable(model)
+        if self.mlp_tile_tokens is not None:
+            find_mlps(model)
 
     def build(self, model: nn.Module) -> tuple[nn.Module, torch.optim.Optimizer]:
         """Apply the recipe's model-side techniques and return (model, optimizer).
@@ -408,8 +428,13 @@ class Recipe:
         and the optimizer steps their host copies (`offload.StreamingOptimizer`).
         """
         self.check_model(model)
+        if self.loss_chunk_tokens == "auto":
+            raise ValueError("recipe.loss_chunk_tokens='auto' is chosen for a target by the planner: build the recipe "
+                             "of plan(model, batch, seq_len=..., recipe=..., target=...).recipe (it holds the chunk), or "
+                             "give an integer")
         if self.uses_deepspeed:
             apply_chunked_loss(model, self.loss_chunk_tokens)
+            apply_tiled_mlp(model, self.mlp_tile_tokens)
             return zero.initialize(model, self)
         if self.attention is not None or self.attention_window is not None:
             for block in model.blocks:
@@ -431,7 +456,8 @@ class Recipe:
         if self.activation_compression is not None or self.compression_checkpointing:
             compress_activations(model, self.activation_compression, checkpoint_blocks=self.compression_checkpointing)
         apply_chunked_loss(model, self.loss_chunk_tokens)  # after LoRA: the head must still be a plain Linear
-        apply_checkpointing(model, self.checkpointing, self.checkpoint_interval)
+        apply_tiled_mlp(model, self.mlp_tile_tokens)  # after LoRA: the adapters sit inside the MLP
+        apply_checkpointing(model, self.checkpointing, self.checkpoint_interval, keep_blocks=self.offload_keep_blocks)
         if self.layer_offload_active:
             streamer = LayerStreamer(model, self.layer_offload_active, self.layer_offload_prefetch)
             return model, streamer.optimizer(lambda ps: make_optimizer(self.optimizer, ps, lr=self.lr))

@@ -434,6 +434,68 @@ def _recommend_auto(model: Any, batch: int, kwargs: dict[str, Any]) -> Recommend
     return rec
 
 
+LONG_CONTEXT_TILE_TOKENS = 4096  # the MLP's tile in the longest-context round (tokens)
+
+
+def long_context_recipe(model: str | None, mode: str, target: Any = "t4") -> Recipe:
+    """Return the longest-context round's recipe for a mode (issue 28) on `target`.
+
+    Every block checkpointed with its input in host RAM (`checkpointing='offload'`; `longest_sequence` splits
+    the checkpoints between device and host where the host is short), the loss by chunks of 128 tokens, each
+    MLP by tiles of `LONG_CONTEXT_TILE_TOKENS`. LoRA and QLoRA: AdamW on the adapters, the frozen base in the
+    target's 16-bit autocast dtype. Full fine-tuning: 8-bit AdamW stepping each parameter inside backward (no
+    full set of gradients held), in fp32 on a T4 (an in-backward step cannot run under fp16's GradScaler),
+    under bf16 autocast where bf16 is native.
+    """
+    precision = mixed_precision(get_target(target))
+    fields: dict[str, Any] = dict(checkpointing="offload", loss_chunk_tokens=DEFAULT_CHUNK_TOKENS,
+                                  mlp_tile_tokens=LONG_CONTEXT_TILE_TOKENS)
+    if mode == "full":
+        fields.update(optimizer="adamw8bit_in_backward", precision="fp32" if precision == "fp16-autocast" else precision)
+    else:
+        fields.update(optimizer="adamw", precision=precision, base_dtype=BASE_FOR_PRECISION[precision])
+    return Recipe.from_dict({**fields, **mode_fields(mode, model)})
+
+
+def _longest_context_round(factory: Any, arch: str | None, batch: int, seq_len: int, mode: str, tgt: Target,
+                           headroom: float, method: str, half_precision: bool, meta_model: nn.Module,
+                           screened: Callable[..., list[Candidate]], cands: list[Candidate],
+                           reasoning: list[str]) -> Candidate | None:
+    """Try `capacity.long_context_recipe` (the MLP by tiles, the loss by chunks, the checkpoints offloaded and split
+    between device and host by `planner.plan_offload_split`); return its candidate when it fits, else None."""
+    from colab_memopt.planner import plan_offload_split
+
+    try:
+        rec = long_context_recipe(arch, mode, tgt)
+    except ValueError as exc:
+        reasoning.append(f"no longest-context round: {exc}")
+        return None
+    if rec.precision not in precision_options(tgt, half_precision) or not _applies(rec, meta_model):
+        return None
+    limit = int(tgt.device_bytes * (1 - headroom)) - (tgt.cuda_context_bytes if tgt.cuda else 0)
+    states = estimate.training_step_bytes(meta_model, batch, 1, rec).peak_bytes  # at one token: what no length changes
+    if states > limit:
+        reasoning.append(f"no longest-context round: its recipe needs {format_bytes(states)} at a single token, over the "
+                         f"device limit: the sequence is not what does not fit")
+        return None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        split = plan_offload_split(arch if arch is not None else factory, batch, seq_len=seq_len, recipe=rec, target=tgt,
+                                   headroom=headroom, method=method)
+    keep = split.recipe.get("offload_keep_blocks", 0)
+    # planned already (the analytic screen knows neither tiles nor the split, so it does not decide here)
+    cand = screened([rec.with_(offload_keep_blocks=keep)])[0]
+    cand.plan = split
+    cands.append(cand)
+    verdict = "fits" if split.fits else "does not fit" + (" the device" if not split.fits_device else "") + (
+        " the host" if not split.fits_host else "")
+    reasoning.append(f"none of those fits: the longest-context round (mlp_tile_tokens={rec.mlp_tile_tokens}, "
+                     f"loss_chunk_tokens={rec.loss_chunk_tokens}, checkpoints offloaded, {keep} blocks' kept on the device "
+                     f"by planner.offload_split): need {format_bytes(split.device_need_bytes)} ({split.method}), host "
+                     f"{format_bytes(split.host_need_bytes)} -> {verdict}")
+    return cand if split.fits else None
+
+
 def _side_by_side(chosen: Candidate, meta_model: nn.Module, batch: int, seq_len: int, fixed: int) -> str | None:
     """Return LoRA's and QLoRA's needs for the chosen recipe side by side (QLoRA often saves less than expected)."""
     r = chosen.recipe
@@ -589,6 +651,9 @@ def _recommend_mode(
                          f"host RAM within {format_bytes(host_limit)}, loss_chunk_tokens={DEFAULT_CHUNK_TOKENS})")
         cands += more
         chosen = confirm(more)
+    if chosen is None:  # issue 28: the longest-context round (capacity.longest_context's recipe, split checkpoints)
+        chosen = _longest_context_round(factory, arch, batch, seq_len, mode, tgt, headroom, method, half_precision,
+                                        meta_model, screened, cands, reasoning)
     if chosen is None:
         raise NoRecipeFits(_no_fit_message(cands, name, mode, batch, seq_len, tgt, limit, headroom), cands)
     reasoning.append(f"chosen: {chosen.name}, expected slowdown x{chosen.slowdown.ratio:.2f}"
