@@ -412,6 +412,11 @@ def _changed_args(args: Any, changes: dict[str, Any]) -> Any:
     new = copy.copy(args)
     for key, value in changes.items():
         setattr(new, key, value)
+        # transformers 5 resolves gradient_checkpointing* as aliases of activation_checkpointing*: keep both in step
+        alias = {"gradient_checkpointing": "activation_checkpointing",
+                 "gradient_checkpointing_kwargs": "activation_checkpointing_kwargs"}.get(key)
+        if alias in known:
+            setattr(new, alias, value)
     return new
 
 
