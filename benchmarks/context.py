@@ -10,7 +10,7 @@ the recipe traces; every row says which method it used). The host RAM counts a f
 that imports the training stack (measured here, in a subprocess), one batch of token ids and the
 offloaded checkpoints; not the loading of real weights (these models have random weights).
 
-Recipes (all fp16 autocast, traced as bf16 autocast; 8-bit AdamW for full fine-tuning, AdamW for the
+Recipes (all fp16 autocast, traced in fp16 autocast; 8-bit AdamW for full fine-tuning, AdamW for the
 adapters; LoRA rank 16 on the family's projections, QLoRA with an nf4 base):
 - checkpoint-full: every block checkpointed, its input kept on the device; the plain loss.
 - offload: every block checkpointed, its input in host RAM (checkpointing='offload').

@@ -379,6 +379,15 @@ def plan_trainer(
             Cost("CUDA context", tgt.cuda_context_bytes, "assumed (0.5-2 GB seen on Colab; measure with NVML on your card)"),
             Cost("cuBLAS workspace", workspace, source, in_allocator=True),
         ]
+    if bnb is not None:
+        from colab_memopt.planner import quantization_scale_bytes
+
+        with mode if mode is not None else contextlib.nullcontext():
+            scales = quantization_scale_bytes(holder.model, cuda_rounding=tgt.cuda)
+        if scales:
+            device_costs.append(Cost("quantization scales", scales,
+                                     "bitsandbytes' absmax and row scales kept beside the quantized weights (outside the "
+                                     "parameters, which the trace counts)", in_allocator=True))
     result = Plan(
         model=name, batch=batch, seq_len=seq, recipe=recipe.to_dict(), target=tgt, method="trace",
         peak_bytes=trace.peak_bytes, by_category=trace.by_category, by_phase=trace.by_phase,
@@ -403,6 +412,11 @@ def _changed_args(args: Any, changes: dict[str, Any]) -> Any:
     new = copy.copy(args)
     for key, value in changes.items():
         setattr(new, key, value)
+        # transformers 5 resolves gradient_checkpointing* as aliases of activation_checkpointing*: keep both in step
+        alias = {"gradient_checkpointing": "activation_checkpointing",
+                 "gradient_checkpointing_kwargs": "activation_checkpointing_kwargs"}.get(key)
+        if alias in known:
+            setattr(new, alias, value)
     return new
 
 
