@@ -47,6 +47,42 @@ from colab_memopt.quantization import (
 )
 
 
+# What each Recipe field is applied by, per backend: 'torch' (`Recipe.build` and `train.make_train_step`
+# on a plain module) and 'deepspeed' (a DeepSpeed engine: zero_stage >= 1 or offload_*). One source of
+# truth: `Recipe.validate` refuses, by name, a field set away from its default on a backend that does not
+# apply it, and `plan`, `doctor` and `build` all construct (so validate) the recipe first. A field missing
+# here fails tests/test_recipe.py::test_every_field_has_a_backend_row; an empty row is applied by no step.
+BACKENDS = ("torch", "deepspeed")
+FIELD_BACKENDS: dict[str, tuple[str, ...]] = {
+    "optimizer": ("torch", "deepspeed"),  # DeepSpeed: 'adamw' only (validate says so)
+    "lr": ("torch", "deepspeed"),
+    "attention": ("torch",),
+    "optimizer_rank": ("torch",),
+    "quantization": ("torch",),
+    "quantization_phase": ("torch",),
+    "lora_rank": ("torch",),
+    "lora_targets": ("torch",),
+    "base_dtype": ("torch",),
+    "activation_compression": ("torch",),
+    "compression_checkpointing": ("torch",),
+    "phase_offload": ("torch",),
+    "precision": ("torch",),
+    "eval_precision": ("torch", "deepspeed"),  # `train.train`'s evaluation, under autocast, of either model
+    "update_rounding": ("torch",),
+    "checkpointing": ("torch",),
+    "checkpoint_interval": ("torch",),
+    "accumulation_steps": ("torch",),
+    "attention_window": ("torch",),
+    "layer_offload_active": ("torch",),
+    "layer_offload_prefetch": ("torch",),
+    "optimizer_state_offload": (),  # no training step reads it: `offload.OptimizerStateOffloader` does the work
+    "zero_stage": ("deepspeed",),  # these three select the DeepSpeed backend
+    "offload_optimizer": ("deepspeed",),
+    "offload_param": ("deepspeed",),
+    "loss_chunk_tokens": ("torch", "deepspeed"),  # installed on the module before the engine wraps it
+}
+
+
 @dataclass(frozen=True)
 class Recipe:
     """Techniques applied to a training step. The defaults are plain fp32 training with AdamW.
@@ -265,6 +301,31 @@ class Recipe:
             )
         if self.uses_deepspeed and self.layer_offload_active:
             raise ValueError("recipe.layer_offload_active and DeepSpeed (zero_stage, offload_*) cannot be combined: pick one")
+        self._validate_backend()
+
+    @property
+    def backend(self) -> str:
+        """Return the backend that trains this recipe: 'deepspeed' (zero_stage >= 1 or offload_*) or 'torch'."""
+        return "deepspeed" if self.uses_deepspeed else "torch"
+
+    def _validate_backend(self) -> None:
+        """Refuse, by name, every field set away from its default that this recipe's backend does not apply
+        (`FIELD_BACKENDS`): a recipe either does what it says or is refused."""
+        backend = self.backend
+        for f in fields(self):
+            value, default = getattr(self, f.name), f.default
+            if value == default or backend in FIELD_BACKENDS.get(f.name, BACKENDS):
+                continue
+            if not FIELD_BACKENDS.get(f.name):
+                raise ValueError(f"recipe.{f.name}={value!r} is applied by no training step; leave it at {default!r}"
+                                 + (" and use offload.OptimizerStateOffloader around evaluation"
+                                    if f.name == "optimizer_state_offload" else ""))
+            raise ValueError(
+                f"recipe.{f.name}={value!r} is not applied by a DeepSpeed engine (zero_stage={self.zero_stage}, "
+                f"offload_optimizer={self.offload_optimizer}, offload_param={self.offload_param}): Recipe.build would "
+                f"skip it while plan counted it; leave {f.name} at {default!r}, or train without DeepSpeed"
+                if backend == "deepspeed" else
+                f"recipe.{f.name}={value!r} needs the DeepSpeed backend (it is applied only by a DeepSpeed engine)")
 
     def _validate_low_state(self) -> None:
         """Refuse what the optimizers with almost no state (issue 15) cannot do, naming the values."""
