@@ -18,7 +18,7 @@ from colab_memopt import zero
 from colab_memopt.checkpointing import POLICIES, apply_checkpointing, find_blocks
 from colab_memopt.compression import MODES as COMPRESSION_MODES
 from colab_memopt.compression import check_compressible, compress_activations
-from colab_memopt.loss import apply_chunked_loss, check_chunkable
+from colab_memopt.loss import apply_chunked_loss, check_chunkable, check_head_not_adapted
 from colab_memopt.offload import STRATEGIES, LayerStreamer, check_streamable
 from colab_memopt.lowstate import LOW_STATE_OPTIMIZERS, PROJECTED, badam_blocks, check_rank
 from colab_memopt.optimizers import FUSED_BACKWARD_OPTIMIZERS, OPTIMIZERS, OptimizerInBackward, make_optimizer
@@ -454,6 +454,8 @@ class Recipe:
             badam_blocks(model)  # BAdam trains one of the model's repeated blocks at a time
         if self.loss_chunk_tokens is not None:
             check_chunkable(model)
+            if self.lora_rank:  # the adapters come later in build: refuse a LoRA-wrapped head now, as build would
+                check_head_not_adapted(model, self.lora_targets)
 
     def build(self, model: nn.Module) -> tuple[nn.Module, torch.optim.Optimizer]:
         """Apply the recipe's model-side techniques and return (model, optimizer).
@@ -491,12 +493,17 @@ class Recipe:
             compress_activations(model, self.activation_compression, checkpoint_blocks=self.compression_checkpointing)
         apply_chunked_loss(model, self.loss_chunk_tokens)  # after LoRA: the head must still be a plain Linear
         apply_checkpointing(model, self.checkpointing, self.checkpoint_interval)
+        mode = self.rounding_mode
         if self.layer_offload_active:
             streamer = LayerStreamer(model, self.layer_offload_active, self.layer_offload_prefetch)
-            return model, streamer.optimizer(lambda ps: make_optimizer(self.optimizer, ps, lr=self.lr))
+
+            def streamed_optimizer(ps: list[nn.Parameter]) -> torch.optim.Optimizer:  # pure 16-bit: rounded as below
+                opt = make_optimizer(self.optimizer, ps, lr=self.lr)
+                return opt if mode is None else UpdateRounding(opt, mode)
+
+            return model, streamer.optimizer(streamed_optimizer)
         trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         params = trainable if self.optimizer == "adam_mini" else [p for _, p in trainable]
-        mode = self.rounding_mode
         if mode is not None and self.optimizer.endswith("_in_backward"):  # one rounding wrapper per parameter
             inner = self.optimizer.removesuffix("_in_backward")
             return model, OptimizerInBackward(
