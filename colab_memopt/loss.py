@@ -372,7 +372,7 @@ def _causal_lm_parts(model: nn.Module) -> tuple[nn.Module, nn.Linear]:
 _SAME_VALUES = {"__getitem__", "view", "reshape", "contiguous", "float", "to", "type", "clone", "detach", "flatten",
                 "__get__", "size", "dim", "shape", "dtype", "device", "numel", "requires_grad_"}
 _LOSSES = {"cross_entropy", "nll_loss", "log_softmax", "logsumexp"}
-_OBJECTIVE_CACHE: dict[tuple[str, str], str | None] = {}
+_OBJECTIVE_CACHE: dict[tuple[str, str], tuple[str | None, bool]] = {}  # -> (problem, checked with real weights)
 
 
 def _op_name(func: Any) -> str:
@@ -476,8 +476,8 @@ def check_objective(model: nn.Module) -> None:
     nothing but reshaping may act on the base model's final hidden states before the head, nor on the
     head's logits before the loss (Falcon-H1's `lm_head_multiplier`, RecurrentGemma's `logits_soft_cap`, a
     masked LM's transform before its decoder all do). With real weights the model's own loss is also
-    compared with the chunked loss of the same hidden states (the causal shift). The op check is cached
-    per model class and config.
+    compared with the chunked loss of the same hidden states (the causal shift). The answer is cached per
+    model class and config (a meta copy's answer is checked again once real weights come).
     """
     from torch._subclasses.fake_tensor import is_fake
 
@@ -487,8 +487,9 @@ def check_objective(model: nn.Module) -> None:
     key = (f"{type(model).__module__}.{type(model).__qualname__}",
            config.to_json_string() if hasattr(config, "to_json_string") else repr(config))
     real = not (head.weight.is_meta or is_fake(head.weight))
-    if key in _OBJECTIVE_CACHE and not real:
-        problem = _OBJECTIVE_CACHE[key]
+    cached = _OBJECTIVE_CACHE.get(key)
+    if cached is not None and (cached[1] or not real):  # a real model's check is reused (Recipe.build checks twice)
+        problem = cached[0]
     else:
         name = type(model).__name__
         try:
@@ -520,8 +521,7 @@ def check_objective(model: nn.Module) -> None:
             if abs(float(ours) - float(loss)) > tol * (1 + abs(float(loss))):
                 problem = (f"the chunked loss computes next-token cross-entropy, but {name}'s own loss differs on 8 tokens "
                            f"({float(loss):.4f} against {float(ours):.4f}): another objective; leave loss_chunk_tokens=None")
-        if problem is None or not real:
-            _OBJECTIVE_CACHE[key] = problem
+        _OBJECTIVE_CACHE[key] = (problem, real)
     if problem is not None:
         raise ValueError(problem)
 
@@ -591,6 +591,9 @@ def apply_chunked_loss(model: nn.Module, chunk_tokens: int | None) -> nn.Module:
             model.__dict__.pop("forward", None)
         return outer
     _check_chunk_tokens(chunk_tokens)
+    if model.__dict__.get(_CHUNK_ATTR) is not None:  # installed and checked already (Recipe.build, then the step)
+        setattr(model, _CHUNK_ATTR, chunk_tokens)
+        return outer
     check_chunkable(model)
     if hasattr(model, "loss_chunk_tokens"):
         model.loss_chunk_tokens = chunk_tokens

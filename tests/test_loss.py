@@ -475,6 +475,7 @@ def test_chunked_loss_refuses_another_objective_seen_only_in_the_loss():
 def test_chunked_loss_is_accepted_on_plain_causal_lms_and_on_their_meta_copies(dtype):
     from colab_memopt import loss as chunked
 
+    chunked._OBJECTIVE_CACHE.clear()  # checked again at this dtype
     model = _small("llama").to(dtype)
     ids = torch.randint(3, 500, (2, 16))
     with torch.no_grad():

@@ -235,7 +235,7 @@ def test_build_applies_every_field_plan_counts_or_both_refuse_it(name, backend, 
     recipe = cm.Recipe(**values)
     plan = cm.plan("tiny", 2, seq_len=16, recipe=values, method="analytic", find_max_batch=False)
     assert plan.recipe[name] == values[name]
-    if backend == "deepspeed":  # the engine itself is built in test_zero_engine_applies_the_recipe (a subprocess)
+    if backend == "deepspeed":  # the engine itself: tests/test_zero.py::test_zero_engine_applies_the_recipe_and_measure_step_reads_its_buffers
         seen = {}
         monkeypatch.setattr(zero, "initialize", lambda model, rec: seen.update(model=model, recipe=rec) or (model, None))
         recipe.build(cm.build_model("tiny"))
