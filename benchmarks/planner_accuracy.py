@@ -17,6 +17,10 @@ measurement the foreign-corrected step peak (`MemoryReport.peak_bytes`): both le
 configurations planned at 64 MiB or more (smaller ones are left out and counted). Pass: CPU within 1%
 everywhere; CUDA within 5%; a ~1B plan under 20 s and 1 GB of RAM.
 
+`--zero` plans `Recipe(zero_stage=1|2|3)` and measures the engine `Recipe.build` makes (one process on the
+CPU, `measure_step` reading DeepSpeed's flat buffers too), and compares 2 ranks' per-rank model states with
+the ZeRO paper's per-rank formula; it writes benchmarks/results/planner_accuracy_zero.json.
+
 `--architectures` runs the second grid (issue 19) instead: six transformers families beyond our named
 models, built from small configs (`architectures.small_config`), odd batches, sequences up to 2048,
 with and without full checkpointing, LoRA on the family's layers and 8-bit optimizer state (with
@@ -213,6 +217,51 @@ def architecture_grid(grid: dict, device: torch.device, corpus: cm.TextCorpus, t
     return rows
 
 
+ZERO_OUT = Path(__file__).resolve().parent / "results" / "planner_accuracy_zero.json"
+ZERO_GRID = {"size": ["tiny", "small"], "stage": [1, 2, 3], "batch": 2, "seq_len": 32}
+
+
+def zero_grid(corpus: cm.TextCorpus, target: object) -> dict:
+    """Plans of `Recipe(zero_stage=...)` against `measure_step` of the engine `Recipe.build` makes (one process, the
+    CPU, fp32), and the per-rank model states of 2 ranks (`zero.run_zero`) against the ZeRO paper's per-rank formula."""
+    from colab_memopt import zero
+
+    rows = []
+    for size in ZERO_GRID["size"]:
+        for stage in ZERO_GRID["stage"]:
+            recipe = cm.Recipe(zero_stage=stage)
+            b, s = ZERO_GRID["batch"], ZERO_GRID["seq_len"]
+            predicted = planner.plan(_factory(size), b, seq_len=s, recipe=recipe, target=target, find_max_batch=False)
+            engine, opt = recipe.build(_factory(size)())
+            step = cm.make_train_step(engine, opt, corpus, batch_size=b, seq_len=s, recipe=recipe)
+            report = cm.measure_step(step, model=engine, optimizer=opt, repeat=1)
+            error = 100.0 * (predicted.peak_bytes - report.peak_bytes) / report.peak_bytes
+            rows.append({"size": size, "batch": b, "seq_len": s, "recipe": {"zero_stage": stage}, "world_size": 1,
+                         "method": predicted.method, "predicted_bytes": predicted.peak_bytes,
+                         "measured_bytes": report.peak_bytes, "rel_error_pct": error,
+                         "predicted_by_category": predicted.by_category, "measured_by_category": report.by_category})
+            print(f"{size:6s} zero_stage={stage} predicted {cm.format_bytes(predicted.peak_bytes):>11s} "
+                  f"measured {cm.format_bytes(report.peak_bytes):>11s} error {error:+.2f}%")
+            del engine, opt, step
+    # Per rank, 2 ranks: what each rank holds (DeepSpeed's own buffers, read by zero.rank_state_bytes) against the
+    # per-rank formula in fp32 (4 B weights, 4 B gradients, 12 B optimizer state: fp32 master, m, v).
+    result = zero.run_zero(zero.ZeroJob(model_size="small", stages=(1, 2, 3), steps=2), world_size=2)
+    per_rank = []
+    for stage in (1, 2, 3):
+        for rank in range(2):
+            held = result.bytes_of(f"zero{stage}", rank)
+            formula = zero.zero_state_bytes(result.n_params, stage, 2, weight_bytes=4, grad_bytes=4, optimizer_bytes=12,
+                                            persistent_params=held.get("persistent_params", 0))
+            error = 100.0 * (formula["total"] - held["total"]) / held["total"]
+            per_rank.append({"model": "small", "stage": stage, "rank": rank, "world_size": 2, "formula_bytes": formula,
+                             "measured_bytes": held, "rel_error_pct": error})
+            print(f"small zero{stage} rank {rank}/2: formula {cm.format_bytes(formula['total']):>11s} "
+                  f"held {cm.format_bytes(held['total']):>11s} error {error:+.2f}%")
+    return {"rows": rows, "per_rank": per_rank,
+            "worst_rel_error_pct": max((r["rel_error_pct"] for r in rows), key=abs),
+            "worst_per_rank_rel_error_pct": max((r["rel_error_pct"] for r in per_rank), key=abs)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--grid", choices=sorted([*GRIDS, "cuda"]), default=None,
@@ -224,7 +273,20 @@ def main() -> None:
     parser.add_argument("--label", default="", help="a device label to record (make test-gpu: '<gpu> emulating t4')")
     parser.add_argument("--architectures", action="store_true",
                         help="the second grid: six transformers families from small configs (--quick: a smaller one)")
+    parser.add_argument("--zero", action="store_true",
+                        help="DeepSpeed ZeRO plans against measured engines (one process) and 2 ranks' per-rank states; "
+                             f"writes {ZERO_OUT.name}")
     args = parser.parse_args()
+    if args.zero:
+        device = cm.pick_device("auto")
+        if device.type == "cuda":
+            parser.error("--zero runs on the CPU (gloo ranks, fp32): run it without a GPU")
+        target = {"name": "cpu", "device_bytes": 2**40, "host_bytes": 2**40, "cuda": False}
+        result = {"device": f"cpu ({platform.machine()})", "torch": torch.__version__, **zero_grid(cm.load_corpus(), target)}
+        write_json(ZERO_OUT, result)
+        print(f"wrote {ZERO_OUT}\nworst relative error: {result['worst_rel_error_pct']:+.2f}% (plans, one process), "
+              f"{result['worst_per_rank_rel_error_pct']:+.2f}% (formula per rank, 2 ranks)")
+        return
     if args.architectures:
         device = cm.pick_device("auto")
         target = "t4" if device.type == "cuda" else {"name": "cpu", "device_bytes": 2**40, "host_bytes": 2**40, "cuda": False}

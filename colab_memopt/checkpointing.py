@@ -86,6 +86,29 @@ def find_blocks(model: nn.Module) -> nn.ModuleList:
     return best
 
 
+def find_block_stacks(model: nn.Module) -> list[nn.ModuleList]:
+    """Return every stack of repeated blocks in `model`, in module order: each ModuleList of two or more modules
+    of one class that have submodules of their own, not inside another such stack (an encoder-decoder such as
+    T5 has two: the encoder's and the decoder's; a mixture of experts' expert list sits inside a block).
+
+    The reference model's `blocks` is its only stack. Raises ValueError (`find_blocks`'s message) when there
+    is none.
+    """
+    blocks = getattr(model, "blocks", None)
+    if isinstance(blocks, nn.ModuleList) and len(blocks):
+        return [blocks]
+    stacks: list[tuple[str, nn.ModuleList]] = []
+    for name, module in model.named_modules():
+        if (isinstance(module, nn.ModuleList) and len(module) >= 2 and len({type(m) for m in module}) == 1
+                and next(module[0].children(), None) is not None
+                and not any(name.startswith(f"{outer}.") for outer, _ in stacks)):
+            stacks.append((name, module))
+    if not stacks:
+        find_blocks(model)  # raises, naming the model
+        return [find_blocks(model)]  # a stack of leaf modules (never a transformer's blocks)
+    return [m for _, m in stacks]
+
+
 def _selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
@@ -315,7 +338,11 @@ def _offloaded(forward: Callable[..., Any], offloader: CheckpointOffloader) -> C
 
 def checkpoint_offloader(model: nn.Module) -> CheckpointOffloader | None:
     """Return the `CheckpointOffloader` of a model under policy 'offload' (None under any other policy)."""
-    return getattr(find_blocks(model), _OFFLOADER, None)
+    for blocks in find_block_stacks(model):
+        offloader = getattr(blocks, _OFFLOADER, None)
+        if offloader is not None:
+            return offloader
+    return None
 
 
 def _hidden(out: Any) -> torch.Tensor:
@@ -364,8 +391,11 @@ def checkpointed_blocks(n_blocks: int, policy: str, interval: int = 1) -> list[i
 def apply_checkpointing(model: nn.Module, policy: str, interval: int = 1, *, keep_blocks: int = 0) -> nn.Module:
     """Apply a checkpointing policy to the model's repeated blocks, in place; return the model.
 
+    Every stack of blocks gets the policy (`find_block_stacks`: an encoder-decoder's encoder and decoder);
+    under 'offload' one `CheckpointOffloader` serves them all.
+
     Args:
-        model: any module with a stack of repeated blocks (see `find_blocks`).
+        model: any module with a stack of repeated blocks (see `find_block_stacks`).
         policy: one of POLICIES.
         interval: for 'every_n', checkpoint blocks interval-1, 2*interval-1, ...; for 'segments',
             recompute `interval` consecutive blocks from one stored input.
@@ -386,17 +416,33 @@ def apply_checkpointing(model: nn.Module, policy: str, interval: int = 1, *, kee
             with contextlib.suppress(ValueError):
                 remove_checkpointing(model)
         return model
-    blocks = find_blocks(model)
+    stacks = find_block_stacks(model)  # every stack: an encoder-decoder's encoder and decoder both
+    remove_checkpointing(model)
+    for module in model.modules():  # the model's config and its stacks' own copies (T5's decoder has one)
+        config = getattr(module, "config", None)
+        if getattr(config, "use_cache", False):
+            # A KV cache filled in forward is global state the recomputation would fill again (with
+            # different shapes): transformers turns it off for checkpointing too.
+            config.use_cache = False
+    total = sum(len(blocks) for blocks in stacks)
+    if keep_blocks > total:
+        raise ValueError(f"keep_blocks={keep_blocks} exceeds the model's {total} blocks")
+    offloader = CheckpointOffloader() if policy == "offload" else None  # one for the model: inputs in forward order
+    first_kept = total - keep_blocks  # the last blocks in forward order (backward reaches them first) stay on the device
+    for blocks in stacks:
+        _apply_to_stack(blocks, policy, interval, offloader, first_kept)
+        first_kept -= len(blocks)
+    return model
+
+
+def _apply_to_stack(blocks: nn.ModuleList, policy: str, interval: int, offloader: CheckpointOffloader | None,
+                    first_kept: int = 0) -> None:
+    """Apply `policy` to one stack of blocks (`apply_checkpointing` calls it for each); under 'offload' the blocks
+    from index `first_kept` on keep their inputs on the device."""
     if policy == "every_n" and interval > len(blocks):
         warnings.warn(f"checkpoint_interval {interval} exceeds the model's {len(blocks)} blocks: 'every_n' checkpoints "
                       f"blocks {interval - 1}, {2 * interval - 1}, ..., so none is checkpointed and nothing is saved; "
-                      f"use an interval <= {len(blocks)}", RuntimeWarning, stacklevel=2)
-    remove_checkpointing(model)
-    config = getattr(model, "config", None)
-    if getattr(config, "use_cache", False):
-        # A KV cache filled in forward is global state the recomputation would fill again (with
-        # different shapes): transformers turns it off for checkpointing too.
-        config.use_cache = False
+                      f"use an interval <= {len(blocks)}", RuntimeWarning, stacklevel=3)
     for block in blocks:
         setattr(block, _ORIGINAL, block.forward)
     if policy == "segments":
@@ -406,30 +452,31 @@ def apply_checkpointing(model: nn.Module, policy: str, interval: int = 1, *, kee
             forwards = [getattr(b, _ORIGINAL) for b in segment]
             first = _segment_forward(forwards)
 
-            def first_forward(hidden: Any, *args: Any, _run: Callable[..., Any] = first, **kwargs: Any) -> Any:
+            def first_forward(hidden: Any, *args: Any, _run: Callable[..., Any] = first, _block: nn.Module = segment[0],
+                              **kwargs: Any) -> Any:
                 out = _run(hidden, *args, **kwargs)
                 is_tuple[0] = isinstance(out, tuple)
+                if is_tuple[0] and any(isinstance(t, torch.Tensor) for t in out[1:]):
+                    raise ValueError(
+                        f"checkpointing 'segments' runs a segment's blocks with the first one's arguments, but "
+                        f"{type(_block).__name__} hands {len(out)} values on to the next block (T5 passes its position "
+                        "biases so): use checkpointing 'full', 'every_n' or 'selective'")
                 return out
 
             segment[0].forward = first_forward
             for block in segment[1:]:
                 block.forward = _passthrough(is_tuple)
-        return model
+        return
     if policy == "offload":
-        if keep_blocks > len(blocks):
-            raise ValueError(f"keep_blocks={keep_blocks} exceeds the model's {len(blocks)} blocks")
-        offloader = CheckpointOffloader()
         setattr(blocks, _OFFLOADER, offloader)
-        first_kept = len(blocks) - keep_blocks
         for i, block in enumerate(blocks):
             block.forward = (_offloaded(getattr(block, _ORIGINAL), offloader) if i < first_kept
                              else _checkpointed(getattr(block, _ORIGINAL), selective=False))
-        return model
+        return
     chosen = set(checkpointed_blocks(len(blocks), policy, interval))
     for i, block in enumerate(blocks):
         if i in chosen:
             block.forward = _checkpointed(getattr(block, _ORIGINAL), selective=policy == "selective")
-    return model
 
 
 def remove_checkpointing(model: nn.Module) -> nn.Module:
@@ -438,16 +485,16 @@ def remove_checkpointing(model: nn.Module) -> nn.Module:
     Only blocks this module patched are touched, and each gets back the forward it had before, so a
     patch installed by another technique first (activation compression) survives.
     """
-    blocks = find_blocks(model)
-    blocks.__dict__.pop(_OFFLOADER, None)
-    for block in blocks:
-        original = block.__dict__.pop(_ORIGINAL, None)
-        if original is None:
-            continue  # not checkpointed here: leave other patches alone
-        if getattr(original, "__self__", None) is block and getattr(original, "__func__", None) is type(block).forward:
-            block.__dict__.pop("forward", None)  # it was the class's own forward
-        else:
-            block.forward = original
+    for blocks in find_block_stacks(model):
+        blocks.__dict__.pop(_OFFLOADER, None)
+        for block in blocks:
+            original = block.__dict__.pop(_ORIGINAL, None)
+            if original is None:
+                continue  # not checkpointed here: leave other patches alone
+            if getattr(original, "__self__", None) is block and getattr(original, "__func__", None) is type(block).forward:
+                block.__dict__.pop("forward", None)  # it was the class's own forward
+            else:
+                block.forward = original
     return model
 
 

@@ -330,6 +330,13 @@ def training_step_bytes(model: torch.nn.Module, batch: int, seq: int, recipe: An
                 - 2 * micro * seq * d["vocab"] * value_bytes)
     if steps_in_backward(getattr(recipe, "optimizer", "")):
         g_bytes = largest  # each gradient is freed once its parameter steps
+    stage = getattr(recipe, "zero_stage", 0)
+    if stage:  # notebook 10, one process (fp32): what the DeepSpeed engine adds, measured (planner_accuracy.py --zero)
+        from colab_memopt.zero import DEFAULT_BUCKET_ELEMENTS
+
+        o_bytes += param_bytes(trainable)  # the fp32 master partition the inner AdamW steps, beside the weights
+        # the gradients go to one flat reduce bucket of DEFAULT_BUCKET_ELEMENTS values (stage 3 keeps its partition too)
+        g_bytes = DEFAULT_BUCKET_ELEMENTS * 4 + (g_bytes if stage == 3 else 0)
     # Notebook 10, ZeRO-Offload: the optimizer state (and with offload_param the weights, but the
     # gathered layer) live in host RAM; the planner adds their host bytes (zero_offload_bytes).
     if getattr(recipe, "offload_optimizer", False):

@@ -67,6 +67,8 @@ __all__ = [
     "causal_lm_loss",
     "make_loss_step",
     "check_chunkable",
+    "check_objective",
+    "check_head_not_adapted",
     "apply_chunked_loss",
     "traced_loss_bytes",
     "AUTO_CHUNK_MAX_TOKENS",
@@ -355,12 +357,21 @@ def make_loss_step(
 _CHUNK_ATTR = "_cm_loss_chunk_tokens"
 
 
+def _head_problem(name: str, head: nn.Module, got: str | None = None) -> str:
+    """Return the one message for an output layer the chunked loss cannot use (LoRA-wrapped, quantized, other)."""
+    cls = type(head)
+    got = got or f"got {cls.__module__}.{cls.__qualname__}"
+    return (f"the chunked loss (loss_chunk_tokens) needs {name}'s output layer to be a plain torch.nn.Linear, {got}: "
+            "leave lm_head out of lora_targets and of quantization (or set loss_chunk_tokens=None)")
+
+
 def _causal_lm_parts(model: nn.Module) -> tuple[nn.Module, nn.Linear]:
     """Return (base model, LM head) of a transformers causal LM, or raise ValueError saying why not.
 
     The base model returns the final hidden states (after the last norm); the head must be a plain
     `nn.Linear` (not a LoRA-wrapped or quantized one) and nothing may act on the logits between the
-    head and the loss (Gemma-2's final soft-capping, Cohere's logit scale).
+    head and the loss (Gemma-2's final soft-capping, Cohere's logit scale): `check_objective` runs the
+    model once to see that.
     """
     name = type(model).__name__
     get_head = getattr(model, "get_output_embeddings", None)
@@ -372,16 +383,174 @@ def _causal_lm_parts(model: nn.Module) -> tuple[nn.Module, nn.Linear]:
             f"layer from get_output_embeddings()), got {name}"
         )
     if type(head) is not nn.Linear:
-        raise ValueError(
-            f"the chunked loss needs {name}'s output layer to be a plain nn.Linear, got {type(head).__name__} "
-            "(leave lm_head out of lora_targets and of quantization)"
-        )
+        raise ValueError(_head_problem(name, head))
     config = getattr(model, "config", None)
     for key in ("final_logit_softcapping", "logit_scale", "output_multiplier_scale", "logits_scaling"):
         value = getattr(config, key, None)
         if value not in (None, 1, 1.0):
             raise ValueError(f"the chunked loss computes plain logits, but {name} transforms them ({key}={value!r})")
     return base, head
+
+
+# -- whether the chunked loss computes the model's own objective: decided by running the model -------
+
+# Ops that move or retype values without changing them: allowed between the base model's hidden states
+# and the head's input, and between the head's output and the loss.
+_SAME_VALUES = {"__getitem__", "view", "reshape", "contiguous", "float", "to", "type", "clone", "detach", "flatten",
+                "__get__", "size", "dim", "shape", "dtype", "device", "numel", "requires_grad_"}
+_LOSSES = {"cross_entropy", "nll_loss", "log_softmax", "logsumexp"}
+_OBJECTIVE_CACHE: dict[tuple[str, str], tuple[str | None, bool]] = {}  # -> (problem, checked with real weights)
+
+
+def _op_name(func: Any) -> str:
+    return getattr(func, "__name__", str(func)).rsplit(".", 1)[-1]
+
+
+def _trace_objective(model: nn.Module, base: nn.Module, head: nn.Module) -> tuple[list[str], Any, Any]:
+    """Run `model(ids, labels=ids)` once on a 1 x 8 input; return (what acted on the hidden states before the head
+    or on the logits before the loss, the model's own loss, the base model's final hidden states)."""
+    from torch.overrides import TorchFunctionMode
+
+    tainted: dict[int, str] = {}  # id(tensor) -> 'hidden' (the base's output) or 'logits' (the head's)
+    keep: list[torch.Tensor] = []  # alive while traced, so their ids stay theirs
+    found: list[str] = []
+    seen: dict[str, Any] = {}
+    in_head = [False]
+
+    def mark(t: Any, kind: str) -> None:
+        if isinstance(t, torch.Tensor):
+            tainted[id(t)] = kind
+            keep.append(t)
+
+    class Watch(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+            out = func(*args, **(kwargs or {}))
+            if in_head[0]:
+                return out
+            kinds = {tainted[id(a)] for a in (*args, *(kwargs or {}).values()) if isinstance(a, torch.Tensor) and id(a) in tainted}
+            if kinds:
+                op = _op_name(func)
+                scalars = [a for a in args[1:] if isinstance(a, (int, float))]
+                if op in _LOSSES:
+                    return out
+                if op not in _SAME_VALUES and not (op in ("mul", "__mul__", "div", "__truediv__", "true_divide")
+                                                   and scalars == [1] * len(scalars) and scalars):
+                    found.append(f"{op} on the {'logits' if 'logits' in kinds else 'hidden states before the head'}")
+                for t in out if isinstance(out, (tuple, list)) else (out,):
+                    mark(t, "logits" if "logits" in kinds else "hidden")
+            return out
+
+    def base_out(module: nn.Module, args: Any, output: Any) -> None:
+        hidden = getattr(output, "last_hidden_state", None)
+        hidden = hidden if hidden is not None else (output[0] if isinstance(output, (tuple, list)) else output)
+        seen["hidden"] = hidden
+        mark(hidden, "hidden")
+
+    def head_pre(module: nn.Module, args: Any) -> None:
+        in_head[0] = True
+
+    def head_out(module: nn.Module, args: Any, output: Any) -> None:
+        in_head[0] = False
+        mark(output, "logits")
+
+    device = head.weight.device
+    ids = (torch.arange(8, device=device) * 7 + 3).remainder(head.weight.shape[0])[None]  # (1, 8) distinct tokens
+    handles = [base.register_forward_hook(base_out), head.register_forward_pre_hook(head_pre),
+               head.register_forward_hook(head_out)]
+    was_training = model.training
+    model.eval()  # no dropout: the same values twice
+    try:
+        with torch.no_grad(), Watch():
+            out = type(model).forward(model, input_ids=ids, labels=ids, use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+        model.train(was_training)
+    loss = out["loss"] if isinstance(out, dict) else getattr(out, "loss", None)
+    return found, loss, seen.get("hidden")
+
+
+_TWIN_SIZES = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+               "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 512}
+
+
+def _small_twin(model: nn.Module) -> nn.Module:
+    """Return a CPU model of `model`'s class and config with its sizes made small (`_TWIN_SIZES`), random weights:
+    what acts on the logits (multipliers, soft caps) is kept, so it behaves as `model` does."""
+    import copy
+
+    config = copy.deepcopy(model.config)
+    for key, value in _TWIN_SIZES.items():
+        if isinstance(getattr(config, key, None), int):
+            setattr(config, key, min(getattr(config, key), value))
+    layer_types = getattr(config, "layer_types", None)
+    if isinstance(layer_types, list):
+        try:
+            config.layer_types = layer_types[: config.num_hidden_layers]
+        except AttributeError:  # derived from other fields in some families
+            pass
+    with torch.device("cpu"):
+        twin = type(model)(config)
+    if sum(p.numel() for p in twin.parameters()) > 50_000_000:
+        raise ValueError("its small twin is still over 50M parameters")
+    return twin
+
+
+def check_objective(model: nn.Module) -> None:
+    """Raise ValueError unless the chunked loss computes `model`'s own objective, as seen by running it once.
+
+    The model runs `model(ids, labels=ids)` on 8 tokens (on the meta device too, where nothing is computed):
+    nothing but reshaping may act on the base model's final hidden states before the head, nor on the
+    head's logits before the loss (Falcon-H1's `lm_head_multiplier`, RecurrentGemma's `logits_soft_cap`, a
+    masked LM's transform before its decoder all do). With real weights the model's own loss is also
+    compared with the chunked loss of the same hidden states (the causal shift). The answer is cached per
+    model class and config (a meta copy's answer is checked again once real weights come).
+    """
+    from torch._subclasses.fake_tensor import is_fake
+
+    model = _unwrapped(model)
+    base, head = _causal_lm_parts(model)
+    config = getattr(model, "config", None)
+    key = (f"{type(model).__module__}.{type(model).__qualname__}",
+           config.to_json_string() if hasattr(config, "to_json_string") else repr(config))
+    real = not (head.weight.is_meta or is_fake(head.weight))
+    cached = _OBJECTIVE_CACHE.get(key)
+    if cached is not None and (cached[1] or not real):  # a real model's check is reused (Recipe.build checks twice)
+        problem = cached[0]
+    else:
+        name = type(model).__name__
+        try:
+            try:
+                found, loss, hidden = _trace_objective(model, base, head)
+            except Exception:  # noqa: BLE001 - on the meta device a data-dependent branch fails: run a small real twin
+                if real:
+                    raise
+                model = _small_twin(model)
+                base, head = _causal_lm_parts(model)
+                real = True
+                found, loss, hidden = _trace_objective(model, base, head)
+        except Exception as exc:  # noqa: BLE001 - a model whose loss cannot be checked is not chunked
+            found, loss, hidden = None, None, None
+            problem = (f"the chunked loss could not be checked against {name}'s own loss: model(input_ids, labels=..., "
+                       f"use_cache=False) on 8 tokens failed ({type(exc).__name__}: {' '.join(str(exc).split())[:160]}); "
+                       "leave loss_chunk_tokens=None")
+        else:
+            problem = None
+        if found:
+            problem = (f"the chunked loss computes plain next-token cross-entropy from the base model's hidden states "
+                       f"and the head, but {name} does more: {', '.join(dict.fromkeys(found))}; leave loss_chunk_tokens=None")
+        elif real and isinstance(loss, torch.Tensor) and isinstance(hidden, torch.Tensor):
+            ids = (torch.arange(8, device=hidden.device) * 7 + 3).remainder(head.weight.shape[0])[None]
+            with torch.no_grad():
+                ours = causal_lm_loss(hidden, head.weight, ids, bias=head.bias, chunk_tokens=8)
+            # both from the same hidden states, so the gap is rounding only (the logits' dtype), or another objective
+            tol = 1e-3 if head.weight.dtype == torch.float32 else 2e-2
+            if abs(float(ours) - float(loss)) > tol * (1 + abs(float(loss))):
+                problem = (f"the chunked loss computes next-token cross-entropy, but {name}'s own loss differs on 8 tokens "
+                           f"({float(loss):.4f} against {float(ours):.4f}): another objective; leave loss_chunk_tokens=None")
+        _OBJECTIVE_CACHE[key] = (problem, real)
+    if problem is not None:
+        raise ValueError(problem)
 
 
 def _unwrapped(model: nn.Module) -> nn.Module:
@@ -396,9 +565,20 @@ def check_chunkable(model: nn.Module) -> None:
     model = _unwrapped(model)
     if hasattr(model, "loss_chunk_tokens"):  # the reference model (models.GPT) chunks by itself
         if type(getattr(model, "lm_head", None)) is not nn.Linear:
-            raise ValueError(f"loss_chunk_tokens needs lm_head to be an nn.Linear, got {type(model.lm_head).__name__}")
+            raise ValueError(_head_problem(type(model).__name__, model.lm_head))
         return
-    _causal_lm_parts(model)
+    check_objective(model)
+
+
+def check_head_not_adapted(model: nn.Module, lora_targets: Any) -> None:
+    """Raise ValueError (`check_chunkable`'s message) when LoRA targets would wrap the model's output layer."""
+    inner = _unwrapped(model)
+    get_head = getattr(inner, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else getattr(inner, "lm_head", None)
+    names = [n for n, m in inner.named_modules() if m is head and n]
+    if any(n == t or n.endswith(f".{t}") for n in names for t in lora_targets):
+        raise ValueError(_head_problem(type(inner).__name__, head,
+                                       f"but lora_targets {tuple(lora_targets)} would wrap it ({names[0]}) in a LoRA layer"))
 
 
 def _chunked_forward(self: nn.Module, input_ids: Any = None, attention_mask: Any = None, labels: Any = None,
@@ -438,6 +618,9 @@ def apply_chunked_loss(model: nn.Module, chunk_tokens: int | None) -> nn.Module:
             model.__dict__.pop("forward", None)
         return outer
     _check_chunk_tokens(chunk_tokens)
+    if model.__dict__.get(_CHUNK_ATTR) is not None:  # installed and checked already (Recipe.build, then the step)
+        setattr(model, _CHUNK_ATTR, chunk_tokens)
+        return outer
     check_chunkable(model)
     if hasattr(model, "loss_chunk_tokens"):
         model.loss_chunk_tokens = chunk_tokens

@@ -267,7 +267,10 @@ def measure_step(
             applied += 1
     gc.collect()
     tracker = TensorTracker(device=dev)
-    tracker.track_external(*[obj for obj in (model, optimizer, *track) if obj is not None])
+    inner, extra = _trackable_optimizer(optimizer)
+    tracker.track_external(*[obj for obj in (model, inner, *track) if obj is not None])
+    for category, tensors in extra.items():
+        tracker.track_as(category, *tensors)
     if dev.type == "cuda":
         _sync(dev)
         _reset_cuda_peak(dev)
@@ -279,7 +282,7 @@ def measure_step(
         _sync(dev)
         resident = tracker.current_categories()
         by_module = tracker.module_activation_bytes()
-    placement = optimizer_state_placement(optimizer, dev)
+    placement = optimizer_state_placement(inner, dev)
     by_category = dict(tracker.peak_categories)
     allocator_peak, foreign = None, 0
     if dev.type == "cuda":
@@ -322,6 +325,37 @@ def measure_step(
         skipped_steps=skipped,
         optimizer_skipped=optimizer_skipped,
     )
+
+
+def _trackable_optimizer(optimizer: Any) -> tuple[Any, dict[str, list[torch.Tensor]]]:
+    """Return (a torch optimizer the tracker can follow, other tensors it holds by category) for `optimizer`.
+
+    A torch optimizer is itself. DeepSpeed's ZeRO optimizers (not torch optimizers) wrap one (`.optimizer`,
+    stepping the fp32 master partitions) and keep flat buffers the tracker would otherwise never see:
+    stages 1-2 the 16-bit flat weights (`bit16_groups_flat`, the model's parameters are views of them), the
+    gradient partitions and the fp32 master partitions; stage 3 each parameter's partition (`ds_tensor`), the
+    flat gradient buffer and the fp32 master partitions (as `zero.rank_state_bytes` reads them).
+    """
+    if optimizer is None or isinstance(optimizer, torch.optim.Optimizer):
+        return optimizer, {}
+    inner = getattr(optimizer, "optimizer", None)
+    if not isinstance(inner, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer or a DeepSpeed ZeRO optimizer (with a torch optimizer "
+                        f"in .optimizer), got {type(optimizer).__name__}")
+    from colab_memopt.zero import _tensors
+
+    groups = getattr(optimizer, "fp16_groups", None) or getattr(optimizer, "bit16_groups", None) or []
+    params = [p for group in groups for p in group]
+    extra = {
+        "parameters": list(_tensors(getattr(optimizer, "bit16_groups_flat", None)))
+        + [p.ds_tensor for p in params if hasattr(p, "ds_tensor")],
+        "gradients": list(_tensors(getattr(optimizer, "averaged_gradients", None)))
+        + list(_tensors(getattr(optimizer, "grads_in_partition", None)))
+        + list(_tensors(getattr(optimizer, "grad_partitions_flat_buffer", None))),
+        "optimizer_state": list(_tensors(getattr(optimizer, "single_partition_of_fp32_groups", None)))
+        + list(_tensors(getattr(optimizer, "fp32_partitioned_groups_flat", None))),
+    }
+    return inner, extra
 
 
 MAX_EXTRA_WARMUP = 32  # warm-up steps beyond `warmup` allowed to wait for a GradScaler's first applied update

@@ -406,6 +406,12 @@ class LayerStreamer:
             for p in self._params[i]:
                 if p.requires_grad:
                     self._handles.append(p.register_post_accumulate_grad_hook(self._make_grad_hook(i)))
+            # issue 25: the evicted parameters have no storage; the trained values are the host copies, so the
+            # state dict reads those, and loading a state dict writes them (no 0-byte tensor is ever read or saved)
+            self._handles.append(block._register_state_dict_hook(self._make_state_dict_hook(i)))
+            self._handles.append(block._register_load_state_dict_pre_hook(self._make_load_pre_hook(i), with_module=True))
+            self._handles.append(block.register_load_state_dict_post_hook(self._make_load_post_hook(i)))
+        self.closed = False
         for i in range(len(self.blocks)):
             self._evict(i)
 
@@ -505,6 +511,60 @@ class LayerStreamer:
                 self._trim(None, self._ahead(i, -1))
         return hook
 
+    # -- reading, saving and loading the weights ------------------------------------------
+    def _named(self, i: int) -> list[tuple[str, nn.Parameter]]:
+        return [(n, p) for n, p in self.blocks[i].named_parameters(remove_duplicate=False) if p in self.host]
+
+    def _make_state_dict_hook(self, i: int) -> Callable[..., None]:
+        def hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+            for name, p in self._named(i):
+                if prefix + name in state_dict:
+                    state_dict[prefix + name] = self.host[p].detach()  # (on CUDA: the pinned host copy)
+        return hook
+
+    def _make_load_pre_hook(self, i: int) -> Callable[..., None]:
+        def hook(module: nn.Module, *args: Any) -> None:
+            self._load(i)  # storage to copy the loaded values into; the post hook hands them to the host copies
+        return hook
+
+    def _make_load_post_hook(self, i: int) -> Callable[..., None]:
+        def hook(module: nn.Module, incompatible_keys: Any) -> None:
+            with torch.no_grad():
+                for _, p in self._named(i):
+                    self.host[p].data.copy_(p.data)
+            self._evict(i)
+        return hook
+
+    def materialize(self) -> nn.Module:
+        """End streaming: copy the trained host weights into every block, remove the hooks; return the model.
+
+        After it the model is an ordinary module again (all its weights on its device, readable, savable, trainable
+        with an ordinary optimizer); the streaming optimizer refuses to step. While streaming, read and save the
+        weights through `model.state_dict()` (it returns the host copies) and load them with `load_state_dict`;
+        the blocks' parameters themselves have no storage between uses (reading them directly is undefined).
+
+        Example:
+            >>> model, opt = Recipe(layer_offload_active=1).build(model); train(...)
+            >>> opt.streamer.materialize(); torch.save(model.state_dict(), "model.pt")
+        """
+        if self.closed:
+            return self.model
+        with torch.no_grad():
+            for i in range(len(self.blocks)):
+                self._load(i)
+                for p in self._params[i]:
+                    p.data.copy_(self.host[p].data)  # also blocks still loaded from before the last step
+                    if self.host[p].grad is not None and p.requires_grad:
+                        p.grad = self.host[p].grad.to(p.device)
+        if self._stream is not None:
+            self._stream.synchronize()
+        self._events.clear()
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self.closed = True
+        return self.model
+
     # -- the optimizer side -----------------------------------------------------------------
     def refresh(self) -> None:
         """Copy the host weights into the blocks still loaded (after the optimizer changed them)."""
@@ -535,11 +595,21 @@ class LayerStreamer:
         return StreamingOptimizer(self, factory)
 
     def remove(self) -> None:
-        """Load every block back, copy the host weights in, and remove the hooks."""
-        for i in range(len(self.blocks)):
-            self._ready(i)
-        for h in self._handles:
-            h.remove()
+        """Load every block back, copy the host weights in, and remove the hooks (`materialize`)."""
+        self.materialize()
+
+
+def _scaled_step(optimizer: torch.optim.Optimizer, grad_scale: float) -> None:
+    if grad_scale == 1.0:
+        optimizer.step()
+    elif getattr(optimizer, "takes_grad_scale", False):
+        optimizer.step(grad_scale=grad_scale)
+    else:
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.grad.mul_(grad_scale)
+        optimizer.step()
 
 
 class StreamingOptimizer:
@@ -568,14 +638,21 @@ class StreamingOptimizer:
         with host_side(self.streamer.emulated):
             self.host_optimizer.zero_grad(set_to_none=set_to_none)
 
-    def step(self) -> None:
-        self.device_optimizer.step()
+    takes_grad_scale = True  # `rounding.DynamicLossScaler` hands it the inverse loss scale (pure fp16)
+
+    def step(self, *, grad_scale: float = 1.0) -> None:
+        """Step both optimizers; `grad_scale` (pure fp16's inverse loss scale) reaches an `UpdateRounding` as its
+        own argument (unscaled in fp32) and multiplies any other optimizer's gradients first."""
+        if self.streamer.closed:
+            raise RuntimeError("the layer streamer was materialized (streaming ended): step the model with an "
+                               "ordinary optimizer, e.g. make_optimizer(name, model.parameters())")
+        _scaled_step(self.device_optimizer, grad_scale)
         if self.streamer._stream is not None:
             # The host optimizer updates the pinned host weights in place: no copy from them may still be
             # in flight on the prefetch stream (review D3; the blocking gradient copies happen to drain it).
             self.streamer._stream.synchronize()
         with host_side(self.streamer.emulated):
-            self.host_optimizer.step()
+            _scaled_step(self.host_optimizer, grad_scale)
         self.streamer.refresh()
 
     def host_state_bytes(self) -> int:

@@ -18,7 +18,7 @@ from colab_memopt import zero
 from colab_memopt.checkpointing import POLICIES, apply_checkpointing, find_blocks
 from colab_memopt.compression import MODES as COMPRESSION_MODES
 from colab_memopt.compression import check_compressible, compress_activations
-from colab_memopt.loss import apply_chunked_loss, check_chunkable
+from colab_memopt.loss import apply_chunked_loss, check_chunkable, check_head_not_adapted
 from colab_memopt.offload import STRATEGIES, LayerStreamer, check_streamable
 from colab_memopt.lowstate import LOW_STATE_OPTIMIZERS, PROJECTED, badam_blocks, check_rank
 from colab_memopt.optimizers import FUSED_BACKWARD_OPTIMIZERS, OPTIMIZERS, OptimizerInBackward, make_optimizer
@@ -46,6 +46,44 @@ from colab_memopt.quantization import (
     quantize_model,
     quantized_copy,
 )
+
+
+# What each Recipe field is applied by, per backend: 'torch' (`Recipe.build` and `train.make_train_step`
+# on a plain module) and 'deepspeed' (a DeepSpeed engine: zero_stage >= 1 or offload_*). One source of
+# truth: `Recipe.validate` refuses, by name, a field set away from its default on a backend that does not
+# apply it, and `plan`, `doctor` and `build` all construct (so validate) the recipe first. A field missing
+# here fails tests/test_recipe.py::test_every_field_has_a_backend_row; an empty row is applied by no step.
+BACKENDS = ("torch", "deepspeed")
+FIELD_BACKENDS: dict[str, tuple[str, ...]] = {
+    "optimizer": ("torch", "deepspeed"),  # DeepSpeed: 'adamw' only (validate says so)
+    "lr": ("torch", "deepspeed"),
+    "attention": ("torch",),
+    "optimizer_rank": ("torch",),
+    "quantization": ("torch",),
+    "quantization_phase": ("torch",),
+    "lora_rank": ("torch",),
+    "lora_targets": ("torch",),
+    "base_dtype": ("torch",),
+    "activation_compression": ("torch",),
+    "compression_checkpointing": ("torch",),
+    "phase_offload": ("torch",),
+    "precision": ("torch",),
+    "eval_precision": ("torch", "deepspeed"),  # `train.train`'s evaluation, under autocast, of either model
+    "update_rounding": ("torch",),
+    "checkpointing": ("torch",),
+    "checkpoint_interval": ("torch",),
+    "accumulation_steps": ("torch",),
+    "attention_window": ("torch",),
+    "layer_offload_active": ("torch",),
+    "layer_offload_prefetch": ("torch",),
+    "optimizer_state_offload": (),  # no training step reads it: `offload.OptimizerStateOffloader` does the work
+    "zero_stage": ("deepspeed",),  # these three select the DeepSpeed backend
+    "offload_optimizer": ("deepspeed",),
+    "offload_param": ("deepspeed",),
+    "loss_chunk_tokens": ("torch", "deepspeed"),  # installed on the module before the engine wraps it
+    "mlp_tile_tokens": ("torch", "deepspeed"),  # installed on the module before the engine wraps it
+    "offload_keep_blocks": ("torch",),  # a split of checkpointing='offload', which DeepSpeed does not apply
+}
 
 
 @dataclass(frozen=True)
@@ -283,6 +321,31 @@ class Recipe:
             )
         if self.uses_deepspeed and self.layer_offload_active:
             raise ValueError("recipe.layer_offload_active and DeepSpeed (zero_stage, offload_*) cannot be combined: pick one")
+        self._validate_backend()
+
+    @property
+    def backend(self) -> str:
+        """Return the backend that trains this recipe: 'deepspeed' (zero_stage >= 1 or offload_*) or 'torch'."""
+        return "deepspeed" if self.uses_deepspeed else "torch"
+
+    def _validate_backend(self) -> None:
+        """Refuse, by name, every field set away from its default that this recipe's backend does not apply
+        (`FIELD_BACKENDS`): a recipe either does what it says or is refused."""
+        backend = self.backend
+        for f in fields(self):
+            value, default = getattr(self, f.name), f.default
+            if value == default or backend in FIELD_BACKENDS.get(f.name, BACKENDS):
+                continue
+            if not FIELD_BACKENDS.get(f.name):
+                raise ValueError(f"recipe.{f.name}={value!r} is applied by no training step; leave it at {default!r}"
+                                 + (" and use offload.OptimizerStateOffloader around evaluation"
+                                    if f.name == "optimizer_state_offload" else ""))
+            raise ValueError(
+                f"recipe.{f.name}={value!r} is not applied by a DeepSpeed engine (zero_stage={self.zero_stage}, "
+                f"offload_optimizer={self.offload_optimizer}, offload_param={self.offload_param}): Recipe.build would "
+                f"skip it while plan counted it; leave {f.name} at {default!r}, or train without DeepSpeed"
+                if backend == "deepspeed" else
+                f"recipe.{f.name}={value!r} needs the DeepSpeed backend (it is applied only by a DeepSpeed engine)")
 
     def _validate_low_state(self) -> None:
         """Refuse what the optimizers with almost no state (issue 15) cannot do, naming the values."""
@@ -413,6 +476,8 @@ class Recipe:
             badam_blocks(model)  # BAdam trains one of the model's repeated blocks at a time
         if self.loss_chunk_tokens is not None:
             check_chunkable(model)
+            if self.lora_rank:  # the adapters come later in build: refuse a LoRA-wrapped head now, as build would
+                check_head_not_adapted(model, self.lora_targets)
         if self.mlp_tile_tokens is not None:
             find_mlps(model)
 
@@ -458,12 +523,17 @@ class Recipe:
         apply_chunked_loss(model, self.loss_chunk_tokens)  # after LoRA: the head must still be a plain Linear
         apply_tiled_mlp(model, self.mlp_tile_tokens)  # after LoRA: the adapters sit inside the MLP
         apply_checkpointing(model, self.checkpointing, self.checkpoint_interval, keep_blocks=self.offload_keep_blocks)
+        mode = self.rounding_mode
         if self.layer_offload_active:
             streamer = LayerStreamer(model, self.layer_offload_active, self.layer_offload_prefetch)
-            return model, streamer.optimizer(lambda ps: make_optimizer(self.optimizer, ps, lr=self.lr))
+
+            def streamed_optimizer(ps: list[nn.Parameter]) -> torch.optim.Optimizer:  # pure 16-bit: rounded as below
+                opt = make_optimizer(self.optimizer, ps, lr=self.lr)
+                return opt if mode is None else UpdateRounding(opt, mode)
+
+            return model, streamer.optimizer(streamed_optimizer)
         trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         params = trainable if self.optimizer == "adam_mini" else [p for _, p in trainable]
-        mode = self.rounding_mode
         if mode is not None and self.optimizer.endswith("_in_backward"):  # one rounding wrapper per parameter
             inner = self.optimizer.removesuffix("_in_backward")
             return model, OptimizerInBackward(

@@ -142,6 +142,8 @@ class UpdateRounding(torch.optim.Optimizer):
         """Zero (by default free) the gradients of the wrapped optimizer's parameters."""
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
+    takes_grad_scale = True  # `DynamicLossScaler.step` passes the inverse loss scale
+
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None, *, grad_scale: float = 1.0) -> None:  # type: ignore[override]
         """Update every parameter that has a gradient, one at a time, computing the update in fp32."""
@@ -326,7 +328,7 @@ class DynamicLossScaler:
             optimizer.zero_grad(set_to_none=True)
             return False
         inv = 1.0 / self._scale
-        if isinstance(optimizer, UpdateRounding):
+        if getattr(optimizer, "takes_grad_scale", False):  # UpdateRounding, offload.StreamingOptimizer
             optimizer.step(grad_scale=inv)
         else:  # unscaled in the gradients' own dtype: small fp16 gradients may flush to zero
             for g in grads:

@@ -159,6 +159,20 @@ class TensorTracker(MemTracker):
         finally:
             self._round_like_cuda(False)
 
+    def track_as(self, category: str, *tensors: Any) -> None:
+        """Track tensors made before the step under a category of `CATEGORIES` (what `track_external` cannot
+        classify: DeepSpeed's flat parameter, gradient and fp32 master buffers)."""
+        reftype = {name: ref for ref, name in _CATEGORY_OF.items()}.get(category)
+        if reftype is None:
+            raise ValueError(f"category must be one of {CATEGORIES}, got {category!r}")
+        self._round_like_cuda(True)
+        try:
+            for t in tensors:
+                if isinstance(t, torch.Tensor) and not t.is_meta and t.untyped_storage().nbytes():
+                    self._update_and_maybe_create_winfos(t, reftype)
+        finally:
+            self._round_like_cuda(False)
+
     def __enter__(self) -> TensorTracker:
         self._round_like_cuda(True)
         return super().__enter__()

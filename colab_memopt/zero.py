@@ -25,6 +25,9 @@ from colab_memopt import ranks
 from colab_memopt.ranks import LOOPBACK, free_port
 
 ZERO_STAGES = (0, 1, 2, 3)
+# DeepSpeed's reduce / all-gather bucket (elements) in `deepspeed_config`: the engine holds one flat buffer of
+# this many gradient values whatever the model's size (200 MB in fp32, measured: benchmarks/planner_accuracy.py --zero)
+DEFAULT_BUCKET_ELEMENTS = 5 * 10**7
 PRECISIONS = ("fp32", "bf16", "fp16")
 
 
@@ -119,7 +122,7 @@ def deepspeed_config(
     micro_batch_size: int = 1,
     grad_accum_steps: int = 1,
     precision: str = "fp32",
-    bucket_elements: int = 5 * 10**7,
+    bucket_elements: int = DEFAULT_BUCKET_ELEMENTS,
     param_persistence_threshold: int = 10**5,
     pin_memory: bool = True,
     validate: bool = True,

@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+
+import colab_memopt as cm
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from colab_memopt.loss import DEFAULT_CHUNK_TOKENS, causal_lm_loss, chunked_cross_entropy, make_loss_step
@@ -417,7 +419,8 @@ def test_recipe_loss_chunk_tokens_is_validated_and_refused_where_it_cannot_apply
     for bad in (0, -3, True, 2.5, "128"):
         with pytest.raises(ValueError, match=f"recipe.loss_chunk_tokens must be None or an integer >= 1.*got {bad!r}"):
             cm.Recipe(loss_chunk_tokens=bad)
-    with pytest.raises(ValueError, match="output layer to be a plain nn.Linear, got Linear"):
+    with pytest.raises(ValueError, match=r"output layer to be a plain torch.nn.Linear, but lora_targets .* would wrap it "
+                                         r"\(lm_head\) in a LoRA layer: leave lm_head out of lora_targets"):
         cm.Recipe(loss_chunk_tokens=8, lora_rank=2, lora_targets=("q_proj", "lm_head")).build(_tiny_llama())
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
@@ -443,3 +446,89 @@ def test_chunked_loss_reaches_through_a_peft_model_wrapper():
     out_plain, out_chunked = plain(input_ids=ids, labels=ids), chunked(input_ids=ids, labels=ids)
     assert out_chunked.logits is None
     torch.testing.assert_close(out_chunked.loss, out_plain.loss)
+
+
+# -- issue 25: the chunked loss only where it computes the model's own objective, decided by running the model --
+
+def _small(family, **kw):
+    import transformers
+
+    from colab_memopt.architectures import small_config
+
+    return transformers.AutoModelForCausalLM.from_config(small_config(family, **kw))
+
+
+@pytest.mark.parametrize("family, kw, says", [
+    ("falcon_h1", {"lm_head_multiplier": 0.5}, "mul on the logits"),  # probe rows 90, 192
+    ("recurrent_gemma", {"logits_soft_cap": 1.0}, "tanh on the logits"),  # probe rows 91, 193
+])
+def test_chunked_loss_is_refused_where_the_model_transforms_its_logits(family, kw, says):
+    from colab_memopt import loss as chunked
+
+    model = _small(family, **kw)
+    with pytest.raises(ValueError, match=f"{type(model).__name__} does more: {says}.*leave loss_chunk_tokens=None"):
+        cm.Recipe(loss_chunk_tokens=8).build(model)
+    if family == "falcon_h1":
+        return  # (its Mamba layers run a slow reference kernel on the CPU: the meta path is checked on RecurrentGemma)
+    chunked._OBJECTIVE_CACHE.clear()  # the planner's meta copy decides the same, by a small real twin of its config
+    with torch.device("meta"):
+        meta = _small(family, **kw)
+    with pytest.raises(ValueError, match=says):
+        cm.Recipe(loss_chunk_tokens=8).check_model(meta)
+
+
+def test_chunked_loss_is_refused_on_masked_and_encoder_decoder_models():
+    import transformers
+
+    bert = transformers.BertForMaskedLM(transformers.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2,
+                                                                num_attention_heads=2, intermediate_size=64))
+    with pytest.raises(ValueError, match="BertForMaskedLM does more: linear on the hidden states before the head"):
+        cm.Recipe(loss_chunk_tokens=8).build(bert)
+    t5 = transformers.T5ForConditionalGeneration(transformers.T5Config(vocab_size=100, d_model=32, d_ff=64, num_layers=2,
+                                                                       num_heads=2, d_kv=16))
+    with pytest.raises(ValueError, match="needs the reference model or a transformers causal LM.*T5ForConditionalGeneration"):
+        cm.Recipe(loss_chunk_tokens=8).build(t5)
+
+
+def test_chunked_loss_refuses_another_objective_seen_only_in_the_loss():
+    # Plain logits, but a loss that is not next-token cross-entropy (no shift): caught by comparing the losses.
+    model = _tiny_llama()
+    cls = type(model)
+
+    class Unshifted(cls):
+        def forward(self, input_ids=None, labels=None, **kwargs):
+            out = cls.forward(self, input_ids=input_ids, **kwargs)
+            logits = out.logits
+            out.loss = torch.nn.functional.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels.view(-1))
+            return out
+
+    model.__class__ = Unshifted
+    with pytest.raises(ValueError, match="own loss differs on 8 tokens .* another objective"):
+        cm.Recipe(loss_chunk_tokens=8).build(model)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])  # fp16 weights: the check's tolerance holds
+def test_chunked_loss_is_accepted_on_plain_causal_lms_and_on_their_meta_copies(dtype):
+    from colab_memopt import loss as chunked
+
+    chunked._OBJECTIVE_CACHE.clear()  # checked again at this dtype
+    model = _small("llama").to(dtype)
+    ids = torch.randint(3, 500, (2, 16))
+    with torch.no_grad():
+        want = model(ids, labels=ids).loss.float()
+        cm.Recipe(loss_chunk_tokens=8).build(model)
+        got = model(ids, labels=ids).loss
+    assert float(got) == pytest.approx(float(want), rel=1e-3 if dtype == torch.float32 else 2e-2)
+    chunked._OBJECTIVE_CACHE.clear()
+    with torch.device("meta"):
+        meta = _small("llama")
+    cm.Recipe(loss_chunk_tokens=8).check_model(meta)  # the meta forward runs: no twin needed
+
+
+def test_plan_refuses_a_lora_head_with_the_chunked_loss_as_build_does():
+    recipe = {"loss_chunk_tokens": 8, "lora_rank": 4, "lora_targets": ("qkv", "lm_head")}  # probe rows 120, 190
+    says = r"plain torch.nn.Linear, but lora_targets \('qkv', 'lm_head'\) would wrap it \(lm_head\) in a LoRA layer"
+    with pytest.raises(ValueError, match=says):
+        cm.plan("tiny", 2, seq_len=16, recipe=recipe, method="analytic")
+    with pytest.raises(ValueError, match=says):
+        cm.Recipe(**recipe).build(cm.build_model("tiny"))

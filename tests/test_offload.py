@@ -198,3 +198,39 @@ def test_host_bytes_count_pinned_copies_as_allocated(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self, *a: True)  # what CUDA would hold: pinned copies
     assert manager.host_bytes == 16_384
     assert offload.held_host_bytes(torch.zeros(5, device="meta")) == 20  # not a host tensor: its bytes as they are
+
+
+# -- issue 25 (probe rows 280, 281): nothing trained is lost to layer streaming ------------------------
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])  # fp16: pure fp16 weights under the dynamic loss scale (2^16)
+def test_streamed_weights_save_load_and_materialize_as_plain_training_does(reference, precision, tmp_path):
+    corpus = cm.load_corpus()
+    plain_recipe, streamed_recipe = cm.Recipe(precision=precision), cm.Recipe(precision=precision, layer_offload_active=1)
+    plain, opt = plain_recipe.build(copy.deepcopy(reference))
+    streamed, sopt = streamed_recipe.build(copy.deepcopy(reference))
+    a = cm.make_train_step(plain, opt, corpus, batch_size=2, seq_len=16, recipe=plain_recipe)
+    b = cm.make_train_step(streamed, sopt, corpus, batch_size=2, seq_len=16, recipe=streamed_recipe)
+    for _ in range(2):
+        a(), b()
+    assert all(p.untyped_storage().nbytes() == 0 for p in streamed.blocks[0].parameters())  # still streamed
+    path = tmp_path / "streamed.pt"
+    torch.save(streamed.state_dict(), path)  # the host copies: the trained values
+    saved = torch.load(path)
+    want = plain.state_dict()
+    assert saved.keys() == want.keys()
+    assert all(torch.equal(saved[k], want[k]) for k in want), "a saved weight differs from plain training's"
+    assert any(not torch.equal(saved[k], v) for k, v in reference.state_dict().items() if k in saved)
+    # loading into the streamed model writes the host copies, and training goes on from them
+    other = cm.build_model("tiny", seed=1, n_layer=4).to(saved["wte.weight"].dtype)
+    streamed.load_state_dict(other.state_dict())
+    assert all(torch.equal(v, other.state_dict()[k]) for k, v in streamed.state_dict().items())
+    streamed.load_state_dict(saved)
+    a(), b()
+    streamer = sopt.streamer
+    assert streamer.materialize() is streamed and streamer.closed
+    assert all(p.untyped_storage().nbytes() > 0 for p in streamed.parameters())
+    assert all(torch.equal(p, q) for p, q in zip(plain.parameters(), streamed.parameters()))
+    fresh = cm.build_model("tiny", n_layer=4).to(saved["wte.weight"].dtype)
+    fresh.load_state_dict(streamed.state_dict())  # an ordinary state dict now
+    with pytest.raises(RuntimeError, match="materialized"):
+        sopt.step()

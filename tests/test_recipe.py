@@ -137,3 +137,119 @@ def test_update_rounding_is_built_and_refused_for_fp32_weights():
     assert {p.dtype for p in model.parameters()} == {torch.float16}
     _, plain = Recipe(precision="bf16").build(cm.build_model("tiny"))
     assert isinstance(plain, torch.optim.AdamW)
+
+
+# -- issue 25: one table says which backend applies each field; build applies what plan counts ----------
+
+def _blocks_patched(model):
+    return ["forward" in b.__dict__ for b in model.blocks]
+
+
+def _first_block_forward_args(model):
+    fwd = model.blocks[0].forward
+    return getattr(fwd, "args", ())
+
+
+# field -> (the recipe fields that set it, a check that the built (model, optimizer, recipe) shows its effect)
+FIELD_SAMPLES = {
+    "optimizer": ({"optimizer": "sgd"}, lambda m, o, r: type(o).__name__ == "SGD"),
+    "lr": ({"lr": 0.0125}, lambda m, o, r: all(g["lr"] == 0.0125 for g in o.param_groups)),
+    "attention": ({"attention": "naive"}, lambda m, o, r: all(b.attn.attention == "naive" for b in m.blocks)),
+    "optimizer_rank": ({"optimizer": "apollo", "optimizer_rank": 4},
+                       lambda m, o, r: any(g.get("rank") == 4 for g in o.param_groups)),
+    "quantization": ({"quantization": "nf4", "lora_rank": 4},
+                     lambda m, o, r: any(type(x).__name__ == "Linear4bit" for x in m.modules())),
+    "quantization_phase": ({"quantization": "int8_channel", "quantization_phase": "forward_only"},
+                           lambda m, o, r: r.forward_model(m) is not m),
+    "lora_rank": ({"lora_rank": 4}, lambda m, o, r: any("lora_A" in n for n, _ in m.named_parameters())),
+    "lora_targets": ({"lora_rank": 4, "lora_targets": ("qkv",)},
+                     lambda m, o, r: {n.split(".lora_A")[0].split(".")[-1] for n, _ in m.named_parameters() if "lora_A" in n} == {"qkv"}),
+    "base_dtype": ({"lora_rank": 4, "base_dtype": "fp16", "precision": "fp16-autocast"},
+                   lambda m, o, r: any(p.dtype == torch.float16 and not p.requires_grad for p in m.parameters())),
+    "activation_compression": ({"activation_compression": "int8_tensor"},
+                               lambda m, o, r: all("int8_tensor" in _first_block_forward_args(m) for _ in [0])),
+    "compression_checkpointing": ({"compression_checkpointing": True},
+                                  lambda m, o, r: True in _first_block_forward_args(m)),
+    "phase_offload": ({"phase_offload": "cpu"}, lambda m, o, r: _step(m, o, r).__name__ == "phased_step"),
+    "precision": ({"precision": "bf16"}, lambda m, o, r: all(p.dtype == torch.bfloat16 for p in m.parameters())),
+    "eval_precision": ({"eval_precision": "bf16-autocast"}, lambda m, o, r: r.forward_precision() == "bf16-autocast"),
+    "update_rounding": ({"precision": "bf16", "update_rounding": "stochastic"},
+                        lambda m, o, r: type(o).__name__ == "UpdateRounding" and o.mode == "stochastic"),
+    "checkpointing": ({"checkpointing": "full"}, lambda m, o, r: all(_blocks_patched(m))),
+    "checkpoint_interval": ({"checkpointing": "every_n", "checkpoint_interval": 2},
+                            lambda m, o, r: _blocks_patched(m)[:2] == [False, True]),
+    "accumulation_steps": ({"accumulation_steps": 2}, lambda m, o, r: len(_step(m, o, r).micro_batch_sizes) == 2),
+    "attention_window": ({"attention_window": 8}, lambda m, o, r: all(b.attn.window == 8 for b in m.blocks)),
+    "layer_offload_active": ({"layer_offload_active": 1}, lambda m, o, r: o.streamer.max_active_layers == 1),
+    "layer_offload_prefetch": ({"layer_offload_active": 1, "layer_offload_prefetch": 2},
+                               lambda m, o, r: o.streamer.prefetch_distance == 2),
+    "optimizer_state_offload": ({"optimizer_state_offload": "cpu"}, None),  # applied by no step: refused everywhere
+    "zero_stage": ({"zero_stage": 2}, None),  # select the DeepSpeed backend: checked through `zero.initialize` below
+    "offload_optimizer": ({"zero_stage": 2, "offload_optimizer": True}, None),
+    "offload_param": ({"zero_stage": 3, "offload_param": True}, None),
+    "loss_chunk_tokens": ({"loss_chunk_tokens": 8}, lambda m, o, r: m.loss_chunk_tokens == 8),
+    "mlp_tile_tokens": ({"mlp_tile_tokens": 8},
+                        lambda m, o, r: all(getattr(mlp, cm.tiling._TILE, None) == 8 for mlp in cm.tiling.find_mlps(m))),
+    "offload_keep_blocks": ({"checkpointing": "offload", "offload_keep_blocks": 1},
+                            lambda m, o, r: all(_blocks_patched(m)) and cm.checkpointing.checkpoint_offloader(m) is not None),
+}
+SELECTORS = {"zero_stage", "offload_optimizer", "offload_param"}
+
+
+def _step(model, opt, recipe):
+    return cm.make_train_step(model, opt, cm.load_corpus(), batch_size=2, seq_len=16, recipe=recipe)
+
+
+def test_every_field_has_a_backend_row_and_a_sample():
+    # A new Recipe field must say which backends apply it (recipe.FIELD_BACKENDS) and how this test sees it.
+    from dataclasses import fields
+
+    from colab_memopt.recipe import BACKENDS, FIELD_BACKENDS
+
+    names = {f.name for f in fields(cm.Recipe)}
+    assert set(FIELD_BACKENDS) == names, f"rows missing: {sorted(names - set(FIELD_BACKENDS))}, stale: {sorted(set(FIELD_BACKENDS) - names)}"
+    assert set(FIELD_SAMPLES) == names, f"samples missing: {sorted(names - set(FIELD_SAMPLES))}"
+    assert all(set(row) <= set(BACKENDS) for row in FIELD_BACKENDS.values())
+
+
+@pytest.mark.parametrize("backend", ["torch", "deepspeed"])
+@pytest.mark.parametrize("name", sorted(FIELD_SAMPLES))
+def test_build_applies_every_field_plan_counts_or_both_refuse_it(name, backend, monkeypatch):
+    from colab_memopt import zero
+    from colab_memopt.recipe import FIELD_BACKENDS
+
+    values, applied = FIELD_SAMPLES[name]
+    if backend == "deepspeed" and not values.keys() & SELECTORS:
+        values = {"zero_stage": 1, **values}
+    if backend == "torch" and values.keys() & SELECTORS:
+        pytest.skip(f"{name} selects the DeepSpeed backend")  # its torch pairing does not exist
+    if backend not in FIELD_BACKENDS[name]:
+        # refused, naming a field the backend skips (this one, or one it needs, such as precision for update_rounding)
+        # (DeepSpeed also refuses every optimizer but AdamW, naming zero_stage and optimizer)
+        skipped = "|".join(k for k in values if backend not in FIELD_BACKENDS[k] or (backend, k) == ("deepspeed", "optimizer"))
+        with pytest.raises(ValueError, match=rf"recipe\..*\b({skipped})\b"):
+            cm.Recipe(**values)
+        with pytest.raises(ValueError, match=rf"recipe\..*\b({skipped})\b"):  # plan refuses what build would skip
+            cm.plan("tiny", 2, seq_len=16, recipe=values, method="analytic", find_max_batch=False)
+        return
+    if backend == "deepspeed" and name == "optimizer":  # DeepSpeed runs AdamW only: any other name is refused
+        with pytest.raises(ValueError, match=r"recipe\.zero_stage / offload run DeepSpeed with AdamW: set optimizer='adamw'"):
+            cm.Recipe(**values)
+        return
+    recipe = cm.Recipe(**values)
+    plan = cm.plan("tiny", 2, seq_len=16, recipe=values, method="analytic", find_max_batch=False)
+    assert plan.recipe[name] == values[name]
+    if backend == "deepspeed":  # the engine itself: tests/test_zero.py::test_zero_engine_applies_the_recipe_and_measure_step_reads_its_buffers
+        seen = {}
+        monkeypatch.setattr(zero, "initialize", lambda model, rec: seen.update(model=model, recipe=rec) or (model, None))
+        recipe.build(cm.build_model("tiny"))
+        assert seen["recipe"] is recipe
+        config = zero.deepspeed_config(recipe)["zero_optimization"]
+        checks = {"zero_stage": config["stage"] == recipe.zero_stage,
+                  "offload_optimizer": "offload_optimizer" in config, "offload_param": "offload_param" in config,
+                  "loss_chunk_tokens": getattr(seen["model"], "loss_chunk_tokens", None) == 8,
+                  "lr": recipe.lr == 0.0125, "eval_precision": recipe.forward_precision() == "bf16-autocast"}
+        assert checks[name], name
+        return
+    model, opt = recipe.build(cm.build_model("tiny"))
+    assert applied(model, opt, recipe), f"Recipe.build did not apply {name}={values[name]!r}"

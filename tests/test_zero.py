@@ -122,3 +122,47 @@ def test_zero_settings_stand_in_for_a_recipe_and_share_its_checks():
         zero.ZeroSettings(zero_stage=True)
     with pytest.raises(ValueError, match="lr must be > 0"):
         zero.ZeroSettings(lr=0)
+
+
+# -- issue 25: the engine Recipe.build makes applies the recipe, and measure_step measures it ----------------
+
+_ENGINE_SCRIPT = r"""
+import json, torch, colab_memopt as cm
+from colab_memopt import zero
+out = {}
+for stage in (2, 3):
+    recipe = cm.Recipe(zero_stage=stage, lr=0.0125, loss_chunk_tokens=8)
+    engine, opt = recipe.build(cm.build_model("tiny", seed=0))
+    step = cm.make_train_step(engine, opt, cm.load_corpus(), batch_size=2, seq_len=16, recipe=recipe)
+    report = cm.measure_step(step, model=engine, optimizer=opt, repeat=1)
+    x = next(cm.load_corpus().batches(2, 16))
+    engine.backward(engine(x, labels=x).loss)
+    held = zero.rank_state_bytes(engine)
+    engine.step()
+    out[stage] = {"stage": engine.zero_optimization_stage(), "chunk": engine.module.loss_chunk_tokens,
+                  "lr": [g["lr"] for g in opt.param_groups], "measured": report.by_category, "peak": report.peak_bytes,
+                  "held": held}
+print("RESULT" + json.dumps(out))
+"""
+
+
+def test_zero_engine_applies_the_recipe_and_measure_step_reads_its_buffers():
+    # In a fresh process: DeepSpeed starts a process group (one rank, gloo) that must not leak into other tests.
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run([sys.executable, "-c", _ENGINE_SCRIPT], capture_output=True, text=True, env=env, cwd=root, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    out = json.loads(run.stdout.split("RESULT", 1)[1])
+    for stage, got in out.items():
+        assert got["stage"] == int(stage) and got["chunk"] == 8 and set(got["lr"]) == {0.0125}
+        # the tracker sees what DeepSpeed holds: the fp32 master partition and AdamW's m and v, the flat weights
+        assert got["measured"]["optimizer_state"] == got["held"]["optimizer_state"]
+        assert abs(got["held"]["optimizer_state"] - 12 * 120_576) <= 16  # (and the step counter)
+        assert got["measured"]["parameters"] == got["held"]["parameters"] == 4 * 120_576
+        assert got["peak"] >= 4 * zero.DEFAULT_BUCKET_ELEMENTS  # the reduce bucket, whatever the model's size
