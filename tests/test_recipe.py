@@ -248,7 +248,8 @@ def test_build_applies_every_field_plan_counts_or_both_refuse_it(name, backend, 
         checks = {"zero_stage": config["stage"] == recipe.zero_stage,
                   "offload_optimizer": "offload_optimizer" in config, "offload_param": "offload_param" in config,
                   "loss_chunk_tokens": getattr(seen["model"], "loss_chunk_tokens", None) == 8,
-                  "lr": recipe.lr == 0.0125, "eval_precision": recipe.forward_precision() == "bf16-autocast"}
+                  "lr": recipe.lr == 0.0125, "eval_precision": recipe.forward_precision() == "bf16-autocast",
+                  "mlp_tile_tokens": all(getattr(mlp, cm.tiling._TILE, None) == 8 for mlp in cm.tiling.find_mlps(seen["model"]))}
         assert checks[name], name
         return
     model, opt = recipe.build(cm.build_model("tiny"))
