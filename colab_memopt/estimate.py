@@ -232,14 +232,41 @@ def activation_bytes(model: torch.nn.Module, batch: int, seq: int, *, bytes_per_
     if isinstance(model, GPT):
         blocks = d["layers"] * block_activation_bytes(model.config, b, s, bytes_per_value=bytes_per_value)
     else:
-        gated = any(name.endswith("gate_proj") for name, _ in model.named_modules())
+        gated = any(name.endswith(("gate_proj", "gate_up_proj")) for name, _ in model.named_modules())
         kv_h = h * d["kv_heads"] // d["heads"]
         per_token = (7 * h + 3 * kv_h + 4 * d["inter"]) if gated else (8 * h + 2 * d["inter"])
-        blocks = d["layers"] * b * s * per_token * bytes_per_value
+        # Under autocast (2-byte values) transformers models keep the residual stream and the norms in fp32 and
+        # save 16-bit copies of the linear inputs besides: traced, about 4.5 bytes per value, not 2 (small llama and
+        # phi3 configs: 5152 and 4896 bytes per token and layer against 4376 and 4632 in fp32).
+        blocks = d["layers"] * b * s * per_token * (bytes_per_value if bytes_per_value == 4 else 4.5)
+        blocks = int(blocks)
     if checkpointing:
         blocks = d["layers"] * b * s * h * bytes_per_value + blocks // d["layers"]
-    embeddings_and_head = 3 * b * s * h * bytes_per_value + 2 * b * s * d["vocab"] * bytes_per_value
-    return blocks + embeddings_and_head
+    embeddings_and_head = 3 * b * s * h * bytes_per_value + head_logit_values(model) * b * s * d["vocab"] * bytes_per_value
+    return blocks + embeddings_and_head + eager_attention_bytes(model, b, s, layers=1 if checkpointing else None)
+
+
+def head_logit_values(model: torch.nn.Module) -> int:
+    """Return how many (b, s, vocab) tensors the forward keeps for the loss: the logits and our GPT's log-softmax (2);
+    transformers models keep the logits only (their loss's log-softmax is a temporary of the loss backward)."""
+    return 2 if isinstance(model, GPT) else 1
+
+
+def eager_attention_bytes(model: torch.nn.Module, batch: int, seq: int, *, layers: int | None = None) -> int:
+    """Return the attention scores a transformers model with eager attention keeps (0 for SDPA and our GPT).
+
+    Eager attention (transformers' default where SDPA cannot apply, e.g. Gemma-2's soft-capped scores)
+    saves the fp32 softmax of each layer's (b, heads, s, s) scores, and with `attn_logit_softcapping`
+    the tanh's output too; while one layer computes, its raw and masked scores are alive besides
+    (2 more). Per the trace of a small Gemma-2 at 1024 tokens: 5.5 such tensors for 2 layers, here 6.
+    """
+    config = getattr(model, "config", None)
+    if isinstance(model, GPT) or getattr(config, "_attn_implementation", None) != "eager":
+        return 0
+    d = _dims(model)
+    scores = batch * d["heads"] * seq * seq * 4  # fp32: transformers' eager softmax runs in float32
+    saved = 2 if getattr(config, "attn_logit_softcapping", None) else 1
+    return (d["layers"] if layers is None else layers) * saved * scores + 2 * scores
 
 
 def _recipe_params(model: torch.nn.Module, recipe: Any) -> tuple[list[torch.Tensor], list[torch.Tensor], int]:
@@ -315,19 +342,22 @@ def training_step_bytes(model: torch.nn.Module, batch: int, seq: int, recipe: An
     micro = -(-batch // max(1, getattr(recipe, "accumulation_steps", 1)))
     act = activation_bytes(model, micro, seq, bytes_per_value=value_bytes)
     policy = getattr(recipe, "checkpointing", "none")
+    recomputed = 0  # the one block checkpointing recomputes in backward: not alive yet when the loss backward starts
     if policy != "none" or getattr(recipe, "compression_checkpointing", False):
         d = _dims(model)
-        per_block = (act - 3 * micro * seq * d["hidden"] * value_bytes - 2 * micro * seq * d["vocab"] * value_bytes) // max(1, d["layers"])
+        per_block = (act - 3 * micro * seq * d["hidden"] * value_bytes
+                     - head_logit_values(model) * micro * seq * d["vocab"] * value_bytes) // max(1, d["layers"])
         kept = d["layers"] // max(1, getattr(recipe, "checkpoint_interval", 1)) if policy == "every_n" else d["layers"]
         # 'offload' keeps the inputs in host RAM: on the device, the one recomputed and the one loaded ahead.
         on_device = min(2, kept) if policy == "offload" else kept
         act -= kept * per_block - (on_device * micro * seq * d["hidden"] * value_bytes + per_block)
+        recomputed = per_block
     chunk = getattr(recipe, "loss_chunk_tokens", None)
     chunk = 128 if chunk == "auto" else chunk  # the planner's first plan of 'auto' (loss.DEFAULT_CHUNK_TOKENS)
     if chunk is not None:  # notebook 17: one chunk's fp32 logits and their gradient, plus the hidden states' gradient
         d = _dims(model)
         act += (2 * min(chunk, micro * seq) * d["vocab"] * 4 + micro * seq * d["hidden"] * value_bytes
-                - 2 * micro * seq * d["vocab"] * value_bytes)
+                - head_logit_values(model) * micro * seq * d["vocab"] * value_bytes)
     if steps_in_backward(getattr(recipe, "optimizer", "")):
         g_bytes = largest  # each gradient is freed once its parameter steps
     stage = getattr(recipe, "zero_stage", 0)
@@ -345,6 +375,14 @@ def training_step_bytes(model: torch.nn.Module, batch: int, seq: int, recipe: An
         p_bytes = g_bytes = 2 * largest
     forward = {"parameters": p_bytes, "optimizer_state": o_bytes, "activations": act}
     backward = {"parameters": p_bytes, "optimizer_state": o_bytes, "gradients": g_bytes, "activations": act // 2, "temporaries": largest}
+    if not isinstance(model, GPT) and chunk is None:
+        # transformers' loss backward: every activation still alive, and the fp32 gradients of the log-softmax and of
+        # the logits (b, s, V) beside them, before any weight gradient exists (the traces of small llama, phi3 and
+        # gpt_neox configs peak there when the vocabulary is large against the width)
+        loss_start = {"parameters": p_bytes, "optimizer_state": o_bytes, "activations": act - recomputed,
+                      "temporaries": 2 * micro * seq * _dims(model)["vocab"] * 4}
+        if sum(loss_start.values()) > sum(backward.values()):
+            backward = loss_start
     optimizer = {"parameters": p_bytes, "optimizer_state": o_bytes, "gradients": g_bytes, "temporaries": 2 * largest}
     phases = {"forward": forward, "backward": backward, "optimizer": optimizer}
     totals = {p: sum(c.values()) for p, c in phases.items()}

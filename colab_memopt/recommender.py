@@ -82,7 +82,7 @@ def _no_fit_message(cands: list[Candidate], name: str, mode: str, batch: int, se
     leanest = min(planned or cands, key=lambda c: c.need_bytes)
     how = f"planned ({leanest.plan.method})" if leanest.plan is not None else "by the analytic screen; none was planned"
     if leanest.short_bytes > 0:
-        short = (f"needs {format_bytes(leanest.need_bytes)} of device memory, {how}, and {tgt.name} allows {format_bytes(limit)} "
+        short = (f"needs {format_bytes(leanest.need_bytes)} of device memory ({how}) and {tgt.name} allows {format_bytes(limit)} "
                  f"(short by {format_bytes(leanest.short_bytes)}). It would need a device with at least "
                  f"{format_bytes(int(leanest.need_bytes / (1 - headroom)))}")
     else:
