@@ -45,7 +45,7 @@ test: $(STAMP)
 	$(PY) -m pytest tests -m "not notebook and not browser" -q
 	rm -rf build/ci_notebooks build/results build/notebook_seconds.json
 	$(PY) -m colab_memopt.runner --prepare-only build/ci_notebooks
-	PYTHONPATH=tests $(PY) -m pytest -q -p nbval_budget -p no:cacheprovider --nbval-lax --nbval-current-env build/ci_notebooks
+	PYTHONPATH=tests$(if $(PYTHONPATH),:$(PYTHONPATH)) $(PY) -m pytest -q -p nbval_budget -p no:cacheprovider --nbval-lax --nbval-current-env build/ci_notebooks
 	$(PY) -m pytest tests -m notebook -q
 	$(BROWSER_TEST_IF_AVAILABLE)
 
@@ -56,7 +56,7 @@ test-unit: $(STAMP)
 test-notebooks: $(STAMP)
 	rm -rf build/ci_notebooks build/results build/notebook_seconds.json
 	$(PY) -m colab_memopt.runner --prepare-only build/ci_notebooks $(NOTEBOOKS)
-	PYTHONPATH=tests $(PY) -m pytest -q -p nbval_budget -p no:cacheprovider --nbval-lax --nbval-current-env build/ci_notebooks
+	PYTHONPATH=tests$(if $(PYTHONPATH),:$(PYTHONPATH)) $(PY) -m pytest -q -p nbval_budget -p no:cacheprovider --nbval-lax --nbval-current-env build/ci_notebooks
 	CM_NOTEBOOKS="$(NOTEBOOKS)" $(PY) -m pytest tests -m notebook -q
 
 # make test-gpu [WHEELHOUSE=dir] [CM_EMULATE=t4|none] [GPU_PYTHON=python3]: unit tests, tests/gpu, every
