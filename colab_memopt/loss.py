@@ -344,7 +344,7 @@ def _causal_lm_parts(model: nn.Module) -> tuple[nn.Module, nn.Linear]:
             f"the chunked loss needs the reference model or a transformers causal LM (a base model and an output "
             f"layer from get_output_embeddings()), got {name}"
         )
-    if type(head) is not nn.Linear:
+    if type(head) is not nn.Linear and not hasattr(head, "dequantized"):  # int8train's Int8Linear dequantizes
         raise ValueError(
             f"the chunked loss needs {name}'s output layer to be a plain nn.Linear, got {type(head).__name__} "
             "(leave lm_head out of lora_targets and of quantization)"
@@ -355,6 +355,13 @@ def _causal_lm_parts(model: nn.Module) -> tuple[nn.Module, nn.Linear]:
         if value not in (None, 1, 1.0):
             raise ValueError(f"the chunked loss computes plain logits, but {name} transforms them ({key}={value!r})")
     return base, head
+
+
+def head_weight(head: nn.Module) -> torch.Tensor:
+    """Return the output layer's weight for the chunked loss: `head.weight`, or an int8-trained head's
+    dequantized weight (`int8train.Int8Linear.dequantized`, whose gradient updates the int8 weight)."""
+    dequantized = getattr(head, "dequantized", None)
+    return dequantized() if callable(dequantized) else head.weight
 
 
 def _unwrapped(model: nn.Module) -> nn.Module:
@@ -368,7 +375,8 @@ def check_chunkable(model: nn.Module) -> None:
     """Raise ValueError, with `apply_chunked_loss`'s message, where the chunked loss cannot replace the model's."""
     model = _unwrapped(model)
     if hasattr(model, "loss_chunk_tokens"):  # the reference model (models.GPT) chunks by itself
-        if type(getattr(model, "lm_head", None)) is not nn.Linear:
+        head = getattr(model, "lm_head", None)
+        if type(head) is not nn.Linear and not hasattr(head, "dequantized"):
             raise ValueError(f"loss_chunk_tokens needs lm_head to be an nn.Linear, got {type(model.lm_head).__name__}")
         return
     _causal_lm_parts(model)
@@ -386,7 +394,7 @@ def _chunked_forward(self: nn.Module, input_ids: Any = None, attention_mask: Any
         kwargs.pop(key, None)
     out = base(input_ids=input_ids, attention_mask=attention_mask, return_dict=True, **kwargs)
     hidden = out.last_hidden_state  # (B, T, H), after the final norm
-    loss = causal_lm_loss(hidden, head.weight, labels, bias=head.bias, chunk_tokens=getattr(self, _CHUNK_ATTR))
+    loss = causal_lm_loss(hidden, head_weight(head), labels, bias=head.bias, chunk_tokens=getattr(self, _CHUNK_ATTR))
     return CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=getattr(out, "past_key_values", None))
 
 
