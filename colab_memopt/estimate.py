@@ -335,6 +335,11 @@ def training_step_bytes(model: torch.nn.Module, batch: int, seq: int, recipe: An
         o_bytes = 0
     if getattr(recipe, "offload_param", False):
         p_bytes = g_bytes = 2 * largest
+    if getattr(recipe, "weight_dtype", None) == "int8":  # issue 29: int8 matrices + fp32 group scales, the rest 16-bit
+        from colab_memopt.int8train import int8_weight_bytes
+
+        p_bytes, largest = int8_weight_bytes(model)
+        g_bytes = 2 * largest  # one matrix's 16-bit gradient, and its dequantized weight beside it (temporaries)
     forward = {"parameters": p_bytes, "optimizer_state": o_bytes, "activations": act}
     backward = {"parameters": p_bytes, "optimizer_state": o_bytes, "gradients": g_bytes, "activations": act // 2, "temporaries": largest}
     optimizer = {"parameters": p_bytes, "optimizer_state": o_bytes, "gradients": g_bytes, "temporaries": 2 * largest}

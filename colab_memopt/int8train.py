@@ -503,3 +503,18 @@ def make_int8_optimizer(rule: str, model: nn.Module, *, lr: float, weight_decay:
 def int8_state_bytes(weights: Iterable[_Int8Weight]) -> int:
     """Return the bytes of int8 values plus fp32 scales of `weights`."""
     return sum(w.qweight.numel() + w.scale.numel() * 4 for w in weights)
+
+
+def int8_weight_bytes(model: nn.Module, group_size: int = GROUP_SIZE) -> tuple[int, int]:
+    """Return (bytes of `model`'s weights once converted by `quantize_model_int8`: int8 matrices with fp32
+    scales and the rest in 16 bits; values of its largest matrix) by rule, for any device ('meta' too)."""
+    seen: set[int] = set()
+    total, largest = 0, 0
+    for m in model.modules():
+        if type(m) in (nn.Linear, nn.Embedding) and id(m.weight) not in seen:
+            seen.add(id(m.weight))
+            rows, cols = m.weight.shape
+            total += rows * cols + 4 * rows * (cols // _group(cols, group_size))
+            largest = max(largest, rows * cols)
+    rest = {id(p): p for p in model.parameters() if id(p) not in seen}
+    return total + 2 * sum(p.numel() for p in rest.values()), largest
