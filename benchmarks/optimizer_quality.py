@@ -91,7 +91,6 @@ FINETUNE_METHODS = {
     "AdamW fp32": ({"optimizer": "adamw"}, (1e-4, 3e-4, 1e-3)),
     "AdamW, 16-bit weights + Kahan": ({"optimizer": "adamw", "precision": "bf16", "update_rounding": "kahan"}, (1e-4, 3e-4, 1e-3)),
     "LOMO, 16-bit weights": ({"optimizer": "lomo", "precision": "bf16"}, (0.01, 0.03, 0.1)),
-    "AdaLomo, 16-bit weights": ({"optimizer": "adalomo", "precision": "bf16"}, (1e-3, 3e-3, 1e-2)),
     "LOMO, int8 weights": ({"optimizer": "lomo", "precision": "bf16", "weight_dtype": "int8"}, (0.01, 0.03, 0.1)),
     "AdaLomo, int8 weights": ({"optimizer": "adalomo", "precision": "bf16", "weight_dtype": "int8"}, (1e-3, 3e-3, 1e-2)),
 }
@@ -127,9 +126,12 @@ def finetune_rows(*, size: str, pretrain_steps: int, steps: int, batch: int, seq
                                        "val_loss": pre_log.val_loss, "seconds": time.perf_counter() - start},
            "finetune_text": text.source, "val_loss_before_finetuning": before, "steps": steps, "batch": batch, "seq_len": seq,
            "baseline": FINETUNE_BASELINE, "rows": []}
+    best_lr: dict[str, float] = {}
     for start_from in ("checkpoint", "scratch"):
         for name in methods:
             fields, lrs = FINETUNE_METHODS[name]
+            if start_from == "scratch":  # from scratch: the fine-tuning's best rate and 3x it (a smaller sweep)
+                lrs = (best_lr[name], 3 * best_lr[name])
             sweep = []
             for lr in lrs:
                 torch.manual_seed(seed)
@@ -144,6 +146,7 @@ def finetune_rows(*, size: str, pretrain_steps: int, steps: int, batch: int, seq
                               "seconds": time.perf_counter() - t0})
                 print(f"  {start_from:10s} {name:32s} lr {lr:<7g} val {log.val_loss:.4f}", flush=True)
             best = min(sweep, key=lambda r: r["val_loss"])
+            best_lr.setdefault(name, best["lr"])
             out["rows"].append({"method": name, "start": start_from, "recipe": fields, "best_lr": best["lr"],
                                 "val_loss": best["val_loss"], "sweep": sweep})
     for start_from in ("checkpoint", "scratch"):

@@ -615,4 +615,6 @@ def model_state_bytes(model: torch.nn.Module, recipe: Any) -> int:
         state = optimizer_state_bytes(trainable, recipe.optimizer)
     if getattr(recipe, "rounding_mode", None) == "kahan":
         state += sum(p.numel() * p.element_size() for p in trainable if p.dtype in (torch.float16, torch.bfloat16))
+    if getattr(recipe, "weight_dtype", None) == "int8" and recipe.optimizer == "adalomo":  # int8train: fp32 rows + columns
+        state += sum(4 * (p.shape[0] + p.shape[1]) for p in params if p.dtype == torch.int8)
     return weights + grads + state

@@ -135,6 +135,14 @@ class _Int8Weight:
         self.pending: torch.Tensor | None = None  # the parts of the gradient received so far (tied weights)
         self.received = 0
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Int8Weight:
+        """Copy the weight, not its optimizer (a copied model, e.g. for evaluation, is not trained by it)."""
+        import copy
+
+        out = _Int8Weight(copy.deepcopy(self.qweight, memo), copy.deepcopy(self.scale, memo), self.dtype)
+        out.uses = self.uses
+        return out
+
     def receive(self, grad: torch.Tensor) -> None:
         """Take one use's gradient; update the weight once all uses have sent theirs."""
         if self.optimizer is None:
@@ -214,14 +222,36 @@ def _anchor(shared: _Int8Weight, dtype: torch.dtype, device: torch.device) -> to
     return torch.zeros((), dtype=dtype, device=device, requires_grad=torch.is_grad_enabled())
 
 
-class Int8Linear(nn.Module):
+class _Int8Module(nn.Module):
+    """What the int8 layers share: `qweight` and `scale` registered as (frozen) parameters, so memory trackers count
+    them as model weights and tied layers keep one copy; `.to()`, `.half()`, `.float()` move them to the new device
+    but keep their dtypes (int8, fp32), and change only the dtype the weight is dequantized to."""
+
+    shared: _Int8Weight
+
+    def _register(self, shared: _Int8Weight) -> None:
+        self.shared = shared
+        self.qweight = shared.qweight  # (out, in) int8
+        self.scale = shared.scale  # (out, in / group) fp32
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> nn.Module:  # type: ignore[override]
+        probe = fn(torch.empty(0, dtype=self.shared.dtype, device=self.qweight.device))
+        for t in (self.qweight, self.scale):
+            if t.device != probe.device:
+                t.data = t.data.to(probe.device)
+        self.shared.dtype = probe.dtype
+        for name, p in self._parameters.items():
+            if p is not None and name not in ("qweight", "scale"):
+                p.data = fn(p.data)
+        return self
+
+
+class Int8Linear(_Int8Module):
     """A Linear layer whose weight is int8 with fp32 group scales, trained by `Int8Optimizer` inside backward."""
 
     def __init__(self, shared: _Int8Weight, bias: nn.Parameter | None) -> None:
         super().__init__()
-        self.shared = shared
-        self.qweight = shared.qweight  # registered: the int8 values count as parameters
-        self.register_buffer("scale", shared.scale)
+        self._register(shared)
         self.bias = bias
         self.out_features, self.in_features = shared.qweight.shape
 
@@ -241,16 +271,18 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int8, groups={self.scale.shape[1]}"
 
 
-class Int8Embedding(nn.Module):
+class Int8Embedding(_Int8Module):
     """An embedding table stored as int8 with fp32 group scales; looks up and dequantizes only the rows it needs."""
 
-    def __init__(self, shared: _Int8Weight, dtype: torch.dtype) -> None:
+    def __init__(self, shared: _Int8Weight) -> None:
         super().__init__()
-        self.shared = shared
-        self.qweight = shared.qweight
-        self.register_buffer("scale", shared.scale)
-        self.dtype = dtype
+        self._register(shared)
         self.num_embeddings, self.embedding_dim = shared.qweight.shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the rows it returns (the replaced table's; `.float()` and the like change it)."""
+        return self.shared.dtype
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if not torch.is_grad_enabled():
@@ -290,13 +322,14 @@ def quantize_model_int8(model: nn.Module, *, group_size: int = GROUP_SIZE, compu
         if id(w) not in shared:
             with torch.no_grad():
                 q, scale = quantize_int8(w.detach(), group_size)
-            shared[id(w)] = _Int8Weight(nn.Parameter(q, requires_grad=False), scale, compute_dtype or w.dtype)
+            shared[id(w)] = _Int8Weight(nn.Parameter(q, requires_grad=False), nn.Parameter(scale, requires_grad=False),
+                                        compute_dtype or w.dtype)
         sw = shared[id(w)]
         sw.uses += 1
         if isinstance(m, nn.Linear):
             new: nn.Module = Int8Linear(sw, m.bias)
         else:
-            new = Int8Embedding(sw, sw.dtype)
+            new = Int8Embedding(sw)
         parent_name, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, attr, new)
     return model
@@ -516,5 +549,5 @@ def int8_weight_bytes(model: nn.Module, group_size: int = GROUP_SIZE) -> tuple[i
             rows, cols = m.weight.shape
             total += rows * cols + 4 * rows * (cols // _group(cols, group_size))
             largest = max(largest, rows * cols)
-    rest = {id(p): p for p in model.parameters() if id(p) not in seen}
+    rest = {id(p): p for p in model.parameters() if id(p) not in seen}  # norms, biases: 16-bit
     return total + 2 * sum(p.numel() for p in rest.values()), largest

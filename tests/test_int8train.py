@@ -170,3 +170,18 @@ def test_fp16_int8_recipe_trains_through_the_training_step(corpus):
     assert all(torch.isfinite(torch.tensor(losses)))
     assert losses[-1] < losses[0]
     assert next(iter(int8_weights(model))).qweight.dtype == torch.int8
+
+
+def test_recommender_offers_int8_weights_only_when_no_16_bit_recipe_fits():
+    # ~6 s of CPU: one screen of every full fine-tuning candidate for an 8B model (analytic, meta tensors)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        big = cm.recommend("llama-3.1-8b", 1, seq_len=2048, mode="full", target="t4", method="analytic")
+        small = cm.recommend("llama-3.2-1b", 1, seq_len=512, mode="full", target="t4", method="analytic")
+    assert big.chosen.recipe.weight_dtype == "int8" and "int8" in big.chosen.name
+    assert big.chosen.recipe.precision == "fp16"  # a T4: no native bf16
+    assert any("trade precision for memory" in line for line in big.reasoning)
+    assert small.chosen.recipe.weight_dtype is None
+    assert not any("8-bit weights" in line for line in small.reasoning)
