@@ -156,14 +156,38 @@ def int8_rows(tgt, headroom: float = 0.10, out: str = str(OUT), scaled: bool = T
         data["int8_weights"] = section
         write_json(out, data)
 
+    def named(name: str, spec, seq: int) -> None:
+        row = _plan_row(name, _int8_model(spec), seq, recipe, tgt, headroom)
+        section["named"].append(row)
+        print(f"  {name:16s} {seq:5d}: {'fits' if row['fits'] else 'does NOT fit'}, device "
+              f"{format_bytes(row['device_need_bytes'])} of {format_bytes(row['device_limit_bytes'])}, host "
+              f"{format_bytes(row['host_need_bytes'])} ({row['plan_seconds']} s)", flush=True)
+        save()
+
+    # Most important first (this machine's CPU time is short): the 8B model at 2,048 tokens, the deepest 8B-shaped
+    # model (analytic bisection, then one trace at its answer and one a layer deeper), then the other rows.
+    named("llama-3.1-8b", "llama-3.1-8b", 2048)
+    if scaled:
+        for seq in (2048, 512):
+            deepest = capacity.largest_scaled_for("llama-3.1-8b", recipe, seq_len=seq, target=tgt, headroom=headroom,
+                                                  max_layers=128, trace=False)
+            entry = {"base": "llama-3.1-8b", "seq_len": seq, **deepest}
+            for key, layers in (("traced_at_answer", deepest["layers"]), ("traced_one_deeper", deepest["layers"] + 1)):
+                name = capacity.scaled("llama-3.1-8b", layers)
+                row = _plan_row(name, lambda name=name: capacity._SCALED[name].build(), seq, recipe, tgt, headroom)
+                entry[key] = {k: row[k] for k in ("params", "fits", "device_need_bytes", "device_limit_bytes",
+                                                  "host_need_bytes", "by_category", "plan_seconds")}
+                entry[key]["layers"] = layers
+            section["scaled"].append(entry)
+            a, b = entry["traced_at_answer"], entry["traced_one_deeper"]
+            print(f"  llama-3.1-8b shape, {seq} tokens: {deepest['layers']} layers, {deepest['params'] / 1e9:.2f}B by the "
+                  f"analytic search; traced: {'fits' if a['fits'] else 'does NOT fit'} ({format_bytes(a['device_need_bytes'])}), "
+                  f"one layer deeper {'fits' if b['fits'] else 'does NOT fit'} ({format_bytes(b['device_need_bytes'])})", flush=True)
+            save()
     for name, spec in INT8_MODELS:
         for seq in INT8_SEQS.get(name, (2048, 512)):
-            row = _plan_row(name, _int8_model(spec), seq, recipe, tgt, headroom)
-            section["named"].append(row)
-            print(f"  {name:16s} {seq:5d}: {'fits' if row['fits'] else 'does NOT fit'}, device "
-                  f"{format_bytes(row['device_need_bytes'])} of {format_bytes(row['device_limit_bytes'])}, host "
-                  f"{format_bytes(row['host_need_bytes'])} ({row['plan_seconds']} s)", flush=True)
-            save()
+            if (name, seq) != ("llama-3.1-8b", 2048):
+                named(name, spec, seq)
     fitting = {}
     for row in section["named"]:
         if row["fits"] and row["seq_len"] in (512, 2048):
@@ -171,14 +195,6 @@ def int8_rows(tgt, headroom: float = 0.10, out: str = str(OUT), scaled: bool = T
     params = {row["model"]: row["params"] for row in section["named"]}
     section["largest_named"] = {str(seq): max(models, key=params.get) for seq, models in fitting.items()}
     save()
-    if scaled:
-        for seq in (2048, 512):
-            deepest = capacity.largest_scaled_for("llama-3.1-8b", recipe, seq_len=seq, target=tgt, headroom=headroom,
-                                                  max_layers=96)
-            section["scaled"].append({"base": "llama-3.1-8b", "seq_len": seq, **deepest})
-            print(f"  llama-3.1-8b shape, {seq} tokens: {deepest['layers']} layers, {deepest['params'] / 1e9:.2f}B "
-                  f"({deepest['planned_by']}, {deepest['traces']} traces)", flush=True)
-            save()
     return section
 
 

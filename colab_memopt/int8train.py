@@ -425,10 +425,12 @@ class Int8Optimizer(torch.optim.Optimizer):
         self._handles = []
 
     def _finite(self, grad: torch.Tensor) -> bool:
-        """fp16 only (one device sync): False, and the step marked, when `grad` holds an inf or NaN."""
+        """fp16 only (one device sync): False, and the step marked, when `grad` holds an inf or NaN.
+
+        One fp32 sum, no copy of the gradient (an inf or NaN makes it inf or NaN; fp16 values cannot overflow it)."""
         if self.loss_scale == 1.0:
             return True
-        if bool(torch.isfinite(grad).all()):
+        if bool(torch.isfinite(grad.sum(dtype=torch.float32))):
             return True
         self.found_inf = True
         return False

@@ -1054,7 +1054,7 @@ def plan(
         warn.append("pure fp16 is traced as pure bf16 with the same update rounding (the same 2-byte weights, "
                     "gradients and activations); the loss scaler's few scalars and its data-dependent skip of "
                     "overflowing steps are not traced")
-        if rec.optimizer == "lomo":
+        if rec.optimizer == "lomo" and rec.weight_dtype is None:  # (int8train's LOMO does not clip)
             warn.append("LOMO with an fp16 loss clips by the global norm (lomo-optim forces it), a first backward "
                         "with the graph retained and then a second: traced as bf16, the trace has one backward")
     if rec.precision == "fp16-autocast" or rec.eval_precision == "fp16-autocast":

@@ -38,18 +38,18 @@ def test_mean_of_many_rounded_updates_equals_the_update(dtype):
     torch.manual_seed(0)
     w = torch.randn(4, 128)
     q0, s0 = quantize_int8(w)
-    grad = torch.randn(4, 128).to(dtype)
-    lr = 1e-3  # lr * |g| is about 1/30 of the grid spacing here
+    grad = (0.01 * torch.randn(4, 128)).to(dtype)
+    lr = 0.1  # lr * |g| is about 1/20 of the grid spacing here
     ref = dequantize_int8(q0, s0, torch.float32) - lr * grad.float()
     if dtype == torch.float16:  # the loss scale: the gradient arrives multiplied by 2**16 and is unscaled in fp32
-        grad = (grad.float() * 2**8).to(dtype)  # 2**16 would overflow fp16 here; the unscale is what is tested
+        grad = (grad.float() * 2**16).to(dtype)
     runs = []
     model = torch.nn.Sequential(torch.nn.Linear(128, 4, bias=False).to(dtype))
     quantize_model_int8(model)
     shared = int8_weights(model)[0]
     opt = make_int8_optimizer("lomo", model, lr=lr)
     opt.generator = torch.Generator().manual_seed(0)
-    opt.loss_scale = 2.0**8 if dtype == torch.float16 else 1.0
+    opt.loss_scale = 2.0**16 if dtype == torch.float16 else 1.0
     for _ in range(400):  # 400 independent draws of the same update from the same weight
         shared.qweight.data.copy_(q0)
         shared.scale.copy_(s0)
