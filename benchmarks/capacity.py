@@ -147,6 +147,7 @@ def int8_rows(tgt, headroom: float = 0.10, out: str = str(OUT), scaled: bool = T
     start = time.perf_counter()
     recipe = Recipe.from_dict(INT8_RECIPE)
     data = read_json(out) if Path(out).exists() else {}
+    previous = data.get("int8_weights", {})
     section = {"recipe": INT8_RECIPE, "target": tgt.name, "headroom": headroom,
                "method": "planner.plan(method='trace'): the step traced on fake tensors, plus the CUDA context; host RAM "
                          "counted (this process's RSS, the batch in flight)", "named": [], "scaled": []}
@@ -156,7 +157,14 @@ def int8_rows(tgt, headroom: float = 0.10, out: str = str(OUT), scaled: bool = T
         data["int8_weights"] = section
         write_json(out, data)
 
+    if previous.get("recipe") == INT8_RECIPE and previous.get("headroom") == headroom:  # resume: keep rows planned before
+        section["named"] = list(previous.get("named", []))
+        section["scaled"] = list(previous.get("scaled", []))
+    done = {(r["model"], r["seq_len"]) for r in section["named"]}
+
     def named(name: str, spec, seq: int) -> None:
+        if (name, seq) in done:
+            return
         row = _plan_row(name, _int8_model(spec), seq, recipe, tgt, headroom)
         section["named"].append(row)
         print(f"  {name:16s} {seq:5d}: {'fits' if row['fits'] else 'does NOT fit'}, device "
@@ -164,10 +172,12 @@ def int8_rows(tgt, headroom: float = 0.10, out: str = str(OUT), scaled: bool = T
               f"{format_bytes(row['host_need_bytes'])} ({row['plan_seconds']} s)", flush=True)
         save()
 
-    # Most important first (this machine's CPU time is short): the 8B model at 2,048 tokens, the deepest 8B-shaped
-    # model (analytic bisection, then one trace at its answer and one a layer deeper), then the other rows.
-    named("llama-3.1-8b", "llama-3.1-8b", 2048)
-    if scaled:
+    # Most important first (this machine's CPU time is short): the 8B model at 2,048, 4,096 and 512 tokens, the
+    # deepest 8B-shaped model (analytic bisection, then one trace at its answer and one a layer deeper), then the
+    # other named models. A run resumes where the last one stopped (rows already in the JSON are kept).
+    for seq in INT8_SEQS["llama-3.1-8b"]:
+        named("llama-3.1-8b", "llama-3.1-8b", seq)
+    if scaled and not section["scaled"]:
         for seq in (2048, 512):
             deepest = capacity.largest_scaled_for("llama-3.1-8b", recipe, seq_len=seq, target=tgt, headroom=headroom,
                                                   max_layers=128, trace=False)
@@ -186,8 +196,7 @@ def int8_rows(tgt, headroom: float = 0.10, out: str = str(OUT), scaled: bool = T
             save()
     for name, spec in INT8_MODELS:
         for seq in INT8_SEQS.get(name, (2048, 512)):
-            if (name, seq) != ("llama-3.1-8b", 2048):
-                named(name, spec, seq)
+            named(name, spec, seq)
     fitting = {}
     for row in section["named"]:
         if row["fits"] and row["seq_len"] in (512, 2048):
