@@ -94,16 +94,136 @@ def _why(fit: capacity.Fit) -> str:
     return ", ".join(f"{c} {format_bytes(b)}" for c, b in parts)
 
 
+# -- issue 29: 8-bit trainable weights (int8train), planned by trace on fake tensors ------------------------------
+INT8_RECIPE = {"optimizer": "adalomo", "precision": "fp16", "weight_dtype": "int8", "checkpointing": "full",
+               "loss_chunk_tokens": 128}
+# (name, our architecture name or the public config.json's fields); Qwen2.5-7B and Mistral-7B are not among
+# `architectures.ARCHITECTURES`: their configs are given here, from their model cards' config.json.
+INT8_MODELS = [
+    ("llama-3.1-8b", "llama-3.1-8b"),
+    ("qwen2.5-7b", ("Qwen2Config", dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                                        num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
+                                        max_position_embeddings=131072, tie_word_embeddings=False))),
+    ("mistral-7b-v0.3", ("MistralConfig", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                               num_attention_heads=32, num_key_value_heads=8, vocab_size=32768,
+                                               max_position_embeddings=32768, tie_word_embeddings=False,
+                                               sliding_window=None))),
+    ("llama-3.2-3b", "llama-3.2-3b"),
+]
+INT8_SEQS = {"llama-3.1-8b": (2048, 4096, 512)}
+
+
+def _int8_model(spec):
+    if isinstance(spec, str):
+        return spec
+    import transformers
+
+    cls, values = spec
+    return getattr(transformers, cls)(**values)
+
+
+def _plan_row(name: str, model, seq: int, recipe, tgt, headroom: float) -> dict:
+    from colab_memopt.planner import plan
+
+    from colab_memopt import architectures
+
+    p = plan(model, 1, seq_len=seq, recipe=recipe, target=tgt, headroom=headroom, find_max_batch=False, method="trace")
+    with torch.device("meta"):
+        params = sum(t.numel() for t in {id(t): t for t in architectures.resolve_model(model).build().parameters()}.values())
+    return {"model": name, "params": params, "seq_len": seq, "method": p.method, "fits": p.fits, "fits_device": p.fits_device,
+            "fits_host": p.fits_host, "device_need_bytes": p.device_need_bytes, "device_limit_bytes": p.device_limit_bytes,
+            "host_need_bytes": p.host_need_bytes, "host_limit_bytes": p.host_limit_bytes,
+            "peak_bytes": p.peak_bytes, "by_category": p.by_category, "by_phase": p.by_phase,
+            "device_costs": {c.name: c.bytes for c in p.device_costs}, "host_costs": {c.name: c.bytes for c in p.host_costs},
+            "analytic_peak_bytes": p.analytic_peak_bytes, "plan_seconds": round(p.seconds, 1)}
+
+
+def int8_rows(tgt, headroom: float = 0.10, out: str = str(OUT), scaled: bool = True) -> dict:
+    """Plan full fine-tuning with 8-bit weights (`INT8_RECIPE`) by trace: the named models, and the deepest
+    Llama-3.1-8B-shaped model at 512 and 2,048 tokens; add them to capacity.json under 'int8_weights'."""
+    from colab_memopt.fileio import read_json
+    from colab_memopt.recipe import Recipe
+
+    start = time.perf_counter()
+    recipe = Recipe.from_dict(INT8_RECIPE)
+    data = read_json(out) if Path(out).exists() else {}
+    previous = data.get("int8_weights", {})
+    section = {"recipe": INT8_RECIPE, "target": tgt.name, "headroom": headroom,
+               "method": "planner.plan(method='trace'): the step traced on fake tensors, plus the CUDA context; host RAM "
+                         "counted (this process's RSS, the batch in flight)", "named": [], "scaled": []}
+
+    def save() -> None:
+        section["seconds"] = round(time.perf_counter() - start, 1)
+        data["int8_weights"] = section
+        write_json(out, data)
+
+    if previous.get("recipe") == INT8_RECIPE and previous.get("headroom") == headroom:  # resume: keep rows planned before
+        section["named"] = list(previous.get("named", []))
+        section["scaled"] = list(previous.get("scaled", []))
+    done = {(r["model"], r["seq_len"]) for r in section["named"]}
+
+    def named(name: str, spec, seq: int) -> None:
+        if (name, seq) in done:
+            return
+        row = _plan_row(name, _int8_model(spec), seq, recipe, tgt, headroom)
+        section["named"].append(row)
+        print(f"  {name:16s} {seq:5d}: {'fits' if row['fits'] else 'does NOT fit'}, device "
+              f"{format_bytes(row['device_need_bytes'])} of {format_bytes(row['device_limit_bytes'])}, host "
+              f"{format_bytes(row['host_need_bytes'])} ({row['plan_seconds']} s)", flush=True)
+        save()
+
+    # Most important first (this machine's CPU time is short): the 8B model at 2,048, 4,096 and 512 tokens, the
+    # deepest 8B-shaped model (analytic bisection, then one trace at its answer and one a layer deeper), then the
+    # other named models. A run resumes where the last one stopped (rows already in the JSON are kept).
+    for seq in INT8_SEQS["llama-3.1-8b"]:
+        named("llama-3.1-8b", "llama-3.1-8b", seq)
+    if scaled and not section["scaled"]:
+        for seq in (2048, 512):
+            deepest = capacity.largest_scaled_for("llama-3.1-8b", recipe, seq_len=seq, target=tgt, headroom=headroom,
+                                                  max_layers=128, trace=False)
+            entry = {"base": "llama-3.1-8b", "seq_len": seq, **deepest}
+            for key, layers in (("traced_at_answer", deepest["layers"]), ("traced_one_deeper", deepest["layers"] + 1)):
+                name = capacity.scaled("llama-3.1-8b", layers)
+                row = _plan_row(name, lambda name=name: capacity._SCALED[name].build(), seq, recipe, tgt, headroom)
+                entry[key] = {k: row[k] for k in ("params", "fits", "device_need_bytes", "device_limit_bytes",
+                                                  "host_need_bytes", "by_category", "plan_seconds")}
+                entry[key]["layers"] = layers
+            section["scaled"].append(entry)
+            a, b = entry["traced_at_answer"], entry["traced_one_deeper"]
+            print(f"  llama-3.1-8b shape, {seq} tokens: {deepest['layers']} layers, {deepest['params'] / 1e9:.2f}B by the "
+                  f"analytic search; traced: {'fits' if a['fits'] else 'does NOT fit'} ({format_bytes(a['device_need_bytes'])}), "
+                  f"one layer deeper {'fits' if b['fits'] else 'does NOT fit'} ({format_bytes(b['device_need_bytes'])})", flush=True)
+            save()
+    for name, spec in INT8_MODELS:
+        for seq in INT8_SEQS.get(name, (2048, 512)):
+            named(name, spec, seq)
+    fitting = {}
+    for row in section["named"]:
+        if row["fits"] and row["seq_len"] in (512, 2048):
+            fitting.setdefault(row["seq_len"], []).append(row["model"])
+    params = {row["model"]: row["params"] for row in section["named"]}
+    section["largest_named"] = {str(seq): max(models, key=params.get) for seq, models in fitting.items()}
+    save()
+    return section
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default="t4")
     parser.add_argument("--seq", type=int, nargs="+", default=[512, 2048])
     parser.add_argument("--modes", nargs="+", default=["full", "lora", "qlora"])
     parser.add_argument("--out", default=str(OUT))
+    parser.add_argument("--int8-only", action="store_true",
+                        help="only plan the 8-bit-weight rows (issue 29) by trace and add them to the JSON as 'int8_weights'")
+    parser.add_argument("--no-scaled", action="store_true", help="with --int8-only: skip the deepest-model search")
     args = parser.parse_args(argv)
     warnings.simplefilter("ignore")
     start = time.perf_counter()
     tgt = get_target(args.target)
+    if args.int8_only:
+        int8_rows(tgt, out=args.out, scaled=not args.no_scaled)
+        print(f"wrote {args.out}")
+        return 0
     models = sorted(MODELS, key=capacity.model_params)
     gaps = _loss_gaps()
     rows = []

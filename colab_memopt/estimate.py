@@ -373,6 +373,11 @@ def training_step_bytes(model: torch.nn.Module, batch: int, seq: int, recipe: An
         o_bytes = 0
     if getattr(recipe, "offload_param", False):
         p_bytes = g_bytes = 2 * largest
+    if getattr(recipe, "weight_dtype", None) == "int8":  # issue 29: int8 matrices + fp32 group scales, the rest 16-bit
+        from colab_memopt.int8train import int8_weight_bytes
+
+        p_bytes, largest = int8_weight_bytes(model)
+        g_bytes = 2 * largest  # one matrix's 16-bit gradient, and its dequantized weight beside it (temporaries)
     forward = {"parameters": p_bytes, "optimizer_state": o_bytes, "activations": act}
     backward = {"parameters": p_bytes, "optimizer_state": o_bytes, "gradients": g_bytes, "activations": act // 2, "temporaries": largest}
     if not isinstance(model, GPT) and chunk is None:
@@ -656,4 +661,6 @@ def model_state_bytes(model: torch.nn.Module, recipe: Any) -> int:
         state = optimizer_state_bytes(trainable, recipe.optimizer)
     if getattr(recipe, "rounding_mode", None) == "kahan":
         state += sum(p.numel() * p.element_size() for p in trainable if p.dtype in (torch.float16, torch.bfloat16))
+    if getattr(recipe, "weight_dtype", None) == "int8" and recipe.optimizer == "adalomo":  # int8train: fp32 rows + columns
+        state += sum(4 * (p.shape[0] + p.shape[1]) for p in params if p.dtype == torch.int8)
     return weights + grads + state

@@ -382,7 +382,7 @@ def _causal_lm_parts(model: nn.Module) -> tuple[nn.Module, nn.Linear]:
             f"the chunked loss needs the reference model or a transformers causal LM (a base model and an output "
             f"layer from get_output_embeddings()), got {name}"
         )
-    if type(head) is not nn.Linear:
+    if type(head) is not nn.Linear and not hasattr(head, "dequantized"):  # int8train's Int8Linear dequantizes
         raise ValueError(_head_problem(name, head))
     config = getattr(model, "config", None)
     for key in ("final_logit_softcapping", "logit_scale", "output_multiplier_scale", "logits_scaling"):
@@ -453,8 +453,9 @@ def _trace_objective(model: nn.Module, base: nn.Module, head: nn.Module) -> tupl
         in_head[0] = False
         mark(output, "logits")
 
-    device = head.weight.device
-    ids = (torch.arange(8, device=device) * 7 + 3).remainder(head.weight.shape[0])[None]  # (1, 8) distinct tokens
+    weight = head_weight(head)
+    device = weight.device
+    ids = (torch.arange(8, device=device) * 7 + 3).remainder(weight.shape[0])[None]  # (1, 8) distinct tokens
     handles = [base.register_forward_hook(base_out), head.register_forward_pre_hook(head_pre),
                head.register_forward_hook(head_out)]
     was_training = model.training
@@ -513,7 +514,7 @@ def check_objective(model: nn.Module) -> None:
     config = getattr(model, "config", None)
     key = (f"{type(model).__module__}.{type(model).__qualname__}",
            config.to_json_string() if hasattr(config, "to_json_string") else repr(config))
-    real = not (head.weight.is_meta or is_fake(head.weight))
+    real = not (head_weight(head).is_meta or is_fake(head_weight(head)))
     cached = _OBJECTIVE_CACHE.get(key)
     if cached is not None and (cached[1] or not real):  # a real model's check is reused (Recipe.build checks twice)
         problem = cached[0]
@@ -540,17 +541,25 @@ def check_objective(model: nn.Module) -> None:
             problem = (f"the chunked loss computes plain next-token cross-entropy from the base model's hidden states "
                        f"and the head, but {name} does more: {', '.join(dict.fromkeys(found))}; leave loss_chunk_tokens=None")
         elif real and isinstance(loss, torch.Tensor) and isinstance(hidden, torch.Tensor):
-            ids = (torch.arange(8, device=hidden.device) * 7 + 3).remainder(head.weight.shape[0])[None]
             with torch.no_grad():
-                ours = causal_lm_loss(hidden, head.weight, ids, bias=head.bias, chunk_tokens=8)
+                weight = head_weight(head)
+                ids = (torch.arange(8, device=hidden.device) * 7 + 3).remainder(weight.shape[0])[None]
+                ours = causal_lm_loss(hidden, weight, ids, bias=head.bias, chunk_tokens=8)
             # both from the same hidden states, so the gap is rounding only (the logits' dtype), or another objective
-            tol = 1e-3 if head.weight.dtype == torch.float32 else 2e-2
+            tol = 1e-3 if weight.dtype == torch.float32 else 2e-2
             if abs(float(ours) - float(loss)) > tol * (1 + abs(float(loss))):
                 problem = (f"the chunked loss computes next-token cross-entropy, but {name}'s own loss differs on 8 tokens "
                            f"({float(loss):.4f} against {float(ours):.4f}): another objective; leave loss_chunk_tokens=None")
         _OBJECTIVE_CACHE[key] = (problem, real)
     if problem is not None:
         raise ValueError(problem)
+
+
+def head_weight(head: nn.Module) -> torch.Tensor:
+    """Return the output layer's weight for the chunked loss: `head.weight`, or an int8-trained head's
+    dequantized weight (`int8train.Int8Linear.dequantized`, whose gradient updates the int8 weight)."""
+    dequantized = getattr(head, "dequantized", None)
+    return dequantized() if callable(dequantized) else head.weight
 
 
 def _unwrapped(model: nn.Module) -> nn.Module:
@@ -564,8 +573,9 @@ def check_chunkable(model: nn.Module) -> None:
     """Raise ValueError, with `apply_chunked_loss`'s message, where the chunked loss cannot replace the model's."""
     model = _unwrapped(model)
     if hasattr(model, "loss_chunk_tokens"):  # the reference model (models.GPT) chunks by itself
-        if type(getattr(model, "lm_head", None)) is not nn.Linear:
-            raise ValueError(_head_problem(type(model).__name__, model.lm_head))
+        head = getattr(model, "lm_head", None)
+        if type(head) is not nn.Linear and not hasattr(head, "dequantized"):  # int8train's Int8Linear dequantizes
+            raise ValueError(_head_problem(type(model).__name__, head))
         return
     check_objective(model)
 
@@ -593,7 +603,7 @@ def _chunked_forward(self: nn.Module, input_ids: Any = None, attention_mask: Any
         kwargs.pop(key, None)
     out = base(input_ids=input_ids, attention_mask=attention_mask, return_dict=True, **kwargs)
     hidden = out.last_hidden_state  # (B, T, H), after the final norm
-    loss = causal_lm_loss(hidden, head.weight, labels, bias=head.bias, chunk_tokens=getattr(self, _CHUNK_ATTR))
+    loss = causal_lm_loss(hidden, head_weight(head), labels, bias=head.bias, chunk_tokens=getattr(self, _CHUNK_ATTR))
     return CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=getattr(out, "past_key_values", None))
 
 

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from colab_memopt.attention import attend
-from colab_memopt.loss import causal_lm_loss
+from colab_memopt.loss import causal_lm_loss, head_weight
 from colab_memopt.structured import causal_semiseparable_mixing
 
 ATTENTION_IMPLS = ("sdpa", "naive", "semiseparable")
@@ -205,10 +205,11 @@ class GPT(nn.Module):
         if chunk is not None:
             if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
                 raise ValueError(f"loss_chunk_tokens must be None or an integer >= 1 (tokens per chunk), got {chunk!r}")
-            if type(self.lm_head) is not nn.Linear:  # a quantized head has no plain weight to chunk over
+            if type(self.lm_head) is not nn.Linear and not hasattr(self.lm_head, "dequantized"):
+                # a quantized head has no plain weight to chunk over (an int8-trained one dequantizes it: int8train)
                 raise ValueError(f"loss_chunk_tokens needs lm_head to be an nn.Linear, got {type(self.lm_head).__name__}")
             if labels is not None:
-                loss = causal_lm_loss(x, self.lm_head.weight, labels, bias=self.lm_head.bias, chunk_tokens=chunk)
+                loss = causal_lm_loss(x, head_weight(self.lm_head), labels, bias=self.lm_head.bias, chunk_tokens=chunk)
                 return CausalLMOutput(loss=loss, logits=None)
         logits = self.lm_head(x)  # (B, T, V)
         loss = None

@@ -1424,7 +1424,7 @@ def plan(
     if rec.precision == "fp16":
         warn.append("pure fp16 is traced in fp16 with its loss scaler taking a clean step (fake tensors have no values: "
                     "the skip of an overflowing step, which holds less, is not traced)")
-        if rec.optimizer in ("lomo", "adalomo"):
+        if rec.optimizer in ("lomo", "adalomo") and rec.weight_dtype is None:  # (int8train's rules do not clip)
             warn.append(f"{rec.optimizer} in fp16 runs two backward passes, the first with the graph retained (the "
                         "global norm, which finds overflows before any weight changes): both are traced")
     if rec.precision == "fp16-autocast" or rec.eval_precision == "fp16-autocast":

@@ -37,6 +37,7 @@ from colab_memopt.precision import (
 )
 from colab_memopt.rounding import UpdateRounding, check_update_rounding
 from colab_memopt.tiling import apply_tiled_mlp, check_tile_tokens, find_mlps
+from colab_memopt.int8train import INT8_RULES, check_weight_dtype, make_int8_optimizer, quantize_model_int8
 from colab_memopt.quantization import (
     DEFAULT_LORA_TARGETS,
     SCHEMES,
@@ -83,6 +84,7 @@ FIELD_BACKENDS: dict[str, tuple[str, ...]] = {
     "loss_chunk_tokens": ("torch", "deepspeed"),  # installed on the module before the engine wraps it
     "mlp_tile_tokens": ("torch", "deepspeed"),  # installed on the module before the engine wraps it
     "offload_keep_blocks": ("torch",),  # a split of checkpointing='offload', which DeepSpeed does not apply
+    "weight_dtype": ("torch",),  # int8train's own in-backward update: validate refuses DeepSpeed by name first
 }
 
 
@@ -181,6 +183,10 @@ class Recipe:
     # issue 28: each block's MLP by sequence tiles; under 'offload', how many blocks' inputs stay on the device
     mlp_tile_tokens: int | None = None
     offload_keep_blocks: int = 0
+    # -- 16_full_finetuning_on_a_t4: None keeps the weights as `precision` says; 'int8' stores every
+    # Linear and Embedding weight as int8 with fp32 group scales, updated inside backward with stochastic rounding
+    # by the `optimizer` rule 'lomo' or 'adalomo' (`int8train`); needs precision 'bf16' or 'fp16'
+    weight_dtype: str | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -321,6 +327,7 @@ class Recipe:
             )
         if self.uses_deepspeed and self.layer_offload_active:
             raise ValueError("recipe.layer_offload_active and DeepSpeed (zero_stage, offload_*) cannot be combined: pick one")
+        self._validate_weight_dtype()
         self._validate_backend()
 
     @property
@@ -346,6 +353,21 @@ class Recipe:
                 f"skip it while plan counted it; leave {f.name} at {default!r}, or train without DeepSpeed"
                 if backend == "deepspeed" else
                 f"recipe.{f.name}={value!r} needs the DeepSpeed backend (it is applied only by a DeepSpeed engine)")
+
+    def _validate_weight_dtype(self) -> None:
+        """Refuse what 8-bit trainable weights (`int8train`, issue 29) cannot do, naming the values."""
+        check_weight_dtype(self.weight_dtype, name="recipe.weight_dtype")
+        if self.weight_dtype is None:
+            return
+        name = f"recipe.weight_dtype={self.weight_dtype!r}"
+        if self.optimizer not in INT8_RULES:
+            raise ValueError(f"{name} updates the int8 weights inside backward with the rule 'lomo' (SGD) or 'adalomo': "
+                             f"set optimizer to one of {INT8_RULES}, got {self.optimizer!r}")
+        if self.precision not in PURE_PRECISIONS:
+            raise ValueError(f"{name} dequantizes into 16-bit compute: set precision 'bf16' or 'fp16' (a T4), "
+                             f"got {self.precision!r}")
+        if self.uses_deepspeed or self.zero_stage:
+            raise ValueError(f"{name} trains its own int8 weights: leave zero_stage=0 and offload_* False")
 
     def _validate_low_state(self) -> None:
         """Refuse what the optimizers with almost no state (issue 15) cannot do, naming the values."""
@@ -507,6 +529,8 @@ class Recipe:
                     block.attn.attention = self.attention
                 block.attn.window = self.attention_window
         prepare_model(model, self.precision)
+        if self.weight_dtype == "int8":  # issue 29: int8 weights, dequantized per layer (after the 16-bit cast)
+            quantize_model_int8(model)
         if self.base_dtype is not None:  # issue 18: the frozen base in fp16/bf16, before quantization and adapters
             device = next((t.device for t in model.parameters()), torch.device("cpu"))
             if device.type == "cuda":
@@ -532,6 +556,8 @@ class Recipe:
                 return opt if mode is None else UpdateRounding(opt, mode)
 
             return model, streamer.optimizer(streamed_optimizer)
+        if self.weight_dtype == "int8":
+            return model, make_int8_optimizer(self.optimizer, model, lr=self.lr)
         trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         params = trainable if self.optimizer == "adam_mini" else [p for _, p in trainable]
         if mode is not None and self.optimizer.endswith("_in_backward"):  # one rounding wrapper per parameter

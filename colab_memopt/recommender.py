@@ -242,6 +242,8 @@ def _changed(recipe: Recipe) -> dict[str, Any]:
 def _name(recipe: Recipe, target: Any, mode: str, model: str | None = None) -> str:
     used, uncovered = techniques_used(recipe)
     label = " + ".join(used + uncovered) or "fp32 AdamW (baseline)"
+    if recipe.weight_dtype is not None and all("weight_dtype" not in u for u in uncovered):  # issue 29
+        label += f" + weight_dtype={recipe.weight_dtype!r}"
     for preset in PRESETS:
         if Recipe.from_dict(preset_fields(preset, target=target, mode=mode, model=model)) == recipe:
             label += f"  [preset {preset}]"
@@ -318,6 +320,20 @@ FULL_CANDIDATES: dict[str, dict[str, Any]] = {
     "AdaLomo, 16-bit weights": {"optimizer": "adalomo", "precision": "<pure16>"},
 }
 PURE16 = "<pure16>"  # replaced by 'fp16' on a target without native bf16 (a T4), else 'bf16'
+# Issue 29: 8-bit trainable weights (`int8train`), offered for mode 'full' only when nothing with 16-bit weights
+# fits. What they trade: each weight sits on an int8 grid (1.03 B/param with its scales) and moves by stochastic
+# rounding, unbiased but noisy: benchmarks/results/optimizer_quality.json ('finetune') has the measured loss gap.
+INT8_CANDIDATES: dict[str, dict[str, Any]] = {
+    "AdaLomo, int8 weights": {"optimizer": "adalomo", "precision": PURE16, "weight_dtype": "int8",
+                              "loss_chunk_tokens": DEFAULT_CHUNK_TOKENS},
+    "LOMO, int8 weights": {"optimizer": "lomo", "precision": PURE16, "weight_dtype": "int8",
+                           "loss_chunk_tokens": DEFAULT_CHUNK_TOKENS},
+}
+INT8_TRADE = ("8-bit weights trade precision for memory: every Linear and Embedding weight is int8 with fp32 scales "
+              "(1.03 bytes per value instead of 2), updated inside backward with stochastic rounding (unbiased, but each "
+              "update moves a weight by a whole grid step or not at all), by SGD (LOMO) or AdaLomo only: no momentum, no "
+              "gradient accumulation, no clipping; see benchmarks/results/optimizer_quality.json ('finetune') for the "
+              "measured loss gap to fp32 AdamW")
 
 
 def full_candidates(*, target: Any = "t4", model: str | None = None,
@@ -654,6 +670,13 @@ def _recommend_mode(
     if chosen is None:  # issue 28: the longest-context round (capacity.longest_context's recipe, split checkpoints)
         chosen = _longest_context_round(factory, arch, batch, seq_len, mode, tgt, headroom, method, half_precision,
                                         meta_model, screened, cands, reasoning)
+    if chosen is None and lean_full and half_precision:  # issue 29: 8-bit weights, when no 16-bit-weight recipe fits
+        int8 = screened([r for _, r in full_candidates(target=tgt, model=arch, extra=INT8_CANDIDATES)
+                         if _applies(r, meta_model)])
+        reasoning.append(f"none of those fits: {len(int8)} candidates with 8-bit weights ({', '.join(INT8_CANDIDATES)}). "
+                         + INT8_TRADE)
+        cands += int8
+        chosen = confirm(int8)
     if chosen is None:
         raise NoRecipeFits(_no_fit_message(cands, name, mode, batch, seq_len, tgt, limit, headroom), cands)
     reasoning.append(f"chosen: {chosen.name}, expected slowdown x{chosen.slowdown.ratio:.2f}"

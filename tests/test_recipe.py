@@ -190,6 +190,8 @@ FIELD_SAMPLES = {
     "loss_chunk_tokens": ({"loss_chunk_tokens": 8}, lambda m, o, r: m.loss_chunk_tokens == 8),
     "mlp_tile_tokens": ({"mlp_tile_tokens": 8},
                         lambda m, o, r: all(getattr(mlp, cm.tiling._TILE, None) == 8 for mlp in cm.tiling.find_mlps(m))),
+    "weight_dtype": ({"weight_dtype": "int8", "optimizer": "lomo", "precision": "bf16"},
+                     lambda m, o, r: any(type(x).__name__ == "Int8Linear" for x in m.modules())),
     "offload_keep_blocks": ({"checkpointing": "offload", "offload_keep_blocks": 1},
                             lambda m, o, r: all(_blocks_patched(m)) and cm.checkpointing.checkpoint_offloader(m) is not None),
 }
