@@ -201,13 +201,17 @@ def _importable(module: str, env: dict[str, str] | None = None) -> str | None:
     return None if run.returncode == 0 else ((run.stderr.strip().splitlines() or ["exit %d" % run.returncode])[-1])[:300]
 
 
+def normalize(name: str) -> str:
+    """Return a distribution name as PEP 503 compares them: 'Torch_Optimi' -> 'torch-optimi'."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
 def wheelhouse_files(wheelhouse: str) -> list[Path]:
     """Return the wheels and sdists in `wheelhouse` and its subfolders (parts of `make gpu-wheels`), one per distribution.
 
     Raises ValueError if `wheelhouse` is not a folder, or if two files hold two versions of one distribution
     (pip would stop at the conflict).
     """
-    from colab_memopt.wheelhouse import normalize
 
     root = Path(wheelhouse)
     if not root.is_dir():
@@ -236,7 +240,6 @@ def install_missing(wheelhouse: str | None, target: str | None = None) -> StepRe
     """
     from importlib import metadata
 
-    from colab_memopt.wheelhouse import normalize
 
     start = time.perf_counter()
     env = dict(os.environ)
@@ -297,7 +300,6 @@ def install_missing(wheelhouse: str | None, target: str | None = None) -> StepRe
 
 def _requirement_pins(path: Path = REPO_ROOT / "requirements.txt") -> dict[str, str]:
     """Return {normalized name: version} of requirements.txt's `name==version` lines."""
-    from colab_memopt.wheelhouse import normalize
 
     pins = {}
     for line in path.read_text().splitlines():

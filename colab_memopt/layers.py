@@ -34,7 +34,7 @@ LAYERS: tuple[Layer, ...] = (
     Layer("blocks", "the model, the data and the techniques, one module each, each usable alone",
           ("models", "architectures", "data", "evaluation", "attention", "structured", "precision",
            "checkpointing", "accumulation", "lowstate", "optimizers", "rounding", "lomo", "quantization", "compression",
-           "loss", "offload", "tiling",
+           "loss", "offload", "tiling", "int8train",
            "zero", "phases", "batching")),
     Layer("recipe", "the Recipe, its presets and the training step that apply the techniques",
           ("recipe", "presets", "train", "loading")),
@@ -42,7 +42,7 @@ LAYERS: tuple[Layer, ...] = (
           ("estimate", "planner", "costs", "recommender", "capacity", "monitor", "oom", "doctor", "hfconfig", "trainer",
            "guard")),
     Layer("tooling", "the notebooks' runner, roll-up, plots and widgets, and the command line",
-          ("runner", "rollup", "project", "plots", "widgets", "layers", "gpucheck", "__main__")),
+          ("runner", "rollup", "project", "plots", "widgets", "layers", "gpucheck", "wheelhouse", "__main__")),
 )
 FACADE = "__init__"
 

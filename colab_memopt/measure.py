@@ -13,7 +13,7 @@ import gc
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -327,6 +327,18 @@ def measure_step(
     )
 
 
+def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
+    """Yield every tensor in `obj`, a tensor or nested dicts, lists and tuples of them."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from iter_tensors(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from iter_tensors(v)
+
+
 def _trackable_optimizer(optimizer: Any) -> tuple[Any, dict[str, list[torch.Tensor]]]:
     """Return (a torch optimizer the tracker can follow, other tensors it holds by category) for `optimizer`.
 
@@ -342,8 +354,7 @@ def _trackable_optimizer(optimizer: Any) -> tuple[Any, dict[str, list[torch.Tens
     if not isinstance(inner, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer or a DeepSpeed ZeRO optimizer (with a torch optimizer "
                         f"in .optimizer), got {type(optimizer).__name__}")
-    from colab_memopt.zero import _tensors
-
+    _tensors = iter_tensors
     groups = getattr(optimizer, "fp16_groups", None) or getattr(optimizer, "bit16_groups", None) or []
     params = [p for group in groups for p in group]
     extra = {

@@ -83,9 +83,7 @@ TARGET_ENV = {"python_version": "3.12", "python_full_version": "3.12.3", "sys_pl
               "implementation_name": "cpython", "platform_python_implementation": "CPython", "extra": ""}
 
 
-def normalize(name: str) -> str:
-    """Return a distribution name as PEP 503 compares them: 'Torch_Optimi' -> 'torch-optimi'."""
-    return re.sub(r"[-_.]+", "-", name).lower()
+from colab_memopt.gpucheck import normalize  # noqa: E402 - one definition, in the module that installs
 
 
 def version(name: str) -> str:

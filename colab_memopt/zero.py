@@ -23,6 +23,7 @@ import torch
 
 from colab_memopt import ranks
 from colab_memopt.ranks import LOOPBACK, free_port
+from colab_memopt.measure import iter_tensors
 
 ZERO_STAGES = (0, 1, 2, 3)
 # DeepSpeed's reduce / all-gather bucket (elements) in `deepspeed_config`: the engine holds one flat buffer of
@@ -252,15 +253,7 @@ def engine_train_step(engine: Any, input_ids: torch.Tensor) -> float:
 
 # -- reading what a rank holds --------------------------------------------------------------------
 
-def _tensors(obj: Any) -> Iterable[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from _tensors(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from _tensors(v)
+_tensors = iter_tensors  # every tensor in nested dicts, lists and tuples (measure.iter_tensors)
 
 
 def _storage_bytes(tensors: Iterable[torch.Tensor], seen: set[int] | None = None) -> int:
