@@ -83,7 +83,9 @@ def test_best_fit_picks_among_the_candidates_asked_for():
     cats = badam.categories()
     model = capacity._meta_model("llama-3.2-1b")
     block = sum(p.numel() for p in model.model.layers[0].parameters())
-    assert cats["gradients"] == 4 * block
+    # at the step's peak BAdam holds one block's fp32 gradients at most: under fp16 autocast (traced in fp16) the
+    # peak falls at the loss, before the active block's gradients exist; never the whole model's
+    assert cats["gradients"] in (0, 4 * block)
     with pytest.raises(ValueError, match="candidates must be"):
         capacity.best_fit("llama-3.2-1b", candidates="lomo", **kwargs)
 

@@ -147,7 +147,7 @@ def test_cli_json_and_exit_codes(capsys):
     assert "recipe.optimizer" in capsys.readouterr().err
     assert cli(["plan", "--model", "tiny", "--batch", "1", "--device-bytes", "100"]) == 2
     assert cli(["plan", "--batch", "1"]) == 2  # argparse's refusal: one line, no usage dump, no SystemExit
-    assert "the following arguments are required: --model" in capsys.readouterr().err
+    assert "plan needs --model and --batch (or --training-args FILE)" in capsys.readouterr().err
 
 
 TRACED_RECIPES = [
@@ -722,16 +722,18 @@ def test_qlora_from_a_checkpoint_is_quantized_per_tensor_while_loading(monkeypat
 
 
 def test_offloaded_checkpoints_on_cuda_count_pinned_host_bytes_rounded():
-    # 4 blocks x (4 x 48 x 64 fp32 = 48 KiB): each pinned copy takes 64 KiB on CUDA
+    # 4 blocks x (4 x 48 x 64 fp32 = 48 KiB): a single pinned copy would take 64 KiB on CUDA (PowerOf2Ceil); the
+    # offloader stores each in power-of-two pieces (32 KiB + 16 KiB), which the pinned allocator takes unrounded
     recipe = {"checkpointing": "offload"}
     cuda = planner.plan(lambda: cm.build_model("tiny", n_layer=4), 4, seq_len=48, recipe=recipe, target="t4",
                         find_max_batch=False)
     cpu = planner.plan(lambda: cm.build_model("tiny", n_layer=4), 4, seq_len=48, recipe=recipe, target=CPU_TARGET,
                        find_max_batch=False)
     host = {p: {c.name: c for c in plan.host_costs}["offloaded checkpoints"] for p, plan in (("cuda", cuda), ("cpu", cpu))}
-    assert host["cpu"].bytes == 4 * 4 * 48 * 64 * 4 and host["cuda"].bytes == 4 * 64 * 1024
+    assert host["cpu"].bytes == host["cuda"].bytes == 4 * 4 * 48 * 64 * 4
+    assert cm.offload.pinned_bytes(4 * 48 * 64 * 4) == 64 * 1024  # what one unsplit pinned copy would take
     assert "PowerOf2Ceil" in host["cuda"].source
     meta = cm.build_model("tiny", n_layer=4, device="meta")
     rec = cm.Recipe(checkpointing="offload")
-    assert planner.offloaded_checkpoint_bytes(meta, 4, 48, rec, pinned=True) == 4 * 64 * 1024
+    assert planner.offloaded_checkpoint_bytes(meta, 4, 48, rec, pinned=True) == 4 * 4 * 48 * 64 * 4
     assert planner.offloaded_checkpoint_bytes(meta, 4, 48, rec) == 4 * 4 * 48 * 64 * 4
