@@ -98,6 +98,27 @@ def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     return hidden.dtype
 
 
+def _gathered(*tensors: torch.Tensor | None) -> Any:
+    """Return a context in which DeepSpeed ZeRO-3 partitioned parameters among `tensors` hold their full values.
+
+    Under ZeRO-3 a parameter's data is a 0-element placeholder except while its module runs. The loss's
+    backward runs before any module's backward hook re-gathers the head's weight (in forward a head whose
+    own forward is skipped, as in `_chunked_forward`, may be partitioned too; untested there), so the weight
+    and bias are gathered here (`deepspeed.zero.GatheredParameters`, read-only: partitioned again on exit).
+    Parameters already available are left alone (exiting the context would partition them under their
+    module); without DeepSpeed's attributes (`ds_id`, `ds_status`) this is a no-op and deepspeed is not imported.
+    """
+    import contextlib
+
+    params = [t for t in tensors if t is not None and hasattr(t, "ds_id") and hasattr(t, "ds_status")
+              and getattr(t.ds_status, "name", None) != "AVAILABLE"]
+    if not params:
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+
+
 class ChunkedCrossEntropy(torch.autograd.Function):
     """Cross-entropy of `hidden @ weight.T + bias` against `labels`, forward and gradients by chunks.
 
@@ -121,7 +142,7 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         ignore_index: int,
     ) -> torch.Tensor:
         cdt = _compute_dtype(hidden, weight)
-        with torch.autocast(hidden.device.type, enabled=False):
+        with _gathered(weight, bias), torch.autocast(hidden.device.type, enabled=False):
             w_c = weight.to(cdt)  # (V, H); no copy when the dtypes agree (autocast makes the same copy)
             b_c = bias.to(cdt) if bias is not None else None
             valid = labels != ignore_index  # (N,) bool
@@ -147,6 +168,11 @@ class ChunkedCrossEntropy(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_output: torch.Tensor):  # type: ignore[override]
         hidden, weight, bias, labels, lse = ctx.saved_tensors
+        with _gathered(weight, bias):  # a ZeRO-3 partitioned head is gathered for the logits and its gradient's shape
+            return ChunkedCrossEntropy._backward(ctx, grad_output, hidden, weight, bias, labels, lse)
+
+    @staticmethod
+    def _backward(ctx, grad_output, hidden, weight, bias, labels, lse):  # noqa: ANN001, ANN205 - backward's body
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         cdt, chunk_tokens = ctx.compute_dtype, ctx.chunk_tokens
         n_tokens, vocab = hidden.shape[0], weight.shape[0]
