@@ -41,11 +41,13 @@ readme: $(STAMP)
 
 # Unit tests and static notebook checks; then every notebook executed once by nbval, on copies papermill
 # prepared with the CI parameters (timed against each notebook's budget); then each notebook's results.
+# Both stages run on two workers (pytest-xdist): CI has 2 cores; --dist loadfile keeps a notebook's cells in one kernel.
+XDIST := -n 2
 test: $(STAMP)
-	$(PY) -m pytest tests -m "not notebook and not browser" -q
+	$(PY) -m pytest tests -m "not notebook and not browser" -q $(XDIST)
 	rm -rf build/ci_notebooks build/results build/notebook_seconds.json
 	$(PY) -m colab_memopt.runner --prepare-only build/ci_notebooks
-	PYTHONPATH=tests$(if $(PYTHONPATH),:$(PYTHONPATH)) $(PY) -m pytest -q -p nbval_budget -p no:cacheprovider --nbval-lax --nbval-current-env build/ci_notebooks
+	PYTHONPATH=tests$(if $(PYTHONPATH),:$(PYTHONPATH)) $(PY) -m pytest -q -p nbval_budget -p no:cacheprovider --nbval-lax --nbval-current-env $(XDIST) --dist loadfile build/ci_notebooks
 	$(PY) -m pytest tests -m notebook -q
 	$(BROWSER_TEST_IF_AVAILABLE)
 
