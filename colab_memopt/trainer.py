@@ -80,6 +80,30 @@ def _fake_parameters(model: nn.Module, mode: Any) -> Iterator[None]:
             table[name] = t
 
 
+@contextlib.contextmanager
+def _cpu_device_without_index(args: Any) -> Iterator[None]:
+    """Make `args.device` read plain 'cpu' where it is a CPU device with an index, for the duration.
+
+    With a process group up or its environment set (LOCAL_RANK: a DeepSpeed or LOMO-fp16 run earlier in the
+    process, a launcher), accelerate places a CPU run on `torch.device('cpu', rank)`, 'cpu:0'. Real CPU tensors
+    drop the index (a move to 'cpu:0' is a no-op), but fake tensors keep it, so the Trainer's `_prepare_inputs`
+    would put the batch on 'cpu:0' beside parameters on 'cpu' (FakeTensorDeviceMismatchError) or copy it.
+    """
+    device = getattr(args, "device", None)
+    if not (isinstance(device, torch.device) and device.type == "cpu" and device.index is not None):
+        yield
+        return
+    had, saved = "_setup_devices" in args.__dict__, args.__dict__.get("_setup_devices")
+    args.__dict__["_setup_devices"] = torch.device("cpu")  # TrainingArguments.device reads this cached property
+    try:
+        yield
+    finally:
+        if had:
+            args.__dict__["_setup_devices"] = saved
+        else:
+            args.__dict__.pop("_setup_devices", None)
+
+
 def _unwrap(trainer: Any) -> tuple[Any, Any]:
     """Return (trainer or None, args) from a Trainer, or from TrainingArguments."""
     from transformers import Trainer, TrainingArguments
@@ -143,7 +167,7 @@ def _trace_step(trainer: Any, args: Any, batch: int, seq_len: int, *, cuda: bool
         elif not args.gradient_checkpointing and gc_was:
             model.gradient_checkpointing_disable()
         with _fake_parameters(model, mode) if swap else contextlib.nullcontext(), mode, _ScalarMode(), _fake_safe_module_to(), \
-                _fake_safe_bitsandbytes(mode, recipe, cuda=cuda), _fake_safe_transformers():
+                _fake_safe_bitsandbytes(mode, recipe, cuda=cuda), _fake_safe_transformers(), _cpu_device_without_index(trainer.args):
             trainer.optimizer = None
             optimizer = trainer.create_optimizer(model)
             _prefer_impl(optimizer, cuda)
