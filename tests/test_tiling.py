@@ -9,6 +9,7 @@ import colab_memopt as cm
 from colab_memopt import planner
 from colab_memopt.checkpointing import checkpoint_offloader
 from colab_memopt.tiling import apply_tiled_mlp, find_mlps, remove_tiled_mlp
+from test_planner import _plan_and_measure  # plan and measure one recipe through the same step (tests/ is on sys.path)
 
 CPU_TARGET = {"name": "cpu-test", "device_bytes": 2**30, "host_bytes": 64 * 2**30, "cuda": False}
 SCALE = 2.0**16  # the fp16 loss scale of a T4 step
@@ -97,13 +98,6 @@ def test_tiled_mlp_is_refused_by_name_and_removed_cleanly():
         torch.testing.assert_close(model.blocks[0].mlp(x), tiled)
 
 
-def _plan_and_measure(factory, batch, seq, recipe, corpus):
-    plan = planner.plan(factory, batch, seq_len=seq, recipe=recipe, target=CPU_TARGET, find_max_batch=False)
-    model, opt = recipe.build(factory())
-    step = cm.make_train_step(model, opt, corpus, batch_size=batch, seq_len=seq, recipe=recipe)
-    measured = cm.measure_step(step, model=model, optimizer=opt, repeat=1)
-    assert plan.method == "trace", plan.warnings
-    return plan, measured, model
 
 
 @pytest.mark.parametrize("fields", [
