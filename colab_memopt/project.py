@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from pathlib import PurePosixPath
+import json
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path, PurePosixPath
 
 REPOSITORY = "colab-memopt/colab-memopt"
 BRANCH = "main"
@@ -48,3 +50,155 @@ def install_command(extras: Sequence[str] = ("colab",)) -> str:
     if unknown:
         raise ValueError(f"unknown extras {unknown}; allowed: {EXTRAS}")
     return f'pip install -q "colab-memopt[{",".join(extras)}] @ git+{REPOSITORY_URL}@{BRANCH}"'
+
+
+# The course: the order a T4 user reads the notebooks in (the README's "Start here", each notebook's
+# "Next:" link). Numbers are the order they were written in; this is the order to learn in.
+COURSE: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("Start here", (
+        "00_where_the_memory_goes",
+        "01_will_it_fit",
+        "02_mixed_precision",
+        "03_activation_checkpointing",
+        "04_gradient_accumulation",
+        "06_lean_optimizers",
+        "07_weight_quantization",
+        "19_your_trainer_on_a_free_t4",
+        "18_your_own_model",
+    )),
+    ("Going further", (
+        "05_memory_efficient_attention",
+        "17_long_context",
+        "15_fit_the_biggest_model",
+        "16_full_finetuning_on_a_t4",
+        "11_memory_profiling_and_monitoring",
+        "12_dynamic_batch_size_and_oom",
+    )),
+    ("Advanced and research", (
+        "08_activation_compression",
+        "09_cpu_offload",
+        "10_deepspeed_zero",
+        "13_semiseparable_matrices",
+        "14_phase_aware_training",
+    )),
+)
+COURSE_ORDER: tuple[str, ...] = tuple(stem for _, stems in COURSE for stem in stems)
+
+
+def course_part(stem: str) -> str:
+    """Return the part of the course notebook `stem` belongs to ('Start here', 'Going further', ...)."""
+    for part, stems in COURSE:
+        if stem in stems:
+            return part
+    raise ValueError(f"{stem!r} is not in the course; known notebooks: {', '.join(COURSE_ORDER)}")
+
+
+def next_notebook(stem: str) -> str | None:
+    """Return the stem of the notebook to read after `stem`, or None after the last one."""
+    course_part(stem)  # names the allowed stems when `stem` is unknown
+    i = COURSE_ORDER.index(stem)
+    return COURSE_ORDER[i + 1] if i + 1 < len(COURSE_ORDER) else None
+
+
+# What the first cell of every notebook tells a Colab user before anything runs.
+COLAB_RUNTIME_LINE = (
+    "**On Colab:** *Runtime → Change runtime type → T4 GPU*, then *Runtime → Run all*. "
+    "Without a GPU the notebook still runs, on two CPU cores, and far slower at these sizes."
+)
+# Notebook metadata that asks Colab for a T4 runtime when the notebook opens (as Unsloth's notebooks do).
+COLAB_METADATA = {"accelerator": "GPU", "colab": {"gpuType": "T4", "provenance": []}}
+
+
+def notebook_title(source: str) -> str:
+    """Return a notebook's title from its first cell's Markdown ('# 02 · Mixed precision' -> '02 · Mixed precision')."""
+    first = source.lstrip().splitlines()[0] if source.strip() else ""
+    if not first.startswith("# "):
+        raise ValueError(f"a notebook's first cell must start with its '# ' title, got {first[:60]!r}")
+    return first[2:].strip()
+
+
+def _link(stem: str, titles: Mapping[str, str]) -> str:
+    return f"[{titles[stem]}]({stem}.ipynb) ([open in Colab]({colab_url(f'notebooks/{stem}.ipynb')}))"
+
+
+def next_cells(stem: str, titles: Mapping[str, str]) -> tuple[str, str]:
+    """Return the Markdown of notebook `stem`'s two 'Next' cells: the lesson's end and the notebook's last cell."""
+    following = next_notebook(stem)
+    if following is None:
+        where = f"the end of the course. The path through it is in the README's [Start here]({REPOSITORY_URL}#start-here)."
+    else:
+        part = course_part(following)
+        where = _link(following, titles) + ("" if part == course_part(stem) else f", the first notebook of *{part}*")
+    lesson_end = (
+        f"## Next\n\n**Next:** {where}\n\n"
+        "The appendix below checks what the literature claims against what this notebook measured."
+    )
+    return lesson_end, f"---\n\n**Next:** {where}"
+
+
+def sync_notebook(nb: dict, stem: str, titles: Mapping[str, str]) -> dict:
+    """Return notebook JSON `nb` with everything generated from this module brought up to date.
+
+    That is the Colab metadata (a T4 runtime), the runtime line of the first cell, the badge, the
+    install command and the two 'Next' cells (ids 'next-lesson' and 'next'), all from REPOSITORY,
+    BRANCH, NOTEBOOK_EXTRAS and COURSE. `python -m colab_memopt.project sync` applies it to notebooks/.
+    """
+    nb = json.loads(json.dumps(nb))
+    nb["metadata"].update(json.loads(json.dumps(COLAB_METADATA)))
+    cells = nb["cells"]
+
+    def text(cell: dict) -> str:
+        return "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
+
+    def put(cell: dict, value: str) -> None:
+        cell["source"] = value.splitlines(keepends=True)
+
+    first = [line for line in text(cells[0]).rstrip("\n").split("\n") if not line.startswith("**On Colab:**")]
+    while first and not first[-1].strip():
+        first.pop()
+    put(cells[0], "\n".join(first) + "\n\n" + COLAB_RUNTIME_LINE)
+    put(cells[1], colab_badge(f"notebooks/{stem}.ipynb"))
+    pip = "!" + install_command(notebook_extras(stem))
+    for cell in cells:
+        if cell["cell_type"] == "code" and "!pip install" in text(cell) and "colab-memopt" in text(cell):
+            put(cell, re.sub(r"!pip install -q \"colab-memopt\[[^\]]*\] @ [^\"]*\"", lambda _: pip, text(cell)))
+    lesson_end, last = next_cells(stem, titles)
+    for cell_id, value in (("next-lesson", lesson_end), ("next", last)):
+        for cell in cells:
+            if cell.get("id") == cell_id:
+                put(cell, value)
+    return nb
+
+
+def sync_notebooks(notebook_dir: Path) -> list[str]:
+    """Rewrite the generated parts of every notebook in `notebook_dir`; return the names of those that changed."""
+    paths = sorted(Path(notebook_dir).glob("[0-9][0-9]_*.ipynb"))
+    notebooks = {p.stem: json.loads(p.read_text(encoding="utf-8")) for p in paths}
+    titles = {stem: notebook_title("".join(nb["cells"][0]["source"])) for stem, nb in notebooks.items()}
+    changed = []
+    for path in paths:
+        synced = sync_notebook(notebooks[path.stem], path.stem, titles)
+        out = json.dumps(synced, indent=1, ensure_ascii=False) + "\n"
+        if out != path.read_text(encoding="utf-8"):
+            path.write_text(out, encoding="utf-8")
+            changed.append(path.name)
+    return changed
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m colab_memopt.project", description=(
+        "Rewrite the notebooks' generated parts (badge, Colab install, T4 runtime, Next links) from this module."))
+    parser.add_argument("command", choices=["sync"])
+    parser.add_argument("--notebooks", default="notebooks", help="the folder of NN_topic.ipynb notebooks (default: notebooks)")
+    args = parser.parse_args(argv)
+    if not Path(args.notebooks).is_dir():
+        parser.error(f"--notebooks {args.notebooks!r} is not a folder")
+    changed = sync_notebooks(Path(args.notebooks))
+    print(f"rewrote {len(changed)} notebook(s)" + (": " + ", ".join(changed) if changed else ": all were up to date"))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

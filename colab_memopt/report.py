@@ -75,7 +75,7 @@ def record(
         baseline, optimized: the reports the notebook compares (optimized may be None).
         metrics: the notebook's named figures (plain numbers, strings, or mappings of them).
         claims: `Claim`s, or dicts with claim, source, measured, verdict.
-        results_dir: where to write; None writes nothing (Colab).
+        results_dir: where to write; None writes nothing and prints nothing (Colab).
         seconds: the notebook's own wall time, if it measured it.
 
     A NaN or infinite metric is written as null, and named with its value under "nonfinite" (strict
@@ -123,6 +123,7 @@ def record(
                       RuntimeWarning, stacklevel=2)
     if out is not None:
         write_json(out / f"{name}.json", entry)
+        print(f"recorded {len(entry['metrics'])} metrics and {len(entry['claims'])} claims in {out / f'{name}.json'}")
     return entry
 
 

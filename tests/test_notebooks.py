@@ -15,6 +15,7 @@ import pytest
 
 nbformat = pytest.importorskip("nbformat")  # absent on a lent GPU machine without the notebook wheels
 
+from colab_memopt import project
 from colab_memopt.project import colab_url, install_command, notebook_extras
 from colab_memopt.runner import CPU_PARAMS_FILE, NOTEBOOK_DIR, load_cpu_parameters, notebook_paths
 
@@ -31,9 +32,13 @@ SECTIONS = (
     "Asserts",
     "Explore",
     "When not to use it",
-    "Claims checked",
+    "Use it in your own training",
     "Further reading",
+    "Next",
+    "Appendix: claims checked",
 )
+# Names only the authors can look up: a notebook, the README or a printed claim cites public sources instead.
+INTERNAL_REFERENCE = re.compile(r"source document|seed 00[0-9]|\bissue [0-9]{1,2}\b|NSQL|Ava MoE", re.I)
 # The metrics each notebook must record (from the issues that specify them).
 REQUIRED_METRICS = {
     "00_where_the_memory_goes": {
@@ -158,6 +163,15 @@ def test_notebook_follows_the_standard(path):
         positions.append(found[0])
     assert positions == sorted(positions), f"sections out of order: {headings}"
 
+    # The lesson ends before the appendix: the claims and the record come after the "Next" link, and the
+    # notebook's last cell repeats that link (project.sync_notebook writes both).
+    appendix = next(i for i, c in enumerate(nb.cells) if c.source.startswith("## Appendix: claims checked"))
+    after = "\n".join(c.source for c in nb.cells[appendix:] if c.cell_type == "code")
+    before = "\n".join(c.source for c in nb.cells[:appendix] if c.cell_type == "code")
+    assert "cm.record(" in after and "cm.Claim(" in after, "claims and cm.record belong in the appendix"
+    assert "cm.record(" not in before and "cm.Claim(" not in before, "the lesson comes first, the claims after it"
+    assert nb.cells[-1].get("id") == "next" and "**Next:**" in nb.cells[-1].source
+
     code = "\n".join(sources)
     assert "cm.record(" in code and "widgets.panel(" in code and "\nassert " in "\n" + code
     assert "NBVAL_CHECK_OUTPUT" not in code, (
@@ -187,3 +201,36 @@ def test_notebook_ran_within_budget_and_recorded(path):
     assert not missing, f"{path.stem} did not record {missing}"
     assert entry["claims"], f"{path.stem} checked no claims"
     assert entry["baseline"]["peak_bytes"] > 0
+
+
+def test_generated_parts_of_every_notebook_are_up_to_date():
+    """Badge, install command, T4 runtime request and Next links all come from colab_memopt/project.py."""
+    notebooks = {p.stem: json.loads(p.read_text(encoding="utf-8")) for p in NOTEBOOKS}
+    titles = {stem: project.notebook_title("".join(nb["cells"][0]["source"])) for stem, nb in notebooks.items()}
+    stale = [stem for stem, nb in notebooks.items() if project.sync_notebook(nb, stem, titles) != nb]
+    assert not stale, f"run `python -m colab_memopt.project sync`: out of date in {stale}"
+    for stem, nb in notebooks.items():
+        assert nb["metadata"]["colab"]["gpuType"] == "T4" and nb["metadata"]["accelerator"] == "GPU", stem
+        assert project.COLAB_RUNTIME_LINE in "".join(nb["cells"][0]["source"]), stem
+
+
+def test_course_path_holds_every_notebook_once_and_links_follow_it():
+    assert sorted(project.COURSE_ORDER) == sorted(p.stem for p in NOTEBOOKS)
+    assert len(set(project.COURSE_ORDER)) == len(project.COURSE_ORDER)
+    assert project.COURSE[0][0] == "Start here" and project.COURSE_ORDER[0] == "00_where_the_memory_goes"
+    for stem, following in zip(project.COURSE_ORDER, project.COURSE_ORDER[1:]):
+        nb = nbformat.read(NOTEBOOK_DIR / f"{stem}.ipynb", as_version=4)
+        assert f"]({following}.ipynb)" in nb.cells[-1].source, f"{stem}'s Next link must lead to {following}"
+    with pytest.raises(ValueError, match="not in the course"):
+        project.next_notebook("99_nothing")
+
+
+def test_no_internal_references_in_notebooks_readmes_or_the_package():
+    """A reader can look up every source: no source documents, seeds, issue numbers or internal names."""
+    texts = {p.relative_to(REPO).as_posix(): p.read_text(encoding="utf-8") for p in NOTEBOOKS}
+    texts.update({name: (REPO / name).read_text(encoding="utf-8") for name in ("README.md", "notebooks/README.md")})
+    # the package: everything it can print (claims, plans, advice) and every docstring and comment
+    texts.update({p.relative_to(REPO).as_posix(): p.read_text(encoding="utf-8") for p in sorted((REPO / "colab_memopt").glob("*.py"))})
+    found = {name: sorted(set(m.group(0) for m in INTERNAL_REFERENCE.finditer(text))) for name, text in texts.items()}
+    found = {name: hits for name, hits in found.items() if hits}
+    assert not found, f"internal references a reader cannot look up: {found}"
