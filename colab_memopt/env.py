@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import platform
 import sys
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -211,6 +212,7 @@ class Preflight:
     bf16_native: bool
     colab: bool
     emulating: str | None = None
+    warnings: tuple[str, ...] = ()
 
     def __str__(self) -> str:
         cc = f"sm_{self.compute_capability[0]}{self.compute_capability[1]}" if self.compute_capability else "-"
@@ -228,11 +230,29 @@ class Preflight:
                 f"Colab             {self.colab}",
             ] + ([f"emulating         {self.emulating} (CM_EMULATE): allocator capped, T4 code paths; timings are not a T4's"]
                  if self.emulating else [])
+            + [f"\n*** WARNING: {w}" for w in self.warnings]
         )
+
+
+NO_GPU_ON_COLAB = (
+    "this Colab runtime has no GPU. The notebook's defaults are sized for a T4 and would run for a long time "
+    "on Colab's 2 CPU cores. Choose Runtime > Change runtime type > T4 GPU (then Runtime > Run all), or lower "
+    "the values in the Parameters cell."
+)
+
+
+def runtime_warnings(dev: torch.device, *, colab: bool, device_requested: str | torch.device | None) -> tuple[str, ...]:
+    """Return what a user must know before running: on Colab, no GPU where 'auto' wanted one."""
+    wanted_gpu = device_requested in (None, "auto") or str(device_requested).startswith("cuda")
+    if colab and dev.type == "cpu" and wanted_gpu:
+        return (NO_GPU_ON_COLAB,)
+    return ()
 
 
 def preflight(device: str | torch.device | None = "auto", *, verbose: bool = True) -> Preflight:
     """Print and return the device, usable memory, host RAM, torch version and autocast dtype.
+
+    On Colab without a GPU (device 'auto') it warns, loudly: the notebooks' defaults are sized for a T4.
 
     With `CM_EMULATE=t4` on a CUDA GPU it first applies the T4 emulation (`apply_emulation`).
     """
@@ -252,6 +272,9 @@ def preflight(device: str | torch.device | None = "auto", *, verbose: bool = Tru
         colab=in_colab(),
         emulating=emulating,
     )
+    info.warnings = runtime_warnings(dev, colab=info.colab, device_requested=device)
+    for message in info.warnings:
+        warnings.warn(message, RuntimeWarning, stacklevel=2)
     if verbose:
         print(info)
     return info

@@ -1,5 +1,9 @@
 """Execute every notebook headless and gather their results (`make run`, and the notebook tests).
 
+A tool for a checkout of the repository, not for an installed package: it runs the notebooks in the
+checkout's notebooks/ folder with the CI parameters of its tests/ folder. From an installed package it
+stops with one line that says so (`check_checkout`).
+
     python -m colab_memopt.runner [--out build] [--cpu-params tests/notebook_parameters.yaml] [NAMES...]
 
 With a CUDA GPU present the notebooks run with their own (Colab-sized) defaults; without one, with
@@ -22,6 +26,18 @@ from typing import Any
 REPO_ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOK_DIR = REPO_ROOT / "notebooks"
 CPU_PARAMS_FILE = REPO_ROOT / "tests" / "notebook_parameters.yaml"
+
+
+def check_checkout(root: Path = REPO_ROOT) -> None:
+    """Raise ValueError, naming what is missing, unless `root` is a checkout with notebooks/ and the CI parameters."""
+    missing = [str(p) for p in (root / "notebooks", root / "tests" / "notebook_parameters.yaml") if not p.exists()]
+    if missing:
+        from colab_memopt.project import REPOSITORY_URL
+
+        raise ValueError(
+            f"the runner executes the notebooks of a checkout of the repository, and {', '.join(missing)} is not there "
+            f"(this package is installed, not checked out). Clone {REPOSITORY_URL} and run `make run` in it; to run one "
+            "notebook, open it in Jupyter or Colab.")
 
 
 def notebook_paths(names: list[str] | None = None) -> list[Path]:
@@ -139,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"seconds a cell may run before the notebook fails (default {CELL_TIMEOUT_SECONDS})")
     args = parser.parse_args(argv)
     try:
+        check_checkout()
         check_cell_timeout(args.cell_timeout)
         out = Path(args.out).resolve()
         if out.exists() and not out.is_dir():

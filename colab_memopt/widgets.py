@@ -1,7 +1,10 @@
 """Widget panels: a few controls that call one ordinary function.
 
 The callback is a plain function that tests call directly. `panel` runs it once with the default
-values, so a headless run (papermill, CI) gets the full result without a click.
+values, so a headless run (papermill, CI) gets the full result without a click. After that it runs
+only when the user asks: by default the panel has a Run button, and no control fires while it is
+being dragged or typed into (`continuous_update=False`), so a slider never retrains the model for
+every value it passes over and a text box never looks a model up per keystroke.
 """
 
 from __future__ import annotations
@@ -11,25 +14,74 @@ from typing import Any
 
 PANEL_CLASS = "cm-panel"
 OUTPUT_CLASS = "cm-panel-output"
+RUN_CLASS = "cm-panel-run"
+STALE_TEXT = "Settings changed: press Run to measure them."
 
 
-def panel(callback: Callable[..., Any], controls: Mapping[str, Any], *, title: str = "") -> Any:
+def panel(callback: Callable[..., Any], controls: Mapping[str, Any], *, title: str = "",
+          run_button: bool = True) -> Any:
     """Return a VBox of `controls` above an output area that shows `callback(**values)`.
 
     Args:
-        callback: called with one keyword argument per control, on start and on every change.
-        controls: name -> ipywidgets control (its `value` is the default).
+        callback: called with one keyword argument per control: once on start with the defaults, then on
+            every press of Run (or, with `run_button=False`, on every committed change).
+        controls: name -> ipywidgets control (its `value` is the default). Controls that can update while
+            dragged or typed into get `continuous_update=False`.
         title: a line above the controls.
+        run_button: add a Run button and run only when it is pressed (the default: panels here train,
+            plan or load); False reruns on each committed change, for callbacks that take well under a second.
+
+    Example:
+        >>> import ipywidgets as ipw
+        >>> panel(lambda lr: print(lr), {"lr": ipw.FloatLogSlider(value=1e-3, description="lr")})
     """
     import ipywidgets as widgets
+    from ipywidgets.widgets.interaction import show_inline_matplotlib_plots
 
     if not controls:
         raise ValueError("panel needs at least one control")
-    out = widgets.interactive_output(callback, dict(controls))
+    for name, control in controls.items():
+        if not hasattr(control, "value"):
+            raise TypeError(f"control {name!r} must be an ipywidgets control with a value, got {type(control).__name__}")
+        if hasattr(control, "continuous_update"):
+            control.continuous_update = False
+    out = widgets.Output()
+    status = widgets.HTML("")
+
+    def run(*_: Any) -> None:
+        status.value = ""
+        with out:
+            out.clear_output(wait=True)
+            callback(**{name: control.value for name, control in controls.items()})
+            show_inline_matplotlib_plots()
+
+    row = list(controls.values())
+    if run_button:
+        button = widgets.Button(description="Run", button_style="primary", tooltip="measure with these settings")
+        button.add_class(RUN_CLASS)
+        button.on_click(run)
+        row.append(button)
+
+        def stale(change: Mapping[str, Any]) -> None:
+            if change.get("name") == "value":
+                status.value = f"<i>{STALE_TEXT}</i>"
+
+        for control in controls.values():
+            control.observe(stale, names="value")
+        box_children = [widgets.HBox(row, layout=widgets.Layout(flex_flow="row wrap")), status, out]
+        box_run = button
+    else:
+        for control in controls.values():
+            control.observe(run, names="value")
+        box_children = [widgets.HBox(row, layout=widgets.Layout(flex_flow="row wrap")), out]
+        box_run = None
     header = [widgets.HTML(f"<b>{title}</b>")] if title else []
-    box = widgets.VBox([*header, widgets.HBox(list(controls.values()), layout=widgets.Layout(flex_flow="row wrap")), out])
+    box = widgets.VBox([*header, *box_children])
     box.output = out  # for tests: the rendered result lives here
+    box.run_button = box_run  # for tests: None without a Run button
+    box.run = run  # for tests: what a press of Run does
     # For the browser test (tests/browser): CSS classes that find the panel and its output in the page.
     box.add_class(PANEL_CLASS)
     out.add_class(OUTPUT_CLASS)
+    run()
     return box

@@ -1,3 +1,5 @@
+import warnings
+
 import pytest
 import torch
 
@@ -48,6 +50,21 @@ def test_preflight_reports(capsys, monkeypatch):
     assert info.torch_version == torch.__version__
     monkeypatch.setenv("COLAB_RELEASE_TAG", "release-x")
     assert cm.in_colab()
+
+
+def test_preflight_warns_loudly_on_colab_without_a_gpu(capsys, monkeypatch):
+    monkeypatch.setenv("COLAB_RELEASE_TAG", "release-x")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.warns(RuntimeWarning, match="no GPU"):
+        info = cm.preflight("auto")
+    out = capsys.readouterr().out
+    assert "*** WARNING" in out and "Change runtime type > T4 GPU" in out and info.device == "cpu"
+    # asked for the CPU on purpose, or not on Colab: nothing to warn about
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert cm.preflight("cpu", verbose=False).warnings == ()
+        monkeypatch.delenv("COLAB_RELEASE_TAG")
+        assert cm.preflight("auto", verbose=False).warnings == ()
 
 
 def test_bf16_never_chosen_below_sm80_even_when_torch_says_supported(monkeypatch):

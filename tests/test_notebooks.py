@@ -209,6 +209,8 @@ def test_generated_parts_of_every_notebook_are_up_to_date():
     titles = {stem: project.notebook_title("".join(nb["cells"][0]["source"])) for stem, nb in notebooks.items()}
     stale = [stem for stem, nb in notebooks.items() if project.sync_notebook(nb, stem, titles) != nb]
     assert not stale, f"run `python -m colab_memopt.project sync`: out of date in {stale}"
+    readme = (NOTEBOOK_DIR / "README.md").read_text(encoding="utf-8")
+    assert project.course_markdown(titles) in readme, "run `python -m colab_memopt.project sync`: notebooks/README.md's course list"
     for stem, nb in notebooks.items():
         assert nb["metadata"]["colab"]["gpuType"] == "T4" and nb["metadata"]["accelerator"] == "GPU", stem
         assert project.COLAB_RUNTIME_LINE in "".join(nb["cells"][0]["source"]), stem
@@ -234,3 +236,13 @@ def test_no_internal_references_in_notebooks_readmes_or_the_package():
     found = {name: sorted(set(m.group(0) for m in INTERNAL_REFERENCE.finditer(text))) for name, text in texts.items()}
     found = {name: hits for name, hits in found.items() if hits}
     assert not found, f"internal references a reader cannot look up: {found}"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=_ids(NOTEBOOKS))
+def test_panel_waits_for_the_user(path):
+    """Panels train, plan or look models up: none reruns on every value a slider or text box passes over."""
+    code = "\n".join(c.source for c in _code(nbformat.read(path, as_version=4)))
+    assert "widgets.panel(" in code
+    # widgets.panel sets continuous_update=False and adds a Run button; nothing may wire a control around it
+    for banned in ("continuous_update=True", "run_button=False", "interactive_output(", "interact(", ".observe("):
+        assert banned not in code, f"{banned!r}: use widgets.panel, which waits for Run (tests/test_widgets_and_project.py)"

@@ -140,3 +140,31 @@ def test_runner_never_waits_on_a_cell_forever(tmp_path, monkeypatch):
     assert seen["execution_timeout"] == 12.5
     runner.run_notebook(NOTEBOOKS[0], tmp_path, tmp_path / "results", {})
     assert seen["execution_timeout"] == runner.CELL_TIMEOUT_SECONDS
+
+
+def test_runner_outside_a_checkout_says_so_in_one_line(tmp_path, capsys, monkeypatch):
+    """Installed from a wheel (no notebooks/ beside the package) the runner names what is missing and stops."""
+    from colab_memopt import runner
+
+    with pytest.raises(ValueError, match="checkout of the repository.*notebooks.*make run"):
+        runner.check_checkout(tmp_path)
+    runner.check_checkout()  # this checkout has both
+    monkeypatch.setattr(runner, "REPO_ROOT", tmp_path)
+    monkeypatch.setattr(runner.check_checkout, "__defaults__", (tmp_path,))
+    assert runner.main(["--prepare-only", str(tmp_path / "out"), "00"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: the runner executes the notebooks of a checkout") and err.count("\n") == 1
+
+
+def test_readme_first_screen_is_for_a_learner():
+    """'Start here' within the first 40 lines, with the generated badges; the index says what it measured on."""
+    from colab_memopt.rollup import START_HERE_END, START_HERE_START, device_label, start_here_markdown
+
+    text = README.read_text()
+    assert "## Start here" in "\n".join(text.splitlines()[:40])
+    block = START_HERE_START + text.split(START_HERE_START, 1)[1].split(START_HERE_END, 1)[0] + START_HERE_END
+    assert block == start_here_markdown(), "run `make readme`: the Start here badges are out of date"
+    assert block.count("colab-badge.svg") == 3
+    assert device_label("cpu") == "CPU, small model" and device_label("NVIDIA T4") == "NVIDIA T4"
+    index = index_markdown(MERGED)
+    assert index.index("**Start here**") < index.index("**Going further**") < index.index("**Advanced and research**")

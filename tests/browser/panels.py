@@ -1,7 +1,7 @@
 """What the browser test does to each notebook's panel, and the code that drives JupyterLab to do it.
 
-`PANELS` names, for every notebook with a `widgets.panel`, the one control the test changes and what the
-panel must show afterwards; `EXCLUDED` names notebooks left out, each with its reason. A notebook with a
+`PANELS` names, for every notebook with a `widgets.panel`, the control (or controls) the test changes before
+it presses Run, and what the panel must show afterwards; `EXCLUDED` names notebooks left out, each with its reason. A notebook with a
 panel in neither fails tests/browser/test_panels.py::test_every_panel_is_covered_or_excluded, so a new
 notebook is covered by adding one line here.
 """
@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from colab_memopt.widgets import OUTPUT_CLASS, PANEL_CLASS
+from colab_memopt.widgets import OUTPUT_CLASS, PANEL_CLASS, RUN_CLASS
 
 CHROMIUM = Path(os.environ.get("CHROMIUM", "/usr/bin/chromium"))
 # What this closed network needs: no GPU, no sandbox (root in CI), no calls home, a fresh profile.
@@ -66,10 +66,15 @@ class Change:
             raise ValueError("Change.value '': name the option to select")
 
 
-# notebook stem -> the change the browser test makes. Pick a change that is cheap at the CI parameters.
-PANELS: dict[str, Change] = {
+# notebook stem -> the change (or changes, set together before one press of Run) the browser test makes.
+# Pick a change that is cheap at the CI parameters.
+PANELS: dict[str, Change | tuple[Change, ...]] = {
     "00_where_the_memory_goes": Change("optimizer", "select", "sgd", plot=True, expect="sgd", expect_gone="optimizer_state"),
-    "01_will_it_fit": Change("optimizer", "select", "sgd", expect_gone="optimizer_state"),
+    # the settings a T4 user asks about: precision, mode, checkpointing and optimizer, in one plan
+    "01_will_it_fit": (Change("precision", "select", "fp16-autocast"), Change("mode", "select", "qlora"),
+                       Change("checkpointing", "select", "full"),
+                       Change("optimizer", "select", "sgd", expect="qlora · fp16-autocast · checkpointing full · sgd",
+                              expect_gone="optimizer_state")),
     "02_mixed_precision": Change("precision", "select", "bf16", plot=True, expect="bf16"),
     "03_activation_checkpointing": Change("policy", "select", "selective", plot=True, expect="selective"),
     "04_gradient_accumulation": Change("steps", "slider", "4", plot=True, expect="4 steps"),
@@ -288,7 +293,21 @@ def _screenshot(panel, path: Path) -> None:  # noqa: ANN001 - a Playwright locat
     path.write_bytes(shot)
 
 
-def _change(panel, change: Change) -> None:  # noqa: ANN001 - a Playwright locator
+def changes_of(entry: Change | tuple[Change, ...]) -> tuple[Change, ...]:
+    """Return a PANELS entry as a tuple of changes."""
+    return entry if isinstance(entry, tuple) else (entry,)
+
+
+def _change(panel, entry: Change | tuple[Change, ...]) -> None:  # noqa: ANN001 - a Playwright locator
+    """Set every control of `entry`, then press the panel's Run button (as a person would)."""
+    for change in changes_of(entry):
+        _set(panel, change)
+    run = panel.locator(f".{RUN_CLASS}")
+    if run.count():
+        run.first.click()
+
+
+def _set(panel, change: Change) -> None:  # noqa: ANN001 - a Playwright locator
     if change.kind == "select":
         control = panel.locator(".widget-dropdown").filter(has=panel.page.get_by_text(change.control, exact=True))
         control.locator("select").select_option(label=change.value)
@@ -305,7 +324,7 @@ def _change(panel, change: Change) -> None:  # noqa: ANN001 - a Playwright locat
         raise ValueError(f"change kind {change.kind!r}: use 'select', 'toggle' or 'slider'")
 
 
-def check_panel(context, lab: Lab, notebook: Path, change: Change, screenshots: Path, *,  # noqa: ANN001
+def check_panel(context, lab: Lab, notebook: Path, change: Change | tuple[Change, ...], screenshots: Path, *,  # noqa: ANN001
                 run_timeout_s: float, change_timeout_s: float) -> PanelResult:
     """Open `notebook` in JupyterLab, run all cells, check its panel renders and redraws after `change`.
 
@@ -313,6 +332,11 @@ def check_panel(context, lab: Lab, notebook: Path, change: Change, screenshots: 
     output, an output that does not change, a missing or unchanged plot, or a traceback in the panel.
     """
     stem = notebook.stem
+    changes = changes_of(change)
+    plot = any(c.plot for c in changes)
+    expects = [c.expect for c in changes if c.expect]
+    gones = [c.expect_gone for c in changes if c.expect_gone]
+    controls = ", ".join(repr(c.control) for c in changes)
     page = context.new_page()
     try:
         page.goto(f"{lab.url}/lab?reset&token={lab.token}", timeout=120_000)
@@ -336,14 +360,14 @@ def check_panel(context, lab: Lab, notebook: Path, change: Change, screenshots: 
                                    " if (!out || !out.innerText.trim()) return false; if (!plot) return true;"
                                    " const img = out.querySelector('img');"
                                    " return !!img && img.complete && img.naturalWidth > 0; }" % OUTPUT_CLASS,
-                                   arg=[panel.element_handle(), change.plot], timeout=60_000)
+                                   arg=[panel.element_handle(), plot], timeout=60_000)
         before = _panel_state(panel)
         screenshots.mkdir(parents=True, exist_ok=True)
         _screenshot(panel, screenshots / f"{stem}_before.png")
         _save_plot(before["image"], screenshots / f"{stem}_before_plot.png")
         assert before["text"].strip(), f"{stem}: the panel's output is empty before any change"
         assert TRACEBACK not in before["text"], f"{stem}: the panel shows an error before any change:\n{before['text'][-1500:]}"
-        if change.plot:
+        if plot:
             assert before["image"], f"{stem}: the panel draws no plot image before the change"
 
         start = time.monotonic()
@@ -352,7 +376,7 @@ def check_panel(context, lab: Lab, notebook: Path, change: Change, screenshots: 
         handle = panel.element_handle()
         try:
             page.wait_for_function(
-                """([el, beforeText, plot, expect]) => {
+                """([el, beforeText, plot, expects]) => {
                     const out = el.querySelector('.%s');
                     const nb = window.jupyterapp.shell.currentWidget;
                     const kernel = nb.sessionContext.session.kernel;
@@ -360,19 +384,19 @@ def check_panel(context, lab: Lab, notebook: Path, change: Change, screenshots: 
                     // stdout from a widget callback can land after the kernel reports idle (ipykernel flushes it
                     // on a timer) and after stderr: wait for the expected text itself where there is one.
                     if (out.innerText.includes(%s)) return true;  // a failed callback: reported below
-                    if (expect && !out.innerText.includes(expect)) return false;
+                    if (!expects.every((e) => out.innerText.includes(e))) return false;
                     if (!plot) return true;
                     const img = out.querySelector('img');  // drawn and decoded, so the screenshot shows it
                     return !!img && img.complete && img.naturalWidth > 0;
                 }""" % (OUTPUT_CLASS, json.dumps(TRACEBACK)),
-                arg=[handle, before["text"], change.plot, change.expect], timeout=change_timeout_s * 1000, polling=250,
+                arg=[handle, before["text"], plot, expects], timeout=change_timeout_s * 1000, polling=250,
             )
         except Exception as exc:  # Playwright's TimeoutError
             _screenshot(panel, screenshots / f"{stem}_after.png")
             now = _panel_state(panel)["text"]
             raise AssertionError(f"{stem}: the panel's output did not change within {change_timeout_s:.0f} s "
-                                 f"after setting {change.control!r}" + (" (or drew no plot)" if change.plot else "")
-                                 + (f" (or never showed {change.expect!r})" if change.expect else "")
+                                 f"after setting {controls} and pressing Run" + (" (or drew no plot)" if plot else "")
+                                 + (f" (or never showed {expects})" if expects else "")
                                  + f"; it shows:\n{now[-1500:]}") from exc
         page.wait_for_timeout(500)  # let the last display messages land
         page.wait_for_function(_KERNEL_IDLE, timeout=60_000)
@@ -381,14 +405,14 @@ def check_panel(context, lab: Lab, notebook: Path, change: Change, screenshots: 
         _screenshot(panel, screenshots / f"{stem}_after.png")
         _save_plot(after["image"], screenshots / f"{stem}_after_plot.png")
         assert TRACEBACK not in after["text"], f"{stem}: the callback failed after the change:\n{after['text'][-1500:]}"
-        if change.expect:
-            assert change.expect in after["text"], f"{stem}: expected {change.expect!r} in the output after the change:\n{after['text'][-1500:]}"
-        if change.expect_gone:
-            assert change.expect_gone in before["text"], f"{stem}: expected {change.expect_gone!r} in the output before the change"
-            assert change.expect_gone not in after["text"], f"{stem}: {change.expect_gone!r} still in the output after the change:\n{after['text'][-1500:]}"
-        if change.plot:
+        for expect in expects:
+            assert expect in after["text"], f"{stem}: expected {expect!r} in the output after the change:\n{after['text'][-1500:]}"
+        for gone in gones:
+            assert gone in before["text"], f"{stem}: expected {gone!r} in the output before the change"
+            assert gone not in after["text"], f"{stem}: {gone!r} still in the output after the change:\n{after['text'][-1500:]}"
+        if plot:
             assert after["image"], f"{stem}: the panel's plot is gone after the change"
-            assert after["image"] != before["image"], f"{stem}: the panel's plot did not change after setting {change.control!r}"
+            assert after["image"] != before["image"], f"{stem}: the panel's plot did not change after setting {controls}"
         return PanelResult(before["text"], after["text"], _sha(before["image"]), _sha(after["image"]),
                            run_seconds, change_seconds)
     finally:

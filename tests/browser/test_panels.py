@@ -41,11 +41,17 @@ def test_every_panel_is_covered_or_excluded():
 
 @pytest.mark.parametrize("stem", sorted(panels.PANELS))
 def test_change_names_a_control_of_the_panel(stem):
-    change = panels.PANELS[stem]
     source = _panel_source(NOTEBOOK_DIR / f"{stem}.ipynb")
-    widget = {"select": "Dropdown", "toggle": "Checkbox", "slider": "IntSlider"}[change.kind]
-    assert re.search(rf'ipw\.{widget}\([^\n]*description="{re.escape(change.control)}"', source), (
-        f"{stem}: its panel has no {widget} described {change.control!r}")
+    for change in panels.changes_of(panels.PANELS[stem]):
+        widget = {"select": "Dropdown", "toggle": "Checkbox", "slider": "IntSlider"}[change.kind]
+        assert re.search(rf'ipw\.{widget}\([^\n]*description="{re.escape(change.control)}"', source), (
+            f"{stem}: its panel has no {widget} described {change.control!r}")
+
+
+def test_will_it_fit_panel_sets_what_a_t4_user_asks_about():
+    """01's panel: precision, mode (full/LoRA/QLoRA), checkpointing and the optimizer, all driven in the browser."""
+    driven = {c.control for c in panels.changes_of(panels.PANELS["01_will_it_fit"])}
+    assert {"precision", "mode", "checkpointing", "optimizer"} <= driven
 
 
 def test_change_rejects_what_it_cannot_do():
