@@ -538,6 +538,10 @@ class LiveMemory:
             self._mode.peak = self._mode.live
 
 
+CPU_TIME_NOTE = ("step_ms and time_ratio are CPU wall times (a median of a few steps): noisy, and no guide to a "
+                 "GPU's, where the kernels, tensor cores and transfers differ")
+
+
 @dataclass
 class Comparison:
     """Reports side by side, each against the first (the baseline)."""
@@ -578,6 +582,8 @@ class Comparison:
         widths = [max(len(row[i]) for row in table) for i in range(len(cols))]
         lines = ["  ".join(cell.rjust(w) if i else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths))) for row in table]
         lines.insert(1, "  ".join("-" * w for w in widths))
+        if self.rows and all(str(r.get("device", "")).startswith("cpu") for r in self.rows):
+            lines.append(CPU_TIME_NOTE)
         return "\n".join(lines)
 
     def _repr_html_(self) -> str:
@@ -609,6 +615,7 @@ def compare(reports: Mapping[str, MemoryReport]) -> Comparison:
         row["saving_pct"] = 100.0 * (1 - rep.peak_bytes / base.peak_bytes) if base.peak_bytes else 0.0
         row["step_ms"] = rep.step_seconds * 1e3
         row["time_ratio"] = rep.step_seconds / base.step_seconds if base.step_seconds else float("nan")
+        row["device"] = rep.device
         rows.append(row)
     return Comparison(rows)
 
