@@ -7,15 +7,15 @@ architectures that fits under the leanest candidate recipe of `recommend` (batch
 and a coarse search over size: the base architecture's depth bisected (Llama-3.2-1B's shape for full
 fine-tuning, Llama-3.1-8B's for the adapters). Every figure is the analytic estimate (the planner's
 fallback path; a trace of an 8B model takes tens of seconds here), plus the target's CUDA context.
-Full fine-tuning also considers the recipes of `capacity.FULL_CANDIDATES` (issue 15: GaLore 8-bit per
+Full fine-tuning also considers the recipes of `capacity.FULL_CANDIDATES` (notebook 16: GaLore 8-bit per
 layer, APOLLO, APOLLO-Mini, torchao's 8-bit and 4-bit AdamW, BAdam, each with every precision and
 checkpointing option it allows; and 16-bit weights without a master copy: AdamW with Kahan-compensated
 updates, LOMO, AdaLomo); its rows list the largest model each candidate fits
 (`candidates`) and which one wins, with the candidate optimizer's loss gap to fp32 AdamW measured by
 benchmarks/optimizer_quality.py on this CPU (benchmarks/results/optimizer_quality.json).
 Writes benchmarks/results/capacity.json and prints the table last.
-Targets: full fine-tuning of >= 2B parameters at 512 tokens; QLoRA of >= 8B at 2048 tokens;
-issue 15: full fine-tuning of >= 4B at 2048 tokens.
+Targets (this project's goals): full fine-tuning of >= 2B parameters at 512 tokens and of >= 4B at
+2048 tokens; QLoRA of >= 8B at 2048 tokens.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ MODELS = ["smollm2-135m", "smollm2-360m", "qwen2.5-0.5b", "llama-3.2-1b", "qwen2
 SCALE_BASE = {"full": "llama-3.2-1b", "lora": "llama-3.1-8b", "qlora": "llama-3.1-8b"}
 TARGETS = {("full", 512): 2e9, ("full", 2048): 4e9, ("qlora", 2048): 8e9}
 QUALITY = Path(__file__).resolve().parent / "results" / "optimizer_quality.json"
-QUALITY_GAP_PCT = 3.0  # issue 15: the capacity recipe should end within 3% of fp32 AdamW's loss
+QUALITY_GAP_PCT = 3.0  # this project's bar: the capacity recipe should end within 3% of fp32 AdamW's loss
 
 
 def _loss_gaps(path: Path = QUALITY) -> dict[str, dict]:
@@ -94,7 +94,7 @@ def _why(fit: capacity.Fit) -> str:
     return ", ".join(f"{c} {format_bytes(b)}" for c, b in parts)
 
 
-# -- issue 29: 8-bit trainable weights (int8train), planned by trace on fake tensors ------------------------------
+# -- 8-bit trainable weights (int8train), planned by trace on fake tensors --------------------------------------
 INT8_RECIPE = {"optimizer": "adalomo", "precision": "fp16", "weight_dtype": "int8", "checkpointing": "full",
                "loss_chunk_tokens": 128}
 # (name, our architecture name or the public config.json's fields); Qwen2.5-7B and Mistral-7B are not among
@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--modes", nargs="+", default=["full", "lora", "qlora"])
     parser.add_argument("--out", default=str(OUT))
     parser.add_argument("--int8-only", action="store_true",
-                        help="only plan the 8-bit-weight rows (issue 29) by trace and add them to the JSON as 'int8_weights'")
+                        help="only plan the 8-bit-weight rows (int8train) by trace and add them to the JSON as 'int8_weights'")
     parser.add_argument("--no-scaled", action="store_true", help="with --int8-only: skip the deepest-model search")
     args = parser.parse_args(argv)
     warnings.simplefilter("ignore")
@@ -259,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
             if goal is not None:
                 row["target_params"] = goal
                 row["target_met"] = best_params >= goal
-                if mode == "full" and "traced" in row["winner"]:  # issue 15: planned by trace where traceable
+                if mode == "full" and "traced" in row["winner"]:  # planned by trace where traceable
                     traced = row["winner"]["traced"]
                     row["target_met_by_trace"] = traced["planned_by"] == "trace" and traced["params"] >= goal
                 if not row["target_met"]:

@@ -21,7 +21,7 @@ adapters; LoRA rank 16 on the family's projections, QLoRA with an nf4 base):
 - offload+chunked-loss+in-backward (full fine-tuning only): both, in fp32 with 8-bit AdamW stepping each
   parameter inside backward (`adamw8bit_in_backward`): no full set of gradients is held.
 - offload-split+chunked-loss+fp16-base+tiled-mlp (LoRA and QLoRA) and offload-split+chunked-loss+in-backward+
-  tiled-mlp (full fine-tuning), issue 28: as above, with each block's MLP run by tiles of 4,096 tokens
+  tiled-mlp (full fine-tuning): as above, with each block's MLP run by tiles of 4,096 tokens
   (`Recipe.mlp_tile_tokens`, `tiling`) and the checkpoints split between device and host where all of them do
   not fit the host (`longest_sequence(split_checkpoints=True)`, `planner.offload_split`; the row's
   `offload_keep_blocks`). These rows search in steps of 4,096 tokens from the targets up (each 8B plan takes
@@ -30,7 +30,7 @@ adapters; LoRA rank 16 on the family's projections, QLoRA with an nf4 base):
 its MLP untiled and tiled (`tiling.measure_tiled_block`): the peak saved and the time it costs.
 Each plan is cached in build/context_cache.json, so an interrupted run resumes. Writes
 benchmarks/results/context.json after every row and prints the table last.
-Targets (issue 28): Llama-3.1-8B QLoRA >= 49,152 tokens (stretch 65,536); Llama-3.2-1B full >= 32,768.
+Targets (this project's goals): Llama-3.1-8B QLoRA >= 49,152 tokens (stretch 65,536); Llama-3.2-1B full >= 32,768.
 """
 
 from __future__ import annotations
@@ -73,10 +73,10 @@ RECIPES = {
     "offload+chunked-loss+in-backward": dict(checkpointing="offload", loss_chunk_tokens=DEFAULT_CHUNK_TOKENS,
                                              precision="fp32", optimizer="adamw8bit_in_backward"),
 }
-# LoRA and QLoRA (issue 18's default on a T4): the frozen base, embeddings and head included, in fp16.
+# LoRA and QLoRA (the recommender's default on a T4): the frozen base, embeddings and head included, in fp16.
 RECIPES["offload+chunked-loss+fp16-base"] = dict(checkpointing="offload", loss_chunk_tokens=DEFAULT_CHUNK_TOKENS,
                                                   base_dtype="fp16")
-# issue 28: the MLP by sequence tiles, the checkpoints split between device and host
+# The MLP by sequence tiles, the checkpoints split between device and host
 MLP_TILE_TOKENS = 4096
 RECIPES["offload-split+chunked-loss+fp16-base+tiled-mlp"] = dict(
     RECIPES["offload+chunked-loss+fp16-base"], mlp_tile_tokens=MLP_TILE_TOKENS)

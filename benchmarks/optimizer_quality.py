@@ -86,7 +86,7 @@ def run(name: str, *, size: str, steps: int, batch: int, seq: int, corpus: cm.Te
     }
 
 
-# -- issue 29: fine-tuning from a trained checkpoint, 8-bit weights against AdamW -----------------------------------
+# -- fine-tuning from a trained checkpoint, 8-bit weights (int8train) against AdamW -------------------------------
 # Each method with the learning rates swept (its best by validation loss is reported). bf16 stands for the T4's fp16
 # here (the same code; this CPU emulates fp16 matmuls slowly), as for the 16-bit rows above.
 FINETUNE_METHODS = {
@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--optimizers", nargs="+", default=OPTIMIZERS_COMPARED + list(SIXTEEN_BIT))
     parser.add_argument("--out", default=str(OUT))
     parser.add_argument("--finetune-only", action="store_true",
-                        help="only run the fine-tune-from-a-checkpoint comparison (issue 29) and add it to the JSON as 'finetune'")
+                        help="only run the fine-tune-from-a-checkpoint comparison (8-bit weights) and add it to the JSON as 'finetune'")
     parser.add_argument("--pretrain-steps", type=int, default=300)
     args = parser.parse_args(argv)
     if args.finetune_only:

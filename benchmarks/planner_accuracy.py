@@ -21,7 +21,7 @@ everywhere; CUDA within 5%; a ~1B plan under 20 s and 1 GB of RAM.
 CPU, `measure_step` reading DeepSpeed's flat buffers too), and compares 2 ranks' per-rank model states with
 the ZeRO paper's per-rank formula; it writes benchmarks/results/planner_accuracy_zero.json.
 
-`--architectures` runs the second grid (issue 19) instead: six transformers families beyond our named
+`--architectures` runs the second grid instead: six transformers families beyond our named
 models, built from small configs (`architectures.small_config`), odd batches, sequences up to 2048,
 with and without full checkpointing, LoRA on the family's layers and 8-bit optimizer state (with
 --quick: batch 3, sequences 128 and 2048); it writes benchmarks/results/planner_accuracy_architectures.json.

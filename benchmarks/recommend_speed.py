@@ -7,7 +7,7 @@ Runs the command line a user runs (`python -m colab_memopt recommend --model M -
 time, the CPU time the process used (user + system: what a quiet machine would take as wall time on
 one core, since the trace is single-threaded), the load average before and after (other processes on
 the machine slow the wall time, not the CPU time), the recipe chosen, its mode, precision, frozen-base
-dtype and how it was planned. Issue 18's target: qwen2.5-1.5b at 1024 tokens under 15 s on 2 cores.
+dtype and how it was planned. This project's target: qwen2.5-1.5b at 1024 tokens under 15 s on 2 cores.
 Writes benchmarks/results/recommend_speed.json with the machine named, and prints a table last.
 """
 

@@ -68,7 +68,7 @@ from colab_memopt.oom import diagnose
 from colab_memopt.report import Claim, record
 from colab_memopt.evaluation import evaluate
 from colab_memopt.optimizers import make_optimizer
-# issue 28: the MLP by sequence tiles; the longest trainable sequence per mode
+# 17_long_context: the MLP by sequence tiles; the longest trainable sequence per mode
 from colab_memopt import tiling
 from colab_memopt.capacity import longest_context, longest_sequence
 from colab_memopt.train import make_eval_step, make_train_step, train, train_step

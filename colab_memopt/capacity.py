@@ -281,7 +281,7 @@ def largest_scaled_for(base: str, recipe: Recipe, *, seq_len: int, batch: int = 
             "next_params": model_params(scaled(base, layers + 1)) if layers < max_layers else None, "traces": traces}
 
 
-# -- issue 16: the longest sequence a model trains at on a target ---------------------------------
+# -- 17_long_context: the longest sequence a model trains at on a target ---------------------------
 
 @dataclass
 class LongestSequence:
@@ -301,7 +301,7 @@ class LongestSequence:
     plans: int
     seconds: float
     converged: bool
-    # issue 28: the checkpoints split between device and host at max_seq_len (None: no split searched)
+    # the checkpoints split between device and host at max_seq_len (None: no split searched)
     offload_keep_blocks: int | None = None
     limited_by: str | None = None  # what stops the next length: 'device memory', 'host RAM', both, or the cap
     breakdown: dict[str, Any] | None = None  # at the first miss: device and host costs, largest categories

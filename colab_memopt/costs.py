@@ -1,6 +1,6 @@
 """What each technique costs in step time on the target's device class, and a recipe's expected slowdown.
 
-Costs belong to a device class, never to the machine that happens to plan (issue 18): 'cpu',
+Costs belong to a device class, never to the machine that happens to plan: 'cpu',
 't4' (sm_75: fp16 tensor cores, no native bf16) and 'ampere+' (sm_80 and later: native bf16).
 `costs_for_target(target)` returns the table of the target's class, each row with its source:
 measured (the package's `technique_costs.json` for 'cpu', written by `benchmarks/technique_costs.py`
@@ -146,7 +146,7 @@ class TechniqueCosts:
     step_seconds: dict[str, float] = field(default_factory=dict)
     rounds: int = 0
     source: str = ""
-    # issue 18: the device class the ratios describe (None: not said, e.g. made-up ratios in a test) and, per
+    # The device class the ratios describe (None: not said, e.g. made-up ratios in a test) and, per
     # technique, 'measured' or 'prior' with its citation (rows absent from `kinds` are measured).
     device_class: str | None = None
     kinds: dict[str, str] = field(default_factory=dict)

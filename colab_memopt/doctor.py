@@ -10,7 +10,8 @@ what was found, why it matters and the fix, printed readably. The codes:
                                  (peft#137, open-unlearning#178)
     adapters-not-training        after one step, an adapter without a gradient
     does-not-fit                 the plan does not fit the target; the fix is the recommender's recipe
-    host-ram-load                host RAM too small for loading the weights the classic way (NSQL#9)
+    host-ram-load                host RAM too small for loading the weights the classic way: Colab
+                                 kills the runtime while the model loads
     qlora-small-saving           QLoRA saves little over LoRA for this model and sequence (torchtune#2255)
     deepspeed-op-build           DeepSpeed ops built on first use: minutes and GBs of RAM (DeepSpeed#885)
 
@@ -326,7 +327,8 @@ def check_host_load(spec: Any, recipe: Recipe, tgt: Target, capability: tuple[in
         f"loading {load.params / 1e6:.0f}M parameters (checkpoint {format_bytes(load.checkpoint_bytes)}) the classic way "
         f"needs {format_bytes(load.classic_host_bytes)} of host RAM on top of this process's {format_bytes(process)}; "
         f"{tgt.name} has {format_bytes(limit)} usable",
-        "the runtime is killed while loading, before the first step (NSQL#9): Colab restarts and says nothing about memory",
+        "host RAM runs out while the model loads, before the first step: Colab kills and restarts the runtime, "
+        "everything in memory is lost, and no Python error names memory as the cause",
         (f"cm.load_model(...) loads shard by shard from the meta device straight to the GPU in {load.load_dtype}: "
          f"{format_bytes(load.host_bytes)} of host RAM" + ("" if lean_fits else
          "; even that does not fit: save the checkpoint in smaller shards (max_shard_size) or in 16-bit")),

@@ -295,7 +295,7 @@ def _recipe_params(model: torch.nn.Module, recipe: Any) -> tuple[list[torch.Tens
     rest = [p for p in params if id(p) not in quantized]
     trainable = adapters if rank else [p for p in rest if p.requires_grad]
     rest_bytes = param_bytes(rest)
-    if rank and getattr(recipe, "base_dtype", None) is not None:  # issue 18: the frozen base at 2 bytes
+    if rank and getattr(recipe, "base_dtype", None) is not None:  # LoRA's frozen base stored in 16-bit: 2 bytes
         rest_bytes //= 2
     return params, trainable, q_bytes + rest_bytes + param_bytes(adapters)
 
@@ -320,7 +320,7 @@ def training_step_bytes(model: torch.nn.Module, batch: int, seq: int, recipe: An
     from colab_memopt.lowstate import LOW_STATE_OPTIMIZERS, state_bytes
 
     low_state = recipe.optimizer.removesuffix("_in_backward")
-    if low_state == "badam":  # issue 15: one block trains at a time; the others are frozen
+    if low_state == "badam":  # BAdam: one block trains at a time; the others are frozen
         from colab_memopt.lowstate import badam_blocks
 
         trainable = max(badam_blocks(model)[1], key=lambda block: sum(p.numel() for p in block))
@@ -373,7 +373,8 @@ def training_step_bytes(model: torch.nn.Module, batch: int, seq: int, recipe: An
         o_bytes = 0
     if getattr(recipe, "offload_param", False):
         p_bytes = g_bytes = 2 * largest
-    if getattr(recipe, "weight_dtype", None) == "int8":  # issue 29: int8 matrices + fp32 group scales, the rest 16-bit
+    # 8-bit trainable weights (int8train): int8 matrices + fp32 group scales, the rest 16-bit
+    if getattr(recipe, "weight_dtype", None) == "int8":
         from colab_memopt.int8train import int8_weight_bytes
 
         p_bytes, largest = int8_weight_bytes(model)
@@ -472,8 +473,9 @@ def dataloader_prefetch_bytes(
 ) -> int:
     """Return the host RAM of batches a DataLoader holds prefetched: workers x prefetch x batch x seq x bytes.
 
-    Source document 002's data-pipeline formula (with 2-byte tokens); PyTorch's DataLoader keeps
-    `prefetch_factor` batches in flight per worker. Token ids as int64 take 8 bytes.
+    PyTorch's DataLoader keeps `prefetch_factor` batches in flight per worker
+    (https://pytorch.org/docs/stable/data.html#torch.utils.data.DataLoader); the default counts
+    2-byte tokens (ids below 65,536). Token ids as int64 take 8 bytes.
     """
     for name, value in (("num_workers", num_workers), ("prefetch_factor", prefetch_factor),
                         ("batch_size", batch_size), ("seq_len", seq_len), ("bytes_per_token", bytes_per_token)):
@@ -486,8 +488,9 @@ def dataloader_prefetch_bytes(
 def semiseparable_bytes(n: int, rank: int, *, band_bytes: int = 4, lowrank_bytes: int = 4) -> int:
     """Return the storage of tridiagonal + rank-r: (3N - 2) band values and 2 N r factor values.
 
-    With r = ceil(log2 N) this is what the source's "98.8% vs dense" (N = 2048, fp32) and "99.3%
-    mixed precision" (fp16 factors) amount to: 1 - (3N + 2Nr) / N^2 at 4 bytes each.
+    With r = ceil(log2 N) the saving against a dense N x N matrix is 1 - (3N + 2Nr) / N^2 at 4 bytes
+    each: the "98.8% vs dense" (N = 2048, fp32) and "99.3% mixed precision" (fp16 factors) claims
+    that notebook 13 checks.
     """
     if n < 2 or rank < 1:
         raise ValueError(f"n must be >= 2 and rank >= 1, got n={n}, rank={rank}")

@@ -2,10 +2,10 @@
 
 Colab's free tier has 12.7 GB of host RAM for a 14.74 GiB T4: the classic way to load a model
 (random fp32 weights, then the whole state dict beside them, then `.to("cuda")`) needs 4 bytes per
-parameter plus the checkpoint in host RAM, and a 3B model's load kills the runtime before training
-starts (NSQL#9). `load_model` loads through transformers' meta-device initialisation (nothing is
-allocated before the weights are read) shard by shard, straight to the device, in the dtype the
-recipe needs:
+parameter plus the checkpoint in host RAM, and a 3B model's load runs out of host RAM: Colab kills
+and restarts the runtime before training starts, with no Python error that names memory.
+`load_model` loads through transformers' meta-device initialisation (nothing is allocated before
+the weights are read) shard by shard, straight to the device, in the dtype the recipe needs:
 
 - frozen base weights (LoRA) in fp16 on a GPU without native bf16 (a T4), bf16 where it is native;
 - trainable weights (full fine-tuning) in fp32: they are the master weights that fp16 autocast and
@@ -59,7 +59,7 @@ def load_dtype(recipe: Recipe, device_type: str, native_bf16: bool = False) -> t
         return torch.bfloat16
     if recipe.precision == "fp16":  # pure fp16 weights: load them so, not in fp32 cast later (twice the memory)
         return torch.float16
-    if recipe.base_dtype is not None:  # issue 18: the recipe names the frozen base's dtype
+    if recipe.base_dtype is not None:  # the recipe names the frozen base's dtype (LoRA's base in 16-bit)
         return torch.float16 if recipe.base_dtype == "fp16" else torch.bfloat16
     if device_type == "cuda" and recipe.lora_rank:
         return torch.bfloat16 if native_bf16 else torch.float16

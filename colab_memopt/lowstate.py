@@ -1,4 +1,4 @@
-"""Optimizers with almost no state, each from its own package (issue 15): full fine-tuning in little memory.
+"""Optimizers with almost no state, each from its own package: full fine-tuning in little memory (notebook 16).
 
 `make_low_state_optimizer(name, params, lr=, model=)` returns one of `LOW_STATE_OPTIMIZERS`; every
 package is imported inside its factory, so `import colab_memopt` stays fast and works without them.

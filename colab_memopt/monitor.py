@@ -3,8 +3,8 @@
 `MemoryProfiler` samples every step (live bytes after the step, the step's peak, reserved bytes where
 the device has a caching allocator, and a phase label) and reports initial, final and peak use,
 utilisation of the device's capacity, per-phase statistics, spikes and leaks; it exports CSV.
-`MemoryMonitor` applies utilisation thresholds (profiles aggressive, balanced, conservative, from
-source document 002) and returns concrete recommendations. Both run as a hook in a plain training
+`MemoryMonitor` applies utilisation thresholds (profiles aggressive, balanced, conservative: this
+project's defaults) and returns concrete recommendations. Both run as a hook in a plain training
 loop (`with profiler: ... profiler.sample(step)`) and as a transformers `TrainerCallback`.
 
 Sampling reads `measure.LiveMemory`: the caching allocator's counters on CUDA, live tensor storage
@@ -313,11 +313,20 @@ class Thresholds:
                              f"emergency, got {values}")
 
 
+# Utilisation thresholds (target, warning, critical, emergency) as fractions of capacity: this project's
+# defaults, a margin below the limit for the allocator's fragmentation and a step's transient spikes.
 PROFILES = {
     "aggressive": Thresholds(0.92, 0.94, 0.96, 0.98),
     "balanced": Thresholds(0.90, 0.92, 0.95, 0.97),
     "conservative": Thresholds(0.85, 0.88, 0.92, 0.95),
 }
+
+
+# Checkpointing every block: one s*b*h input per layer instead of 34+5*a*s/h values (Korthikanti et al. 2022,
+# https://arxiv.org/abs/2205.05198); the "60-80% of activations" quoted in fine-tuning guides (figures vary) is a
+# rule of thumb with no primary source.
+_CHECKPOINTING_SAVES = ("keeps one s*b*h input per layer instead of 34+ (Korthikanti et al. 2022); "
+                        "60-80% of activations is a rule of thumb (no primary source)")
 
 
 @dataclass
@@ -334,7 +343,7 @@ class HealthCheck:
 
 
 class MemoryMonitor:
-    """Check memory use against thresholds and say what to do (source document 002's MemoryMonitor).
+    """Check memory use against utilisation thresholds and say what to do (batch size, accumulation, freeing).
 
     Args:
         capacity_bytes: the device's capacity (default on CUDA: what it offers; required on the CPU).
@@ -485,7 +494,8 @@ class MemoryMonitor:
         """Return each technique a recipe can carry: enabled or not, and what it is expected to save.
 
         Reads the recipe's fields by name, so fields that other notebooks add are listed once they
-        exist; the expected savings are the source documents' and the formulas' figures.
+        exist; the expected savings come from the formulas and papers named in each line, or are
+        marked as rules of thumb.
         """
         values = recipe.to_dict() if hasattr(recipe, "to_dict") else dict(recipe)
         known = {
@@ -493,12 +503,14 @@ class MemoryMonitor:
                           "memory-efficient (SDPA) attention drops the a*s^2 score tensor: 5*a*s/h of 34+5*a*s/h per layer (Korthikanti)"),
             "optimizer": (lambda v: v in ("sgd", "sgd_momentum", "adamw8bit", "adam8bit"),
                           "AdamW keeps 8 B/param of state; SGD+momentum 4, SGD 0, 8-bit Adam 2 (Dettmers et al. 2022)"),
-            "mixed_precision": (bool, "16-bit activations: about half the activation bytes (source 002: 50%)"),
-            "gradient_checkpointing": (bool, "keeps one s*b*h input per layer instead of 34+: 60-80% of activations (source 002)"),
-            "checkpointing": (bool, "keeps one s*b*h input per layer instead of 34+: 60-80% of activations (source 002)"),
+            "mixed_precision": (bool, "16-bit activations: 2 bytes per value instead of 4 for what autocast runs in "
+                                "16-bit, about half the activation bytes"),
+            "gradient_checkpointing": (bool, _CHECKPOINTING_SAVES),
+            "checkpointing": (bool, _CHECKPOINTING_SAVES),
             "gradient_accumulation_steps": (lambda v: bool(v) and v > 1, "activations of one micro-batch instead of the whole batch"),
             "optimizer_offload": (bool, "optimizer state in host RAM: 8 B/param off the device (AdamW)"),
-            "cpu_offload": (bool, "parameters/optimizer state in host RAM; source 002: 2-8x, 10-20x slower"),
+            "cpu_offload": (bool, "parameters/optimizer state in host RAM: their bytes leave the device; each step waits on PCIe copies, "
+                           "so the slowdown depends on the host-device bandwidth"),
         }
         out = {}
         for name, (enabled, saves) in known.items():

@@ -406,7 +406,7 @@ class LayerStreamer:
             for p in self._params[i]:
                 if p.requires_grad:
                     self._handles.append(p.register_post_accumulate_grad_hook(self._make_grad_hook(i)))
-            # issue 25: the evicted parameters have no storage; the trained values are the host copies, so the
+            # The evicted parameters have no storage; the trained values are the host copies, so the
             # state dict reads those, and loading a state dict writes them (no 0-byte tensor is ever read or saved)
             self._handles.append(block._register_state_dict_hook(self._make_state_dict_hook(i)))
             self._handles.append(block._register_load_state_dict_pre_hook(self._make_load_pre_hook(i), with_module=True))

@@ -1,6 +1,6 @@
 """Phase-aware training: full steps, predicted steps, and what a predicted step lets you free.
 
-Notebook 14 measures this idea from the source documents. Training cycles through phases:
+Notebook 14 measures what this idea saves and costs. Training cycles through phases:
 
 - warmup (`warmup_steps`) and full (`full_steps`): ordinary steps (forward, backward, optimizer);
 - predict (up to `max_predict_steps`): forward only. The parameters move by a *predicted* update, the

@@ -815,7 +815,8 @@ def _fake_safe_transformers() -> Iterator[None]:
     builds a (B, 1, T, T) mask, which turns off SDPA's causal kernel and its grouped-query attention
     (keys and values repeated per head). The planner's batches are contiguous windows, never packed,
     so here the detection answers "not packed", as it does on the real batch: without this, full
-    checkpointing at 1024 tokens was over-predicted by up to 50% on GQA models (issue 19).
+    checkpointing at 1024 tokens was over-predicted by up to 50% on GQA models (llama, qwen2, mistral,
+    phi3, gpt_neox; tests/test_architectures.py checks it).
     """
     try:
         from transformers import masking_utils
@@ -850,7 +851,8 @@ def _prime_optimizer(optimizer: Any, recipe: Recipe) -> bool:
     return True
 
 
-# Traces of named models within this process (issue 18: the recommender plans the same recipes again):
+# Traces of named models within this process (the recommender, its modes and the explore panel plan the same
+# recipes again):
 # (model name, traced recipe, seq_len, batch, CUDA rounding, optimizer implementation) -> trace.
 _TRACE_CACHE: dict[tuple[Any, ...], Any] = {}
 _TRACE_CACHE_SIZE = 256
@@ -946,7 +948,7 @@ class _Tracer:
             self.batches = _FakeBatches(_vocab_size(self.model))
             # A warm-up creates the optimizer state and the gradients, as a real warm-up step does. Where the
             # optimizer steps after backward, one optimizer step on zero gradients does it without the forward
-            # and backward (half a plan's time on a big model, issue 18; tests/test_planner.py pins the peaks to
+            # and backward (half a plan's time on a big model; tests/test_planner.py pins the peaks to
             # real measurements); otherwise a whole step, at the batch that is planned.
             if not _prime_optimizer(self.optimizer, recipe):
                 self._step(batch)()
@@ -1381,7 +1383,7 @@ def plan(
     if recipe is not None and not isinstance(recipe, (Recipe, dict)):
         raise TypeError(f"recipe must be a Recipe or a dict of its fields, got {type(recipe).__name__} {recipe!r}")
     rec = recipe if isinstance(recipe, Recipe) else Recipe.from_dict(recipe or {})
-    if rec.loss_chunk_tokens == "auto":  # issue 28: the chunk from the memory the plan leaves at the loss
+    if rec.loss_chunk_tokens == "auto":  # the chunk from the memory the plan leaves at the loss
         return _plan_auto_chunk(model_factory, batch, seq_len=seq_len, recipe=rec, target=target, headroom=headroom,
                                 find_max_batch=find_max_batch, method=method, optimizer_impl=optimizer_impl)
     if batch < rec.accumulation_steps:
@@ -1407,7 +1409,7 @@ def plan(
         meta_model = shape_model(model_factory)
         check_seq_len(seq_len, max_positions(meta_model), type(meta_model).__name__)
     rec.check_model(meta_model)  # a plan only for what can run: what Recipe.build refuses, plan refuses
-    if tgt.cuda and tgt.compute_capability is not None:  # issue 18: a bf16 frozen base needs native bf16
+    if tgt.cuda and tgt.compute_capability is not None:  # a bf16 frozen base needs native bf16 (sm_80+)
         from colab_memopt.precision import check_native_bf16
 
         check_native_bf16(rec.base_dtype, native_bf16=tuple(tgt.compute_capability) >= (8, 0),
@@ -1496,7 +1498,7 @@ def plan(
                                      in_allocator=True))
         if int8_warning:
             warn.append(int8_warning)
-    if tgt.cuda:  # issue 24: loading (and quantizing) can be the run's highest point
+    if tgt.cuda:  # loading (and quantizing) can be the run's highest point, which a CPU trace cannot see
         model_bytes = (result.by_category.get("parameters", 0) + result.by_category.get("buffers", 0)
                        + sum(c.bytes for c in device_costs if c.name == "quantization scales"))
         result.load_costs = four_bit_load_costs(meta_model, spec, rec, tgt, model_bytes)
@@ -1505,7 +1507,7 @@ def plan(
                         f"{result.load_costs[2].name}), more than the {format_bytes(result.device_limit_bytes)} usable, though "
                         "the step fits or not as said: load from a checkpoint, which transformers quantizes tensor by tensor "
                         "on the device (loading.load_model with a hub id or a saved folder)")
-    if rec.checkpointing == "offload":  # issue 16: the checkpointed blocks' inputs wait in host RAM
+    if rec.checkpointing == "offload":  # the checkpointed blocks' inputs wait in host RAM
         if used == "trace":
             offloader = checkpoint_offloader(tracer.model)
             result.host_costs.append(Cost("offloaded checkpoints",

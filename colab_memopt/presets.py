@@ -1,14 +1,14 @@
 """Presets: conservative, balanced, aggressive, maximum, and the training modes (full, LoRA, QLoRA).
 
-The presets follow the "Optimization Stack Combinations" of the source document
-(shared/seeds/003_357464840a8e512e.txt): each turns on gradient checkpointing (more of it from
-conservative to maximum: 'checkpoint_interval' 8, 4, 2 in the document), quantization and, from
-balanced on, CPU offloading of layers. They map onto the Recipe fields that exist:
+The presets are this project's defaults, a ladder of common memory-saving stacks: each turns on
+gradient checkpointing (more of it from conservative to maximum: 'checkpoint_interval' 8, 4, 2),
+8-bit quantization and, from balanced on, CPU offloading of layers (`Preset.document` keeps that
+fuller stack). They map onto the Recipe fields that exist:
 
 - checkpointing: conservative uses 'selective' (saves the cheap-to-recompute tensors only; the
-  least recompute), the others 'every_n' with the document's interval (a block in N is checkpointed;
+  least recompute), the others 'every_n' with the preset's interval (a block in N is checkpointed;
   a smaller N saves more and recomputes more).
-- quantization: the document's 8-bit quantization becomes 8-bit optimizer state (bitsandbytes
+- quantization: 8-bit quantization becomes 8-bit optimizer state (bitsandbytes
   AdamW8bit) for full fine-tuning; the weights are quantized only in QLoRA mode (nf4), because a
   quantized weight is frozen.
 - precision: mixed precision everywhere: fp16 autocast + GradScaler on a T4 (sm_75 has no native
@@ -34,7 +34,11 @@ TARGET_NAMES = ("t4", *BF16_TARGETS)  # the names of planner.TARGETS (a test kee
 
 @dataclass(frozen=True)
 class Preset:
-    """A named set of Recipe fields, what it turns on, and when to use it (from the source document)."""
+    """A named set of Recipe fields, what it turns on, and when to use it (this project's defaults).
+
+    `document` is the fuller stack the preset stands for (checkpointing, CPU offloading of layers,
+    quantization), including what the Recipe fields do not turn on.
+    """
 
     name: str
     fields: dict[str, Any]
@@ -124,7 +128,7 @@ def mode_fields(mode: str, model: str | None = None) -> dict[str, Any]:
         from colab_memopt.architectures import model_names, resolve_model
 
         if model not in model_names():
-            try:  # a Hugging Face id, a folder or config.json (issue 19)
+            try:  # a Hugging Face id, a folder or config.json: architectures beyond our named models
                 resolve_model(model)
             except ValueError:
                 raise ValueError(f"unknown model {model!r}; choose one of {model_names()}, a Hugging Face id, a folder "
@@ -151,7 +155,8 @@ def preset_fields(name: str, *, target: Any = "t4", mode: str = "full", model: s
         raise ValueError(f"unknown target {target!r}; choose one of {sorted(TARGET_NAMES)} or give a Target")
     values: dict[str, Any] = {"precision": mixed_precision(target), **PRESETS[name].fields, **mode_fields(mode, model)}
     values = {**values, **overrides}
-    # issue 18: LoRA's frozen base in the autocast dtype (fp16 on a T4, bf16 where native), adapters fp32
+    # LoRA's frozen base in the autocast dtype (fp16 on a T4, bf16 where native): half the bytes of fp32 for
+    # weights that never update; the adapters stay fp32
     base = {"fp16-autocast": "fp16", "bf16-autocast": "bf16"}.get(values.get("precision"))
     if values.get("lora_rank") and base is not None and "base_dtype" not in overrides:
         values["base_dtype"] = base

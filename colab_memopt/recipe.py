@@ -141,15 +141,16 @@ class Recipe:
     lr: float = 1e-3
     attention: str | None = None
     # -- 06_lean_optimizers: `optimizer` takes every name of optimizers.OPTIMIZERS (8-bit, Lion, Adam-mini, ..._in_backward)
-    # -- issue 15: the optimizers with almost no state (`lowstate`); GaLore's and APOLLO's projection
-    # rank (None: the method's default, 128 for GaLore, 256 for APOLLO; APOLLO-Mini is rank 1)
+    # -- 16_full_finetuning_on_a_t4: the optimizers with almost no state (`lowstate`); GaLore's and APOLLO's
+    # projection rank (None: the method's default, 128 for GaLore, 256 for APOLLO; APOLLO-Mini is rank 1)
     optimizer_rank: int | None = None
     # -- 07_weight_quantization
     quantization: str | None = None
     quantization_phase: str = "all"
     lora_rank: int = 0
     lora_targets: tuple[str, ...] = DEFAULT_LORA_TARGETS
-    # issue 18: LoRA's frozen base in half precision (None: fp32); adapters stay fp32
+    # LoRA's frozen base in half precision (None: fp32): half the bytes of weights that never update; the
+    # adapters stay fp32
     base_dtype: str | None = None
     # -- 08_activation_compression
     activation_compression: str | None = None
@@ -180,7 +181,7 @@ class Recipe:
     offload_param: bool = False
     # -- 17_long_context: the loss by chunks of tokens (`loss.apply_chunked_loss`); None: the plain loss
     loss_chunk_tokens: int | str | None = None
-    # issue 28: each block's MLP by sequence tiles; under 'offload', how many blocks' inputs stay on the device
+    # each block's MLP by sequence tiles; under 'offload', how many blocks' inputs stay on the device
     mlp_tile_tokens: int | None = None
     offload_keep_blocks: int = 0
     # -- 16_full_finetuning_on_a_t4: None keeps the weights as `precision` says; 'int8' stores every
@@ -355,7 +356,7 @@ class Recipe:
                 f"recipe.{f.name}={value!r} needs the DeepSpeed backend (it is applied only by a DeepSpeed engine)")
 
     def _validate_weight_dtype(self) -> None:
-        """Refuse what 8-bit trainable weights (`int8train`, issue 29) cannot do, naming the values."""
+        """Refuse what 8-bit trainable weights (`int8train`) cannot do, naming the values."""
         check_weight_dtype(self.weight_dtype, name="recipe.weight_dtype")
         if self.weight_dtype is None:
             return
@@ -370,7 +371,7 @@ class Recipe:
             raise ValueError(f"{name} trains its own int8 weights: leave zero_stage=0 and offload_* False")
 
     def _validate_low_state(self) -> None:
-        """Refuse what the optimizers with almost no state (issue 15) cannot do, naming the values."""
+        """Refuse what the optimizers with almost no state (`lowstate`) cannot do, naming the values."""
         base = self.optimizer.removesuffix("_in_backward")
         try:
             check_rank(base, self.optimizer_rank)
@@ -529,9 +530,9 @@ class Recipe:
                     block.attn.attention = self.attention
                 block.attn.window = self.attention_window
         prepare_model(model, self.precision)
-        if self.weight_dtype == "int8":  # issue 29: int8 weights, dequantized per layer (after the 16-bit cast)
+        if self.weight_dtype == "int8":  # int8 weights, dequantized per layer (after the 16-bit cast)
             quantize_model_int8(model)
-        if self.base_dtype is not None:  # issue 18: the frozen base in fp16/bf16, before quantization and adapters
+        if self.base_dtype is not None:  # the frozen base in fp16/bf16, before quantization and adapters
             device = next((t.device for t in model.parameters()), torch.device("cpu"))
             if device.type == "cuda":
                 check_native_bf16(self.base_dtype, native_bf16=bf16_native(device), where=f"this GPU ({device})")

@@ -9,7 +9,7 @@ ratios from the cost table of the target's device class (`costs.costs_for_target
 class, or published priors with their citations until measured), never a constant typed in and never
 a CPU measurement for a CUDA target; the result names the table and each row's source.
 
-Issue 18, the expert's defaults: on a CUDA target every candidate computes in the target's autocast
+The defaults a practitioner would pick: on a CUDA target every candidate computes in the target's autocast
 precision (fp16 + GradScaler on a T4, bf16 where native) unless `half_precision=False`, and LoRA and
 QLoRA keep the frozen base in that 16-bit dtype (`Recipe.base_dtype`), the adapters in fp32. Mode
 'auto' takes full fine-tuning if it fits, else LoRA, else QLoRA (objective 'least_memory': the mode
@@ -242,7 +242,7 @@ def _changed(recipe: Recipe) -> dict[str, Any]:
 def _name(recipe: Recipe, target: Any, mode: str, model: str | None = None) -> str:
     used, uncovered = techniques_used(recipe)
     label = " + ".join(used + uncovered) or "fp32 AdamW (baseline)"
-    if recipe.weight_dtype is not None and all("weight_dtype" not in u for u in uncovered):  # issue 29
+    if recipe.weight_dtype is not None and all("weight_dtype" not in u for u in uncovered):  # 8-bit trainable weights
         label += f" + weight_dtype={recipe.weight_dtype!r}"
     for preset in PRESETS:
         if Recipe.from_dict(preset_fields(preset, target=target, mode=mode, model=model)) == recipe:
@@ -270,7 +270,7 @@ BASE_FOR_PRECISION = {"fp16-autocast": "fp16", "bf16-autocast": "bf16"}  # LoRA'
 
 
 def _half_base(values: dict[str, Any]) -> dict[str, Any]:
-    """Keep LoRA's frozen base in the candidate's 16-bit autocast dtype (issue 18); fp32 compute keeps it fp32."""
+    """Keep LoRA's frozen base in the candidate's 16-bit autocast dtype (half the bytes); fp32 compute keeps it fp32."""
     if values.get("lora_rank") and values.get("precision") in BASE_FOR_PRECISION:
         return {**values, "base_dtype": BASE_FOR_PRECISION[values["precision"]]}
     return values
@@ -304,9 +304,10 @@ def candidate_recipes(batch: int, *, target: Any = "t4", mode: str = "full", mod
     return list(dict.fromkeys(out))
 
 
-# Full fine-tuning recipes beyond `recommend`'s candidates (issue 15): one line each, by name. Each is
-# crossed with every precision and checkpointing option of `CANDIDATE_AXES` that its recipe
-# allows (`Recipe.validate` refuses the rest, e.g. an in-backward step under fp16's GradScaler).
+# Full fine-tuning recipes beyond `recommend`'s candidates (optimizers with almost no state, 16-bit weights
+# without a master copy; notebook 16): one line each, by name. Each is crossed with every precision and
+# checkpointing option of `CANDIDATE_AXES` that its recipe allows (`Recipe.validate` refuses the rest,
+# e.g. an in-backward step under fp16's GradScaler).
 FULL_CANDIDATES: dict[str, dict[str, Any]] = {
     "GaLore 8-bit per layer": {"optimizer": "galore_adamw8bit_in_backward"},
     "APOLLO": {"optimizer": "apollo"},
@@ -320,7 +321,7 @@ FULL_CANDIDATES: dict[str, dict[str, Any]] = {
     "AdaLomo, 16-bit weights": {"optimizer": "adalomo", "precision": "<pure16>"},
 }
 PURE16 = "<pure16>"  # replaced by 'fp16' on a target without native bf16 (a T4), else 'bf16'
-# Issue 29: 8-bit trainable weights (`int8train`), offered for mode 'full' only when nothing with 16-bit weights
+# 8-bit trainable weights (`int8train`), offered for mode 'full' only when nothing with 16-bit weights
 # fits. What they trade: each weight sits on an int8 grid (1.03 B/param with its scales) and moves by stochastic
 # rounding, unbiased but noisy: benchmarks/results/optimizer_quality.json ('finetune') has the measured loss gap.
 INT8_CANDIDATES: dict[str, dict[str, Any]] = {
@@ -454,7 +455,7 @@ LONG_CONTEXT_TILE_TOKENS = 4096  # the MLP's tile in the longest-context round (
 
 
 def long_context_recipe(model: str | None, mode: str, target: Any = "t4") -> Recipe:
-    """Return the longest-context round's recipe for a mode (issue 28) on `target`.
+    """Return the longest-context round's recipe for a mode (notebook 17) on `target`.
 
     Every block checkpointed with its input in host RAM (`checkpointing='offload'`; `longest_sequence` splits
     the checkpoints between device and host where the host is short), the loss by chunks of 128 tokens, each
@@ -605,10 +606,10 @@ def _recommend_mode(
         passed = [c for c in round_cands if c.fits]
         reasoning.append(f"analytic screen: {len(passed)} of {len(round_cands)} fit")
         planned = 0
-        # Calibration (issue 18: trace only the finalists): once a traced plan needed more than the analytic screen
-        # said, a later candidate with the same checkpointing (the estimate's error is mostly its activations) whose
-        # screen, scaled by the smallest such under-estimate seen, is still over the limit is passed over unplanned,
-        # so the plans go to candidates that can fit.
+        # Calibration (a trace takes seconds, so only the finalists are traced): once a traced plan needed more
+        # than the analytic screen said, a later candidate with the same checkpointing (the estimate's error is
+        # mostly its activations) whose screen, scaled by the smallest such under-estimate seen, is still over
+        # the limit is passed over unplanned, so the plans go to candidates that can fit.
         under: dict[tuple[str, int], float] = {}
         passed_over = 0
         found = None
@@ -650,7 +651,7 @@ def _recommend_mode(
         return found
 
     chosen = confirm(cands)
-    if chosen is None and lean_full:  # issue 15: full fine-tuning asked for by name; optimizers with almost no state
+    if chosen is None and lean_full:  # full fine-tuning asked for by name: optimizers with almost no state
         allowed = precision_options(tgt, half_precision)
         lean = screened([r for _, r in full_candidates(target=tgt, model=arch)
                          if (r.precision in allowed or (half_precision and r.precision in ("fp16", "bf16")))
@@ -667,10 +668,10 @@ def _recommend_mode(
                          f"host RAM within {format_bytes(host_limit)}, loss_chunk_tokens={DEFAULT_CHUNK_TOKENS})")
         cands += more
         chosen = confirm(more)
-    if chosen is None:  # issue 28: the longest-context round (capacity.longest_context's recipe, split checkpoints)
+    if chosen is None:  # the longest-context round (capacity.longest_context's recipe, split checkpoints)
         chosen = _longest_context_round(factory, arch, batch, seq_len, mode, tgt, headroom, method, half_precision,
                                         meta_model, screened, cands, reasoning)
-    if chosen is None and lean_full and half_precision:  # issue 29: 8-bit weights, when no 16-bit-weight recipe fits
+    if chosen is None and lean_full and half_precision:  # 8-bit weights, when no 16-bit-weight recipe fits
         int8 = screened([r for _, r in full_candidates(target=tgt, model=arch, extra=INT8_CANDIDATES)
                          if _applies(r, meta_model)])
         reasoning.append(f"none of those fits: {len(int8)} candidates with 8-bit weights ({', '.join(INT8_CANDIDATES)}). "

@@ -20,7 +20,7 @@ def test_grids_include_foreach_rows_and_only_valid_batches():
     assert all(b >= f.get("accumulation_steps", 1) for _, b, _, f, _ in rows)
     cuda = pa._configs("cuda", cpu)
     assert {r[4] for r in cuda} == {"foreach"} and ("smollm2-135m", 1, 512, {}, "foreach") in cuda
-    # issue 24: no reference size whose every step is far below 64 MiB; QLoRA's dequantization is checked on CUDA
+    # no reference size whose every step is far below 64 MiB; QLoRA's dequantization is checked on CUDA
     assert not {r[0] for r in cuda} & {"tiny", "small"}
     assert any(r[3].get("quantization") == "nf4" for r in cuda)
 

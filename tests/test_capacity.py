@@ -32,7 +32,7 @@ def test_capacity_table_rows_and_qlora_8b_at_512():
 
 
 def test_largest_scaled_brackets_the_limit():
-    # LOMO with 16-bit weights fits more than 64 of its layers at 512 tokens (issue 15): the bracket needs room above that
+    # LOMO with 16-bit weights fits more than 64 of its layers at 512 tokens: the bracket needs room above that
     fit, miss = capacity.largest_scaled("llama-3.2-1b", mode="full", seq_len=512, max_layers=160)
     assert fit is not None and fit.fits and miss is not None and not miss.fits
     assert miss.params > fit.params
@@ -91,7 +91,7 @@ def test_best_fit_picks_among_the_candidates_asked_for():
 
 
 def test_longest_sequence_is_the_boundary_of_the_planned_fit():
-    """issue 16: the longest multiple of step_tokens whose plan fits; the next one up does not."""
+    """The longest multiple of step_tokens whose plan fits; the next one up does not."""
     import warnings
 
     from colab_memopt import Recipe

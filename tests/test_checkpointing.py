@@ -214,7 +214,7 @@ def test_offload_moves_far_fewer_bytes_than_save_on_cpu(corpus):
     assert save_on_cpu_bytes > 10 * ours, (save_on_cpu_bytes, ours)
 
 
-# -- issue 25: every stack of blocks is checkpointed (an encoder-decoder's encoder and decoder) -----------
+# -- every stack of blocks is checkpointed (an encoder-decoder's encoder and decoder) -----------
 
 def _tiny_t5():
     import transformers

@@ -86,7 +86,7 @@ def test_steps_time_out_fail_and_are_written(tmp_path):
 
 
 def test_the_costs_step_writes_the_table_of_the_class_the_run_stands_for():
-    # issue 18: an H100 emulating a T4 measures the t4 table (labelled so); the package reads it by that name
+    # an H100 emulating a T4 measures the t4 table (labelled so); the package reads it by that name
     from colab_memopt.costs import COSTS_FILES
 
     assert gpucheck.costs_class("t4", (9, 0)) == "t4" and gpucheck.costs_class("none", (7, 5)) == "t4"
@@ -95,7 +95,7 @@ def test_the_costs_step_writes_the_table_of_the_class_the_run_stands_for():
     assert gpucheck.costs_file_name("none", (9, 0)) == "technique_costs_ampere.json"
 
 
-# -- issue 24: make test-gpu on the GPU machines we can get (offline, in slices) --------------------------------
+# -- make test-gpu on the GPU machines we can get (offline, in slices) -----------------------------------------
 
 def _third_party_imports() -> set[str]:
     """Return the top-level modules the package, tests, benchmarks and notebooks import that are not the stdlib."""

@@ -1,4 +1,4 @@
-"""8-bit trainable weights (int8train, issue 29): unbiased rounding, in-place updates inside backward, exact plans."""
+"""8-bit trainable weights (int8train): unbiased rounding, in-place updates inside backward, exact plans."""
 
 import pytest
 import torch

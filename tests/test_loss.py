@@ -448,7 +448,7 @@ def test_chunked_loss_reaches_through_a_peft_model_wrapper():
     torch.testing.assert_close(out_chunked.loss, out_plain.loss)
 
 
-# -- issue 25: the chunked loss only where it computes the model's own objective, decided by running the model --
+# -- the chunked loss only where it computes the model's own objective, decided by running the model --
 
 def _small(family, **kw):
     import transformers

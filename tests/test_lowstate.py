@@ -1,4 +1,4 @@
-"""The optimizers with almost no state (issue 15): state bytes, one step against a reference, the recipe's refusals."""
+"""The optimizers with almost no state (lowstate.py): state bytes, one step against a reference, the recipe's refusals."""
 
 import copy
 import math

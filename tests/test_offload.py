@@ -200,7 +200,7 @@ def test_host_bytes_count_pinned_copies_as_allocated(monkeypatch):
     assert offload.held_host_bytes(torch.zeros(5, device="meta")) == 20  # not a host tensor: its bytes as they are
 
 
-# -- issue 25 (probe rows 280, 281): nothing trained is lost to layer streaming ------------------------
+# -- nothing trained is lost to layer streaming (saved, loaded, materialized) ----------------------------
 
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])  # fp16: pure fp16 weights under the dynamic loss scale (2^16)
 def test_streamed_weights_save_load_and_materialize_as_plain_training_does(reference, precision, tmp_path):

@@ -175,7 +175,7 @@ TRACED_RECIPES = [
     {"optimizer": "adam_mini"},
     {"optimizer": "adamw_in_backward"},
     {"lora_rank": 4},
-    # issue 18: LoRA's frozen base in half precision, adapters fp32
+    # LoRA's frozen base in half precision, adapters fp32
     {"lora_rank": 4, "base_dtype": "fp16", "precision": "fp16-autocast"},
     {"lora_rank": 4, "base_dtype": "bf16", "precision": "bf16-autocast"},
     {"quantization": "nf4", "lora_rank": 4, "base_dtype": "fp16", "precision": "fp16-autocast"},  # 4-bit layers compute in fp16
@@ -184,7 +184,7 @@ TRACED_RECIPES = [
     {"optimizer": "lion8bit"},
     {"optimizer": "paged_adamw8bit"},
     {"optimizer": "adamw8bit_in_backward"},
-    # issue 15: the optimizers with almost no state, from their packages (lowstate)
+    # the optimizers with almost no state, from their packages (lowstate)
     {"optimizer": "galore_adamw8bit"},
     {"optimizer": "galore_adamw8bit_in_backward"},
     {"optimizer": "galore_adamw8bit_in_backward", "optimizer_rank": 8},
@@ -204,7 +204,7 @@ def test_plan_honours_each_technique_exactly(corpus, fields):
     assert plan.method == "trace", plan.warnings
     measured = _measured("tiny", 4, 64, recipe, corpus)
     assert plan.peak_bytes == measured.peak_bytes
-    if recipe.optimizer.removesuffix("_in_backward") in LOW_STATE_OPTIMIZERS:  # issue 15: each phase, each category
+    if recipe.optimizer.removesuffix("_in_backward") in LOW_STATE_OPTIMIZERS:  # each phase, each category
         assert plan.by_category == measured.by_category
         if recipe.optimizer.startswith("apollo"):  # the norm limiter's branch: at most one 0-d tensor above
             assert {k: v for k, v in plan.by_phase.items() if k != "optimizer"} == \
@@ -405,7 +405,7 @@ def test_cuda_target_traces_foreach_and_plans_the_cublas_workspace():
     assert p.optimizer_impl == "foreach"
     workspace = next(c for c in p.device_costs if c.name == "cuBLAS workspace")
     assert workspace.bytes == 8_519_680 and workspace.in_allocator and "CublasHandlePool" in workspace.source
-    # issue 24: the autograd thread's own workspace and cuBLASLt's 1 MiB, all inside max_memory_allocated
+    # the autograd thread's own workspace and cuBLASLt's 1 MiB, all inside max_memory_allocated
     assert p.allocator_peak_bytes == p.peak_bytes + 2 * workspace.bytes + 2**20
     assert p.step_peak_bytes == p.peak_bytes  # workspaces are fixed costs, not the step's own
     assert p.to_dict()["optimizer_impl"] == "foreach"
@@ -510,7 +510,7 @@ def _plan_and_measure(factory, batch, seq, recipe, corpus):
 
 
 def test_offloaded_checkpoints_are_traced_exactly_with_their_host_bytes(corpus):
-    """issue 16: the host copies are made on fake tensors too; the plan counts them in host RAM."""
+    """The host copies are made on fake tensors too; the plan counts them in host RAM."""
     recipe = cm.Recipe(checkpointing="offload")
     plan, measured, model = _plan_and_measure(lambda: cm.build_model("tiny", n_layer=4), 4, 64, recipe, corpus)
     assert plan.peak_bytes == measured.peak_bytes and plan.by_category == measured.by_category
@@ -521,7 +521,7 @@ def test_offloaded_checkpoints_are_traced_exactly_with_their_host_bytes(corpus):
 def test_offloaded_checkpoints_on_a_transformers_llama_trace_as_full_checkpointing_does(corpus):
     """'offload' must add no gap of its own to 'full', and its host bytes are exact. (On the Llama the trace of
     'full' was 47,616 bytes above the CPU measurement when 'offload' was added: transformers built a packed-
-    sequence mask on fake tensors; the planner's fix of issue 19 made both exact.)"""
+    sequence mask on fake tensors; the planner's fix (`_fake_safe_transformers`) made both exact.)"""
     full_plan, full_measured, _ = _plan_and_measure(_tiny_llama, 2, 48, cm.Recipe(checkpointing="full"), corpus)
     plan, measured, model = _plan_and_measure(_tiny_llama, 2, 48, cm.Recipe(checkpointing="offload"), corpus)
     assert plan.peak_bytes - measured.peak_bytes == full_plan.peak_bytes - full_measured.peak_bytes
@@ -544,7 +544,7 @@ def test_a_half_precision_lora_base_is_refused_in_bf16_on_a_t4_and_halves_the_fr
 
 
 def test_a_named_models_trace_is_cached_within_the_process_and_a_factory_is_not():
-    # issue 18: the recommender plans the same recipe again (modes, objectives, the explore panel)
+    # the recommender plans the same recipe again (modes, objectives, the explore panel)
     planner.clear_trace_cache()
     first = planner.plan("tiny", 2, seq_len=32, target=CPU_TARGET, find_max_batch=False)
     assert len(planner._TRACE_CACHE) == 1
@@ -618,7 +618,7 @@ def _tiny_llama_big_vocab():
                                      "lora_targets": ("q_proj", "v_proj"), "checkpointing": "offload"}],
                          ids=["full", "qlora-offload"])
 def test_chunked_loss_on_a_transformers_llama_is_traced_exactly(corpus, fields):
-    """issue 16: the loss from the base model's hidden states by chunks, traced as the CPU measures it."""
+    """The loss from the base model's hidden states by chunks, traced as the CPU measures it."""
     recipe = cm.Recipe.from_dict(fields)
     plan, measured, _ = _plan_and_measure(_tiny_llama_big_vocab, 2, 48, recipe, corpus)
     assert plan.peak_bytes == measured.peak_bytes and plan.by_category == measured.by_category
@@ -628,7 +628,7 @@ def test_chunked_loss_on_a_transformers_llama_is_traced_exactly(corpus, fields):
     assert plan.by_phase["forward"] < plain.by_phase["forward"] - 96 * 4096 * 4
 
 
-# -- issue 24: what CUDA allocates that the trace cannot see ------------------------------------------------
+# -- what CUDA allocates that the trace cannot see ---------------------------------------------------------
 
 def test_cuda_plans_every_cublas_and_cublaslt_workspace(monkeypatch):
     for name in ("CUBLAS_WORKSPACE_CONFIG", "CUBLASLT_WORKSPACE_SIZE", "TORCH_CUBLASLT_UNIFIED_WORKSPACE"):

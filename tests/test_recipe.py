@@ -139,7 +139,7 @@ def test_update_rounding_is_built_and_refused_for_fp32_weights():
     assert isinstance(plain, torch.optim.AdamW)
 
 
-# -- issue 25: one table says which backend applies each field; build applies what plan counts ----------
+# -- one table says which backend applies each field; build applies what plan counts ----------
 
 def _blocks_patched(model):
     return ["forward" in b.__dict__ for b in model.blocks]

@@ -28,7 +28,7 @@ def test_candidates_cover_the_axes_and_accumulation_divides_the_batch():
     assert len(cands) == n_axes * 3  # accumulation 1, 2, 4
     assert {c.accumulation_steps for c in candidate_recipes(3)} == {1}
     assert {c.precision for c in cands} == {"fp32", "fp16-autocast"}
-    # issue 18: a CUDA target computes every candidate in its autocast precision (fp16 on a T4, bf16 on Ampere+)
+    # a CUDA target computes every candidate in its autocast precision (fp16 on a T4, bf16 on Ampere+)
     t4 = candidate_recipes(4)
     assert len(t4) == n_axes * 3 // len(CANDIDATE_AXES["precision"]) and {c.precision for c in t4} == {"fp16-autocast"}
     assert {c.precision for c in candidate_recipes(1, target="a100-80gb")} == {"bf16-autocast"}
@@ -174,7 +174,7 @@ def test_a_factory_that_builds_no_model_is_named(factory, says):
         recommend(factory, 1, seq_len=16, costs=COSTS)
 
 
-# Issue 18: what the field's guides recommend for common Colab T4 cases, at the level of mode, precision,
+# What the field's guides recommend for common Colab T4 cases, at the level of mode, precision,
 # frozen-base dtype / quantization and checkpointing yes/no, each with its source. The recommender must agree.
 # (method='analytic' keeps it fast; the traced answers are timed by benchmarks/recommend_speed.py.)
 HF_SINGLE_GPU = ("https://huggingface.co/docs/transformers/perf_train_gpu_one: mixed precision speeds training; "
@@ -253,7 +253,7 @@ def test_qlora_only_where_lora_does_not_fit_or_for_least_memory_with_both_needs_
     assert "LoRA (fp16 base) needs" in side and "QLoRA (nf4 base) needs" in side
 
 
-# -- issue 16: long context (offloaded checkpoints, the chunked loss) and the host-RAM check ---------
+# -- long context (offloaded checkpoints, the chunked loss) and the host-RAM check ------------------
 
 def _big_vocab_llama():
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -310,7 +310,7 @@ def test_offloaded_checkpoints_over_the_host_ram_do_not_fit():
 
 
 def test_full_fine_tuning_by_name_tries_the_lean_full_candidates_and_auto_goes_to_lora():
-    # issue 15: a 3B model does not fully fine-tune on a T4 with fp32 master weights; full fine-tuning asked for by
+    # a 3B model does not fully fine-tune on a T4 with fp32 master weights; full fine-tuning asked for by
     # name tries 16-bit weights / LOMO / GaLore / ...; 'auto' passes over full fine-tuning to LoRA, as the guides do.
     from colab_memopt.recommender import FULL_CANDIDATES, full_candidates
 

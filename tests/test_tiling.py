@@ -1,4 +1,4 @@
-"""The tiled MLP (tiling.py) and the checkpoints split between device and host (issue 28)."""
+"""The tiled MLP (tiling.py) and the checkpoints split between device and host (notebook 17)."""
 
 from __future__ import annotations
 

@@ -124,7 +124,7 @@ def test_zero_settings_stand_in_for_a_recipe_and_share_its_checks():
         zero.ZeroSettings(lr=0)
 
 
-# -- issue 25: the engine Recipe.build makes applies the recipe, and measure_step measures it ----------------
+# -- the engine Recipe.build makes applies the recipe, and measure_step measures it ----------------
 
 _ENGINE_SCRIPT = r"""
 import json, torch, colab_memopt as cm

@@ -177,7 +177,7 @@ def test_t4_emulation_caps_the_allocator(cuda):
     torch.cuda.empty_cache()
 
 
-# -- issue 24: what CUDA allocates that a CPU trace cannot see ------------------------------------------------------
+# -- what CUDA allocates that a CPU trace cannot see ---------------------------------------------------------------
 
 def test_every_workspace_a_step_holds_is_a_plan_line():
     # A fresh process: a biased Linear's forward (addmm through cuBLASLt) and backward (the autograd engine's device
