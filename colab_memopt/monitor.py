@@ -505,10 +505,16 @@ class MemoryMonitor:
                           "AdamW keeps 8 B/param of state; SGD+momentum 4, SGD 0, 8-bit Adam 2 (Dettmers et al. 2022)"),
             "mixed_precision": (bool, "16-bit activations: 2 bytes per value instead of 4 for what autocast runs in "
                                 "16-bit, about half the activation bytes"),
+            "precision": (lambda v: v not in (None, "fp32"), "16-bit activations under autocast (2 bytes per value "
+                          "instead of 4 where autocast runs in 16-bit); 16-bit weights and their state with 'bf16'/'fp16'"),
             "gradient_checkpointing": (bool, _CHECKPOINTING_SAVES),
-            "checkpointing": (bool, _CHECKPOINTING_SAVES),
+            # Recipe.checkpointing is a policy name: 'none' is off (bool('none') would say on)
+            "checkpointing": (lambda v: v not in (None, False, "none"), _CHECKPOINTING_SAVES),
             "gradient_accumulation_steps": (lambda v: bool(v) and v > 1, "activations of one micro-batch instead of the whole batch"),
             "optimizer_offload": (bool, "optimizer state in host RAM: 8 B/param off the device (AdamW)"),
+            "offload_optimizer": (bool, "optimizer state in host RAM (ZeRO-Offload): 8 B/param off the device (AdamW)"),
+            "layer_offload_active": (lambda v: bool(v) and v > 0, "only this many blocks' weights on the device at a time; "
+                                     "the rest stream from host RAM each step"),
             "cpu_offload": (bool, "parameters/optimizer state in host RAM: their bytes leave the device; each step waits on PCIe copies, "
                            "so the slowdown depends on the host-device bandwidth"),
         }

@@ -14,8 +14,10 @@ fuller stack). They map onto the Recipe fields that exist:
 - precision: mixed precision everywhere: fp16 autocast + GradScaler on a T4 (sm_75 has no native
   bf16), bf16 autocast on targets that have it; in LoRA and QLoRA modes the frozen base is stored in
   that 16-bit dtype too (`Recipe.base_dtype`), the adapters in fp32.
-- offload (CPU offloading of layers and optimizer state): not a Recipe field yet. Add it to
-  `PRESETS[...].fields` below (one line per preset) when the offload fields exist.
+- offload (CPU offloading: `Recipe.layer_offload_active`, `offload_optimizer`, `checkpointing='offload'`):
+  no preset turns it on, because every step then waits on host-device copies; the recommender adds
+  offloaded checkpoints only when nothing else fits (its long-context round), and notebooks 09, 10 and
+  17 measure it.
 
 A preset is a starting point, combinable with explicit overrides: `Recipe.preset('balanced',
 accumulation_steps=4)`. Each preset's expected cost is the product of its techniques' measured

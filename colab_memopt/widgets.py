@@ -45,6 +45,11 @@ def panel(callback: Callable[..., Any], controls: Mapping[str, Any], *, title: s
             raise TypeError(f"control {name!r} must be an ipywidgets control with a value, got {type(control).__name__}")
         if hasattr(control, "continuous_update"):
             control.continuous_update = False
+        style = getattr(control, "style", None)
+        if getattr(control, "description", "") and style is not None and hasattr(style, "description_width") \
+                and not style.description_width:
+            style.description_width = "initial"  # the whole label ('checkpointing'), not a clipped 'checkpoin...'
+
     out = widgets.Output()
     status = widgets.HTML("")
 

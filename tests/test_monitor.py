@@ -83,6 +83,10 @@ def test_optimizations_reads_recipe_fields():
     opts = MemoryMonitor.optimizations(cm.Recipe(attention="naive", optimizer="sgd"))
     assert opts["attention"]["enabled"] is False and opts["optimizer"]["enabled"] is True
     assert "mixed_precision" not in opts  # not a field of this recipe
+    # checkpointing is a policy name: 'none' is off, any policy is on; precision fp32 is off
+    assert opts["checkpointing"]["enabled"] is False and opts["precision"]["enabled"] is False
+    on = MemoryMonitor.optimizations(cm.Recipe(checkpointing="selective", precision="fp16-autocast"))
+    assert on["checkpointing"]["enabled"] and on["precision"]["enabled"] and not on["offload_optimizer"]["enabled"]
 
 
 def test_spikes_found_with_step_delta_phase():

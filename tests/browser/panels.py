@@ -71,7 +71,8 @@ class Change:
 PANELS: dict[str, Change | tuple[Change, ...]] = {
     "00_where_the_memory_goes": Change("optimizer", "select", "sgd", plot=True, expect="sgd", expect_gone="optimizer_state"),
     # the settings a T4 user asks about: precision, mode, checkpointing and optimizer, in one plan
-    "01_will_it_fit": (Change("precision", "select", "fp16-autocast"), Change("mode", "select", "qlora"),
+    # ("verdict:" is printed after the plan, so the whole plan has arrived before the check reads it)
+    "01_will_it_fit": (Change("precision", "select", "fp16-autocast"), Change("mode", "select", "qlora", expect="verdict:"),
                        Change("checkpointing", "select", "full"),
                        Change("optimizer", "select", "sgd", expect="qlora · fp16-autocast · checkpointing full · sgd",
                               expect_gone="optimizer_state")),
