@@ -7,15 +7,16 @@ architectures that fits under the leanest candidate recipe of `recommend` (batch
 and a coarse search over size: the base architecture's depth bisected (Llama-3.2-1B's shape for full
 fine-tuning, Llama-3.1-8B's for the adapters). Every figure is the analytic estimate (the planner's
 fallback path; a trace of an 8B model takes tens of seconds here), plus the target's CUDA context.
-Full fine-tuning also considers the recipes of `capacity.FULL_CANDIDATES` (notebook 16: GaLore 8-bit per
+Full fine-tuning also considers the recipes of `capacity.FULL_CANDIDATES` (GaLore 8-bit per
 layer, APOLLO, APOLLO-Mini, torchao's 8-bit and 4-bit AdamW, BAdam, each with every precision and
 checkpointing option it allows; and 16-bit weights without a master copy: AdamW with Kahan-compensated
 updates, LOMO, AdaLomo); its rows list the largest model each candidate fits
 (`candidates`) and which one wins, with the candidate optimizer's loss gap to fp32 AdamW measured by
 benchmarks/optimizer_quality.py on this CPU (benchmarks/results/optimizer_quality.json).
-Writes benchmarks/results/capacity.json and prints the table last.
-Targets (this project's goals): full fine-tuning of >= 2B parameters at 512 tokens and of >= 4B at
-2048 tokens; QLoRA of >= 8B at 2048 tokens.
+Writes colab_memopt/results/capacity.json (package data: notebook 16 reads it from an installed package too)
+and prints the table last.
+Targets: full fine-tuning of >= 2B parameters at 512 tokens; QLoRA of >= 8B at 2048 tokens;
+full fine-tuning of >= 4B at 2048 tokens (with 16-bit weights or almost no optimizer state).
 """
 
 from __future__ import annotations
@@ -33,12 +34,12 @@ from colab_memopt.fileio import write_json
 from colab_memopt.measure import format_bytes
 from colab_memopt.planner import get_target
 
-OUT = Path(__file__).resolve().parent / "results" / "capacity.json"
+OUT = Path(__file__).resolve().parent.parent / "colab_memopt" / "results" / "capacity.json"  # shipped in the wheel
 MODELS = ["smollm2-135m", "smollm2-360m", "qwen2.5-0.5b", "llama-3.2-1b", "qwen2.5-1.5b", "smollm2-1.7b", "llama-3.2-3b", "llama-3.1-8b"]
 SCALE_BASE = {"full": "llama-3.2-1b", "lora": "llama-3.1-8b", "qlora": "llama-3.1-8b"}
 TARGETS = {("full", 512): 2e9, ("full", 2048): 4e9, ("qlora", 2048): 8e9}
 QUALITY = Path(__file__).resolve().parent / "results" / "optimizer_quality.json"
-QUALITY_GAP_PCT = 3.0  # this project's bar: the capacity recipe should end within 3% of fp32 AdamW's loss
+QUALITY_GAP_PCT = 3.0  # the capacity recipe should end within 3% of fp32 AdamW's loss
 
 
 def _loss_gaps(path: Path = QUALITY) -> dict[str, dict]:
@@ -72,7 +73,7 @@ def _candidate_rows(seq: int, tgt, gaps: dict[str, dict]) -> tuple[dict, dict]:
         return max(items, key=lambda kv: (kv[1]["largest_scaled_params"], -(kv[1]["need_bytes"] or 0)), default=None)
 
     name, best = largest(out.items())
-    # The issue's quality target: within 3% of fp32 AdamW's loss after the same steps (measured gaps only).
+    # The quality target: within 3% of fp32 AdamW's loss after the same steps (measured gaps only).
     close = largest([kv for kv in out.items() if kv[1]["loss_gap_pct"] is not None and kv[1]["loss_gap_pct"] <= QUALITY_GAP_PCT])
     winner = {"candidate": name, **best}
     winner["within_gap"] = {"max_loss_gap_pct": QUALITY_GAP_PCT, **({"candidate": close[0], **close[1]} if close else {"candidate": None})}
@@ -94,7 +95,7 @@ def _why(fit: capacity.Fit) -> str:
     return ", ".join(f"{c} {format_bytes(b)}" for c, b in parts)
 
 
-# -- 8-bit trainable weights (int8train), planned by trace on fake tensors --------------------------------------
+# -- 8-bit trainable weights (int8train), planned by trace on fake tensors ------------------------------
 INT8_RECIPE = {"optimizer": "adalomo", "precision": "fp16", "weight_dtype": "int8", "checkpointing": "full",
                "loss_chunk_tokens": 128}
 # (name, our architecture name or the public config.json's fields); Qwen2.5-7B and Mistral-7B are not among
@@ -214,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--modes", nargs="+", default=["full", "lora", "qlora"])
     parser.add_argument("--out", default=str(OUT))
     parser.add_argument("--int8-only", action="store_true",
-                        help="only plan the 8-bit-weight rows (int8train) by trace and add them to the JSON as 'int8_weights'")
+                        help="only plan the 8-bit-weight rows by trace and add them to the JSON as 'int8_weights'")
     parser.add_argument("--no-scaled", action="store_true", help="with --int8-only: skip the deepest-model search")
     args = parser.parse_args(argv)
     warnings.simplefilter("ignore")

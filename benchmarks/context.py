@@ -29,8 +29,9 @@ adapters; LoRA rank 16 on the family's projections, QLoRA with an nf4 base):
 `--tiled-block` measures (not plans) one checkpointed Llama-shaped block's forward and backward on the CPU,
 its MLP untiled and tiled (`tiling.measure_tiled_block`): the peak saved and the time it costs.
 Each plan is cached in build/context_cache.json, so an interrupted run resumes. Writes
-benchmarks/results/context.json after every row and prints the table last.
-Targets (this project's goals): Llama-3.1-8B QLoRA >= 49,152 tokens (stretch 65,536); Llama-3.2-1B full >= 32,768.
+colab_memopt/results/context.json after every row (package data: notebook 17 reads it from an installed
+package too) and prints the table last.
+Targets: Llama-3.1-8B QLoRA >= 49,152 tokens (stretch 65,536); Llama-3.2-1B full >= 32,768.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ from colab_memopt.presets import mixed_precision, mode_fields
 from colab_memopt.recipe import Recipe
 
 ROOT = Path(__file__).resolve().parent.parent
-OUT = ROOT / "benchmarks" / "results" / "context.json"
+OUT = ROOT / "colab_memopt" / "results" / "context.json"  # shipped in the wheel (pyproject package-data)
 CACHE = ROOT / "build" / "context_cache.json"
 # The targets first, then the rest, smallest first.
 MODELS = ["llama-3.1-8b", "llama-3.2-1b", "smollm2-135m", "smollm2-360m", "qwen2.5-0.5b", "gpt2", "qwen2.5-1.5b",
@@ -76,7 +77,7 @@ RECIPES = {
 # LoRA and QLoRA (the recommender's default on a T4): the frozen base, embeddings and head included, in fp16.
 RECIPES["offload+chunked-loss+fp16-base"] = dict(checkpointing="offload", loss_chunk_tokens=DEFAULT_CHUNK_TOKENS,
                                                   base_dtype="fp16")
-# The MLP by sequence tiles, the checkpoints split between device and host
+# the MLP by sequence tiles, the checkpoints split between device and host
 MLP_TILE_TOKENS = 4096
 RECIPES["offload-split+chunked-loss+fp16-base+tiled-mlp"] = dict(
     RECIPES["offload+chunked-loss+fp16-base"], mlp_tile_tokens=MLP_TILE_TOKENS)
@@ -88,7 +89,7 @@ RECIPE_MODES = {"offload+chunked-loss+in-backward": ("full",), "offload+chunked-
 SPLIT_RECIPES = {"offload-split+chunked-loss+fp16-base+tiled-mlp", "offload-split+chunked-loss+in-backward+tiled-mlp"}
 TARGETS = {("llama-3.1-8b", "qlora"): (49152, 65536), ("llama-3.2-1b", "full"): (32768, None)}
 STEP_TOKENS = 1024
-SPLIT_STEP_TOKENS = 4096  # the issue-28 rows: a coarse step, from the target up
+SPLIT_STEP_TOKENS = 4096  # the tiled-MLP rows: a coarse step, from the target up
 # the tiled block measured on the CPU: Llama-3.1-8B's proportions (intermediate 3.5 x hidden, 4 query heads per
 # key/value head) at a width the CPU runs in seconds
 TILED_BLOCK = dict(hidden_size=256, intermediate_size=896, num_attention_heads=8, num_key_value_heads=2,
@@ -120,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="the plans' cache (JSON; the first is written); rows found in any are not planned again")
     parser.add_argument("--cached-only", action="store_true", help="plan nothing: write the rows the caches hold")
     parser.add_argument("--guess-tokens", type=int, default=None,
-                        help="start the issue-28 rows' search here instead of at the target (rows already cached are "
+                        help="start the tiled-MLP rows' search here instead of at the target (rows already cached are "
                              "planned again; a cached row's plan at the target is kept as the row's 'at_target')")
     parser.add_argument("--tiled-block", action="store_true",
                         help="measure the tiled MLP on one Llama-shaped block (CPU) into the results; plan nothing")

@@ -475,6 +475,20 @@ class Recipe:
         """Return the fields as a plain dict."""
         return asdict(self)
 
+    def changed(self) -> dict[str, Any]:
+        """Return the fields that differ from the defaults (plain fp32 AdamW), in field order.
+
+        Example:
+            >>> Recipe(precision="fp16", optimizer="lomo").changed()
+            {'optimizer': 'lomo', 'precision': 'fp16'}
+        """
+        default = type(self)()
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) != getattr(default, f.name)}
+
+    def __str__(self) -> str:
+        """Return `Recipe(...)` with only the fields that differ from the defaults (`repr` keeps every field)."""
+        return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in self.changed().items())})"
+
     def check_model(self, model: nn.Module) -> None:
         """Raise ValueError, with `build`'s own message, where this recipe cannot be applied to `model`.
 

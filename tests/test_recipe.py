@@ -256,3 +256,14 @@ def test_build_applies_every_field_plan_counts_or_both_refuse_it(name, backend, 
         return
     model, opt = recipe.build(cm.build_model("tiny"))
     assert applied(model, opt, recipe), f"Recipe.build did not apply {name}={values[name]!r}"
+
+
+def test_str_names_only_the_changed_fields_and_repr_keeps_them_all():
+    recipe = cm.Recipe(precision="fp16", optimizer="lomo")
+    assert str(recipe) == "Recipe(optimizer='lomo', precision='fp16')"
+    assert recipe.changed() == {"optimizer": "lomo", "precision": "fp16"}
+    assert str(cm.Recipe()) == "Recipe()" and cm.Recipe().changed() == {}
+    assert f"{recipe}" == str(recipe)  # printing and f-strings give the short form
+    full = repr(recipe)  # every field, as the dataclass writes it
+    assert full.startswith("Recipe(") and all(f"{name}=" in full for name in cm.Recipe().to_dict())
+    assert eval(str(recipe), {"Recipe": cm.Recipe}) == recipe  # the short form still builds the same recipe
