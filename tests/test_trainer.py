@@ -82,9 +82,12 @@ def planned_and_measured(family: str, optim: str, dropout: float = 0.05, checkpo
     return planned, profiler.samples[-1].peak_bytes
 
 
-# 12 real Trainer runs of two steps each (about 2-4 s apiece on 2 cores): the Done-when grid of the issue.
-@pytest.mark.parametrize("family", sorted(FAMILIES))
-@pytest.mark.parametrize("optim", OPTIMS)
+# Each optim once, each family at least once: four real Trainer runs of two steps. The whole grid (3 families x
+# 4 optims) is benchmarks/trainer_accuracy.py's, which writes benchmarks/results/trainer_accuracy.json.
+CASES = (("llama", "adamw_torch"), ("qwen2", "adamw_torch_fused"), ("mistral", "adamw_8bit"), ("llama", "adafactor"))
+
+
+@pytest.mark.parametrize(("family", "optim"), CASES)
 def test_plan_trainer_within_one_percent_of_the_trainer_step(family, optim):
     planned, measured = planned_and_measured(family, optim)
     assert abs(planned - measured) <= 0.01 * measured, (planned, measured)
