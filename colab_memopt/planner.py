@@ -457,14 +457,19 @@ class Plan:
 
 
 class _FakeBatches:
-    """Stand-in for the corpus under fake tensors: random token ids of the right shape."""
+    """Stand-in for the corpus under fake tensors: random token ids of the right shape.
+
+    `rows` > batch_size yields the first batch_size rows of a (rows, seq_len) tensor: a view that keeps the
+    whole batch's storage alive, as the step of every micro-batch does (`_Tracer._step`)."""
 
     def __init__(self, vocab_size: int) -> None:
         self.vocab_size = vocab_size
+        self.rows = 0
 
     def batches(self, batch_size: int, seq_len: int, *, seed: int = 0, device: Any = "cpu", split: str = "train") -> Iterator[torch.Tensor]:
         while True:
-            yield torch.randint(0, self.vocab_size, (batch_size, seq_len), device=device)
+            rows = max(batch_size, self.rows)
+            yield torch.randint(0, self.vocab_size, (rows, seq_len), device=device)[:batch_size]
 
 
 def _vocab_size(model: nn.Module) -> int:
@@ -954,7 +959,17 @@ class _Tracer:
                 self._step(batch)()
 
     def _step(self, batch: int) -> Callable[[], Any]:
-        return make_train_step(self.model, self.optimizer, self.batches, batch_size=batch, seq_len=self.seq_len, recipe=self.recipe)
+        recipe, self.batches.rows = self.recipe, batch
+        if recipe.accumulation_steps > 2:
+            # Trace the first two micro-batches and the optimizer step, with the whole batch's token ids alive: from
+            # the second micro-batch on each one runs with the gradients already there and no more rows than the
+            # second (micro_batch_sizes puts the larger ones first), so the later ones repeat its peak. The same
+            # peak as all n passes (tests/test_planner.py measures it), in two of them.
+            from colab_memopt.accumulation import micro_batch_sizes
+
+            batch = sum(micro_batch_sizes(batch, recipe.accumulation_steps)[:2])
+            recipe = recipe.with_(accumulation_steps=2)
+        return make_train_step(self.model, self.optimizer, self.batches, batch_size=batch, seq_len=self.seq_len, recipe=recipe)
 
     def trace(self, batch: int) -> _Trace:
         if batch not in self._cache:

@@ -509,6 +509,17 @@ def _plan_and_measure(factory, batch, seq, recipe, corpus):
     return plan, measured, model
 
 
+@pytest.mark.parametrize(("batch", "steps", "precision"), [(16, 8, "fp32"), (10, 4, "fp32"), (9, 4, "fp32"),
+                                                         (10, 4, "fp16-autocast")])
+def test_accumulation_traces_two_micro_batches_and_matches_the_whole_step(batch, steps, precision, corpus):
+    """The planner traces the first two micro-batches and the optimizer step (the later ones repeat the second's
+    peak) with the whole batch's token ids alive: the plan equals the measured step of all `steps` micro-batches,
+    even and uneven splits, to the byte and by category."""
+    recipe = cm.Recipe(accumulation_steps=steps, precision=precision)  # fp16: the GradScaler's path, as on a T4
+    plan, measured, _ = _plan_and_measure(lambda: cm.build_model("tiny"), batch, 32, recipe, corpus)
+    assert plan.peak_bytes == measured.peak_bytes and plan.by_category == measured.by_category
+
+
 def test_offloaded_checkpoints_are_traced_exactly_with_their_host_bytes(corpus):
     """The host copies are made on fake tensors too; the plan counts them in host RAM."""
     recipe = cm.Recipe(checkpointing="offload")
