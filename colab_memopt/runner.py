@@ -35,7 +35,8 @@ def check_checkout(root: Path = REPO_ROOT) -> None:
         from colab_memopt.project import REPOSITORY_URL
 
         raise ValueError(
-            f"the runner executes the notebooks of a checkout of the repository, and {', '.join(missing)} is not there "
+            f"the runner executes the notebooks of a checkout of the repository, and {' and '.join(missing)} "
+            f"{'is' if len(missing) == 1 else 'are'} not there "
             f"(this package is installed, not checked out). Clone {REPOSITORY_URL} and run `make run` in it; to run one "
             "notebook, open it in Jupyter or Colab.")
 
