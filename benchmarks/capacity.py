@@ -77,9 +77,9 @@ def _candidate_rows(seq: int, tgt, gaps: dict[str, dict]) -> tuple[dict, dict]:
     close = largest([kv for kv in out.items() if kv[1]["loss_gap_pct"] is not None and kv[1]["loss_gap_pct"] <= QUALITY_GAP_PCT])
     winner = {"candidate": name, **best}
     winner["within_gap"] = {"max_loss_gap_pct": QUALITY_GAP_PCT, **({"candidate": close[0], **close[1]} if close else {"candidate": None})}
-    # The analytic screen is optimistic for some recipes (it under-counts selective checkpointing's and the
-    # 16-bit optimizers' transients): the winner and the best within the loss gap are traced on fake tensors,
-    # fully checkpointed (the leanest activations), depth by depth to the traced boundary.
+    # The analytic screen is optimistic for some recipes (it under-counts the 16-bit optimizers' transients, and
+    # under autocast the checkpointed blocks' fp32 inputs): the winner and the best within the loss gap are traced
+    # on fake tensors, fully checkpointed (the leanest activations), depth by depth to the traced boundary.
     for entry in (winner, winner["within_gap"]):
         recipe = recipes.get(entry.get("candidate"))
         if recipe is not None:

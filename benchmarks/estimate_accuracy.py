@@ -30,8 +30,8 @@ from colab_memopt.planner import plan  # noqa: E402
 OUT = ROOT / "benchmarks" / "results" / "estimate_accuracy.json"
 BAND = ROOT / "colab_memopt" / "estimate_band.json"
 FAMILIES = ("llama", "qwen2", "mistral", "phi3", "gemma2", "gpt_neox")
-RECIPES = {"fp32": {}, "checkpoint-full": {"checkpointing": "full"}, "lora-8": {"lora_rank": 8},
-           "bf16-autocast": {"precision": "bf16-autocast"}}
+RECIPES = {"fp32": {}, "checkpoint-full": {"checkpointing": "full"}, "checkpoint-selective": {"checkpointing": "selective"},
+           "lora-8": {"lora_rank": 8}, "bf16-autocast": {"precision": "bf16-autocast"}}
 WITHIN_PCT = 10.0
 
 

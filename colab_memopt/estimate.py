@@ -300,6 +300,69 @@ def _recipe_params(model: torch.nn.Module, recipe: Any) -> tuple[list[torch.Tens
     return params, trainable, q_bytes + rest_bytes + param_bytes(adapters)
 
 
+def _matmul_outputs_per_token(block: torch.nn.Module, rank: int, targets: tuple[str, ...], *, four_bit: bool) -> int:
+    """Return the values per token that the matmuls of one block output: each linear layer's out_features.
+
+    Leaf modules with an `out_features` count (nn.Linear, bitsandbytes' 8-bit layers, `Int8Linear`, peft's
+    lora_A and lora_B), transformers' Conv1D by its `nf`; with `rank` > 0 each Linear named in `targets`
+    counts the adapters `Recipe.build` would add besides: lora_A's r and lora_B's out_features. A 4-bit
+    layer (`four_bit`: the recipe quantizes to nf4/fp4; or a bitsandbytes Linear4bit) adds nothing of its
+    own: bitsandbytes (0.50) computes it with its custom op `gemm_4bit`, not a matmul that
+    `checkpointing.SAVE_OPS` saves, so its output is recomputed; its adapters still count.
+    """
+    total = 0
+    for name, mod in block.named_modules():
+        if next(mod.children(), None) is not None:
+            continue  # a wrapper (peft's lora.Linear): its base layer and adapters count
+        out = getattr(mod, "nf", None) if type(mod).__name__ == "Conv1D" else getattr(mod, "out_features", None)
+        if not isinstance(out, int):
+            continue
+        adapter = ".lora_" in f".{name}"  # peft's lora_A.default, lora_B.default
+        is_4bit = any(c.__name__ == "Linear4bit" for c in type(mod).__mro__)
+        if adapter or not (is_4bit or (four_bit and isinstance(mod, torch.nn.Linear))):
+            total += out
+        if rank and isinstance(mod, torch.nn.Linear) and name.rpartition(".")[2] in targets:
+            total += rank + out
+    return total
+
+
+def selective_saved_bytes(model: torch.nn.Module, batch: int, seq: int, recipe: Any, *, bytes_per_value: int) -> int:
+    """Return the bytes selective checkpointing keeps inside one checkpointed block, besides its input.
+
+    `checkpointing.SAVE_OPS`: the output of every matmul (one per linear layer, out_features values per
+    token, LoRA's r and out_features per adapted layer) and of the attention kernel, at `bytes_per_value`:
+    SDPA's output (heads x head_dim per token) and its fp32 log-sum-exp (heads per token); naive and
+    eager attention's two batched matmuls instead, the (heads, s, s) scores and the output. Averaged
+    over the model's block stacks (`checkpointing.find_block_stacks`; a one-layer model's list of one
+    block), a block of each measured.
+    """
+    from colab_memopt.checkpointing import find_block_stacks
+
+    d = _dims(model)
+    config = model.config
+    try:
+        stacks = find_block_stacks(model)
+    except ValueError:  # one layer (capacity's scaled models start there): a list of one block is no stack
+        stacks = [m for m in model.modules()
+                  if isinstance(m, torch.nn.ModuleList) and len(m) and next(m[0].children(), None) is not None][:1]
+        if not stacks:
+            raise
+    rank = int(getattr(recipe, "lora_rank", 0) or 0)
+    targets = tuple(getattr(recipe, "lora_targets", ()))
+    four_bit = (getattr(recipe, "quantization", None) in ("nf4", "fp4")
+                and getattr(recipe, "quantization_phase", "all") == "all")
+    linear = sum(len(s) * _matmul_outputs_per_token(s[0], rank, targets, four_bit=four_bit)
+                 for s in stacks) // sum(len(s) for s in stacks)
+    if isinstance(model, GPT):
+        attn_out, naive = d["hidden"], (getattr(recipe, "attention", None) or config.attention) == "naive"
+    else:
+        head_dim = getattr(config, "head_dim", None) or d["hidden"] // d["heads"]
+        attn_out, naive = d["heads"] * head_dim, getattr(config, "_attn_implementation", None) == "eager"
+    per_token = (linear + attn_out) * bytes_per_value
+    per_token += d["heads"] * seq * bytes_per_value if naive else d["heads"] * 4  # the scores, else the log-sum-exp
+    return batch * seq * per_token
+
+
 def training_step_bytes(model: torch.nn.Module, batch: int, seq: int, recipe: Any) -> StepEstimate:
     """Return the analytic peak of one training step of `model` (built on any device, 'meta' too).
 
@@ -308,8 +371,9 @@ def training_step_bytes(model: torch.nn.Module, batch: int, seq: int, recipe: An
     holds parameters, gradients, state and about one parameter tensor's worth of temporaries.
     The recipe's fields are applied by rule: pure bf16 halves weights, gradients and state; autocast
     stores activations at 2 bytes; checkpointing keeps each checkpointed block's input (s*b*h) plus
-    one block ('offload': two inputs, the rest in host RAM); `loss_chunk_tokens` replaces the full
-    logits by one chunk's (fp32) and their gradient; accumulation divides activations by the micro-batches; quantization stores the block
+    one block ('offload': two inputs, the rest in host RAM; 'selective': each block's matmul and
+    attention outputs too, `selective_saved_bytes`, and of one block only what those leave out);
+    `loss_chunk_tokens` replaces the full logits by one chunk's (fp32) and their gradient; accumulation divides activations by the micro-batches; quantization stores the block
     linear weights by `quantized_weight_bytes`; LoRA trains r*(in+out) values per adapted layer only.
     The planner uses this where a step cannot be traced, and prints it beside every trace.
     """
@@ -350,8 +414,13 @@ def training_step_bytes(model: torch.nn.Module, batch: int, seq: int, recipe: An
         kept = d["layers"] // max(1, getattr(recipe, "checkpoint_interval", 1)) if policy == "every_n" else d["layers"]
         # 'offload' keeps the inputs in host RAM: on the device, the one recomputed and the one loaded ahead.
         on_device = min(2, kept) if policy == "offload" else kept
-        act -= kept * per_block - (on_device * micro * seq * d["hidden"] * value_bytes + per_block)
         recomputed = per_block
+        kept_bytes = on_device * micro * seq * d["hidden"] * value_bytes
+        if policy == "selective":  # each block keeps its matmul and attention outputs too, and recomputes the rest
+            saved = selective_saved_bytes(model, micro, seq, recipe, bytes_per_value=value_bytes)
+            kept_bytes += kept * saved
+            recomputed = max(0, per_block - saved)
+        act -= kept * per_block - (kept_bytes + recomputed)
     chunk = getattr(recipe, "loss_chunk_tokens", None)
     chunk = 128 if chunk == "auto" else chunk  # the planner's first plan of 'auto' (loss.DEFAULT_CHUNK_TOKENS)
     if chunk is not None:  # notebook 17: one chunk's fp32 logits and their gradient, plus the hidden states' gradient
