@@ -5,8 +5,8 @@ gradient checkpointing (more of it from conservative to maximum: 'checkpoint_int
 8-bit quantization and, from balanced on, CPU offloading of layers (`Preset.document` keeps that
 fuller stack). They map onto the Recipe fields that exist:
 
-- checkpointing: conservative uses 'selective' (saves the cheap-to-recompute tensors only; the
-  least recompute), the others 'every_n' with the preset's interval (a block in N is checkpointed;
+- checkpointing: conservative uses 'selective' (saves the matmul and attention outputs and recomputes
+  only the cheap elementwise ops: the least recompute), the others 'every_n' with the preset's interval (a block in N is checkpointed;
   a smaller N saves more and recomputes more).
 - quantization: 8-bit quantization becomes 8-bit optimizer state (bitsandbytes
   AdamW8bit) for full fine-tuning; the weights are quantized only in QLoRA mode (nf4), because a
