@@ -235,8 +235,9 @@ class Recommendation:
 
 
 def _changed(recipe: Recipe) -> dict[str, Any]:
-    base = Recipe().to_dict()
-    return {k: v for k, v in recipe.to_dict().items() if base[k] != v}
+    """Return the fields `Recipe.changed` names, as `to_dict` writes them (JSON-ready)."""
+    values = recipe.to_dict()
+    return {k: values[k] for k in recipe.changed()}
 
 
 def _name(recipe: Recipe, target: Any, mode: str, model: str | None = None) -> str:
