@@ -6,6 +6,7 @@ import json
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path, PurePosixPath
+from typing import Any
 
 REPOSITORY = "colab-memopt/colab-memopt"
 BRANCH = "main"
@@ -186,13 +187,21 @@ def course_markdown(titles: Mapping[str, str]) -> str:
     return "\n".join(lines + ["", COURSE_END])
 
 
+def replace_block(text: str, start: str, end: str, block: str, where: Any = "README.md") -> str:
+    """Return `text` with the block between the markers `start` and `end` replaced by `block` (markers included)."""
+    if start not in text or end not in text:
+        raise ValueError(f"{where} has no markers {start!r} ... {end!r}")
+    if text.index(end) < text.index(start):
+        raise ValueError(f"{where}: the end marker {end!r} comes before its start marker")
+    head, rest = text.split(start, 1)
+    _, tail = rest.split(end, 1)
+    return head + block + tail
+
+
 def sync_course_readme(readme: Path, titles: Mapping[str, str]) -> bool:
     """Rewrite the course block of `readme` (notebooks/README.md) between its markers; return whether it changed."""
     text = readme.read_text(encoding="utf-8")
-    if COURSE_START not in text or COURSE_END not in text:
-        raise ValueError(f"{readme} has no course markers ({COURSE_START!r} ... {COURSE_END!r})")
-    head, rest = text.split(COURSE_START, 1)
-    new = head + course_markdown(titles) + rest.split(COURSE_END, 1)[1]
+    new = replace_block(text, COURSE_START, COURSE_END, course_markdown(titles), readme)
     if new != text:
         readme.write_text(new, encoding="utf-8")
     return new != text

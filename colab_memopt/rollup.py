@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from colab_memopt.fileio import atomic_write_text, read_json
-from colab_memopt.project import COURSE, colab_badge
+from colab_memopt.project import COURSE, colab_badge, replace_block
+from colab_memopt.project import notebook_title as project_notebook_title
 from colab_memopt.report import VERDICTS
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -63,14 +64,15 @@ def claims_markdown(merged: Mapping[str, Any]) -> str:
 
 
 def notebook_title(path: Path) -> str:
-    """Return a notebook's title: its first markdown heading without the '# '."""
-    import nbformat
+    """Return a notebook's title: its first markdown heading without the '# ' (project.notebook_title)."""
+    import json
 
-    nb = nbformat.read(path, as_version=4)
-    first = nb.cells[0].source.strip().splitlines()[0]
-    if not first.startswith("# "):
-        raise ValueError(f"{path.name}: the first cell must start with a '# ' title")
-    return first[2:].strip()
+    cells = json.loads(Path(path).read_text(encoding="utf-8"))["cells"]
+    source = "".join(cells[0]["source"]) if cells else ""
+    try:
+        return project_notebook_title(source)
+    except ValueError as exc:
+        raise ValueError(f"{Path(path).name}: {exc}") from None
 
 
 def measured_effect(entry: Mapping[str, Any] | None) -> str:
@@ -171,17 +173,6 @@ def check_merged(merged: Any, where: Any) -> None:
                 raise ValueError(f"{where}: notebook {name!r}'s {key!r} must be a number, got {entry[key]!r}")
         if entry.get("optimized") is not None and entry.get("saving_pct") is not None and entry.get("baseline") is None:
             raise ValueError(f"{where}: notebook {name!r} has 'optimized' and 'saving_pct' but no 'baseline'")
-
-
-def replace_block(text: str, start: str, end: str, block: str, where: Any = "README.md") -> str:
-    """Return `text` with the block between the markers `start` and `end` replaced by `block` (markers included)."""
-    if start not in text or end not in text:
-        raise ValueError(f"{where} has no markers {start!r} ... {end!r}")
-    if text.index(end) < text.index(start):
-        raise ValueError(f"{where}: the end marker {end!r} comes before its start marker")
-    head, rest = text.split(start, 1)
-    _, tail = rest.split(end, 1)
-    return head + block + tail
 
 
 def update_readme(readme: Path, index: str) -> str:
