@@ -143,11 +143,15 @@ def _synthetic_batch(trainer: Any, batch: int, seq_len: int) -> dict[str, Any]:
     return dict(out)
 
 
-def _trace_step(trainer: Any, args: Any, batch: int, seq_len: int, *, cuda: bool, mode: Any = None) -> tuple[_Trace, int]:
+def _trace_step(trainer: Any, args: Any, batch: int, seq_len: int, *, cuda: bool, mode: Any = None,
+                notes: list[str] | None = None) -> tuple[_Trace, int]:
     """Trace the Trainer's step on fake tensors; return (the trace, the number of trainable parameters).
 
     `mode`: the fake-tensor mode a planner-built Trainer's model lives in (its parameters are fake already);
-    None swaps a real Trainer's parameters for fake ones for the duration."""
+    None swaps a real Trainer's parameters for fake ones for the duration. The optimizer is the one the Trainer
+    steps (the user's own, `optimizers=(opt, None)`, as a twin over the fake parameters); checkpointing is what
+    the Trainer's `train()` leaves on: the model's own, or the settings' `gradient_checkpointing`; every flag and
+    hook that enabling it adds is taken off afterwards. `notes`: what the trace could not run as given is added."""
     grad_accum = int(args.gradient_accumulation_steps)
     micro = int(args.per_device_train_batch_size)
     model = trainer.model
@@ -156,20 +160,18 @@ def _trace_step(trainer: Any, args: Any, batch: int, seq_len: int, *, cuda: bool
     recipe = Recipe(optimizer=OPTIM_TO_RECIPE.get(str(getattr(args.optim, "value", args.optim)), "adamw"))
     saved = {k: copy.deepcopy(getattr(trainer, k)) for k in ("_metrics", "_total_train_tokens") if hasattr(trainer, k)}
     saved_optimizer, saved_training = trainer.optimizer, model.training
-    gc_was = bool(getattr(model, "is_gradient_checkpointing", False))
+    # the names of the parameters of a user's own optimizer (optimizers=(opt, None)), to find their fake twins
+    names = {id(p): n for n, p in model.named_parameters()} if saved_optimizer is not None else {}
+    restore_modules = _snapshot_modules(model)
     # The run's autocast: accelerate autocasts fp16 and bf16 on CUDA, only bf16 on the CPU (an fp16 run there is fp32);
     # CUDA's fp16 autocast is traced as CPU bf16 autocast (the same 2-byte activations).
     autocasts = bool(args.bf16 or (args.fp16 and cuda))
     autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if autocasts else contextlib.nullcontext
     try:
-        if args.gradient_checkpointing and not gc_was:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs)
-        elif not args.gradient_checkpointing and gc_was:
-            model.gradient_checkpointing_disable()
+        _enable_checkpointing_as_the_trainer_does(model, args)
         with _fake_parameters(model, mode) if swap else contextlib.nullcontext(), mode, _ScalarMode(), _fake_safe_module_to(), \
                 _fake_safe_bitsandbytes(mode, recipe, cuda=cuda), _fake_safe_transformers(), _cpu_device_without_index(trainer.args):
-            trainer.optimizer = None
-            optimizer = trainer.create_optimizer(model)
+            optimizer = _run_optimizer(trainer, model, saved_optimizer, names, notes)
             _prefer_impl(optimizer, cuda)
             n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
             # warm-up: the optimizer state exists after the first step, as in every step after it
@@ -197,10 +199,7 @@ def _trace_step(trainer: Any, args: Any, batch: int, seq_len: int, *, cuda: bool
         for k, v in saved.items():
             setattr(trainer, k, v)
         model.train(saved_training)
-        if args.gradient_checkpointing and not gc_was:
-            model.gradient_checkpointing_disable()
-        elif not args.gradient_checkpointing and gc_was:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs)
+        restore_modules()
     trace = _Trace(
         tracker.peak_bytes,
         dict(tracker.peak_categories),
@@ -209,6 +208,66 @@ def _trace_step(trainer: Any, args: Any, batch: int, seq_len: int, *, cuda: bool
         tracker.category_peaks["activations"],
     )
     return trace, n_trainable
+
+
+def _snapshot_modules(model: nn.Module) -> Any:
+    """Return a function that puts back every module's attributes and hooks as they are now (what enabling
+    checkpointing sets: the flags, the checkpoint function, peft's `enable_input_require_grads` forward hook)."""
+    saved = []
+    for module in model.modules():
+        attrs = dict(module.__dict__)
+        hooks = {k: dict(v) for k, v in attrs.items() if "hook" in k and isinstance(v, dict)}
+        saved.append((module, attrs, hooks))
+
+    def restore() -> None:
+        for module, attrs, hooks in saved:
+            for key in [k for k in module.__dict__ if k not in attrs]:
+                del module.__dict__[key]
+            for key, value in attrs.items():
+                if module.__dict__.get(key) is not value:
+                    module.__dict__[key] = value
+            for key, table in hooks.items():  # the same dict objects (hook handles hold them), their old entries
+                module.__dict__[key].clear()
+                module.__dict__[key].update(table)
+
+    return restore
+
+
+def _enable_checkpointing_as_the_trainer_does(model: Any, args: Any) -> None:
+    """Enable activation checkpointing as `Trainer.train()` does when the settings ask for it (a model the user
+    enabled it on keeps it either way: the Trainer never disables it)."""
+    if not getattr(args, "activation_checkpointing", args.gradient_checkpointing):
+        return
+    kwargs = dict(getattr(args, "activation_checkpointing_kwargs", args.gradient_checkpointing_kwargs) or {})
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x
+        every_n_layers, offload = kwargs.pop("every_n_layers", 1), kwargs.pop("offload", False)
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs or None,
+                                              every_n_layers=every_n_layers, offload=offload)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs or None)
+
+
+def _run_optimizer(trainer: Any, model: Any, given: Any, names: dict[int, str], notes: list[str] | None) -> Any:
+    """Return the optimizer the run steps, over the model's current (fake) parameters: a twin of the user's own
+    (`optimizers=(opt, None)`: its class and each group's hyperparameters), else the one the Trainer builds."""
+    if given is not None:
+        import inspect
+
+        fakes = dict(model.named_parameters())
+        groups = [{**{k: v for k, v in g.items() if k != "params"},
+                   "params": [fakes[names[id(p)]] for p in g["params"] if names.get(id(p)) in fakes]}
+                  for g in given.param_groups]
+        cls = type(given)
+        try:
+            accepted = inspect.signature(cls.__init__).parameters
+            return cls([g for g in groups if g["params"]], **{k: v for k, v in given.defaults.items() if k in accepted})
+        except Exception as exc:  # noqa: BLE001 - an optimizer class we cannot rebuild: plan the Trainer's, say so
+            if notes is not None:
+                optim = str(getattr(trainer.args.optim, "value", trainer.args.optim))
+                notes.append(f"your optimizers=({cls.__name__}, ...) could not be rebuilt to trace ({type(exc).__name__}): "
+                             f"planned with optim={optim!r} instead")
+    trainer.optimizer = None
+    return trainer.create_optimizer(model)
 
 
 def _new_mode() -> Any:
@@ -361,21 +420,35 @@ def plan_trainer(
     real_trainer, args = _unwrap(trainer)
     if changes:
         args = _changed_args(args, changes)
+    _check_args(args, given=real_trainer is None)
     optim = check_optim(args.optim)
     if real_trainer is None and model is None:
         raise ValueError("plan_trainer(TrainingArguments) needs model= (a model id, folder, config or name)")
     if real_trainer is not None and (model is not None or lora is not None):
         raise ValueError("a Trainer already holds its model and peft adapters: leave model= and lora= out")
+    if real_trainer is None:
+        _check_trainable_model(model)
+    if isinstance(lora, dict):
+        from colab_memopt.hfconfig import read_lora
+
+        lora = read_lora(lora)
     if real_trainer is not None and lora is None:
         lora = _peft_config(real_trainer.model)
     if real_trainer is not None and bnb is None:
         bnb = getattr(getattr(real_trainer.model, "config", None), "quantization_config", None)
         bnb = None if isinstance(bnb, dict) else bnb
-    seq = int(seq_len) if seq_len is not None else seq_len_of(args)
-    if seq < 1:
-        raise ValueError(f"seq_len must be >= 1, got {seq}")
+    seq = _whole("seq_len", seq_len) if seq_len is not None else seq_len_of(args)
     recipe, notes = trainer_recipe(args, lora, bnb)
     warn = [f"not in the Recipe: {n}" for n in notes]
+    given_optimizer = getattr(real_trainer, "optimizer", None)
+    if given_optimizer is not None:
+        recipe, line = _given_optimizer_recipe(recipe, given_optimizer, optim)
+        warn.append(line)
+    if real_trainer is not None and not args.gradient_checkpointing and _checkpointing_on(real_trainer.model):
+        recipe = recipe.with_(checkpointing="full")
+        warn.append("gradient_checkpointing=False, but your model has checkpointing on (gradient_checkpointing_enable()): "
+                    "the Trainer keeps it, so it is planned on")
+    warn += _unplanned_parallelism(args)
     if args.fp16 and not tgt.cuda:
         warn.append("fp16=True on the CPU: accelerate runs no fp16 autocast there, so the step is planned in fp32 as it runs")
     if args.fp16 and tgt.cuda:
@@ -392,8 +465,11 @@ def plan_trainer(
         mode = _new_mode()
         holder = _fake_trainer(args, model, lora, bnb, seq, mode)
     micro = int(args.per_device_train_batch_size)
+    warn += _position_limit(holder.model, seq)
+    trace_notes: list[str] = []
     with _args_of(holder, args):
-        trace, _n = _trace_step(holder, args, micro, seq, cuda=tgt.cuda, mode=mode)
+        trace, _n = _trace_step(holder, args, micro, seq, cuda=tgt.cuda, mode=mode, notes=trace_notes)
+    warn += trace_notes
     name = _model_name(holder.model, model)
     batch = micro * int(args.gradient_accumulation_steps)
     device_costs: list[Cost] = []
@@ -417,7 +493,8 @@ def plan_trainer(
         peak_bytes=trace.peak_bytes, by_category=trace.by_category, by_phase=trace.by_phase,
         by_phase_category=trace.phase_categories, device_costs=device_costs, host_costs=_host_costs(recipe, batch, seq),
         headroom_fraction=headroom, analytic_peak_bytes=0, warnings=warn,
-        optimizer_impl=f"the Trainer's optim={optim!r}" + (" (torch's CUDA choice)" if tgt.cuda else ""),
+        optimizer_impl=(f"your {type(given_optimizer).__name__} (optimizers=)" if given_optimizer is not None and not trace_notes
+                        else f"the Trainer's optim={optim!r}") + (" (torch's CUDA choice)" if tgt.cuda else ""),
     )
     if find_max_batch:
         result.max_batch = _max_micro_batch(holder, args, seq, tgt, result, trace, mode)
@@ -425,23 +502,151 @@ def plan_trainer(
     return result
 
 
-def _changed_args(args: Any, changes: dict[str, Any]) -> Any:
-    """Return a copy of TrainingArguments with `changes`, refusing names it does not have."""
-    import dataclasses
+# transformers 5 resolves gradient_checkpointing* as deprecated aliases of activation_checkpointing*
+_ALIASES = (("gradient_checkpointing", "activation_checkpointing"),
+            ("gradient_checkpointing_kwargs", "activation_checkpointing_kwargs"))
 
-    known = {f.name for f in dataclasses.fields(args)}
-    unknown = sorted(set(changes) - known)
+
+def _changed_args(args: Any, changes: dict[str, Any]) -> Any:
+    """Return TrainingArguments / SFTConfig with `changes`, rebuilt through their class, so that its
+    `__post_init__` refuses what the Trainer refuses (fp16 with bf16, ...); refuse names it does not have, and
+    DeepSpeed / FSDP settings, which the plan does not model (and which set process-wide state when built)."""
+    import dataclasses
+    import warnings
+
+    fields = {f.name: f for f in dataclasses.fields(args)}
+    unknown = sorted(set(changes) - set(fields))
     if unknown:
         raise ValueError(f"unknown {type(args).__name__} field(s) {unknown}")
-    new = copy.copy(args)
-    for key, value in changes.items():
-        setattr(new, key, value)
-        # transformers 5 resolves gradient_checkpointing* as aliases of activation_checkpointing*: keep both in step
-        alias = {"gradient_checkpointing": "activation_checkpointing",
-                 "gradient_checkpointing_kwargs": "activation_checkpointing_kwargs"}.get(key)
-        if alias in known:
-            setattr(new, alias, value)
-    return new
+    derived = sorted(k for k in changes if not fields[k].init)
+    if derived:
+        raise ValueError(f"{type(args).__name__} sets {derived} itself: change the fields they come from")
+    for key in ("deepspeed", "fsdp"):
+        if changes.get(key):
+            raise ValueError(_UNPLANNED[key].format(value=changes[key]))
+    values = dict(changes)
+    for old, new in _ALIASES:  # keep both names in step: the new one wins when both are set
+        for a, b in ((old, new), (new, old)):
+            if a in changes and b in fields and b not in changes:
+                values[b] = changes[a]
+    with warnings.catch_warnings(), _accelerate_state_kept():
+        warnings.simplefilter("ignore")  # the aliases' deprecation notes
+        return dataclasses.replace(args, **values)
+
+
+@contextlib.contextmanager
+def _accelerate_state_kept() -> Iterator[None]:
+    """Put accelerate's process-wide state back as it was: building TrainingArguments resets it (its `device`
+    set-up), which would leave the user's own Trainer without its accelerator state."""
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+
+    tables = [cls._shared_state for cls in (PartialState, AcceleratorState, GradientState)]
+    saved = [dict(t) for t in tables]
+    try:
+        yield
+    finally:
+        for table, old in zip(tables, saved):  # in place: every state object shares its class's dict
+            table.clear()
+            table.update(old)
+
+
+_UNPLANNED = {
+    "deepspeed": "deepspeed={value!r}: the plan does not model DeepSpeed (it traces one GPU without it); "
+                 "leave deepspeed out, or plan ZeRO with the recipe fields zero_stage and offload_optimizer",
+    "fsdp": "fsdp={value!r}: the plan does not model FSDP (it traces one GPU without it); leave fsdp out",
+}
+
+
+def _whole(name: str, value: Any) -> int:
+    """Return `value` as an int if it is a whole number >= 1; else raise ValueError naming it."""
+    import operator
+
+    try:
+        number = None if isinstance(value, bool) else operator.index(value)
+    except TypeError:
+        number = None
+    if number is None or number < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    return number
+
+
+def _check_args(args: Any, *, given: bool) -> None:
+    """Refuse the values a Trainer run cannot take, naming the field (TrainingArguments does not check them).
+
+    `given`: the settings alone (no built Trainer): DeepSpeed there is refused, as the plan does not model it."""
+    for name in ("per_device_train_batch_size", "gradient_accumulation_steps"):
+        _whole(name, getattr(args, name))
+    if getattr(args, "max_length", None) is not None:
+        _whole("max_length", args.max_length)
+    for name in ("gradient_checkpointing_kwargs", "activation_checkpointing_kwargs"):
+        value = getattr(args, name, None)
+        if value is not None and not isinstance(value, dict):
+            raise ValueError(f"{name} must be a dict such as {{'use_reentrant': False}}, got {value!r}")
+    if given and args.deepspeed:
+        raise ValueError(_UNPLANNED["deepspeed"].format(value=args.deepspeed))
+
+
+def _unplanned_parallelism(args: Any) -> list[str]:
+    """Return a warning for each DeepSpeed / FSDP setting a built Trainer has: the plan is of one GPU without them."""
+    out = []
+    if args.deepspeed:
+        out.append(f"deepspeed={args.deepspeed!r}: not modeled; planned as one GPU without DeepSpeed")
+    if args.fsdp:
+        fsdp = " ".join(str(getattr(o, "value", o)) for o in args.fsdp) if isinstance(args.fsdp, list) else args.fsdp
+        out.append(f"fsdp={fsdp!r}: not modeled; planned as one GPU without FSDP")
+    return out
+
+
+def _checkpointing_on(model: Any) -> bool:
+    """Return whether activation checkpointing is on in any module of `model` (what the Trainer leaves on)."""
+    return any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
+
+
+# the Recipe's names of the optimizer classes users pass as optimizers=(opt, None)
+_OPTIMIZER_CLASSES = {"AdamW": "adamw", "Adam": "adam", "SGD": "sgd", "Adafactor": "adafactor", "AdamW8bit": "adamw8bit",
+                      "Adam8bit": "adam8bit", "PagedAdamW8bit": "paged_adamw8bit", "Lion8bit": "lion8bit", "Lion": "lion"}
+
+
+def _given_optimizer_recipe(recipe: Recipe, optimizer: Any, optim: str) -> tuple[Recipe, str]:
+    """Return (the Recipe with the user's own optimizer, the warning that says the plan steps it, not optim)."""
+    cls = type(optimizer).__name__
+    name = _OPTIMIZER_CLASSES.get(cls)
+    if name == "sgd" and any(g.get("momentum") for g in optimizer.param_groups):
+        name = "sgd_momentum"
+    line = f"optimizers=({cls}, ...): the Trainer steps your optimizer, not optim={optim!r}; planned with yours"
+    try:
+        return (recipe.with_(optimizer=name) if name else recipe), line
+    except ValueError:
+        return recipe, line
+
+
+def _check_trainable_model(model: Any) -> None:
+    """Refuse this project's reference GPT sizes: a Trainer trains Hugging Face models only."""
+    from colab_memopt.models import MODEL_SIZES
+
+    if isinstance(model, str) and model in MODEL_SIZES:
+        raise ValueError(f"model={model!r} is one of this project's reference GPTs, which a Trainer cannot train; "
+                         "give a Hugging Face id, a folder, a config, or one of the real architectures: "
+                         "python -m colab_memopt plan --help lists them")
+
+
+def _position_limit(net: Any, seq_len: int) -> list[str]:
+    """Refuse a seq_len past a learned position table (the run would index out of it); warn past a
+    rotary model's max_position_embeddings (it runs, beyond the lengths it was trained on)."""
+    config = getattr(net, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for module_name, module in net.named_modules():
+        leaf = module_name.rsplit(".", 1)[-1]
+        if isinstance(module, nn.Embedding) and (leaf in ("wpe", "embed_positions") or "position" in leaf) \
+                and module.num_embeddings < seq_len:
+            limit = getattr(text, "n_positions", None) or getattr(text, "max_position_embeddings", None) or module.num_embeddings
+            raise ValueError(f"seq_len={seq_len} (max_length) is longer than the model's {limit} positions "
+                             f"(n_positions / max_position_embeddings): use max_length <= {limit}")
+    limit = getattr(text, "max_position_embeddings", None)
+    if isinstance(limit, int) and seq_len > limit:
+        return [f"max_length={seq_len} is past max_position_embeddings={limit}: it runs, but beyond the lengths the "
+                "model was trained on"]
+    return []
 
 
 @contextlib.contextmanager
@@ -523,7 +728,7 @@ class TrainerFit:
         head = (f"before: needs {format_bytes(before.device_need_bytes)} of {format_bytes(before.device_limit_bytes)} "
                 f"usable on {before.target.name}: {'fits' if before.fits else 'does not fit'}")
         if self.after is None:
-            return head + f"\nno change tried fits ({len(self.tried)} tried)"
+            return "\n".join([head, f"no change tried fits ({len(self.tried)} tried)", *[f"note: {n}" for n in self.notes]])
         return "\n".join([head, f"after:  needs {format_bytes(self.after.device_need_bytes)}: "
                           f"{'fits' if self.after.fits else 'does not fit'}; expected step time x{self.slowdown:.2f}",
                           self.snippet(), *[f"note: {n}" for n in self.notes]])
@@ -593,6 +798,7 @@ def fit_trainer(
         >>> print(fit.snippet()); fit.after.fits
     """
     tgt = _target(target)
+    max_plans = _whole("max_plans", max_plans)
     kwargs = dict(model=model, lora=lora, bnb=bnb, target=tgt, seq_len=seq_len, headroom=headroom)
     before = plan_trainer(trainer, **kwargs)
     _, args = _unwrap(trainer)
@@ -612,6 +818,10 @@ def fit_trainer(
                 f"effective batch kept: {changes['per_device_train_batch_size']} x {changes['gradient_accumulation_steps']} "
                 f"= {before.batch}"]
             return TrainerFit(changes, before, after, cost, tried, notes)
-    notes = ["none of these settings fits: shorten max_length, use LoRA / QLoRA (BitsAndBytesConfig(load_in_4bit=True)) "
-             "or a smaller model"]
+    if len(ranked) > max_plans:
+        notes = [f"stopped after max_plans={max_plans} plans: {len(ranked) - max_plans} of the {len(ranked)} changes were "
+                 "not tried (raise max_plans to try them)"]
+    else:
+        notes = ["none of these settings fits: shorten max_length, use LoRA / QLoRA (BitsAndBytesConfig(load_in_4bit=True)) "
+                 "or a smaller model"]
     return TrainerFit({}, before, None, 1.0, tried, notes)
