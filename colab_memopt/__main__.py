@@ -183,10 +183,15 @@ def _plan_trainer(args: argparse.Namespace) -> tuple[int, Any]:
 
     if args.batch is not None or args.recipe:
         raise ValueError("--training-args gives the batch and the settings: leave --batch and --recipe out")
+    if args.method == "analytic":
+        raise ValueError("--method analytic: a --training-args run is planned by tracing its Trainer's step; "
+                         "leave --method out (or give --method trace)")
     cfg = read_training_config(args.training_args, lora=_file_or_fields(args.lora), bnb=_file_or_fields(args.bnb))
     model = args.model or cfg.model
     if model is None:
         raise ValueError("--training-args: give --model (the file names no model_name_or_path)")
+    if args.seq is None and getattr(cfg.args, "max_length", None) is None:
+        raise ValueError("--training-args: the file sets no max_length: give --seq (tokens per sequence)")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         result = plan_trainer(cfg.args, model=model, lora=cfg.lora, bnb=cfg.bnb, target=_target(args), seq_len=args.seq,

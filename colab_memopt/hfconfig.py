@@ -43,11 +43,20 @@ def read_mapping(source: str | Path | dict[str, Any]) -> dict[str, Any]:
         raise ValueError(f"no such config file: {str(path)!r}")
     text = path.read_text()
     if path.suffix.lower() == ".json":
-        values = json.loads(text)
+        try:
+            values = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{str(path)!r} is not valid JSON: {err}") from None
     else:
         import yaml
 
-        values = yaml.safe_load(text)
+        try:
+            values = yaml.safe_load(text)
+        except yaml.YAMLError as err:
+            mark = getattr(err, "problem_mark", None)
+            where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+            problem = " ".join(str(getattr(err, "problem", None) or err).split())
+            raise ValueError(f"{str(path)!r} is not valid YAML: {problem}{where}") from None
     if not isinstance(values, dict):
         raise ValueError(f"{str(path)!r} must hold a mapping of settings, got {type(values).__name__}")
     return values
@@ -55,6 +64,36 @@ def read_mapping(source: str | Path | dict[str, Any]) -> dict[str, Any]:
 
 def _names(cls: Any) -> set[str]:
     return {f.name for f in dataclasses.fields(cls) if f.init}
+
+
+def _listed(names: list[str], most: int = 8) -> str:
+    """Return the first `most` names, and how many more there are: an error line stays one short line."""
+    shown = ", ".join(repr(n) for n in names[:most])
+    return shown + (f" and {len(names) - most} more" if len(names) > most else "")
+
+
+def _typed(cls: Any, values: dict[str, Any]) -> dict[str, Any]:
+    """Return `values` with the strings of number and bool fields of dataclass `cls` converted, as TRL's parser
+    converts a config's values (YAML reads `2e-4` as a string); refuse one that does not convert, naming the key."""
+    import typing
+
+    hints = typing.get_type_hints(cls)
+    out = dict(values)
+    for key, value in values.items():
+        if not isinstance(value, str) or key not in hints:
+            continue
+        kinds = set(typing.get_args(hints[key])) or {hints[key]}
+        if str in kinds or not kinds & {int, float, bool}:
+            continue
+        kind = int if int in kinds and float not in kinds else float if float in kinds else bool
+        try:
+            if kind is bool:
+                out[key] = {"true": True, "yes": True, "1": True, "false": False, "no": False, "0": False}[value.lower()]
+            else:
+                out[key] = kind(value)
+        except (KeyError, ValueError):
+            raise ValueError(f"{key}: {value!r} is not {'an integer' if kind is int else kind.__name__ + ' value'}") from None
+    return out
 
 
 def read_training_config(training_args: str | Path | dict[str, Any], *, lora: Any = None, bnb: Any = None) -> TrainingConfig:
@@ -72,16 +111,24 @@ def read_training_config(training_args: str | Path | dict[str, Any], *, lora: An
     values = read_mapping(training_args)
     sft_keys, ta_keys = _names(SFTConfig), _names(TrainingArguments)
     model_keys, script_keys = _names(ModelConfig), _names(ScriptArguments)
-    unknown = sorted(k for k in values if k not in sft_keys | model_keys | script_keys)
+    unknown = sorted(str(k) for k in values if k not in sft_keys | model_keys | script_keys)
     if unknown:
-        raise ValueError(f"unknown setting(s) {unknown}: not a field of SFTConfig, TrainingArguments or TRL's "
+        raise ValueError(f"unknown setting(s) {_listed(unknown)}: not a field of SFTConfig, TrainingArguments or TRL's "
                          "ModelConfig / ScriptArguments")
-    model_values = {k: v for k, v in values.items() if k in model_keys and k not in sft_keys}
+    for key in ("deepspeed", "fsdp"):
+        if values.get(key):
+            raise ValueError(f"{key}: the plan does not model {'DeepSpeed' if key == 'deepspeed' else 'FSDP'} (it traces "
+                             f"one GPU without it); remove {key} from the file to plan that"
+                             + (", or plan ZeRO with the recipe fields zero_stage and offload_optimizer"
+                                if key == "deepspeed" else ""))
+    model_values = _typed(ModelConfig, {k: v for k, v in values.items() if k in model_keys and k not in sft_keys})
     ignored = sorted(k for k in values if k in script_keys and k not in sft_keys and k not in model_keys)
-    arg_values = {k: v for k, v in values.items() if k in sft_keys}
+    arg_values = _typed(SFTConfig, {k: v for k, v in values.items() if k in sft_keys})
     is_sft = bool(model_values or ignored or any(k not in ta_keys for k in arg_values)) or "max_length" in arg_values
     notes: list[str] = []
-    if not torch.cuda.is_available() and not arg_values.get("use_cpu") and (arg_values.get("bf16") or arg_values.get("fp16")):
+    sft_bf16 = is_sft and arg_values.get("bf16") is None and not arg_values.get("fp16")  # SFTConfig's bf16 default: True
+    if not torch.cuda.is_available() and not arg_values.get("use_cpu") and (arg_values.get("bf16") or arg_values.get("fp16")
+                                                                            or sft_bf16):
         arg_values["use_cpu"] = True  # TrainingArguments refuses fp16/bf16 without a GPU; planning changes nothing by it
         notes.append("use_cpu=True set to build the arguments on this machine without a GPU (no effect on the plan)")
     arg_values.setdefault("report_to", [])
@@ -110,10 +157,10 @@ def read_lora(source: Any) -> Any:
     if isinstance(source, LoraConfig):
         return source
     values = read_mapping(source)
-    unknown = sorted(set(values) - _names(LoraConfig))
+    unknown = sorted(str(k) for k in set(values) - _names(LoraConfig))
     if unknown:
-        raise ValueError(f"unknown LoraConfig field(s) {unknown}")
-    return LoraConfig(**values)
+        raise ValueError(f"unknown LoraConfig field(s) {_listed(unknown)}")
+    return LoraConfig(**_typed(LoraConfig, values))
 
 
 def read_bnb(source: Any) -> Any:
@@ -128,9 +175,9 @@ def read_bnb(source: Any) -> Any:
     import inspect
 
     known = set(inspect.signature(BitsAndBytesConfig.__init__).parameters) - {"self", "kwargs"}
-    unknown = sorted(set(values) - known)
+    unknown = sorted(str(k) for k in set(values) - known)
     if unknown:
-        raise ValueError(f"unknown BitsAndBytesConfig field(s) {unknown}; known: {sorted(known)}")
+        raise ValueError(f"unknown BitsAndBytesConfig field(s) {_listed(unknown)}; known: {sorted(known)}")
     return BitsAndBytesConfig(**values)
 
 
@@ -243,6 +290,10 @@ def trainer_recipe(args: Any, lora: Any = None, bnb: Any = None) -> tuple[Recipe
         notes.append(f"label_smoothing_factor={args.label_smoothing_factor}: the full logits are built (traced)")
     if getattr(args, "packing", False):
         notes.append("packing=True: every row is planned full at max_length")
+    if lora is not None and not (hasattr(lora, "r") and hasattr(lora, "lora_dropout")):
+        kind = str(getattr(getattr(lora, "peft_type", None), "value", "") or type(lora).__name__)
+        notes.append(f"peft {kind} ({type(lora).__name__}): no Recipe field (traced as peft builds it)")
+        lora = None
     if lora is not None:
         fields["lora_rank"] = int(lora.r)
         targets = lora.target_modules
@@ -257,6 +308,14 @@ def trainer_recipe(args: Any, lora: Any = None, bnb: Any = None) -> tuple[Recipe
             notes.append(f"lora bias={lora.bias!r}: trains biases too (traced; no Recipe field)")
         if lora.modules_to_save:
             notes.append(f"lora modules_to_save={list(lora.modules_to_save)}: full trainable copies (traced; no Recipe field)")
+        if getattr(lora, "use_dora", False):
+            notes.append("use_dora=True: DoRA's magnitude vectors and weight norms (traced; the Recipe says plain LoRA)")
+        if getattr(lora, "layers_to_transform", None) is not None:
+            notes.append(f"layers_to_transform={lora.layers_to_transform!r}: adapters on those layers only (traced; "
+                         "the Recipe says every layer)")
+        for name in ("rank_pattern", "alpha_pattern"):
+            if getattr(lora, name, None):
+                notes.append(f"{name}={getattr(lora, name)!r}: per-layer ranks (traced; the Recipe has one rank)")
     if bnb is not None:
         if getattr(bnb, "load_in_4bit", False):
             fields["quantization"] = str(bnb.bnb_4bit_quant_type)

@@ -460,44 +460,48 @@ def plan_trainer(
     if tgt.cuda and type(args).__name__ == "SFTConfig":
         warn.append("TRL's fused LM head is traced on its CPU path (torch tiles, every position scored); on CUDA with "
                     "Triton it scores only the trained positions in its own kernels: the plan is the most it can hold")
-    holder, mode = real_trainer, None
-    if holder is None:
-        mode = _new_mode()
-        holder = _fake_trainer(args, model, lora, bnb, seq, mode)
-    micro = int(args.per_device_train_batch_size)
-    warn += _position_limit(holder.model, seq)
-    trace_notes: list[str] = []
-    with _args_of(holder, args):
-        trace, _n = _trace_step(holder, args, micro, seq, cuda=tgt.cuda, mode=mode, notes=trace_notes)
-    warn += trace_notes
-    name = _model_name(holder.model, model)
-    batch = micro * int(args.gradient_accumulation_steps)
-    device_costs: list[Cost] = []
-    if tgt.cuda:
-        workspace, source = cublas_workspace_bytes(tgt.compute_capability)
-        device_costs = [
-            Cost("CUDA context", tgt.cuda_context_bytes, "assumed (0.5-2 GB seen on Colab; measure with NVML on your card)"),
-            Cost("cuBLAS workspace", workspace, source, in_allocator=True),
-        ]
-    if bnb is not None:
-        from colab_memopt.planner import quantization_scale_bytes
+    # the planner's own Trainer builds its accelerator from these settings: in accelerate's process-wide state,
+    # which is put back as it was afterwards
+    with _accelerate_state_kept(fresh=real_trainer is None):
+        holder, mode = real_trainer, None
+        if holder is None:
+            mode = _new_mode()
+            holder = _fake_trainer(_buildable(args), model, lora, bnb, seq, mode)
+        micro = int(args.per_device_train_batch_size)
+        warn += _position_limit(holder.model, seq)
+        trace_notes: list[str] = []
+        with _args_of(holder, args), _rows_kept(holder, args, trace_notes):
+            trace, _n = _trace_step(holder, args, micro, seq, cuda=tgt.cuda, mode=mode, notes=trace_notes)
+        warn += trace_notes
+        name = _model_name(holder.model, model)
+        batch = micro * int(args.gradient_accumulation_steps)
+        device_costs: list[Cost] = []
+        if tgt.cuda:
+            workspace, source = cublas_workspace_bytes(tgt.compute_capability)
+            device_costs = [
+                Cost("CUDA context", tgt.cuda_context_bytes, "assumed (0.5-2 GB seen on Colab; measure with NVML on your card)"),
+                Cost("cuBLAS workspace", workspace, source, in_allocator=True),
+            ]
+        if bnb is not None:
+            from colab_memopt.planner import quantization_scale_bytes
 
-        with mode if mode is not None else contextlib.nullcontext():
-            scales = quantization_scale_bytes(holder.model, cuda_rounding=tgt.cuda)
-        if scales:
-            device_costs.append(Cost("quantization scales", scales,
-                                     "bitsandbytes' absmax and row scales kept beside the quantized weights (outside the "
-                                     "parameters, which the trace counts)", in_allocator=True))
-    result = Plan(
-        model=name, batch=batch, seq_len=seq, recipe=recipe.to_dict(), target=tgt, method="trace",
-        peak_bytes=trace.peak_bytes, by_category=trace.by_category, by_phase=trace.by_phase,
-        by_phase_category=trace.phase_categories, device_costs=device_costs, host_costs=_host_costs(recipe, batch, seq),
-        headroom_fraction=headroom, analytic_peak_bytes=0, warnings=warn,
-        optimizer_impl=(f"your {type(given_optimizer).__name__} (optimizers=)" if given_optimizer is not None and not trace_notes
-                        else f"the Trainer's optim={optim!r}") + (" (torch's CUDA choice)" if tgt.cuda else ""),
-    )
-    if find_max_batch:
-        result.max_batch = _max_micro_batch(holder, args, seq, tgt, result, trace, mode)
+            with mode if mode is not None else contextlib.nullcontext():
+                scales = quantization_scale_bytes(holder.model, cuda_rounding=tgt.cuda)
+            if scales:
+                device_costs.append(Cost("quantization scales", scales,
+                                         "bitsandbytes' absmax and row scales kept beside the quantized weights (outside the "
+                                         "parameters, which the trace counts)", in_allocator=True))
+        result = Plan(
+            model=name, batch=batch, seq_len=seq, recipe=recipe.to_dict(), target=tgt, method="trace",
+            peak_bytes=trace.peak_bytes, by_category=trace.by_category, by_phase=trace.by_phase,
+            by_phase_category=trace.phase_categories, device_costs=device_costs, host_costs=_host_costs(recipe, batch, seq),
+            headroom_fraction=headroom, analytic_peak_bytes=0, warnings=warn,
+            optimizer_impl=(f"your {type(given_optimizer).__name__} (optimizers=)" if given_optimizer is not None
+                            and not any(n.startswith("your optimizers=") for n in trace_notes)
+                            else f"the Trainer's optim={optim!r}") + (" (torch's CUDA choice)" if tgt.cuda else ""),
+        )
+        if find_max_batch:
+            result.max_batch = _max_micro_batch(holder, args, seq, tgt, result, trace, mode)
     result.seconds = time.perf_counter() - start
     return result
 
@@ -535,13 +539,17 @@ def _changed_args(args: Any, changes: dict[str, Any]) -> Any:
 
 
 @contextlib.contextmanager
-def _accelerate_state_kept() -> Iterator[None]:
+def _accelerate_state_kept(*, fresh: bool = False) -> Iterator[None]:
     """Put accelerate's process-wide state back as it was: building TrainingArguments resets it (its `device`
-    set-up), which would leave the user's own Trainer without its accelerator state."""
+    set-up), which would leave the user's own Trainer without its accelerator state. `fresh`: start without an
+    accelerator state, so that the planner's own Trainer sets up its own (its mixed precision)."""
     from accelerate.state import AcceleratorState, GradientState, PartialState
 
     tables = [cls._shared_state for cls in (PartialState, AcceleratorState, GradientState)]
     saved = [dict(t) for t in tables]
+    if fresh:
+        AcceleratorState._shared_state.clear()
+        GradientState._shared_state.clear()
     try:
         yield
     finally:
@@ -647,6 +655,33 @@ def _position_limit(net: Any, seq_len: int) -> list[str]:
         return [f"max_length={seq_len} is past max_position_embeddings={limit}: it runs, but beyond the lengths the "
                 "model was trained on"]
     return []
+
+
+def _buildable(args: Any) -> Any:
+    """Return the settings the planner's own Trainer is built with: what needs data it does not have (evaluation,
+    a conversational dataset for assistant_only_loss) turned off; the training step is the same."""
+    off = {"eval_strategy": "no", "load_best_model_at_end": False, "eval_on_start": False, "assistant_only_loss": False}
+    changes = {k: v for k, v in off.items() if hasattr(args, k) and str(getattr(getattr(args, k), "value", getattr(args, k)))
+               != str(v)}
+    return _changed_args(args, changes) if changes else args
+
+
+@contextlib.contextmanager
+def _rows_kept(trainer: Any, args: Any, notes: list[str]) -> Iterator[None]:
+    """Trace a padding-free collator's batch (packing=True, padding_free=True) as its full rows, for the duration:
+    the flattened row's sequence boundaries are data-dependent, which fake tensors cannot follow."""
+    collator = getattr(trainer, "data_collator", None)
+    if not getattr(collator, "padding_free", False):
+        yield
+        return
+    setting = "packing=True" if getattr(args, "packing", False) else "padding_free=True"
+    notes.append(f"{setting}: planned as per_device_train_batch_size full rows of max_length (the same tokens); "
+                 "the one flattened row's attention kernel is not traced")
+    collator.padding_free = False
+    try:
+        yield
+    finally:
+        collator.padding_free = True
 
 
 @contextlib.contextmanager
@@ -799,6 +834,10 @@ def fit_trainer(
     """
     tgt = _target(target)
     max_plans = _whole("max_plans", max_plans)
+    if isinstance(lora, dict):
+        from colab_memopt.hfconfig import read_lora
+
+        lora = read_lora(lora)
     kwargs = dict(model=model, lora=lora, bnb=bnb, target=tgt, seq_len=seq_len, headroom=headroom)
     before = plan_trainer(trainer, **kwargs)
     _, args = _unwrap(trainer)
