@@ -2,7 +2,8 @@
 
 `plan_trainer` traces the Trainer's own step on fake tensors: the model the Trainer holds (its
 parameters swapped for fake ones for the duration, so nothing is allocated), the optimizer the
-Trainer itself builds from `optim` (`Trainer.create_optimizer`), one batch made by the Trainer's own
+Trainer itself builds from `optim` (`Trainer.create_optimizer`) or the one you gave it
+(`optimizers=(opt, None)`), the checkpointing `train()` leaves on, one batch made by the Trainer's own
 data collator at `max_length`, then what the training loop runs: `Trainer.training_step` (its
 `compute_loss`, TRL's fused LM head and token metrics included, and the backward) for each
 micro-batch, the gradient clipping, `optimizer.step()` and `model.zero_grad()`. What peft's LoRA
@@ -396,14 +397,18 @@ def plan_trainer(
             `TrainingArguments` / `SFTConfig` with `model=`.
         model: with TrainingArguments: a model id, a local folder or config.json, a `PretrainedConfig`
             or one of `architectures.model_names()` (random weights under fake tensors).
-        lora: with TrainingArguments: a peft `LoraConfig` (a Trainer already holds its peft model).
+        lora: with TrainingArguments: a peft `LoraConfig` (or its fields as a dict) or another peft config
+            (`IA3Config`, `LoHaConfig`, prompt tuning: traced, named in the warnings); a Trainer already holds
+            its peft model.
         bnb: a `BitsAndBytesConfig`; read into the Recipe (a Trainer already holds the quantized model).
         target: 't4', 'l4', 'a100-40gb', 'a100-80gb', 'h100-80gb', 'cpu' (this machine), a `Target` or a dict.
         seq_len: tokens per sequence (default: SFTConfig's max_length).
         headroom: fraction of device memory kept free.
         find_max_batch: also find the largest per_device_train_batch_size that fits (two more traces).
         **changes: TrainingArguments fields to change for this plan (what `fit_trainer` tries), e.g.
-            `per_device_train_batch_size=2`.
+            `per_device_train_batch_size=2`; the arguments are rebuilt through their class, so what
+            `TrainingArguments` refuses is refused (fp16 with bf16), and `deepspeed` / `fsdp`, which the
+            plan does not model. A what-if leaves nothing on the Trainer or its model.
 
     Returns the same `Plan` as `cm.plan`: `batch` is the effective batch (per-device batch x
     accumulation steps), `recipe` the Recipe these settings amount to (`trainer_recipe`), and
@@ -439,8 +444,8 @@ def plan_trainer(
         bnb = None if isinstance(bnb, dict) else bnb
     seq = _whole("seq_len", seq_len) if seq_len is not None else seq_len_of(args)
     recipe, notes = trainer_recipe(args, lora, bnb)
-    warn = [f"not in the Recipe: {n}" for n in notes]
     given_optimizer = getattr(real_trainer, "optimizer", None)
+    warn = [f"not in the Recipe: {n}" for n in notes if given_optimizer is None or not n.startswith("optim=")]
     if given_optimizer is not None:
         recipe, line = _given_optimizer_recipe(recipe, given_optimizer, optim)
         warn.append(line)
@@ -782,9 +787,10 @@ def _slowdown(args: Any, tgt: Target, lora: Any, bnb: Any) -> float:
     return costs.expected_slowdown(recipe, costs.costs_for_target(tgt)).ratio
 
 
-def _candidates(args: Any, tgt: Target) -> list[dict[str, Any]]:
+def _candidates(args: Any, tgt: Target, trainer: Any = None) -> list[dict[str, Any]]:
     """Return the change sets to try: precision, checkpointing, a lean optimizer and a smaller per-device batch
-    with more accumulation (the effective batch kept), each alone and together."""
+    with more accumulation (the effective batch kept), each alone and together. With a built `trainer`, what it
+    ignores is not tried: `optim` when it holds the user's own optimizer, checkpointing when its model has it on."""
     import itertools
 
     precision: list[dict[str, Any]] = [{}]
@@ -796,10 +802,11 @@ def _candidates(args: Any, tgt: Target) -> list[dict[str, Any]]:
     elif tgt.cuda and not (args.fp16 or args.bf16):
         precision = [{}, {"bf16": True}]
     checkpointing: list[dict[str, Any]] = [{}]
-    if not args.gradient_checkpointing:
+    if not args.gradient_checkpointing and not (trainer is not None and _checkpointing_on(trainer.model)):
         checkpointing.append({"gradient_checkpointing": True, "gradient_checkpointing_kwargs": {"use_reentrant": False}})
     optim = str(getattr(args.optim, "value", args.optim))
-    optims: list[dict[str, Any]] = [{}] + ([{"optim": o} for o in _EIGHT_BIT] if optim in _FULL_ADAM else [])
+    own = getattr(trainer, "optimizer", None) is not None  # optimizers=(opt, None): the Trainer ignores optim
+    optims: list[dict[str, Any]] = [{}] + ([{"optim": o} for o in _EIGHT_BIT] if optim in _FULL_ADAM and not own else [])
     micro, accum = int(args.per_device_train_batch_size), int(args.gradient_accumulation_steps)
     effective = micro * accum
     batches: list[dict[str, Any]] = [{}] + [
@@ -840,13 +847,13 @@ def fit_trainer(
         lora = read_lora(lora)
     kwargs = dict(model=model, lora=lora, bnb=bnb, target=tgt, seq_len=seq_len, headroom=headroom)
     before = plan_trainer(trainer, **kwargs)
-    _, args = _unwrap(trainer)
+    real, args = _unwrap(trainer)
     if real_lora := (lora if lora is not None else _peft_config(getattr(trainer, "model", None))):
         lora = real_lora
     base_cost = _slowdown(args, tgt, lora, bnb)
     if before.fits and not (args.bf16 and tgt.cuda and tgt.compute_capability and tuple(tgt.compute_capability) < (8, 0)):
         return TrainerFit({}, before, before, 1.0)
-    ranked = sorted(((c, _slowdown(_changed_args(args, c), tgt, lora, bnb) / base_cost) for c in _candidates(args, tgt) if c),
+    ranked = sorted(((c, _slowdown(_changed_args(args, c), tgt, lora, bnb) / base_cost) for c in _candidates(args, tgt, real) if c),
                     key=lambda cs: (round(cs[1], 3), len(cs[0])))
     tried: list[tuple[dict[str, Any], int, float]] = []
     for changes, cost in ranked[:max_plans]:

@@ -70,6 +70,9 @@ def test_probe3_row_104_a_users_own_optimizer_is_planned_not_optim():
     assert abs(plan.peak_bytes - measured) <= 0.01 * measured, (plan.peak_bytes, measured)  # was +100 % (AdamW)
     assert plan.recipe["optimizer"] == "sgd" and plan.optimizer_impl.startswith("your SGD")
     assert any("optimizers=(SGD" in w and "adamw_torch_fused" in w for w in plan.warnings)
+    tiny = {**TINY_TARGET, "device_bytes": 2 * 2**20}
+    assert not any("optim" in c for c in tr._candidates(hf_trainer().args, tr._target(tiny), hf_trainer(optimizer=True)))
+    assert any("optim" in c for c in tr._candidates(hf_trainer().args, tr._target(tiny), hf_trainer()))
 
 
 def test_probe3_row_108_checkpointing_the_user_enabled_on_the_model_is_planned_on():
@@ -81,6 +84,8 @@ def test_probe3_row_108_checkpointing_the_user_enabled_on_the_model_is_planned_o
     off = tr.plan_trainer(hf_trainer(**sized), target="cpu", seq_len=256)
     assert kept.peak_bytes == asked.peak_bytes < off.peak_bytes
     assert kept.recipe["checkpointing"] == "full" and any("checkpointing on" in w for w in kept.warnings)
+    trainer = hf_trainer(checkpointing=True)  # fit_trainer does not offer what the model already has
+    assert not any("gradient_checkpointing" in c for c in tr._candidates(trainer.args, tr._target("t4"), trainer))
 
 
 def test_probe3_row_113_a_what_if_leaves_no_hook_flag_or_state_behind():
@@ -120,8 +125,22 @@ def test_probe3_rows_50_53_56_59_60_changes_are_refused_as_the_trainer_refuses_t
         tr.plan_trainer(sft(), model=LlamaConfig(**CFG), per_device_train_batch_size=0)  # not TRL's IndexError
 
 
+def test_probe3_rows_59_60_a_built_trainers_deepspeed_and_fsdp_are_named():
+    from types import SimpleNamespace
+
+    args = SimpleNamespace(deepspeed={"zero_optimization": {"stage": 2}}, fsdp=["full_shard", "offload"])
+    lines = tr._unplanned_parallelism(args)
+    assert lines[0].startswith("deepspeed={'zero_optimization': {'stage': 2}}: not modeled")
+    assert lines[1].startswith("fsdp='full_shard offload': not modeled")
+    assert tr._unplanned_parallelism(SimpleNamespace(deepspeed=None, fsdp=[])) == []
+
+
 def test_probe3_rows_19_20_168_the_planners_own_trainer_takes_what_the_users_run_has():
+    from accelerate.state import AcceleratorState
+
+    before = dict(AcceleratorState._shared_state)
     plain = tr.plan_trainer(sft(), model=LlamaConfig(**CFG), target="cpu")
+    assert AcceleratorState._shared_state == before  # the planner's own Trainer's accelerator state is not left behind
     for changes in (dict(eval_strategy="steps", eval_steps=10), dict(assistant_only_loss=True)):
         assert tr.plan_trainer(sft(**changes), model=LlamaConfig(**CFG), target="cpu").peak_bytes == plain.peak_bytes
 
