@@ -451,8 +451,7 @@ def plan_trainer(
         warn.append(line)
     if real_trainer is not None and not args.gradient_checkpointing and _checkpointing_on(real_trainer.model):
         recipe = recipe.with_(checkpointing="full")
-        warn.append("gradient_checkpointing=False, but your model has checkpointing on (gradient_checkpointing_enable()): "
-                    "the Trainer keeps it, so it is planned on")
+        warn.append("your model has checkpointing on (gradient_checkpointing=False): the Trainer keeps it; planned on")
     warn += _unplanned_parallelism(args)
     if args.fp16 and not tgt.cuda:
         warn.append("fp16=True on the CPU: accelerate runs no fp16 autocast there, so the step is planned in fp32 as it runs")
@@ -626,7 +625,7 @@ def _given_optimizer_recipe(recipe: Recipe, optimizer: Any, optim: str) -> tuple
     name = _OPTIMIZER_CLASSES.get(cls)
     if name == "sgd" and any(g.get("momentum") for g in optimizer.param_groups):
         name = "sgd_momentum"
-    line = f"optimizers=({cls}, ...): the Trainer steps your optimizer, not optim={optim!r}; planned with yours"
+    line = f"optimizers=({cls}, ...) is what the Trainer steps, not optim={optim!r}: planned with yours"
     try:
         return (recipe.with_(optimizer=name) if name else recipe), line
     except ValueError:
@@ -638,9 +637,8 @@ def _check_trainable_model(model: Any) -> None:
     from colab_memopt.models import MODEL_SIZES
 
     if isinstance(model, str) and model in MODEL_SIZES:
-        raise ValueError(f"model={model!r} is one of this project's reference GPTs, which a Trainer cannot train; "
-                         "give a Hugging Face id, a folder, a config, or one of the real architectures: "
-                         "python -m colab_memopt plan --help lists them")
+        raise ValueError(f"model={model!r} is one of this project's reference GPTs, which a Trainer cannot train: "
+                         "give a Hugging Face id, folder or config")
 
 
 def _position_limit(net: Any, seq_len: int) -> list[str]:
@@ -680,8 +678,8 @@ def _rows_kept(trainer: Any, args: Any, notes: list[str]) -> Iterator[None]:
         yield
         return
     setting = "packing=True" if getattr(args, "packing", False) else "padding_free=True"
-    notes.append(f"{setting}: planned as per_device_train_batch_size full rows of max_length (the same tokens); "
-                 "the one flattened row's attention kernel is not traced")
+    notes.append(f"{setting}: planned as full rows of max_length (the same tokens); the packed row's attention "
+                 "is not traced")
     collator.padding_free = False
     try:
         yield
