@@ -255,7 +255,7 @@ def shape_model(model_factory: Callable[[], nn.Module], name: str = "model_facto
         raise TypeError(f"{name} must be callable with no arguments ({exc}); wrap it: lambda: build(...)") from None
     except ValueError:  # a builtin without a signature: try it
         pass
-    with torch.device("meta"):
+    with torch.device("meta"), _fake_safe_module_to():  # a factory that moves its model to its device: a no-op here
         model = model_factory()
     if not isinstance(model, nn.Module):
         raise TypeError(f"{name} must return a torch.nn.Module, it returned {type(model).__name__}")
@@ -491,31 +491,41 @@ class _Trace:
 
 @contextlib.contextmanager
 def _fake_safe_module_to() -> Iterator[None]:
-    """Make `nn.Module.to` work on modules built under FakeTensorMode, for the duration.
+    """Make `nn.Module.to` and `nn.Module.cuda` work on modules built on the meta device or under FakeTensorMode.
 
     `Module._apply` swaps fake parameters with `torch.utils.swap_tensors`, which refuses any tensor
     that has a weak reference, and FakeTensorMode keeps one to each of its tensors: so `.to()` fails
-    on every fake-built module (peft and transformers call it while building). Here a move to the
-    device the tensors are already on is a no-op, and a dtype change is done in place with `.data`,
-    which keeps shared (tied) parameters shared.
+    on every fake-built module (peft and transformers call it while building). Meta tensors cannot be
+    copied to a device at all. Here a device move of meta or fake tensors is a no-op (the plan is for
+    the target, wherever the factory or the Trainer wanted the weights; a real tensor is never moved:
+    that raises), and a dtype change is done in place with `.data`, which keeps shared (tied)
+    parameters shared.
     """
-    original = nn.Module.to
+    from torch._subclasses.fake_tensor import is_fake
 
-    def to(self: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
-        device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+    original_to, original_cuda = nn.Module.to, nn.Module.cuda
+
+    def move(self: nn.Module, device: Any, dtype: torch.dtype | None) -> nn.Module:
         with torch.no_grad():
             for t in [*self.parameters(), *self.buffers()]:
-                if device is not None and t.device.type != torch.device(device).type:
-                    raise ValueError(f"cannot plan a model that moves its tensors to {device} while it is built")
+                if device is not None and t.device.type != torch.device(device).type and not (t.is_meta or is_fake(t)):
+                    raise ValueError(f"cannot plan a model that moves its real tensors to {device} while it is built")
                 if dtype is not None and t.is_floating_point() and t.dtype != dtype:
                     t.data = t.data.to(dtype)
         return self
 
-    nn.Module.to = to  # type: ignore[method-assign]
+    def to(self: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
+        device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+        return move(self, device, dtype)
+
+    def cuda(self: nn.Module, device: Any = None) -> nn.Module:
+        return move(self, torch.device("cuda", device) if isinstance(device, int) else device or "cuda", None)
+
+    nn.Module.to, nn.Module.cuda = to, cuda  # type: ignore[method-assign]
     try:
         yield
     finally:
-        nn.Module.to = original  # type: ignore[method-assign]
+        nn.Module.to, nn.Module.cuda = original_to, original_cuda  # type: ignore[method-assign]
 
 
 FOUR_BIT_BLOCKSIZE = 64  # bitsandbytes' Linear4bit / Params4bit default, as quantization._bnb_linear builds them

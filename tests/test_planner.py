@@ -748,3 +748,30 @@ def test_offloaded_checkpoints_on_cuda_count_pinned_host_bytes_rounded():
     rec = cm.Recipe(checkpointing="offload")
     assert planner.offloaded_checkpoint_bytes(meta, 4, 48, rec, pinned=True) == 4 * 4 * 48 * 64 * 4
     assert planner.offloaded_checkpoint_bytes(meta, 4, 48, rec) == 4 * 4 * 48 * 64 * 4
+
+
+@pytest.mark.parametrize("factory", [
+    lambda: cm.build_model("tiny", device="cuda", seed=0),  # notebook 15's factory on a GPU machine
+    lambda: cm.build_model("tiny").cuda(),
+    lambda: cm.build_model("tiny").to("cuda", torch.float32),
+], ids=["build_model-device-cuda", "dot-cuda", "to-cuda"])
+def test_a_factory_that_moves_its_model_to_cuda_plans_on_a_gpu_machine(factory):
+    # cuda-run-1 #2/#3: shape_model builds the factory on meta and the trace under fake tensors; the factory's move
+    # to CUDA must be a no-op there ("Cannot copy out of meta tensor" on a GPU, "not compiled with CUDA" here).
+    from unittest import mock
+
+    import bitsandbytes  # noqa: F401 - imported before the mock, as on a GPU machine (it picks its backend at import)
+
+    expected = planner.plan("tiny", 1, seq_len=32, target="t4", find_max_batch=False, method="trace")
+    with mock.patch("torch.cuda.is_available", return_value=True):
+        p = planner.plan(factory, 1, seq_len=32, target="t4", find_max_batch=False, method="trace")
+    assert (p.peak_bytes, p.by_phase) == (expected.peak_bytes, expected.by_phase)
+
+
+def test_planning_never_moves_a_real_tensor_to_another_device():
+    with planner._fake_safe_module_to(), pytest.raises(ValueError, match="moves its real tensors to meta"):
+        torch.nn.Linear(2, 2).to("meta")
+    linear = torch.nn.Linear(2, 2)
+    with planner._fake_safe_module_to():
+        assert linear.to(torch.float16).weight.dtype == torch.float16  # a dtype change still happens, in place
+    assert torch.nn.Module.to.__qualname__ == "Module.to" and torch.nn.Module.cuda.__qualname__ == "Module.cuda"
