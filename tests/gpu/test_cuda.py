@@ -128,7 +128,9 @@ def test_real_oom_batch_search_strands_no_bytes(cuda):
         lambda b: cm.make_train_step(model, opt, corpus, batch_size=b, seq_len=1024), start=8,
         track=(model, opt), device=cuda, max_batch_size=512)
     assert search.max_batch_size >= 1 and any(not t.fits for t in search.tries), search
-    assert all(t.stranded_bytes == 0 for t in search.tries), search.tries
+    # Bytes of an earlier try can be freed late, during a later failed one (released_bytes, cuda-run-1 #9): an exact
+    # zero is not the CUDA allocator's invariant; nothing a failed try leaves behind beyond 1 MiB of block rounding is.
+    assert all(t.stranded_bytes <= 2**20 for t in search.tries), search.tries
 
 
 def test_layer_streamer_is_exact_under_deterministic_algorithms(cuda):
