@@ -271,6 +271,22 @@ class Cost:
     source: str
     in_allocator: bool = False  # allocated through the caching allocator: inside max_memory_allocated
     in_step: bool = False  # allocated and freed inside each step (a transient): inside its foreign-corrected peak
+    phases: tuple[str, ...] = PHASES  # an in-step transient: the phases it happens in, whose peaks it adds to
+
+
+def step_peak_with_transients(peak_bytes: int, by_phase: dict[str, int], costs: list[Cost]) -> int:
+    """Return a step's peak with its in-step transients (`Cost.in_step`), each added to the peak of the phases it
+    happens in (`Cost.phases`), never below the traced peak; bytes. Without phases, each is added to the peak."""
+    transients = [c for c in costs if c.in_step]
+    if not by_phase:
+        return peak_bytes + sum(c.bytes for c in transients)
+    return max(peak_bytes, *(held + sum(c.bytes for c in transients if phase in c.phases) for phase, held in by_phase.items()))
+
+
+def _step_fits(trace: Any, costs: list[Cost], limit_bytes: int) -> bool:
+    """Return whether a traced step (a `_Trace`) with `costs` needs at most `limit_bytes`, as `Plan.device_need_bytes` counts."""
+    fixed = sum(c.bytes for c in costs if not c.in_step)
+    return step_peak_with_transients(trace.peak_bytes, trace.by_phase, costs) + fixed <= limit_bytes
 
 
 def estimate_band() -> dict[str, Any]:
@@ -318,13 +334,15 @@ class Plan:
 
     @property
     def device_need_bytes(self) -> int:
-        return self.peak_bytes + sum(c.bytes for c in self.device_costs)
+        """Return the device bytes the step needs: its peak with its transients, plus the fixed costs."""
+        return self.step_peak_bytes + sum(c.bytes for c in self.device_costs if not c.in_step)
 
     @property
     def step_peak_bytes(self) -> int:
         """Return the step's own peak as `measure_step` reports it on CUDA (foreign bytes taken out): the tensors
-        at the peak plus the step's transients the trace cannot see (`Cost.in_step`, e.g. 4-bit dequantization)."""
-        return self.peak_bytes + sum(c.bytes for c in self.device_costs if c.in_step)
+        at the peak plus the step's transients the trace cannot see (`Cost.in_step`, e.g. 4-bit dequantization),
+        each added to the peak of the phase it happens in (`by_phase`), not to a peak in another phase."""
+        return step_peak_with_transients(self.peak_bytes, self.by_phase, self.device_costs)
 
     @property
     def load_need_bytes(self) -> int:
@@ -346,7 +364,9 @@ class Plan:
     def allocator_peak_bytes(self) -> int:
         """Return what `max_memory_allocated` would show for this step in a fresh process: the tensors at
         the peak plus the fixed costs allocated through the caching allocator (cuBLAS workspace)."""
-        return self.peak_bytes + sum(c.bytes for c in self.device_costs if c.in_allocator)
+        in_allocator = [c for c in self.device_costs if c.in_allocator]
+        return (step_peak_with_transients(self.peak_bytes, self.by_phase, in_allocator)
+                + sum(c.bytes for c in in_allocator if not c.in_step))
 
     @property
     def host_need_bytes(self) -> int:
@@ -432,6 +452,12 @@ class Plan:
         lines.append(f"  {'= tensors at peak':18s} {format_bytes(self.peak_bytes):>12s}   "
                      f"(analytic cross-check {format_bytes(self.analytic_peak_bytes)})")
         lines += [f"  + {c.name:16s} {format_bytes(c.bytes):>12s}   {c.source}" for c in self.device_costs]
+        overlap = self.peak_bytes + sum(c.bytes for c in self.device_costs if c.in_step) - self.step_peak_bytes
+        if overlap > 0:  # a transient of a phase below the step's peak
+            lines.append(f"  - {'not at the peak':16s} {format_bytes(overlap):>12s}   "
+                         f"{', '.join(c.name for c in self.device_costs if c.in_step)} happens in "
+                         f"{'/'.join(sorted({p for c in self.device_costs if c.in_step for p in c.phases}))}, "
+                         f"below the {max(self.by_phase, key=self.by_phase.get)} peak")
         lines.append(f"  {'= need':18s} {format_bytes(self.device_need_bytes):>12s}   of {format_bytes(self.device_limit_bytes)} "
                      f"usable ({format_bytes(self.target.device_bytes)} less {self.headroom_fraction:.0%} headroom)")
         lines.append("peak by phase: " + ", ".join(f"{p} {format_bytes(b)}" for p, b in self.by_phase.items()))
@@ -1157,10 +1183,11 @@ def four_bit_step_costs(meta_model: nn.Module, spec: Any, recipe: Recipe, target
     a per-GPU heuristic, `_dequant_linear_fallback`: the layer's whole weight dequantized to the compute dtype
     (and a nested absmax to fp32, twice), `F.linear`, then freed. That happens inside the op: the fake kernel
     the trace runs allocates only the output, and the CUDA tracker cannot see inside an op either (it lands in
-    `untracked`). One layer at a time, so the largest layer's bytes are added once, to the traced peak: an
-    upper bound, since the transient need not coincide with the peak (with checkpointing the recomputed
-    forward runs it inside backward). Backward's dequantization (`MatMul4Bit.backward`: `F.dequantize_4bit`)
-    is a Python call of ops the trace runs, so it is traced already. Empty unless the recipe trains a 4-bit base.
+    `untracked`). One layer at a time, so the largest layer's bytes are added once, to the peak of the phase it
+    happens in (`Plan.step_peak_bytes`): forward, and backward too where checkpointing recomputes the forward
+    there; an upper bound within that phase. Backward's dequantization (`MatMul4Bit.backward`:
+    `F.dequantize_4bit`) is a Python call of ops the trace runs, so it is traced already. Empty unless the
+    recipe trains a 4-bit base.
     """
     if recipe.quantization not in ("nf4", "fp4") or recipe.quantization_phase != "all":
         return []
@@ -1173,12 +1200,14 @@ def four_bit_step_costs(meta_model: nn.Module, spec: Any, recipe: Recipe, target
     when = (f"{tokens} tokens per micro-batch > {FOUR_BIT_FALLBACK_ABOVE_TOKENS}: always this path" if tokens > FOUR_BIT_FALLBACK_ABOVE_TOKENS
             else f"{tokens} tokens per micro-batch: the fused kernel or this path by a per-GPU heuristic "
                  "(_gemm_4bit_use_custom_cuda); planned as this path, an upper bound")
+    # in forward; in backward too where checkpointing recomputes the forward there
+    recomputes = recipe.checkpointing != "none" or recipe.compression_checkpointing
     return [Cost("4-bit dequantized weight", nbytes,
                  f"{_BNB_CUDA_OPS} _dequant_linear_fallback: the largest 4-bit layer's weight ({max(numels):,} values) "
                  f"dequantized to {str(dtype).removeprefix('torch.')}"
                  f"{' with its nested absmax in fp32 twice' if not by_transformers else ''} inside gemm_4bit, once per "
                  f"layer call ({when}); not in the trace (the fake kernel allocates only the output)",
-                 in_allocator=True, in_step=True)]
+                 in_allocator=True, in_step=True, phases=("forward", "backward") if recomputes else ("forward",))]
 
 
 def four_bit_load_costs(meta_model: nn.Module, spec: Any, recipe: Recipe, target: Target, model_bytes: int) -> list[Cost]:
@@ -1550,7 +1579,7 @@ def plan(
             if 0 < guess < _BATCH_CAP:
                 guess = _secant_step(tracer.trace(guess), guess, trace, budget)
                 guess, converged = _verified_max_batch(
-                    lambda b: tracer.trace(b).peak_bytes <= budget, guess, lower=rec.accumulation_steps
+                    lambda b: _step_fits(tracer.trace(b), device_costs, result.device_limit_bytes), guess, lower=rec.accumulation_steps
                 )
                 if not converged:
                     warn.append(f"max_batch {guess} is the largest traced batch that fits; the search stopped before the boundary")
