@@ -454,8 +454,8 @@ class Plan:
         lines += [f"  + {c.name:16s} {format_bytes(c.bytes):>12s}   {c.source}" for c in self.device_costs]
         overlap = self.peak_bytes + sum(c.bytes for c in self.device_costs if c.in_step) - self.step_peak_bytes
         if overlap > 0:  # a transient of a phase below the step's peak
-            lines.append(f"  - {'not at the peak':16s} {format_bytes(overlap):>12s}   "
-                         f"{', '.join(c.name for c in self.device_costs if c.in_step)} happens in "
+            lines.append(f"  - {'off the peak':16s} {format_bytes(overlap):>12s}   "
+                         f"{', '.join(c.name for c in self.device_costs if c.in_step)}: in "
                          f"{'/'.join(sorted({p for c in self.device_costs if c.in_step for p in c.phases}))}, "
                          f"below the {max(self.by_phase, key=self.by_phase.get)} peak")
         lines.append(f"  {'= need':18s} {format_bytes(self.device_need_bytes):>12s}   of {format_bytes(self.device_limit_bytes)} "

@@ -706,7 +706,7 @@ def test_the_forward_dequantization_adds_to_the_forward_peak_not_to_a_backward_o
     assert p.by_phase["forward"] + dequant.bytes < p.by_phase["backward"] == p.peak_bytes
     assert p.step_peak_bytes == p.by_phase["backward"]
     assert p.allocator_peak_bytes == p.step_peak_bytes + sum(c.bytes for c in p.device_costs if c.in_allocator and not c.in_step)
-    assert "4-bit dequantized weight happens in forward, below the backward peak" in str(p)
+    assert "4-bit dequantized weight: in forward, below the backward peak" in str(p)
     # with checkpointing, backward recomputes the forward: there the transient adds to backward's peak
     ckpt = planner.plan(factory, 32, seq_len=64, recipe=rec.with_(checkpointing="full"), target="t4", find_max_batch=False)
     dequant = next(c for c in ckpt.device_costs if c.in_step)
