@@ -14,7 +14,9 @@ peak plus the step's own transients the trace cannot see, such as 4-bit dequanti
 measurement the foreign-corrected step peak (`MemoryReport.peak_bytes`): both leave out the fixed costs
 (the cuBLAS and cuBLASLt workspaces, allocated in the warm-up). The raw `max_memory_allocated` and
 `Plan.allocator_peak_bytes` (which adds every workspace) are recorded beside them. CUDA rows are the
-configurations planned at 64 MiB or more (smaller ones are left out and counted). Pass: CPU within 1%
+configurations planned at 64 MiB or more (smaller ones are left out and counted). A run labelled
+'<gpu> emulating t4' (`--label`, as gpucheck passes it) makes its GPU a T4 first (`env.apply_emulation`, in
+this process), so that its rows are what the label says. Plans are given CPU-built factories. Pass: CPU within 1%
 everywhere; CUDA within 5%; a ~1B plan under 20 s and 1 GB of RAM.
 
 `--zero` plans `Recipe(zero_stage=1|2|3)` and measures the engine `Recipe.build` makes (one process on the
@@ -32,6 +34,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import platform
+import re
 import subprocess
 import sys
 import time
@@ -40,7 +43,7 @@ from pathlib import Path
 import torch
 
 import colab_memopt as cm
-from colab_memopt import planner
+from colab_memopt import env, planner
 from colab_memopt.fileio import write_json
 
 OUT = Path(__file__).resolve().parent / "results" / "planner_accuracy.json"
@@ -114,10 +117,11 @@ print(seconds, hwm_kib * 1024, p.method, p.max_batch)
 
 
 def _factory(size: str, device: torch.device | None = None):
+    """Return a function that builds `size` on `device`, or on the CPU when none is given (what the planner is given)."""
     from colab_memopt import architectures
 
     if size in cm.MODEL_SIZES:
-        return lambda: cm.build_model(size, device=device)
+        return (lambda: cm.build_model(size, device=device)) if device is not None else (lambda: cm.build_model(size))
     build = architectures.model_factory(size)
     return (lambda: build().to(device)) if device is not None else build
 
@@ -182,6 +186,26 @@ def _configs(grid_name: str, device: torch.device) -> list[tuple[str, int, int, 
         out += [(s, b, t, f, "single-tensor") for s, b, t, f in QLORA_FAMILIES]
     # The batch is the effective batch: a recipe that splits it needs at least that many rows.
     return [c for c in out if c[1] >= c[3].get("accumulation_steps", 1)]
+
+
+def _emulation(label: str) -> str | None:
+    """Return the GPU a label '<gpu> emulating t4' says this run emulates ('t4'), else None."""
+    match = re.search(r"\bemulating\s+(\S+)\s*$", label)
+    return match.group(1).lower() if match else None
+
+
+def _device(label: str) -> tuple[torch.device, str]:
+    """Return the device and its name for the results. A run labelled '<gpu> emulating t4' makes its GPU a T4 first,
+    in this process (`env.apply_emulation`: the allocator capped, the T4's attention kernels, TF32 off), so that the
+    CUDA rows are measured on the code paths the label names; without a GPU to emulate on, it stops. Unlabelled,
+    CM_EMULATE decides, as everywhere else."""
+    device = cm.pick_device("auto")
+    labelled = _emulation(label)
+    applied = env.apply_emulation(device, labelled)  # None: CM_EMULATE's choice (nothing on the CPU)
+    if labelled is not None and applied != labelled:
+        raise SystemExit(f"--label {label!r} says emulating {labelled}, but {device} cannot emulate it (a CUDA GPU can)")
+    name = f"{device} ({env.device_label(device)})" if device.type == "cuda" else f"cpu ({platform.machine()})"
+    return device, name
 
 
 def _passes(row: dict, cuda: bool) -> bool:
@@ -300,7 +324,7 @@ def main() -> None:
         print(f"wrote {ARCH_OUT}\nworst relative error over {len(rows)} configurations on {device_name}: "
               f"{worst['rel_error_pct']:+.3f}% ({worst['family']}, batch {worst['batch']}, seq {worst['seq_len']}, {worst['recipe']})")
         return
-    device = cm.pick_device("auto")
+    device, device_name = _device(args.label)
     cuda = device.type == "cuda"
     grid_name = "quick" if args.quick else args.grid or ("cuda" if cuda else "all")
     if cuda and grid_name != "cuda":
@@ -350,7 +374,6 @@ def main() -> None:
         method: max(abs(r["rel_error_pct"]) for r in rows if r["method"] == method)
         for method in sorted({r["method"] for r in rows})
     }
-    device_name = f"{device} ({torch.cuda.get_device_name(device)})" if cuda else f"cpu ({platform.machine()})"
     worst_by_impl = {impl: max(abs(r["rel_error_pct"]) for r in rows if r["optimizer_impl"] == impl)
                      for impl in sorted({r["optimizer_impl"] for r in rows})}
     result = {

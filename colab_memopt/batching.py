@@ -62,12 +62,15 @@ def _memory(limit_bytes: int | None, track: list[Any], device: torch.device) -> 
 # -- the batch search ---------------------------------------------------------------------------
 @dataclass
 class BatchTry:
-    """One try of the search: the batch, whether its steps fit, their peak, bytes left stranded."""
+    """One try of the search: the batch, whether its steps fit, their peak, bytes a failed try left behind
+    (`stranded_bytes`) and bytes of earlier tries that were freed during it (`released_bytes`: the CUDA allocator
+    lets go of some of them late, so a try can end with fewer bytes held than it started with)."""
 
     batch_size: int
     fits: bool
     peak_bytes: int
     stranded_bytes: int
+    released_bytes: int = 0
 
 
 @dataclass
@@ -145,8 +148,8 @@ def find_max_batch_size(
         finally:
             del step
             release_memory(tracked, dev)
-        stranded = resident_bytes(tracked, dev) - before if not ok else 0
-        tries.append(BatchTry(batch, ok, int(peak), int(stranded)))
+        left = resident_bytes(tracked, dev) - before if not ok else 0  # bytes; < 0: earlier tries' bytes freed late
+        tries.append(BatchTry(batch, ok, int(peak), max(0, int(left)), max(0, -int(left))))
         known[batch] = ok
         return ok
 

@@ -226,6 +226,14 @@ def count_parameters(model: nn.Module, *, trainable_only: bool = False) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)
 
 
+def _shapes_only() -> bool:
+    """Return whether new tensors are meta or fake ones here (the planner builds the model so): nothing is allocated."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    probe = torch.empty(0)
+    return probe.device.type == "meta" or isinstance(probe, FakeTensor)
+
+
 def _check_host_room(config: GPTConfig, dtype: torch.dtype | None) -> None:
     """Refuse, before allocating, a model whose fp32 weights alone exceed the host RAM this process may use.
 
@@ -233,12 +241,9 @@ def _check_host_room(config: GPTConfig, dtype: torch.dtype | None) -> None:
     """
     import resource
 
-    from torch._subclasses.fake_tensor import FakeTensor
-
     from colab_memopt.env import host_memory
 
-    probe = torch.empty(0)
-    if probe.device.type == "meta" or isinstance(probe, FakeTensor):
+    if _shapes_only():
         return
 
     need = config.n_params * 4  # bytes: built in fp32 on the CPU, then cast
@@ -291,7 +296,7 @@ def build_model(
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             model = GPT(config)  # initialised on the CPU: the same weights whatever the device
-        if dev.type != "cpu":
+        if dev.type != "cpu" and not _shapes_only():  # under meta or fake tensors (a plan) there is nothing to move
             model = model.to(dev)
     if dtype is not None:
         model = model.to(dtype)

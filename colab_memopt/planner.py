@@ -255,7 +255,7 @@ def shape_model(model_factory: Callable[[], nn.Module], name: str = "model_facto
         raise TypeError(f"{name} must be callable with no arguments ({exc}); wrap it: lambda: build(...)") from None
     except ValueError:  # a builtin without a signature: try it
         pass
-    with torch.device("meta"):
+    with torch.device("meta"), _fake_safe_module_to():  # a factory that moves its model to its device: a no-op here
         model = model_factory()
     if not isinstance(model, nn.Module):
         raise TypeError(f"{name} must return a torch.nn.Module, it returned {type(model).__name__}")
@@ -271,6 +271,22 @@ class Cost:
     source: str
     in_allocator: bool = False  # allocated through the caching allocator: inside max_memory_allocated
     in_step: bool = False  # allocated and freed inside each step (a transient): inside its foreign-corrected peak
+    phases: tuple[str, ...] = PHASES  # an in-step transient: the phases it happens in, whose peaks it adds to
+
+
+def step_peak_with_transients(peak_bytes: int, by_phase: dict[str, int], costs: list[Cost]) -> int:
+    """Return a step's peak with its in-step transients (`Cost.in_step`), each added to the peak of the phases it
+    happens in (`Cost.phases`), never below the traced peak; bytes. Without phases, each is added to the peak."""
+    transients = [c for c in costs if c.in_step]
+    if not by_phase:
+        return peak_bytes + sum(c.bytes for c in transients)
+    return max(peak_bytes, *(held + sum(c.bytes for c in transients if phase in c.phases) for phase, held in by_phase.items()))
+
+
+def _step_fits(trace: Any, costs: list[Cost], limit_bytes: int) -> bool:
+    """Return whether a traced step (a `_Trace`) with `costs` needs at most `limit_bytes`, as `Plan.device_need_bytes` counts."""
+    fixed = sum(c.bytes for c in costs if not c.in_step)
+    return step_peak_with_transients(trace.peak_bytes, trace.by_phase, costs) + fixed <= limit_bytes
 
 
 def estimate_band() -> dict[str, Any]:
@@ -318,13 +334,15 @@ class Plan:
 
     @property
     def device_need_bytes(self) -> int:
-        return self.peak_bytes + sum(c.bytes for c in self.device_costs)
+        """Return the device bytes the step needs: its peak with its transients, plus the fixed costs."""
+        return self.step_peak_bytes + sum(c.bytes for c in self.device_costs if not c.in_step)
 
     @property
     def step_peak_bytes(self) -> int:
         """Return the step's own peak as `measure_step` reports it on CUDA (foreign bytes taken out): the tensors
-        at the peak plus the step's transients the trace cannot see (`Cost.in_step`, e.g. 4-bit dequantization)."""
-        return self.peak_bytes + sum(c.bytes for c in self.device_costs if c.in_step)
+        at the peak plus the step's transients the trace cannot see (`Cost.in_step`, e.g. 4-bit dequantization),
+        each added to the peak of the phase it happens in (`by_phase`), not to a peak in another phase."""
+        return step_peak_with_transients(self.peak_bytes, self.by_phase, self.device_costs)
 
     @property
     def load_need_bytes(self) -> int:
@@ -346,7 +364,9 @@ class Plan:
     def allocator_peak_bytes(self) -> int:
         """Return what `max_memory_allocated` would show for this step in a fresh process: the tensors at
         the peak plus the fixed costs allocated through the caching allocator (cuBLAS workspace)."""
-        return self.peak_bytes + sum(c.bytes for c in self.device_costs if c.in_allocator)
+        in_allocator = [c for c in self.device_costs if c.in_allocator]
+        return (step_peak_with_transients(self.peak_bytes, self.by_phase, in_allocator)
+                + sum(c.bytes for c in in_allocator if not c.in_step))
 
     @property
     def host_need_bytes(self) -> int:
@@ -432,6 +452,12 @@ class Plan:
         lines.append(f"  {'= tensors at peak':18s} {format_bytes(self.peak_bytes):>12s}   "
                      f"(analytic cross-check {format_bytes(self.analytic_peak_bytes)})")
         lines += [f"  + {c.name:16s} {format_bytes(c.bytes):>12s}   {c.source}" for c in self.device_costs]
+        overlap = self.peak_bytes + sum(c.bytes for c in self.device_costs if c.in_step) - self.step_peak_bytes
+        if overlap > 0:  # a transient of a phase below the step's peak
+            lines.append(f"  - {'off the peak':16s} {format_bytes(overlap):>12s}   "
+                         f"{', '.join(c.name for c in self.device_costs if c.in_step)}: in "
+                         f"{'/'.join(sorted({p for c in self.device_costs if c.in_step for p in c.phases}))}, "
+                         f"below the {max(self.by_phase, key=self.by_phase.get)} peak")
         lines.append(f"  {'= need':18s} {format_bytes(self.device_need_bytes):>12s}   of {format_bytes(self.device_limit_bytes)} "
                      f"usable ({format_bytes(self.target.device_bytes)} less {self.headroom_fraction:.0%} headroom)")
         lines.append("peak by phase: " + ", ".join(f"{p} {format_bytes(b)}" for p, b in self.by_phase.items()))
@@ -491,31 +517,41 @@ class _Trace:
 
 @contextlib.contextmanager
 def _fake_safe_module_to() -> Iterator[None]:
-    """Make `nn.Module.to` work on modules built under FakeTensorMode, for the duration.
+    """Make `nn.Module.to` and `nn.Module.cuda` work on modules built on the meta device or under FakeTensorMode.
 
     `Module._apply` swaps fake parameters with `torch.utils.swap_tensors`, which refuses any tensor
     that has a weak reference, and FakeTensorMode keeps one to each of its tensors: so `.to()` fails
-    on every fake-built module (peft and transformers call it while building). Here a move to the
-    device the tensors are already on is a no-op, and a dtype change is done in place with `.data`,
-    which keeps shared (tied) parameters shared.
+    on every fake-built module (peft and transformers call it while building). Meta tensors cannot be
+    copied to a device at all. Here a device move of meta or fake tensors is a no-op (the plan is for
+    the target, wherever the factory or the Trainer wanted the weights; a real tensor is never moved:
+    that raises), and a dtype change is done in place with `.data`, which keeps shared (tied)
+    parameters shared.
     """
-    original = nn.Module.to
+    from torch._subclasses.fake_tensor import is_fake
 
-    def to(self: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
-        device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+    original_to, original_cuda = nn.Module.to, nn.Module.cuda
+
+    def move(self: nn.Module, device: Any, dtype: torch.dtype | None) -> nn.Module:
         with torch.no_grad():
             for t in [*self.parameters(), *self.buffers()]:
-                if device is not None and t.device.type != torch.device(device).type:
-                    raise ValueError(f"cannot plan a model that moves its tensors to {device} while it is built")
+                if device is not None and t.device.type != torch.device(device).type and not (t.is_meta or is_fake(t)):
+                    raise ValueError(f"cannot plan a model that moves its real tensors to {device} while it is built")
                 if dtype is not None and t.is_floating_point() and t.dtype != dtype:
                     t.data = t.data.to(dtype)
         return self
 
-    nn.Module.to = to  # type: ignore[method-assign]
+    def to(self: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
+        device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+        return move(self, device, dtype)
+
+    def cuda(self: nn.Module, device: Any = None) -> nn.Module:
+        return move(self, torch.device("cuda", device) if isinstance(device, int) else device or "cuda", None)
+
+    nn.Module.to, nn.Module.cuda = to, cuda  # type: ignore[method-assign]
     try:
         yield
     finally:
-        nn.Module.to = original  # type: ignore[method-assign]
+        nn.Module.to, nn.Module.cuda = original_to, original_cuda  # type: ignore[method-assign]
 
 
 FOUR_BIT_BLOCKSIZE = 64  # bitsandbytes' Linear4bit / Params4bit default, as quantization._bnb_linear builds them
@@ -1147,10 +1183,11 @@ def four_bit_step_costs(meta_model: nn.Module, spec: Any, recipe: Recipe, target
     a per-GPU heuristic, `_dequant_linear_fallback`: the layer's whole weight dequantized to the compute dtype
     (and a nested absmax to fp32, twice), `F.linear`, then freed. That happens inside the op: the fake kernel
     the trace runs allocates only the output, and the CUDA tracker cannot see inside an op either (it lands in
-    `untracked`). One layer at a time, so the largest layer's bytes are added once, to the traced peak: an
-    upper bound, since the transient need not coincide with the peak (with checkpointing the recomputed
-    forward runs it inside backward). Backward's dequantization (`MatMul4Bit.backward`: `F.dequantize_4bit`)
-    is a Python call of ops the trace runs, so it is traced already. Empty unless the recipe trains a 4-bit base.
+    `untracked`). One layer at a time, so the largest layer's bytes are added once, to the peak of the phase it
+    happens in (`Plan.step_peak_bytes`): forward, and backward too where checkpointing recomputes the forward
+    there; an upper bound within that phase. Backward's dequantization (`MatMul4Bit.backward`:
+    `F.dequantize_4bit`) is a Python call of ops the trace runs, so it is traced already. Empty unless the
+    recipe trains a 4-bit base.
     """
     if recipe.quantization not in ("nf4", "fp4") or recipe.quantization_phase != "all":
         return []
@@ -1163,12 +1200,14 @@ def four_bit_step_costs(meta_model: nn.Module, spec: Any, recipe: Recipe, target
     when = (f"{tokens} tokens per micro-batch > {FOUR_BIT_FALLBACK_ABOVE_TOKENS}: always this path" if tokens > FOUR_BIT_FALLBACK_ABOVE_TOKENS
             else f"{tokens} tokens per micro-batch: the fused kernel or this path by a per-GPU heuristic "
                  "(_gemm_4bit_use_custom_cuda); planned as this path, an upper bound")
+    # in forward; in backward too where checkpointing recomputes the forward there
+    recomputes = recipe.checkpointing != "none" or recipe.compression_checkpointing
     return [Cost("4-bit dequantized weight", nbytes,
                  f"{_BNB_CUDA_OPS} _dequant_linear_fallback: the largest 4-bit layer's weight ({max(numels):,} values) "
                  f"dequantized to {str(dtype).removeprefix('torch.')}"
                  f"{' with its nested absmax in fp32 twice' if not by_transformers else ''} inside gemm_4bit, once per "
                  f"layer call ({when}); not in the trace (the fake kernel allocates only the output)",
-                 in_allocator=True, in_step=True)]
+                 in_allocator=True, in_step=True, phases=("forward", "backward") if recomputes else ("forward",))]
 
 
 def four_bit_load_costs(meta_model: nn.Module, spec: Any, recipe: Recipe, target: Target, model_bytes: int) -> list[Cost]:
@@ -1540,7 +1579,7 @@ def plan(
             if 0 < guess < _BATCH_CAP:
                 guess = _secant_step(tracer.trace(guess), guess, trace, budget)
                 guess, converged = _verified_max_batch(
-                    lambda b: tracer.trace(b).peak_bytes <= budget, guess, lower=rec.accumulation_steps
+                    lambda b: _step_fits(tracer.trace(b), device_costs, result.device_limit_bytes), guess, lower=rec.accumulation_steps
                 )
                 if not converged:
                     warn.append(f"max_batch {guess} is the largest traced batch that fits; the search stopped before the boundary")

@@ -223,14 +223,17 @@ def quantize_model(model: nn.Module, scheme: str, *, skip: Sequence[str] = ("lm_
     """
     if scheme not in SCHEMES:
         raise ValueError(f"scheme must be one of {SCHEMES}, got {scheme!r}")
-    targets = check_quantizable(model, skip)
-    for name, mod in targets:
+    names = []  # names only: a list of the layers would keep every original alive until the last one is quantized
+    for name, mod in check_quantizable(model, skip):
         if not mod.weight.is_floating_point():
             raise ValueError(f"quantize_model: {name} ({type(mod).__name__}) has a {mod.weight.dtype} weight; "
                              "only floating-point weights can be quantized")
+        names.append(name)
+    del mod
+    for name in names:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, quantize_linear(mod, scheme))
+        setattr(parent, child, quantize_linear(getattr(parent, child), scheme))  # the original is freed here
     return model
 
 

@@ -280,8 +280,8 @@ class HierarchicalSemiseparable:
         return sum(t.numel() for t in self.tensors())
 
     def to_dense(self) -> torch.Tensor:
-        """Return the dense matrix."""
-        return self.matmul(torch.eye(self.n))
+        """Return the dense matrix, on the device of the stored tensors."""
+        return self.matmul(torch.eye(self.n, device=self.tensors()[0].device))
 
     def relative_error(self, H: torch.Tensor) -> float:
         """Return ||H - to_dense()||_F / ||H||_F."""

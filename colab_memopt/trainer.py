@@ -83,15 +83,17 @@ def _fake_parameters(model: nn.Module, mode: Any) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _cpu_device_without_index(args: Any) -> Iterator[None]:
-    """Make `args.device` read plain 'cpu' where it is a CPU device with an index, for the duration.
+    """Make `args.device` read plain 'cpu' wherever else it points (CUDA, or a CPU device with an index), for the duration.
 
-    With a process group up or its environment set (LOCAL_RANK: a DeepSpeed or LOMO-fp16 run earlier in the
-    process, a launcher), accelerate places a CPU run on `torch.device('cpu', rank)`, 'cpu:0'. Real CPU tensors
-    drop the index (a move to 'cpu:0' is a no-op), but fake tensors keep it, so the Trainer's `_prepare_inputs`
-    would put the batch on 'cpu:0' beside parameters on 'cpu' (FakeTensorDeviceMismatchError) or copy it.
+    The planner's fake tensors are CPU tensors. On a GPU machine `args.device` is 'cuda:0': the Trainer would move
+    the model there while it is built and `_prepare_inputs` would put the batch there, beside parameters on the CPU
+    (FakeTensorDeviceMismatchError). With a process group up or its environment set (LOCAL_RANK: a DeepSpeed or
+    LOMO-fp16 run earlier in the process, a launcher), accelerate places a CPU run on `torch.device('cpu', rank)`,
+    'cpu:0': real CPU tensors drop the index, but fake tensors keep it, with the same mismatch. The user's value
+    comes back afterwards.
     """
     device = getattr(args, "device", None)
-    if not (isinstance(device, torch.device) and device.type == "cpu" and device.index is not None):
+    if not isinstance(device, torch.device) or device == torch.device("cpu"):
         yield
         return
     had, saved = "_setup_devices" in args.__dict__, args.__dict__.get("_setup_devices")
@@ -470,7 +472,9 @@ def plan_trainer(
         holder, mode = real_trainer, None
         if holder is None:
             mode = _new_mode()
-            holder = _fake_trainer(_buildable(args), model, lora, bnb, seq, mode)
+            built = _buildable(args)
+            with _cpu_device_without_index(built):  # the Trainer moves its model to args.device while it is built
+                holder = _fake_trainer(built, model, lora, bnb, seq, mode)
         micro = int(args.per_device_train_batch_size)
         warn += _position_limit(holder.model, seq)
         trace_notes: list[str] = []

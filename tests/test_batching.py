@@ -46,6 +46,24 @@ def test_search_finds_the_true_boundary(corpus):
     assert all(p.grad is None for p in model.parameters())
 
 
+def test_bytes_freed_late_during_a_failed_try_are_released_not_negative_stranded(monkeypatch):
+    # cuda-run-1 #9: on CUDA bytes of an earlier try can be freed during a later failed one; "stranded" came out
+    # negative (-4,103,168 B). Resident bytes here: 1000 before the OOM, 600 after it; then 600 and 600.
+    resident = iter([1000, 600, 600, 600])
+    monkeypatch.setattr(batching, "resident_bytes", lambda track=(), device=None: next(resident))
+
+    def step_factory(batch):
+        def step():
+            if batch > 1:
+                raise torch.OutOfMemoryError("CUDA out of memory")
+        return step
+
+    result = cm.find_max_batch_size(step_factory, start=2, max_batch_size=2, limit_bytes=2**30, device="cpu")
+    assert result.max_batch_size == 1
+    failed = result.tries[0]
+    assert (failed.batch_size, failed.fits, failed.stranded_bytes, failed.released_bytes) == (2, False, 0, 400)
+
+
 def test_search_bad_input(corpus):
     with pytest.raises(ValueError, match="start must be an integer >= 1, got 0"):
         cm.find_max_batch_size(lambda b: None, start=0, limit_bytes=10)

@@ -34,6 +34,41 @@ def test_cuda_rows_compare_like_with_like():
     assert "predicted.step_peak_bytes < CUDA_SMALL_BYTES" in src  # rows of 64 MiB and more
 
 
+def test_the_grid_plans_and_builds_on_the_cpu_on_a_gpu_machine():
+    # cuda-run-1 #2: _factory(size) passed device=None, which build_model reads as 'auto' (CUDA on a GPU machine):
+    # the plan moved a meta model to CUDA and the crash stopped the grid at its first row
+    from unittest import mock
+
+    import bitsandbytes  # noqa: F401 - imported before the mock, as on a GPU machine
+
+    from colab_memopt import planner
+
+    with mock.patch("torch.cuda.is_available", return_value=True):
+        assert {p.device.type for p in pa._factory("tiny")().parameters()} == {"cpu"}
+        p = planner.plan(pa._factory("tiny"), 1, seq_len=32, target="t4", find_max_batch=False, method="trace")
+    assert p.method == "trace" and p.peak_bytes > 0
+
+
+def test_a_run_labelled_emulating_t4_emulates_it_in_its_own_process():
+    # cuda-run-1 #2: gpucheck labels the grid "<gpu> emulating t4"; the grid must then run the T4's code paths
+    from unittest import mock
+
+    import pytest
+
+    cuda = torch.device("cuda")
+    with mock.patch.object(pa.cm, "pick_device", return_value=cuda), \
+            mock.patch.object(pa.env, "apply_emulation", return_value="t4") as emulate, \
+            mock.patch.object(pa.env, "device_label", return_value="NVIDIA H100 80GB HBM3 emulating t4"):
+        device, name = pa._device("NVIDIA H100 80GB HBM3 emulating t4")
+    emulate.assert_called_once_with(cuda, "t4")
+    assert device == cuda and name == "cuda (NVIDIA H100 80GB HBM3 emulating t4)"
+    with mock.patch.object(pa.env, "apply_emulation", return_value=None) as emulate:
+        assert pa._device("") == (torch.device("cpu"), f"cpu ({pa.platform.machine()})")
+    emulate.assert_called_once_with(torch.device("cpu"), None)  # unlabelled: CM_EMULATE decides
+    with pytest.raises(SystemExit, match="says emulating t4, but cpu cannot emulate it"):
+        pa._device("cpu emulating t4")
+
+
 def test_pass_rule_is_one_percent_on_cpu_and_five_percent_on_cuda():
     MiB = 2**20
     assert pa._passes({"rel_error_pct": 0.9, "measured_bytes": MiB, "abs_error_bytes": 0}, cuda=False)

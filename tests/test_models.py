@@ -101,6 +101,22 @@ def test_a_huge_config_still_builds_on_meta_for_planning():
     assert cm.build_model("tiny", device="meta", seq_len=10**9).config.seq_len == 10**9
 
 
+def test_building_for_cuda_under_meta_or_fake_tensors_moves_nothing():
+    # cuda-run-1 #2/#3: the planner builds a factory's model on meta or fake tensors; on a GPU machine
+    # build_model(device="cuda") then moved it ("Cannot copy out of meta tensor"; here: "not compiled with CUDA")
+    from unittest import mock
+
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    with mock.patch("torch.cuda.is_available", return_value=True):
+        with torch.device("meta"):
+            meta = cm.build_model("tiny", device="cuda", dtype=torch.float16)
+        with FakeTensorMode():
+            fake = cm.build_model("tiny", device="cuda")
+    assert {(p.device.type, p.dtype) for p in meta.parameters()} == {("meta", torch.float16)}
+    assert all(isinstance(p, FakeTensor) and p.device.type == "cpu" for p in fake.parameters())
+
+
 def test_probe_row_92_evaluate_with_no_batches_is_named():
     # was: ZeroDivisionError (also notebook 02 with eval_batches=0, row 155)
     model = cm.build_model("tiny")

@@ -72,6 +72,23 @@ def test_hierarchical_matvec_matches_its_dense_form_and_storage_formula():
     assert Hb.relative_error(B) < 1e-5
 
 
+def test_hierarchical_dense_form_is_built_on_the_device_of_its_factors():
+    # cuda-run-1 #5 (notebook 13): to_dense built its identity on the CPU beside factors on CUDA
+    import dataclasses
+
+    def on(h, device):
+        if h.leaf is not None:
+            return dataclasses.replace(h, leaf=h.leaf.to(device))
+        return dataclasses.replace(h, children=tuple(on(c, device) for c in h.children),
+                                   upper=tuple(t.to(device) for t in h.upper), lower=tuple(t.to(device) for t in h.lower))
+
+    H = st.smooth_kernel_plus_band(64)
+    meta = on(st.HierarchicalSemiseparable.factorize(H, num_levels=2), "meta")
+    assert {t.device.type for t in meta.tensors()} == {"meta"}
+    dense = meta.to_dense()
+    assert dense.device.type == "meta" and dense.shape == (64, 64)
+
+
 def test_distributed_matvec_equals_single_process_and_halves_factor_bytes():
     H = st.smooth_kernel_plus_band(301)
     S = st.SemiseparableMatrix.factorize(H)

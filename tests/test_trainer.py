@@ -124,6 +124,24 @@ def test_plan_from_settings_matches_the_plan_of_the_built_trainer():
     assert from_settings.batch == 2 and from_settings.seq_len == 48
 
 
+@pytest.mark.parametrize("settings", ["TrainingArguments", "SFTConfig"])
+def test_plan_from_settings_on_a_gpu_machine_keeps_the_fake_model_on_the_cpu(tmp_path, settings):
+    # cuda-run-1 #4 (notebook 19): there args.device is cuda:0, the Trainer built around the fake model moved it there
+    # ("cannot plan a model that moves its tensors to cuda:0") and its batches followed
+    def args():
+        if settings == "SFTConfig":
+            return sft_args()
+        return TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], per_device_train_batch_size=2)
+
+    model, peft = Qwen2Config(**DIMS), lora() if settings == "SFTConfig" else None
+    on_cpu = tr.plan_trainer(args(), model=model, lora=peft, target="t4", seq_len=32)
+    on_gpu = args()
+    on_gpu.__dict__["_setup_devices"] = torch.device("cuda", 0)  # what TrainingArguments.device reads on a GPU machine
+    planned = tr.plan_trainer(on_gpu, model=model, lora=peft, target="t4", seq_len=32)
+    assert (planned.peak_bytes, planned.by_phase) == (on_cpu.peak_bytes, on_cpu.by_phase)
+    assert on_gpu.device == torch.device("cuda", 0)  # the user's settings as they were
+
+
 def test_trainer_recipe_names_what_the_recipe_cannot_say():
     args = TrainingArguments(output_dir="/tmp/x", fp16=True, gradient_checkpointing=True, optim="paged_adamw_8bit",
                              gradient_accumulation_steps=4, learning_rate=2e-4, use_cpu=True, report_to=[])

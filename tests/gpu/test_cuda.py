@@ -128,7 +128,9 @@ def test_real_oom_batch_search_strands_no_bytes(cuda):
         lambda b: cm.make_train_step(model, opt, corpus, batch_size=b, seq_len=1024), start=8,
         track=(model, opt), device=cuda, max_batch_size=512)
     assert search.max_batch_size >= 1 and any(not t.fits for t in search.tries), search
-    assert all(t.stranded_bytes == 0 for t in search.tries), search.tries
+    # Bytes of an earlier try can be freed late, during a later failed one (released_bytes, cuda-run-1 #9): an exact
+    # zero is not the CUDA allocator's invariant; nothing a failed try leaves behind beyond 1 MiB of block rounding is.
+    assert all(t.stranded_bytes <= 2**20 for t in search.tries), search.tries
 
 
 def test_layer_streamer_is_exact_under_deterministic_algorithms(cuda):
@@ -206,12 +208,16 @@ def test_one_4bit_layer_forward_dequantizes_its_weight_as_planned(cuda):
     x = torch.randn(tokens, n_in, device=cuda, dtype=torch.float16, requires_grad=True)
     layer(x).sum().backward()  # warm-up: workspaces
     x.grad = None
+    gc.collect()
+    torch.cuda.empty_cache()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    before = torch.cuda.memory_allocated()
+    # The bytes the tensors asked for, not the allocator's blocks: a cached block left by earlier tests is not split
+    # when the rest would be 1 MiB or less, which charged one allocation 1 MiB over its size (cuda-run-1 #10).
+    before = torch.cuda.memory_stats()["requested_bytes.all.current"]
     y = layer(x)
     torch.cuda.synchronize()
-    transient = torch.cuda.max_memory_allocated() - before - 512 * ((y.nbytes + 511) // 512)
+    transient = torch.cuda.memory_stats()["requested_bytes.all.peak"] - before - y.nbytes
     planned = planner.four_bit_dequant_bytes(n_out * n_in, 2, nested=True)
     assert 0 <= transient - planned <= 4 * 512, (transient, planned)
 
@@ -224,12 +230,16 @@ def test_one_4bit_lora_block_step_matches_the_plan(cuda):
     factory = lambda: cm.build_model("tiny", n_layer=1, d_model=1024)  # noqa: E731
     p = planner.plan(factory, 32, seq_len=64, recipe=rec, target="t4", find_max_batch=False)
     assert any(c.name == "4-bit dequantized weight" and c.in_step for c in p.device_costs)
+    # From a baseline: earlier tests of this process may still hold memory (cuda-run-1 #11(a): ~0.97 GB of them)
+    gc.collect()
+    torch.cuda.empty_cache()
+    baseline = torch.cuda.memory_allocated()
     model = factory().to(cuda)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     model, opt = rec.build(model)  # quantized on the device: the load-and-quantize peak
     torch.cuda.synchronize()
-    load_peak = torch.cuda.max_memory_allocated()
+    load_peak = torch.cuda.max_memory_allocated() - baseline
     planned_load = sum(c.bytes for c in p.load_costs if c.in_allocator)
     assert 0.9 * planned_load <= load_peak <= planned_load, (load_peak, [(c.name, c.bytes) for c in p.load_costs])
     step = cm.make_train_step(model, opt, cm.load_corpus(), batch_size=32, seq_len=64, recipe=rec)
