@@ -5,6 +5,12 @@ backward: memory grows with T^2. PyTorch's `scaled_dot_product_attention` (SDPA)
 fused kernel (FlashAttention-2 on sm_80+, the memory-efficient kernel on a T4's sm_75, a
 flash-style kernel on the CPU) that tiles the computation and keeps only the output and a
 log-sum-exp per row: memory grows with T. Both support a causal sliding window.
+
+Which kernel a CUDA GPU runs is a rule of its compute capability and the call (`expected_cuda_backend`):
+grouped-query models called without a padding mask (transformers passes `enable_gqa=True`) run the
+math kernel below sm_80 and in fp32, so a T4 holds their T x T scores; `repeat_kv_for_sdpa(model)`
+makes transformers repeat K/V instead, and the memory-efficient kernel runs. The planner traces each
+call with the target's kernel, whatever the process's SDPA flags (`traced_attention`).
 """
 
 from __future__ import annotations
@@ -259,6 +265,57 @@ def traced_attention(
         F.scaled_dot_product_attention = previous
         if allowed:
             torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(True)
+
+
+REPEATED_KV_ATTENTION = "sdpa_repeated_kv"  # the attn_implementation name `repeat_kv_for_sdpa` registers
+
+
+class _OneGroup:
+    """A view of an attention module whose key/value heads are already repeated: one group per query head."""
+
+    num_key_value_groups = 1
+
+    def __init__(self, module: Any) -> None:
+        self._module = module
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._module, name)
+
+
+def _sdpa_repeated_kv(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
+                      **kwargs: Any) -> tuple[torch.Tensor, Any]:
+    from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+
+    groups = int(getattr(module, "num_key_value_groups", 1))
+    return sdpa_attention_forward(_OneGroup(module), query, repeat_kv(key, groups), repeat_kv(value, groups),
+                                  attention_mask, **kwargs)
+
+
+def repeat_kv_for_sdpa(model: Any) -> Any:
+    """Make a transformers model repeat its grouped-query key/value heads before SDPA; return the model.
+
+    Grouped-query models (Llama 3, Qwen2.5, SmolLM2, ...) called without a padding mask pass
+    `enable_gqa=True` to SDPA. Below sm_80 (a T4) and in fp32 anywhere, torch then runs the math
+    kernel, which holds batch x heads x T x T scores per layer. With K/V repeated (two
+    (B, heads, T, head_dim) copies per layer, O(T)) the memory-efficient kernel runs instead. Same
+    results; the model's `attn_implementation` becomes 'sdpa_repeated_kv' (transformers'
+    AttentionInterface). Plan the model after calling this: the planner traces what it runs.
+
+    Example:
+        >>> model = repeat_kv_for_sdpa(AutoModelForCausalLM.from_pretrained("HuggingFaceTB/SmolLM2-135M"))
+    """
+    from transformers import AttentionInterface, PreTrainedModel
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    if not isinstance(model, PreTrainedModel):
+        raise TypeError(f"repeat_kv_for_sdpa needs a transformers model (PreTrainedModel), got {type(model).__name__}")
+    AttentionInterface.register(REPEATED_KV_ATTENTION, _sdpa_repeated_kv)
+    AttentionMaskInterface.register(REPEATED_KV_ATTENTION, sdpa_mask)
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation(REPEATED_KV_ATTENTION)
+    else:  # transformers before set_attn_implementation
+        model.config._attn_implementation = REPEATED_KV_ATTENTION
+    return model
 
 
 def attention_step(

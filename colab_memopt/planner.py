@@ -1019,8 +1019,8 @@ def math_attention_cost(hidden_bytes: int, target: Target) -> Cost:
 
 def math_attention_warning(target: Target) -> str:
     """Return the warning of a plan whose attention runs SDPA's math kernel on the target: T x T scores per layer."""
-    return (f"attention runs SDPA's math kernel on {target.name}: it holds T x T scores per layer (planned); "
-            "grouped-query models without a padding mask do this below sm_80 or in fp32")
+    return (f"attention runs SDPA's math kernel on {target.name}: T x T scores per layer (planned); for a "
+            "grouped-query model, colab_memopt.attention.repeat_kv_for_sdpa(model) runs the O(T) kernel")
 
 
 _BATCH_CAP = 10**6

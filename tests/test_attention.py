@@ -141,3 +141,24 @@ def test_traced_attention_picks_the_kernel_for_the_dtype_the_target_runs():
         F.scaled_dot_product_attention(q, q, q, is_causal=True)
     assert t4.math_calls == 1 and t4.hidden_bytes == 2 * 32 * 32 * 4  # math upcasts 16-bit scores to fp32
     assert t4_fp16.math_calls == 0
+
+
+def test_repeat_kv_for_sdpa_gives_the_same_logits_and_a_t4_plan_without_math_attention():
+    import transformers
+
+    from colab_memopt import architectures, planner
+
+    def llama():
+        torch.manual_seed(0)
+        return transformers.AutoModelForCausalLM.from_config(architectures.small_config("llama"))  # 4 heads, 2 KV heads
+
+    x = torch.randint(0, 500, (2, 64), generator=torch.Generator().manual_seed(0))
+    model = llama()
+    reference = model(x).logits
+    assert A.repeat_kv_for_sdpa(model) is model and model.config._attn_implementation == A.REPEATED_KV_ATTENTION
+    torch.testing.assert_close(model(x).logits, reference)
+    repeated = planner.plan(lambda: A.repeat_kv_for_sdpa(llama()), 4, seq_len=512, target="t4", find_max_batch=False)
+    assert repeated.step_peak_bytes == repeated.peak_bytes  # no math attention line
+    assert repeated.peak_bytes < 0.4 * (82_260_992 + 4 * 4 * 512 * 512 * 4)  # the math plan (tests/test_planner.py)
+    with pytest.raises(TypeError, match="needs a transformers model"):
+        A.repeat_kv_for_sdpa(torch.nn.Linear(2, 2))
