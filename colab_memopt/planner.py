@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from colab_memopt import estimate
+from colab_memopt.attention import traced_attention
 from colab_memopt.checkpointing import checkpoint_offloader
 from colab_memopt.env import COLAB_HOST_RAM_BYTES, T4_USABLE_BYTES, GiB
 from colab_memopt.measure import format_bytes, host_memory
@@ -513,6 +514,7 @@ class _Trace:
     by_phase: dict[str, int]
     phase_categories: dict[str, dict[str, int]]
     activation_peak: int = 0
+    hidden_bytes: int = 0  # the largest buffer freed inside one op, unseen by the trace (math attention's scores)
 
 
 @contextlib.contextmanager
@@ -969,7 +971,7 @@ class _Tracer:
     """Build the model once under fake tensors, warm it up, then trace steps at any batch size."""
 
     def __init__(self, model_factory: Callable[[], nn.Module], recipe: Recipe, seq_len: int, *, cuda_rounding: bool, batch: int = 1,
-                 optimizer_impl: str = "single-tensor") -> None:
+                 optimizer_impl: str = "single-tensor", capability: tuple[int, int] | None = None) -> None:
         from torch._subclasses.fake_tensor import FakeTensorMode
         from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
@@ -978,11 +980,13 @@ class _Tracer:
         self.seq_len = seq_len
         self.recipe = recipe
         self.cuda_rounding = cuda_rounding
+        self.capability = capability  # the CUDA target's, for its SDPA kernels (None: the CPU's)
         self._cache: dict[int, _Trace] = {}
         # On a CUDA target bitsandbytes' 8-bit layers run LLM.int8's kernels, traced with no outlier column.
         self.int8_as_on_cuda = cuda_rounding and recipe.quantization == "bnb_int8" and recipe.quantization_phase == "all"
         with self.mode, _fake_safe_module_to(), _fake_safe_bitsandbytes(self.mode, recipe, cuda=cuda_rounding), \
-                _fake_safe_transformers(), _fake_safe_lomo(recipe), _fake_safe_low_state(recipe), _fake_safe_scalers(recipe):
+                _fake_safe_transformers(), _fake_safe_lomo(recipe), _fake_safe_low_state(recipe), _fake_safe_scalers(recipe), \
+                traced_attention(capability):
             model = model_factory()
             self.model, self.optimizer = recipe.build(model)
             set_optimizer_impl(self.optimizer, optimizer_impl)
@@ -1014,7 +1018,8 @@ class _Tracer:
 
     def _trace(self, batch: int) -> _Trace:
         with self.mode, _fake_safe_transformers(), _fake_safe_lomo(self.recipe), _fake_safe_low_state(self.recipe), \
-                _fake_safe_scalers(self.recipe), _int8_as_on_cuda() if self.int8_as_on_cuda else contextlib.nullcontext():
+                _fake_safe_scalers(self.recipe), _int8_as_on_cuda() if self.int8_as_on_cuda else contextlib.nullcontext(), \
+                traced_attention(self.capability) as sdpa:
             step = self._step(batch)
             scaler = getattr(step, "scaler", None)
             if isinstance(scaler, torch.amp.GradScaler) and scaler.is_enabled():
@@ -1030,7 +1035,34 @@ class _Tracer:
             {p: tracker.phase_peaks.get(p, 0) for p in PHASES},
             {p: dict(c) for p, c in tracker.phase_peak_categories.items()},
             tracker.category_peaks["activations"],
+            sdpa.hidden_bytes if sdpa is not None else 0,
         )
+
+
+MATH_ATTENTION_LINE = "math attention scores (inside one op)"
+
+
+def _with_math_attention(costs: list[Cost], trace: Any, target: Target) -> list[Cost]:
+    """Return `costs` with the math-attention line of `trace` (another batch's trace holds another score size)."""
+    kept = [c for c in costs if c.name != MATH_ATTENTION_LINE]
+    return kept + ([math_attention_cost(trace.hidden_bytes, target)] if trace.hidden_bytes else [])
+
+
+def math_attention_cost(hidden_bytes: int, target: Target) -> Cost:
+    """Return the in-step line of the score buffer SDPA's math kernel frees inside one op (traced calls that the
+    target runs with math: `attention.expected_cuda_backend`), counted once: one call at a time holds it."""
+    cc = target.compute_capability
+    where = f"{target.name} (sm_{cc[0]}{cc[1]})" if cc is not None else target.name
+    return Cost(MATH_ATTENTION_LINE, hidden_bytes,
+                f"SDPA runs its math kernel on {where} for some attention calls (grouped-query heads without a mask "
+                "need flash, sm_80+ and fp16/bf16; bf16 needs sm_80+); inside `_safe_softmax` it frees one batch x heads "
+                "x T x T fp32 score tensor that the trace cannot see: the largest, once", in_allocator=True, in_step=True)
+
+
+def math_attention_warning(target: Target) -> str:
+    """Return the warning of a plan whose attention runs SDPA's math kernel on the target: T x T scores per layer."""
+    return (f"attention runs SDPA's math kernel on {target.name}: T x T scores per layer (planned); for a "
+            "grouped-query model, colab_memopt.attention.repeat_kv_for_sdpa(model) runs the O(T) kernel")
 
 
 _BATCH_CAP = 10**6
@@ -1491,7 +1523,7 @@ def plan(
     if tgt.cuda and uses_bf16 and tgt.compute_capability is not None and tuple(tgt.compute_capability) < (8, 0):
         warn.append(f"{tgt.name} (sm_{tgt.compute_capability[0]}{tgt.compute_capability[1]}) has no native bf16: its "
                     "matmuls are emulated and SDPA has no bf16 memory-efficient kernel there, so it falls back to math "
-                    "and builds the T x T scores the trace (CPU flash kernel) does not hold; use fp16-autocast")
+                    "and builds the T x T scores (planned so); use fp16-autocast")
 
     used = "analytic"
     trace = None
@@ -1508,7 +1540,8 @@ def plan(
     elif method != "analytic":
         # A named model's trace is cached (the recommender and notebooks plan the same recipe again), unless the
         # tracer itself is needed afterwards (the max-batch search, offloaded checkpoints' host bytes).
-        cache_key = ((name, rec, seq_len, batch, tgt.cuda, impl)
+        capability = tuple(tgt.compute_capability) if tgt.cuda and tgt.compute_capability is not None else None
+        cache_key = ((name, rec, seq_len, batch, tgt.cuda, impl, capability)
                      if isinstance(model_factory_arg, str) and model_factory_arg in architectures.model_names()
                      and not find_max_batch and rec.checkpointing != "offload" else None)
         try:
@@ -1516,7 +1549,7 @@ def plan(
                 trace, scales, int8_warning = _TRACE_CACHE[cache_key]
             else:
                 tracer = _Tracer(model_factory, rec, seq_len, cuda_rounding=tgt.cuda, batch=batch,
-                                 optimizer_impl=impl)
+                                 optimizer_impl=impl, capability=capability)
                 trace = tracer.trace(batch)
                 # what the plan reads from the traced model, kept beside a cached trace
                 scales = quantization_scale_bytes(tracer.model, cuda_rounding=tgt.cuda)
@@ -1552,6 +1585,9 @@ def plan(
                                      in_allocator=True))
         if int8_warning:
             warn.append(int8_warning)
+        if trace.hidden_bytes:
+            device_costs.append(math_attention_cost(trace.hidden_bytes, tgt))
+            warn.append(math_attention_warning(tgt))
     if tgt.cuda:  # loading (and quantizing) can be the run's highest point, which a CPU trace cannot see
         model_bytes = (result.by_category.get("parameters", 0) + result.by_category.get("buffers", 0)
                        + sum(c.bytes for c in device_costs if c.name == "quantization scales"))
@@ -1572,14 +1608,15 @@ def plan(
                                           offloaded_checkpoint_bytes(meta_model, batch, seq_len, rec, pinned=tgt.cuda),
                                           "analytic: one block input per block (offloaded_checkpoint_bytes)" + _PINNED_NOTE * tgt.cuda))
     if find_max_batch:
-        budget = result.device_limit_bytes - sum(c.bytes for c in device_costs)
+        budget = result.device_limit_bytes - sum(c.bytes for c in device_costs if c.name != MATH_ATTENTION_LINE)
         if used == "trace":
             # Guess from the activations per sample, then confirm the boundary with traces.
             guess = _activation_max_batch(trace, batch, budget)
             if 0 < guess < _BATCH_CAP:
                 guess = _secant_step(tracer.trace(guess), guess, trace, budget)
                 guess, converged = _verified_max_batch(
-                    lambda b: _step_fits(tracer.trace(b), device_costs, result.device_limit_bytes), guess, lower=rec.accumulation_steps
+                    lambda b: _step_fits(tracer.trace(b), _with_math_attention(device_costs, tracer.trace(b), tgt),
+                                         result.device_limit_bytes), guess, lower=rec.accumulation_steps
                 )
                 if not converged:
                     warn.append(f"max_batch {guess} is the largest traced batch that fits; the search stopped before the boundary")

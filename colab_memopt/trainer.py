@@ -28,7 +28,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from colab_memopt.attention import traced_attention
 from colab_memopt.planner import (
+    MATH_ATTENTION_LINE,
     Cost,
     Plan,
     Target,
@@ -40,6 +42,8 @@ from colab_memopt.planner import (
     check_headroom,
     cublas_workspace_bytes,
     get_target,
+    math_attention_cost,
+    math_attention_warning,
 )
 from colab_memopt.hfconfig import OPTIM_TO_RECIPE, check_optim, trainer_recipe
 from colab_memopt.recipe import Recipe
@@ -478,8 +482,9 @@ def plan_trainer(
         micro = int(args.per_device_train_batch_size)
         warn += _position_limit(holder.model, seq)
         trace_notes: list[str] = []
-        with _args_of(holder, args), _rows_kept(holder, args, trace_notes):
+        with _args_of(holder, args), _rows_kept(holder, args, trace_notes), _target_attention(tgt, args) as sdpa:
             trace, _n = _trace_step(holder, args, micro, seq, cuda=tgt.cuda, mode=mode, notes=trace_notes)
+        trace.hidden_bytes = sdpa.hidden_bytes if sdpa is not None else 0
         warn += trace_notes
         name = _model_name(holder.model, model)
         batch = micro * int(args.gradient_accumulation_steps)
@@ -490,6 +495,9 @@ def plan_trainer(
                 Cost("CUDA context", tgt.cuda_context_bytes, "assumed (0.5-2 GB seen on Colab; measure with NVML on your card)"),
                 Cost("cuBLAS workspace", workspace, source, in_allocator=True),
             ]
+            if trace.hidden_bytes:
+                device_costs.append(math_attention_cost(trace.hidden_bytes, tgt))
+                warn.append(math_attention_warning(tgt))
         if bnb is not None:
             from colab_memopt.planner import quantization_scale_bytes
 
@@ -717,21 +725,29 @@ def _model_name(net: Any, given: Any) -> str:
 
 def _max_micro_batch(trainer: Any, args: Any, seq_len: int, tgt: Target, plan: Plan, trace: _Trace, mode: Any) -> int:
     """Return the largest per_device_train_batch_size that fits: linear in the batch from two traces, then confirmed."""
-    budget = plan.device_limit_bytes - sum(c.bytes for c in plan.device_costs)
+    budget = plan.device_limit_bytes - sum(c.bytes for c in plan.device_costs if c.name != MATH_ATTENTION_LINE)
     micro = int(args.per_device_train_batch_size)
 
     def peak(b: int) -> int:
-        with _args_of(trainer, _changed_args(args, {"per_device_train_batch_size": b})):
-            return _trace_step(trainer, _changed_args(args, {"per_device_train_batch_size": b}), b, seq_len, cuda=tgt.cuda,
-                               mode=mode)[0].peak_bytes
+        with _args_of(trainer, _changed_args(args, {"per_device_train_batch_size": b})), _target_attention(tgt, args) as sdpa:
+            peak_bytes = _trace_step(trainer, _changed_args(args, {"per_device_train_batch_size": b}), b, seq_len,
+                                     cuda=tgt.cuda, mode=mode)[0].peak_bytes
+        return peak_bytes + (sdpa.hidden_bytes if sdpa is not None else 0)
 
     other = micro + 1
-    p1, p2 = trace.peak_bytes, peak(other)
+    p1, p2 = trace.peak_bytes + trace.hidden_bytes, peak(other)
     per_sample = max(p2 - p1, 1)
     guess = max(0, micro + (budget - p1) // per_sample)
     while guess > 0 and peak(guess) > budget:
         guess -= 1
     return int(guess)
+
+
+def _target_attention(tgt: Target, args: Any) -> Any:
+    """Return the context that traces SDPA as the target runs it (`attention.traced_attention`): the CUDA target's
+    kernels, whatever the process's SDPA flags; fp16 autocast, traced as bf16 autocast, picks them as fp16."""
+    capability = tuple(tgt.compute_capability) if tgt.cuda and tgt.compute_capability is not None else None
+    return traced_attention(capability, stand_in={torch.bfloat16: torch.float16} if args.fp16 and tgt.cuda else None)
 
 
 # -- fitting -------------------------------------------------------------------------------------------

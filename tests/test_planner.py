@@ -799,3 +799,78 @@ def test_planning_never_moves_a_real_tensor_to_another_device():
     with planner._fake_safe_module_to():
         assert linear.to(torch.float16).weight.dtype == torch.float16  # a dtype change still happens, in place
     assert torch.nn.Module.to.__qualname__ == "Module.to" and torch.nn.Module.cuda.__qualname__ == "Module.cuda"
+
+
+@pytest.fixture
+def flash_flag_off():
+    """The process-wide flag `env.apply_emulation` (and many 'T4 tips') set: CPU dispatch reads it too."""
+    was = torch.backends.cuda.flash_sdp_enabled()
+    torch.backends.cuda.enable_flash_sdp(False)
+    yield
+    torch.backends.cuda.enable_flash_sdp(was)
+
+
+def test_a_plan_does_not_depend_on_the_process_sdpa_flags(flash_flag_off):
+    """cuda-run-1 #1: with flash SDPA off process-wide the trace ran math attention (375,884,800 B)."""
+    medium = lambda: cm.build_model("medium")  # noqa: E731
+    off = planner.plan(medium, 8, seq_len=256, target="t4", find_max_batch=False)
+    assert torch.backends.cuda.flash_sdp_enabled() is False  # left as the user set it
+    planner.clear_trace_cache()
+    torch.backends.cuda.enable_flash_sdp(True)
+    on = planner.plan(medium, 8, seq_len=256, target="t4", find_max_batch=False)
+    assert off.peak_bytes == on.peak_bytes == 272_216_064, (off.peak_bytes, on.peak_bytes)
+    assert off.by_category == on.by_category
+
+
+def _small_llama():
+    import transformers
+
+    from colab_memopt import architectures
+
+    return transformers.AutoModelForCausalLM.from_config(architectures.small_config("llama"))  # 4 heads, 2 KV heads
+
+
+# cuda-run-1 #6: fp32, 4 x 512, no mask -> transformers passes enable_gqa=True; CUDA runs math attention (measured on the
+# emulated T4: 94.44 MiB, of which 16 MiB were a score buffer inside one op).
+LLAMA_MATH_PEAK_BYTES = 82_260_992  # 78.45 MiB
+LLAMA_HIDDEN_SCORES_BYTES = 4 * 4 * 512 * 512 * 4  # (B, heads, T, T) fp32
+
+
+@pytest.mark.parametrize("flash_flag", [True, False])
+def test_grouped_query_attention_without_a_mask_is_planned_as_math_on_a_t4(flash_flag):
+    was = torch.backends.cuda.flash_sdp_enabled()
+    torch.backends.cuda.enable_flash_sdp(flash_flag)
+    try:
+        plan = planner.plan(_small_llama, 4, seq_len=512, target="t4", find_max_batch=False)
+    finally:
+        torch.backends.cuda.enable_flash_sdp(was)
+    assert plan.peak_bytes == LLAMA_MATH_PEAK_BYTES, plan.peak_bytes
+    lines = [c for c in plan.device_costs if c.name == planner.MATH_ATTENTION_LINE]
+    assert [(c.bytes, c.in_step, c.in_allocator) for c in lines] == [(LLAMA_HIDDEN_SCORES_BYTES, True, True)]
+    assert plan.step_peak_bytes == LLAMA_MATH_PEAK_BYTES + LLAMA_HIDDEN_SCORES_BYTES  # 94.45 MiB
+    assert any("math kernel on t4" in w for w in plan.warnings)
+
+
+def test_grouped_query_attention_keeps_flash_where_the_target_runs_it():
+    """sm_80+ runs flash for grouped-query heads in fp16/bf16 (O(T)); in fp32 flash refuses and so does
+    memory-efficient (grouped-query heads), so math runs there too."""
+    bf16 = planner.plan(_small_llama, 4, seq_len=512, target="a100-40gb", recipe={"precision": "bf16-autocast"},
+                        find_max_batch=False)
+    fp16 = planner.plan(_small_llama, 4, seq_len=512, target="h100-80gb", recipe={"precision": "fp16-autocast"},
+                        find_max_batch=False)
+    fp32 = planner.plan(_small_llama, 4, seq_len=512, target="a100-40gb", find_max_batch=False)
+    for plan in (bf16, fp16):
+        assert not any(c.name == planner.MATH_ATTENTION_LINE for c in plan.device_costs)
+        assert plan.peak_bytes < 0.4 * LLAMA_MATH_PEAK_BYTES, plan.peak_bytes
+    assert fp32.peak_bytes == LLAMA_MATH_PEAK_BYTES
+    assert any(c.name == planner.MATH_ATTENTION_LINE for c in fp32.device_costs)
+
+
+def test_max_batch_counts_the_hidden_score_buffer_at_each_batch():
+    plan = planner.plan(_small_llama, 4, seq_len=512, target="t4")
+    budget = plan.device_limit_bytes - sum(c.bytes for c in plan.device_costs if c.name != planner.MATH_ATTENTION_LINE)
+    per_sample_scores = LLAMA_HIDDEN_SCORES_BYTES // 4
+    tracer_peak = lambda b: planner.plan(_small_llama, b, seq_len=512, target="t4", find_max_batch=False).peak_bytes  # noqa: E731
+    best = plan.max_batch
+    assert tracer_peak(best) + best * per_sample_scores <= budget
+    assert tracer_peak(best + 1) + (best + 1) * per_sample_scores > budget

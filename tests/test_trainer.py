@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import logging
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -26,7 +27,7 @@ from transformers import (  # noqa: E402
 from trl import SFTConfig, SFTTrainer  # noqa: E402
 
 import colab_memopt as cm  # noqa: E402
-from colab_memopt import guard as cm_guard, hfconfig  # noqa: E402
+from colab_memopt import guard as cm_guard, hfconfig, planner  # noqa: E402
 from colab_memopt import trainer as tr  # noqa: E402
 
 DIMS = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -280,3 +281,40 @@ def test_a_bitsandbytes_config_is_planned_on_4_bit_layers():
     assert 3.5 * linear <= saved < 3.51 * linear, (saved, linear)  # 4 -> 0.5 B of packed weight (and the norms' casts)
     scales = next(c.bytes for c in qlora.device_costs if c.name == "quantization scales")
     assert linear / 64 < scales < linear / 64 * 1.1  # double quantization: about one byte per 64-weight block
+
+
+def gqa_trainer() -> Any:
+    """A plain Trainer on a grouped-query llama (4 heads, 2 KV heads) whose batches carry no attention mask: transformers
+    then passes enable_gqa=True to SDPA, as in the project's own steps (cuda-run-1 #6)."""
+    from transformers import Trainer, default_data_collator
+
+    from colab_memopt import architectures
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(architectures.small_config("llama"))
+    data = Dataset.from_dict({"input_ids": [[1] * 512] * 4, "labels": [[1] * 512] * 4})
+    args = TrainingArguments(output_dir="/tmp/colab_memopt_test_trainer", per_device_train_batch_size=4, optim="adamw_torch",
+                             report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True)
+    return Trainer(model=model, args=args, train_dataset=data, data_collator=default_data_collator)
+
+
+@pytest.mark.parametrize("flash_flag", [True, False])
+def test_plan_trainer_plans_grouped_query_attention_as_a_t4_runs_it(flash_flag):
+    trainer = gqa_trainer()
+    was = torch.backends.cuda.flash_sdp_enabled()
+    torch.backends.cuda.enable_flash_sdp(flash_flag)
+    try:
+        t4 = tr.plan_trainer(trainer, target="t4", seq_len=512)
+        t4_fp16 = tr.plan_trainer(trainer, target="t4", seq_len=512, fp16=True)
+        a100_bf16 = tr.plan_trainer(trainer, target="a100-40gb", seq_len=512, bf16=True)
+        assert torch.backends.cuda.flash_sdp_enabled() is flash_flag
+    finally:
+        torch.backends.cuda.enable_flash_sdp(was)
+    scores = 4 * 4 * 512 * 512 * 4  # (B, heads, T, T) fp32: math upcasts 16-bit scores
+    for plan in (t4, t4_fp16):
+        lines = [(c.bytes, c.in_step) for c in plan.device_costs if c.name == planner.MATH_ATTENTION_LINE]
+        assert lines == [(scores, True)], plan.device_costs
+    assert not any(c.name == planner.MATH_ATTENTION_LINE for c in a100_bf16.device_costs)
+    # math holds the (B, heads, T, T) scores and softmax per layer for backward; flash on an A100 holds O(T)
+    assert t4_fp16.peak_bytes > 2 * a100_bf16.peak_bytes, (t4_fp16.peak_bytes, a100_bf16.peak_bytes)
+    assert t4.peak_bytes == 82_278_400, t4.peak_bytes  # 78.47 MiB (+16 MiB in-step), whatever the flag
