@@ -182,7 +182,7 @@ def load_t4_settings(path: Path = BUDGETS_FILE) -> T4Settings:
         if "lent_seconds" in entry:
             settings.lent_seconds[name] = float(entry["lent_seconds"])
         params = entry.get("parameters") or {}
-        if not isinstance(params, dict) or not all(isinstance(v, (str, int, float, bool, list, type(None))) for v in params.values()):
+        if not isinstance(params, dict) or not all(isinstance(v, (str, int, float, bool, list, dict, type(None))) for v in params.values()):
             raise ValueError(f"{path}: notebook {name!r}'s parameters must map names to plain values, got {params!r}")
         if params:
             settings.parameters[name] = dict(params)
@@ -425,6 +425,9 @@ def run_command(step: str, cmd: list[str], env: dict[str, str], timeout_s: float
                 status, detail = NOT_FINISHED, f"stopped at the run's deadline after {time.perf_counter() - start:.0f} s"
             else:
                 status, detail = "failed", f"over its budget of {timeout_s:.0f} s"
+        except BaseException:  # Ctrl-C, SIGTERM: a session of its own gets no signal from the terminal, so stop it here
+            kill_tree(proc)
+            raise
     tail = log.read_text(errors="replace").strip().splitlines()[-1:] if log.exists() else []
     return StepResult(step, status, time.perf_counter() - start, f"{detail}; {tail[0] if tail else ''}; log {log.name}")
 
@@ -639,13 +642,35 @@ def lent_items(settings: T4Settings, steps: set[str] | list[str], stems: list[st
 
 
 def pack_slices(items: list[Item], workers: int) -> list[list[Item]]:
-    """Return `workers` slices of `items`, longest first to the slice with the fewest estimated seconds (LPT)."""
+    """Return `workers` slices of `items`: longest first to the slice with the fewest estimated seconds (LPT), then
+    items moved or swapped from the longest slice to the shortest while that shortens the longest; each slice longest
+    item first."""
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise ValueError(f"--parallel must be an integer >= 1 (worker processes), got {workers!r}")
     slices: list[list[Item]] = [[] for _ in range(workers)]
+
+    def load(s: list[Item]) -> float:
+        return sum(i.seconds for i in s)
     for item in sorted(items, key=lambda i: (-i.seconds, i.name)):
-        min(slices, key=lambda s: sum(i.seconds for i in s)).append(item)
-    return slices
+        min(slices, key=load).append(item)
+    improved = True
+    while improved:  # each change lowers the sum of squared loads: it ends
+        improved = False
+        hi, lo = max(slices, key=load), min(slices, key=load)
+        for a in hi:
+            for b in [None, *lo]:
+                delta = a.seconds - (b.seconds if b else 0.0)
+                if delta > 0 and load(lo) + delta < load(hi):
+                    hi.remove(a)
+                    lo.append(a)
+                    if b is not None:
+                        lo.remove(b)
+                        hi.append(b)
+                    improved = True
+                    break
+            if improved:
+                break
+    return [sorted(s, key=lambda i: (-i.seconds, i.name)) for s in slices]
 
 
 def run_slices(slices: list[list[Item]], run_item: Callable[[Item, float], StepResult], deadline: float,
@@ -967,7 +992,10 @@ def finish(record: Recorder, out: Path, label: str) -> int:
     measured = [f"{s.step.removeprefix('notebook ')} {s.seconds:.0f}" for s in record.steps if "estimate_seconds" in s.data
                 and s.status in ("passed", "failed")]
     if measured:
-        text += "\nmeasured seconds (for tests/notebook_parameters_t4.yaml): " + ", ".join(measured)
+        import textwrap
+
+        text += "\n" + textwrap.fill("measured seconds (for tests/notebook_parameters_t4.yaml): " + ", ".join(measured),
+                                     100, subsequent_indent="  ")
     print()
     print(text)
     print(f"\nmerged into {out / 'results.json'}; {out / 'claims.md'}, {out / 'env.json'}")
@@ -995,7 +1023,8 @@ def run_parallel(args: argparse.Namespace, out: Path, label: str, env: dict[str,
     end = deadline if deadline is not None else time.monotonic() + settings.deadline_seconds
     print(f"{len(items)} items in {args.parallel} slices, deadline in {end - time.monotonic():.0f} s:", flush=True)
     for k, s in enumerate(slices, 1):
-        print(f"  slice {k} (~{sum(i.seconds for i in s):.0f} s): {', '.join(i.name for i in s)}", flush=True)
+        print(f"  slice {k} (~{sum(i.seconds for i in s):.0f} s): {', '.join(i.name.removeprefix('notebook ') for i in s)}",
+              flush=True)
     workspaces = _t4_workspaces()
 
     def run_item(item: Item, left: float) -> StepResult:

@@ -347,6 +347,9 @@ def test_slices_are_packed_longest_first():
     items = [gpucheck.Item(n, s) for n, s in [("a", 300), ("b", 200), ("c", 200), ("d", 100), ("e", 100)]]
     slices = gpucheck.pack_slices(items, 2)
     assert [[i.name for i in s] for s in slices] == [["a", "d", "e"], ["b", "c"]]
+    # LPT alone gives 7 s and 5 s here (3+2+2, 3+2); a swap evens them out
+    items = [gpucheck.Item(n, s) for n, s in [("a", 3), ("b", 3), ("c", 2), ("d", 2), ("e", 2)]]
+    assert sorted(sum(i.seconds for i in s) for s in gpucheck.pack_slices(items, 2)) == [6, 6]
     with pytest.raises(ValueError, match="--parallel must be an integer >= 1"):
         gpucheck.pack_slices(items, 0)
 
@@ -533,3 +536,39 @@ def test_each_slice_gets_its_share_of_the_cores():
     assert env["OMP_NUM_THREADS"] == env["MKL_NUM_THREADS"] == "3" and env["PATH"] == "/bin"
     assert gpucheck.worker_env({"OMP_NUM_THREADS": "1"}, 5, cpus=16)["OMP_NUM_THREADS"] == "1"
     assert gpucheck.worker_env({}, 32, cpus=16)["OMP_NUM_THREADS"] == "1"
+
+
+def test_the_parallel_run_end_to_end_with_fake_steps(tmp_path, monkeypatch, capsys):
+    # run_parallel's wiring on the CPU: install first, a notebook left out with its reason, the rest in two slices,
+    # each result recorded at once, the summary and the archive at the end
+    import argparse
+    import json
+    import tarfile
+    import time
+
+    settings = gpucheck.load_t4_settings()
+    settings.requires["10_deepspeed_zero"] = ["cm_not_a_module"]
+    monkeypatch.setattr(gpucheck, "load_t4_settings", lambda path=None: settings)
+    monkeypatch.setattr(gpucheck, "install_missing", lambda wheelhouse, target: gpucheck.StepResult("install", "passed", 1.0, "ok"))
+    monkeypatch.setattr(gpucheck, "step_command", lambda name, out, *a: (
+        [sys.executable, "-c", f"print('{name} ok')"], out / "logs" / f"{name}.log"))
+    monkeypatch.setattr(gpucheck, "notebook_command", lambda path, out: [sys.executable, "-c", (
+        f"import json, pathlib; d = pathlib.Path({str(tmp_path / 'results')!r}); d.mkdir(exist_ok=True); "
+        f"(d / '{path.stem}.json').write_text(json.dumps({{'device': 'cuda', 'baseline': {{'peak_bytes': 1}}}}))")])
+    args = argparse.Namespace(only=list(gpucheck.ONE_CALL_STEPS), skip=[], notebooks=["00", "10", "18"], parallel=2,
+                              wheelhouse=None, pip_target=None)
+    record = gpucheck.Recorder(tmp_path, "H100 emulating t4", {"gpu": "H100"}, tmp_path / "OUT" / "gpucheck.tar.gz")
+    code = gpucheck.run_parallel(args, tmp_path, "H100 emulating t4", gpucheck.child_env("t4"), "t4", (9, 0), record,
+                                 time.monotonic() + 120)
+    assert code == 0, capsys.readouterr().out
+    steps = {s.step: s for s in record.steps}
+    assert steps["install"].status == "passed" and record.steps[0].step == "install"
+    assert steps["notebook 10_deepspeed_zero"].status == "not run"
+    assert all(steps[n].status == "passed" for n in ("gpu-tests", "planner", "notebook 00_where_the_memory_goes",
+                                                      "notebook 18_your_own_model"))
+    assert steps["notebook 18_your_own_model"].data["peak_bytes"] == 1  # held to the T4 (notebook_verdict)
+    assert {steps[n].data["slice"] for n in ("gpu-tests", "planner")} <= {1, 2}
+    with tarfile.open(tmp_path / "OUT" / "gpucheck.tar.gz") as tar:
+        summary = tar.extractfile(f"{tmp_path.name}/summary.txt").read().decode()
+        assert json.loads(tar.extractfile(f"{tmp_path.name}/results.json").read())["not_run"] == ["notebook 10_deepspeed_zero"]
+    assert "5 of 6 steps passed; not run (reason above): notebook 10_deepspeed_zero" in summary
