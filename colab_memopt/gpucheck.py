@@ -182,7 +182,8 @@ def load_t4_settings(path: Path = BUDGETS_FILE) -> T4Settings:
         if "lent_seconds" in entry:
             settings.lent_seconds[name] = float(entry["lent_seconds"])
         params = entry.get("parameters") or {}
-        if not isinstance(params, dict) or not all(isinstance(v, (str, int, float, bool, list, dict, type(None))) for v in params.values()):
+        plain = (str, int, float, bool, list, dict, type(None))
+        if not isinstance(params, dict) or not all(isinstance(v, plain) for v in params.values()):
             raise ValueError(f"{path}: notebook {name!r}'s parameters must map names to plain values, got {params!r}")
         if params:
             settings.parameters[name] = dict(params)
@@ -772,10 +773,13 @@ class Recorder:
     def __call__(self, result: StepResult) -> None:
         with self.lock:
             self.steps.append(result)
-            write_outputs(self.out, self.label, self.info, [result])  # at once: a call stopped later keeps what finished
             print(f"  {result.step}: {result.status} ({result.seconds:.0f} s) {result.detail[:160]}", flush=True)
-            if self.archive is not None and time.monotonic() - self.last_archive >= self.every_s:
-                self.save_archive()
+            try:
+                write_outputs(self.out, self.label, self.info, [result])  # at once: a call stopped later keeps it
+                if self.archive is not None and time.monotonic() - self.last_archive >= self.every_s:
+                    self.save_archive()
+            except Exception as exc:  # noqa: BLE001 - a record another slice is writing: the next result rewrites it
+                print(f"  (results.json not rewritten after {result.step}: {type(exc).__name__}: {exc})", flush=True)
 
     def save_archive(self) -> None:
         """Rewrite the archive from the out folder now."""
