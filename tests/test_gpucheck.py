@@ -378,13 +378,13 @@ def test_the_deadline_kills_a_straggler_and_records_it_not_finished(tmp_path):
                                     tmp_path / f"{item.name}.log", at_deadline=True)
 
     start = time.monotonic()
-    results = gpucheck.run_slices(slices, run_item, start + 6, seen.append)
-    assert time.monotonic() - start < 30
+    results = gpucheck.run_slices(slices, run_item, start + 15, seen.append)
+    assert time.monotonic() - start < 40
     status = {r.step: r.status for r in results}
     # the idle slice takes "after slow" before the deadline: it passes; the straggler is stopped
     assert status == {"fast": "passed", "other": "passed", "slow": "not finished", "after slow": "passed"}, results
     slow = next(r for r in results if r.step == "slow")
-    assert "stopped at the run's deadline" in slow.detail and slow.data["slice"] == 1
+    assert "stopped at the run's deadline" in slow.detail and slow.data["slice"] in (1, 2)
     assert [r.step for r in seen] == [r.step for r in results]
     grandchild = int((tmp_path / "grandchild").read_text())
     time.sleep(0.5)
