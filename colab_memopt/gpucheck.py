@@ -874,6 +874,7 @@ def print_plan(root: Path = REPO_ROOT) -> int:
         + f" = {total_mib:.1f} MiB of {CARRY_LIMIT_BYTES // MiB}",
         f"covers: tests/gpu, the planner grid on CUDA and {covered} notebooks",
         *[f"  {r.step}: {r.detail}" for r in not_run],
+        "  not in it: the unit tests (CI runs them) and the technique costs (`--only install costs`)",
         f"{settings.workers} slices side by side, each process capped to a T4's memory by the emulation;",
         f"  deadline {settings.deadline_seconds:.0f} s after the start ({settings.setup_seconds:.0f} s of it to install "
         "and preflight),",
