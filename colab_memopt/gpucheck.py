@@ -13,8 +13,9 @@ caching allocator to the T4's usable bytes less its context and takes the T4's c
 0. preflight (every call): the GPU, versions, and measurements in a fresh process (this GPU's own CUDA
    context outside the allocator, the cuBLAS workspace the first matmul allocates, the workspaces a biased
    Linear's backward adds: the autograd thread's cuBLAS one and cuBLASLt's, `is_bf16_supported`): env.json;
-1. install: what the machine lacks (`NEEDED`), one package at a time, each failure reported, from PyPI or,
-   without a network, from `make gpu-wheels`' folder (`--wheelhouse`, `WHEELHOUSE=dir` in make);
+1. install: what the machine lacks (`NEEDED`), each failure reported, from PyPI or, without a network,
+   from `make gpu-wheels`' folder (`--wheelhouse`, `WHEELHOUSE=dir` in make: one pip call, one package at
+   a time if that fails);
 2. the unit tests (`--part K/N`: one of N parts), then `tests/gpu` (what only CUDA shows);
 3. every notebook with its Colab defaults (papermill, a fresh kernel each, README.md untouched), each
    under its budget from tests/notebook_parameters_t4.yaml, which changes only what a machine without a
@@ -291,11 +292,12 @@ def wheelhouse_files(wheelhouse: str) -> list[Path]:
 
 
 def install_missing(wheelhouse: str | None, target: str | None = None) -> StepResult:
-    """pip-install what the steps need and this machine lacks, one package at a time; report each failure.
+    """pip-install what the steps need and this machine lacks; report each failure.
 
     With `wheelhouse` (no network): every distribution in it (`make gpu-wheels` downloads exactly what the
-    lent machine lacks, with their dependencies) not installed yet, each by its own `pip install --no-index
-    --no-deps` (DeepSpeed's sdist builds in isolation from setuptools and wheel found in the same folders).
+    lent machine lacks, with their dependencies) not installed yet, all in one `pip install --no-index
+    --no-deps`, or, if that fails, each by its own, to name each failure (DeepSpeed's sdist builds in
+    isolation from setuptools and wheel found in the same folders).
     Without: each missing package from PyPI, at requirements.txt's pin. `target` installs into that folder
     (`pip --target`, for an environment that is not writable; the steps then get it on PYTHONPATH). Then each
     module of `NEEDED` is imported in a fresh process: a failure is the step's failure, an absent package
@@ -436,6 +438,7 @@ def run_command(step: str, cmd: list[str], env: dict[str, str], timeout_s: float
 def absent_requirements(settings: T4Settings, stem: str, env: dict[str, str] | None = None) -> list[str]:
     """Return the modules notebook `stem` requires (T4 settings' `requires`) that cannot be found here."""
     paths = [p for p in (env or {}).get("PYTHONPATH", "").split(os.pathsep) if p]
+    importlib.invalidate_caches()  # the --pip-target folder was empty when the first imports looked in it
     missing = []
     for module in settings.requires.get(stem, []):
         if importlib.util.find_spec(module) is None and not any((Path(p) / module).exists() for p in paths):
