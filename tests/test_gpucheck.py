@@ -572,3 +572,23 @@ def test_the_parallel_run_end_to_end_with_fake_steps(tmp_path, monkeypatch, caps
         summary = tar.extractfile(f"{tmp_path.name}/summary.txt").read().decode()
         assert json.loads(tar.extractfile(f"{tmp_path.name}/results.json").read())["not_run"] == ["notebook 10_deepspeed_zero"]
     assert "5 of 6 steps passed; not run (reason above): notebook 10_deepspeed_zero" in summary
+
+
+def test_the_offline_install_is_one_pip_call_when_every_wheel_installs(tmp_path, monkeypatch):
+    (tmp_path / "house").mkdir()
+    for name in ("cm_fake_one", "cm_fake_two"):
+        _fake_wheel(tmp_path / "house", name)
+    monkeypatch.setattr(gpucheck, "NEEDED", {"cm_fake_one": "cm-fake-one", "cm_fake_two": "cm-fake-two"})
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    real, pips = subprocess.run, []
+
+    def counting_run(cmd, *a, **k):
+        if cmd[1:4] == ["-m", "pip", "install"]:
+            pips.append(cmd)
+        return real(cmd, *a, **k)
+
+    monkeypatch.setattr(subprocess, "run", counting_run)
+    result = gpucheck.install_missing(str(tmp_path / "house"), str(tmp_path / "site"))
+    assert result.status == "passed" and sorted(result.data["installed"]) == [
+        "cm_fake_one-1.0-py3-none-any.whl", "cm_fake_two-1.0-py3-none-any.whl"]
+    assert len(pips) == 1  # the one-call carry in one pip (2 s on the H100 machine), not one pip per package
