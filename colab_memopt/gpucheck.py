@@ -720,6 +720,9 @@ def run_slices(slices: list[list[Item]], run_item: Callable[[Item, float], StepR
     return results
 
 
+LEFT_OUT = "LEFT_OUT.txt"
+
+
 def write_archive(folder: Path, archive: Path, limit_bytes: int = ARCHIVE_LIMIT_BYTES) -> dict[str, list[str]]:
     """Write `folder` as one .tar.gz at `archive` (atomically: a run killed mid-write keeps the last whole one).
 
@@ -728,10 +731,16 @@ def write_archive(folder: Path, archive: Path, limit_bytes: int = ARCHIVE_LIMIT_
     import io
     import tarfile
 
-    files = sorted((p for p in folder.rglob("*") if p.is_file() and p.name != LEFT_OUT),
-                   key=lambda p: (p.parent.name == "notebooks", p.stat().st_size, str(p)))
-    archive.parent.mkdir(parents=True, exist_ok=True)
     tmp = archive.with_name(archive.name + ".tmp")
+    sized = []
+    for path in folder.rglob("*"):
+        try:
+            if path.is_file() and path.name != LEFT_OUT and path.resolve() not in (archive.resolve(), tmp.resolve()):
+                sized.append((path.parent.name == "notebooks", path.stat().st_size, str(path), path))
+        except OSError:  # a temporary file renamed meanwhile
+            continue
+    files = [entry[-1] for entry in sorted(sized)]
+    archive.parent.mkdir(parents=True, exist_ok=True)
     written, left_out, used = [], [], 4096  # the end-of-archive blocks and gzip's header
     with tarfile.open(tmp, "w:gz") as tar:
         for path in files:
@@ -755,9 +764,6 @@ def write_archive(folder: Path, archive: Path, limit_bytes: int = ARCHIVE_LIMIT_
             tar.addfile(info, io.BytesIO(note))
     tmp.replace(archive)
     return {"written": written, "left_out": left_out}
-
-
-LEFT_OUT = "LEFT_OUT.txt"
 
 
 class Recorder:
