@@ -69,6 +69,8 @@ test-notebooks: $(STAMP)
 # the planner-accuracy grid and the technique costs on CUDA; writes build/gpu/ (colab_memopt/gpucheck.py).
 # It uses the Python that has CUDA torch (this repo's .venv if present, else python3) and installs what
 # that one lacks, from PyPI or from WHEELHOUSE. Without CUDA it stops before running anything, in one line.
+# On a lent GPU machine (no network, one call of 10 minutes): `python -m colab_memopt.gpucheck plan` prints the
+# one command (GPU_ARGS="--parallel 5 ...": slices side by side, one deadline, one archive) and what to carry.
 GPU_PYTHON ?= $(if $(wildcard $(PY)),$(PY),python3)
 ifneq ($(filter test-gpu,$(MAKECMDGOALS)),)
 GPU_FOUND := $(shell $(GPU_PYTHON) -c "import torch; print(int(torch.cuda.is_available()))" 2>/dev/null)
@@ -82,8 +84,8 @@ test-gpu:
 
 # make gpu-wheels [WHEELHOUSE_DIR=build/wheelhouse]: download (here, with a network) exactly the wheels a lent GPU machine
 # lacks for its Python 3.12 (manylinux x86_64; DeepSpeed as an sdist with setuptools and wheel), split into parts of at
-# most 60 MiB (colab_memopt/wheelhouse.py). There: make test-gpu WHEELHOUSE=<part> GPU_ARGS="--only install gpu-tests",
-# one slice per call; `python -m colab_memopt.gpucheck plan` prints the calls that cover everything (gpucheck.CALL_PLAN).
+# most 60 MiB (colab_memopt/wheelhouse.py); part1 holds every wheel, DeepSpeed's sdist a part of its own. The one call
+# on a lent machine carries part1 with the checkout (under 64 MiB): `python -m colab_memopt.gpucheck plan`.
 WHEELHOUSE_DIR ?= build/wheelhouse
 gpu-wheels: $(STAMP)
 	$(PY) -m colab_memopt.wheelhouse --dest $(WHEELHOUSE_DIR)

@@ -18,9 +18,11 @@ per command. This recipe:
 4. splits the files into parts of at most `--limit-mib` MiB (60 by default: a call carries at most 64),
    each part installable on its own: a part holds whole packages with every lacking dependency they
    have (a dependency two parts need is in both), and `manifest.json` says which packages each part gives.
+   Packages built from an sdist (DeepSpeed) come last, in parts of their own: part1 holds every wheel
+   (56.7 MiB on 2026-11-26), which with the checkout is the one call's carry (`gpucheck plan`).
 
 `python -m colab_memopt.gpucheck --only install --wheelhouse DIR/partN` then installs that part offline,
-one package at a time (`gpucheck.install_missing`). Which parts each call carries: `gpucheck.CALL_PLAN`.
+in one pip call, one package at a time if that fails (`gpucheck.install_missing`).
 """
 
 from __future__ import annotations
@@ -166,15 +168,21 @@ class Part:
     bytes: int = 0
 
 
-def split(groups: dict[str, list[str]], sizes: dict[str, int], limit_bytes: int) -> list[Part]:
+def split(groups: dict[str, list[str]], sizes: dict[str, int], limit_bytes: int,
+          apart: frozenset[str] | set[str] = frozenset()) -> list[Part]:
     """Return parts of at most `limit_bytes`: whole groups (a package and its lacking dependencies), the largest first.
 
-    A dependency two groups share is counted (and later copied) in each part that holds one of them.
+    A dependency two groups share is counted (and later copied) in each part that holds one of them. The groups
+    named in `apart` (those that build from an sdist) come after the others, in parts of their own, so that part1
+    holds every wheel when they fit: the one call on a lent machine carries part1 (gpucheck.CARRY).
     Raises ValueError naming a group that alone exceeds the limit.
     """
     parts: list[Part] = []
-    for top, group in sorted(groups.items(), key=lambda kv: -sum(sizes[n] for n in kv[1])):
-        for part in parts:
+    first_apart = None
+    for top, group in sorted(groups.items(), key=lambda kv: (kv[0] in apart, -sum(sizes[n] for n in kv[1]))):
+        if top in apart and first_apart is None:
+            first_apart = len(parts)
+        for part in parts[first_apart or 0:] if top in apart else parts:
             extra = sum(sizes[n] for n in group if n not in part.files)
             if part.bytes + extra <= limit_bytes:
                 break
@@ -210,7 +218,7 @@ def build(dest: Path, needed: list[str], limit_mib: float = DEFAULT_LIMIT_MIB, d
         raise RuntimeError("pip download failed for " + "; ".join(f"{n}: {e}" for n, e in failures.items()))
     files = {n: _file_of(n, everything) for n in names}
     sizes = {n: f.stat().st_size for n, f in files.items()}
-    parts = split(groups, sizes, int(limit_mib * MiB))
+    parts = split(groups, sizes, int(limit_mib * MiB), {t for t, g in groups.items() if any(n in SDIST_ONLY for n in g)})
     for part in parts:
         folder = dest / part.name
         shutil.rmtree(folder, ignore_errors=True)

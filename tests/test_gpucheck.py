@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -212,33 +213,11 @@ def test_install_works_offline_from_a_wheelhouse_one_package_at_a_time(tmp_path,
         gpucheck.wheelhouse_files(str(tmp_path / "house"))
 
 
-def test_call_plan_covers_everything_within_the_device_budget(capsys):
-    from colab_memopt.runner import notebook_paths
-
-    plan = gpucheck.CALL_PLAN
-    assert sum(c["budget_minutes"] for c in plan) <= 45 and all(c["budget_minutes"] <= 9 for c in plan)
-    assert all(c["only"][0] == "install" for c in plan)  # every call starts on a bare machine
-    assert {s for c in plan for s in c["only"]} == set(gpucheck.STEPS)
-    parts = [c["part"] for c in plan if "unit" in c["only"]]
-    n = int(parts[0].split("/")[1])
-    assert sorted(parts) == [f"{k}/{n}" for k in range(1, n + 1)]
-    planned = [nb for c in plan for nb in c.get("notebooks", [])]
-    assert sorted(p.stem for p in notebook_paths(planned)) == sorted(p.stem for p in notebook_paths())
-    assert len(planned) == len(set(planned))
-    commands = gpucheck.call_commands()
-    assert len(commands) == len(plan) and all("--wheelhouse .whl/part1" in c and "--budget-seconds" in c for c in commands)
-    assert "--only install unit --part 2/2" in commands[2]
-    assert gpucheck.main(["plan"]) == 0  # no GPU needed to print it
-    printed = capsys.readouterr().out
-    assert printed.count("\ncall ") == len(plan) - 1 and "budgets, not measurements" in printed
-
-
 def test_a_call_budget_cuts_the_notebooks_short_and_says_so(tmp_path, monkeypatch):
     import time
 
-    monkeypatch.setattr(gpucheck, "load_budgets", lambda: ({}, 600, 3600))
     results = gpucheck.run_notebooks(tmp_path, gpucheck.child_env("none"), ["00"], deadline=time.monotonic() - 1)
-    assert [(r.status, r.detail) for r in results] == [("failed", "not run: this call's --budget-seconds is spent")]
+    assert [(r.status, r.detail) for r in results] == [("not finished", "not started: this call's --budget-seconds is spent")]
 
 
 def test_a_test_failing_only_for_an_absent_optional_package_is_skipped(monkeypatch):
@@ -283,7 +262,7 @@ def test_notebooks_are_held_to_the_t4_by_reserved_bytes_plus_a_context(tmp_path,
     path = notebook_paths()[0]
     monkeypatch.setattr(runner, "notebook_paths", lambda names: [path])
 
-    def fake_run(step, cmd, env_, timeout_s, log):
+    def fake_run(step, cmd, env_, timeout_s, log, **kwargs):
         report = {"peak_bytes": 8 * 2**30}
         (tmp_path / "results").mkdir(exist_ok=True)
         (tmp_path / "results" / f"{path.stem}.json").write_text(json.dumps(
@@ -295,3 +274,321 @@ def test_notebooks_are_held_to_the_t4_by_reserved_bytes_plus_a_context(tmp_path,
     assert result.status == status and result.data["max_reserved_bytes"] == reserved
     if status == "failed":
         assert "assumed T4 context" in result.detail
+
+
+# -- the one call on a lent GPU machine (--parallel, the deadline, the archive, `plan`) ----------------------------
+
+def _parameters_cell(stem: str) -> dict:
+    """Return the names and values of a notebook's `parameters` cell."""
+    import ast
+    import json
+
+    cells = json.loads((REPO / "notebooks" / f"{stem}.ipynb").read_text())["cells"]
+    (cell,) = [c for c in cells if "parameters" in c.get("metadata", {}).get("tags", [])]
+    tree = ast.parse("".join(cell["source"]))
+    return {n.targets[0].id: ast.literal_eval(n.value) for n in tree.body if isinstance(n, ast.Assign)}
+
+
+def test_the_one_call_command_fits_the_device_tool_and_parses():
+    import shlex
+
+    command = gpucheck.one_call_command()
+    assert len(command) <= gpucheck.COMMAND_LIMIT_CHARS == 2000
+    words = shlex.split(command)
+    assert words[:4] == ["PYTHONUNBUFFERED=1", "python3", "-m", "colab_memopt.gpucheck"]
+    args = gpucheck.build_parser().parse_args(words[4:])
+    settings = gpucheck.load_t4_settings()
+    assert args.parallel == settings.workers and args.budget_seconds == settings.deadline_seconds
+    assert set(args.only) == {"install", "gpu-tests", "planner", "notebooks"} and args.notebooks is None
+    assert args.wheelhouse == gpucheck.CARRY and args.pip_target == gpucheck.SITE
+    assert args.archive == f"$OUT/{gpucheck.ARCHIVE_NAME}"  # one file back, at the top of $OUT
+
+
+def test_the_plan_covers_every_notebook_gpu_tests_and_the_grid_within_the_deadline():
+    settings = gpucheck.load_t4_settings()
+    stems = [p.stem for p in notebook_paths()]
+    items, not_run = gpucheck.lent_items(settings, gpucheck.ONE_CALL_STEPS, stems,
+                                         lambda stem: [m for m in settings.requires.get(stem, []) if m == "deepspeed"])
+    names = {i.name for i in items}
+    assert {"gpu-tests", "planner"} <= names
+    assert {f"notebook {s}" for s in stems} == {n for n in names if n.startswith("notebook")} | {r.step for r in not_run}
+    assert [(r.step, r.status) for r in not_run] == [("notebook 10_deepspeed_zero", "not run")]
+    assert not_run[0].detail.startswith("not run: deepspeed not installed")
+    slices = gpucheck.pack_slices(items, settings.workers)
+    assert sorted(i.name for s in slices for i in s) == sorted(names)
+    # every slice's estimates fit what the deadline leaves after the install; the deadline leaves the call's
+    # last minute and a half for the archive and the transfers
+    assert max(sum(i.seconds for i in s) for s in slices) <= settings.deadline_seconds - settings.setup_seconds
+    assert settings.deadline_seconds + 60 <= gpucheck.CALL_LIMIT_SECONDS
+    # every notebook's estimate is listed (none falls back to the default unnoticed)
+    assert set(settings.lent_seconds) == set(stems)
+
+
+def test_plan_prints_the_command_and_the_carry(capsys):
+    assert gpucheck.main(["plan"]) == 0  # no GPU needed to print it
+    printed = capsys.readouterr().out.splitlines()
+    command = gpucheck.one_call_command()
+    assert command in printed and f'  carry: ["{gpucheck.CARRY}"]' in printed
+    assert any("of 64" in line and "the checkout" in line for line in printed)
+    assert any("10_deepspeed_zero: not run" in line for line in printed)
+    assert all(len(line) <= 100 for line in printed if line != command), [l for l in printed if len(l) > 100]
+
+
+def test_plan_says_when_the_carry_does_not_fit(tmp_path, monkeypatch, capsys):
+    part = tmp_path / gpucheck.CARRY
+    part.mkdir(parents=True)
+    (part / "big.whl").write_bytes(b"\0" * (63 * 2**20))  # with the checkout, over 64 MiB
+    monkeypatch.setattr(gpucheck, "checkout_bytes", lambda root=None: 3 * 2**20)
+    assert gpucheck.print_plan(tmp_path) == 1
+    assert "does not fit: the carry and the checkout take 66.0 MiB, over 64" in capsys.readouterr().out
+
+
+def test_slices_are_packed_longest_first():
+    items = [gpucheck.Item(n, s) for n, s in [("a", 300), ("b", 200), ("c", 200), ("d", 100), ("e", 100)]]
+    slices = gpucheck.pack_slices(items, 2)
+    assert [[i.name for i in s] for s in slices] == [["a", "d", "e"], ["b", "c"]]
+    # LPT alone gives 7 s and 5 s here (3+2+2, 3+2); a swap evens them out
+    items = [gpucheck.Item(n, s) for n, s in [("a", 3), ("b", 3), ("c", 2), ("d", 2), ("e", 2)]]
+    assert sorted(sum(i.seconds for i in s) for s in gpucheck.pack_slices(items, 2)) == [6, 6]
+    with pytest.raises(ValueError, match="--parallel must be an integer >= 1"):
+        gpucheck.pack_slices(items, 0)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        return False
+    return not Path(f"/proc/{pid}/stat").exists() or Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+
+
+def test_the_deadline_kills_a_straggler_and_records_it_not_finished(tmp_path):
+    import time
+
+    env = gpucheck.child_env("none")
+    # the straggler starts a grandchild in a session of its own, as a notebook's kernel is started
+    straggler = ("import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'],"
+                 f" start_new_session=True); open({str(tmp_path / 'grandchild')!r}, 'w').write(str(p.pid)); time.sleep(120)")
+    commands = {"fast": "print('fine')", "slow": straggler, "after slow": "print('never')", "other": "print('also fine')"}
+    slices = [[gpucheck.Item("fast", 1), gpucheck.Item("slow", 1), gpucheck.Item("after slow", 1)], [gpucheck.Item("other", 1)]]
+    seen = []
+
+    def run_item(item, left):
+        return gpucheck.run_command(item.name, [sys.executable, "-c", commands[item.name]], env, left,
+                                    tmp_path / f"{item.name}.log", at_deadline=True)
+
+    start = time.monotonic()
+    results = gpucheck.run_slices(slices, run_item, start + 15, seen.append)
+    assert time.monotonic() - start < 40
+    status = {r.step: r.status for r in results}
+    # the idle slice takes "after slow" before the deadline: it passes; the straggler is stopped
+    assert status == {"fast": "passed", "other": "passed", "slow": "not finished", "after slow": "passed"}, results
+    slow = next(r for r in results if r.step == "slow")
+    assert "stopped at the run's deadline" in slow.detail and slow.data["slice"] in (1, 2)
+    assert [r.step for r in seen] == [r.step for r in results]
+    grandchild = int((tmp_path / "grandchild").read_text())
+    time.sleep(0.5)
+    assert not _pid_alive(grandchild), "the straggler's grandchild survived the deadline"
+
+
+def test_items_not_started_by_the_deadline_are_not_finished_never_passed():
+    import time
+
+    ran = []
+    slices = [[gpucheck.Item("a", 1), gpucheck.Item("b", 1)]]
+    results = gpucheck.run_slices(slices, lambda item, left: ran.append(item) or gpucheck.StepResult(item.name, "passed", 0),
+                                  time.monotonic() - 1, lambda r: None)
+    assert ran == [] and [(r.step, r.status) for r in results] == [("a", "not finished"), ("b", "not finished")]
+    assert all(r.detail == "not started before the run's deadline" for r in results)
+    # an item's crash is its own failure
+    boom = gpucheck.run_slices([[gpucheck.Item("x", 1)]], lambda item, left: 1 / 0, time.monotonic() + 60, lambda r: None)
+    assert boom[0].status == "failed" and "ZeroDivisionError" in boom[0].detail
+
+
+def test_summary_and_exit_status_count_not_finished_as_failures_and_not_run_apart(tmp_path, capsys):
+    record = gpucheck.Recorder(tmp_path, "H100 emulating t4", {}, None)
+    record(gpucheck.StepResult("notebook 00_x", "passed", 5.0, "exit 0", {"estimate_seconds": 60}))
+    record(gpucheck.StepResult("notebook 10_x", "not run", 0.0, "not run: deepspeed not installed"))
+    assert gpucheck.finish(record, tmp_path, "H100 emulating t4") == 0  # a reason given: not a failure
+    record(gpucheck.StepResult("notebook 17_x", "not finished", 9.0, "stopped at the run's deadline after 9 s"))
+    assert gpucheck.finish(record, tmp_path, "H100 emulating t4") == 1
+    text = (tmp_path / "summary.txt").read_text()
+    assert "1 of 3 steps passed; NOT FINISHED: notebook 17_x; not run (reason above): notebook 10_x" in text
+    assert "measured seconds (for tests/notebook_parameters_t4.yaml): 00_x 5" in text
+    import json
+
+    written = json.loads((tmp_path / "results.json").read_text())
+    assert written["not_finished"] == ["notebook 17_x"] and written["not_run"] == ["notebook 10_x"] and written["failed"] == []
+
+
+def test_the_archive_holds_what_finished_when_the_call_is_killed(tmp_path):
+    # a run killed by the call's limit (SIGKILL: no cleanup) still leaves the archive of what finished so far
+    import signal
+    import tarfile
+    import time
+
+    out, archive = tmp_path / "gpu", tmp_path / "OUT" / "gpucheck.tar.gz"
+    script = f"""
+import sys, time
+from pathlib import Path
+from colab_memopt import gpucheck
+record = gpucheck.Recorder(Path({str(out)!r}), "H100 emulating t4", {{}}, Path({str(archive)!r}), every_s=0)
+env = gpucheck.child_env("none")
+def run_item(item, left):
+    code = "print('fine')" if item.name == "fast" else "import time; time.sleep(120)"
+    return gpucheck.run_command(item.name, [sys.executable, "-c", code], env, left, Path({str(out)!r}) / "logs" / "x.log",
+                                at_deadline=True)
+gpucheck.run_slices([[gpucheck.Item("fast", 1), gpucheck.Item("slow", 1)]], run_item, time.monotonic() + 300, record)
+"""
+    (out / "logs").mkdir(parents=True)
+    proc = subprocess.Popen([sys.executable, "-c", script], env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        for _ in range(600):
+            time.sleep(0.1)
+            if archive.exists():
+                with tarfile.open(archive) as tar:
+                    if "gpu/results.json" in tar.getnames() and b'"fast"' in tar.extractfile("gpu/results.json").read():
+                        break
+        else:
+            pytest.fail("no archive with the first result")
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    with tarfile.open(archive) as tar:
+        import json
+
+        payload = json.loads(tar.extractfile("gpu/results.json").read())
+    assert [(s["step"], s["status"]) for s in payload["steps"]] == [("fast", "passed")]
+
+
+def test_the_archive_stays_under_its_limit_results_first(tmp_path):
+    import tarfile
+
+    out = tmp_path / "gpu"
+    (out / "notebooks").mkdir(parents=True)
+    (out / "results.json").write_text("{}")
+    (out / "notebooks" / "17_long_context.ipynb").write_bytes(os.urandom(3 * 2**20))
+    (out / "notebooks" / "00_where.ipynb").write_bytes(os.urandom(2**20))
+    written = gpucheck.write_archive(out, tmp_path / "a.tar.gz", limit_bytes=2 * 2**20)
+    assert written["left_out"] == ["notebooks/17_long_context.ipynb"]
+    assert (tmp_path / "a.tar.gz").stat().st_size <= 2 * 2**20
+    with tarfile.open(tmp_path / "a.tar.gz") as tar:
+        names = tar.getnames()
+        assert names[0] == "gpu/results.json" and "gpu/notebooks/00_where.ipynb" in names
+        assert b"notebooks/17_long_context.ipynb" in tar.extractfile("gpu/LEFT_OUT.txt").read()
+
+
+def test_t4_parameters_are_the_notebooks_own_and_take_no_model_from_the_hub():
+    import transformers
+
+    settings = gpucheck.load_t4_settings()
+    for stem, params in settings.parameters.items():
+        declared = _parameters_cell(stem)
+        assert set(params) <= set(declared), f"{stem}: {set(params) - set(declared)} are not its parameters"
+    for path in notebook_paths():
+        declared = _parameters_cell(path.stem)
+        if "/" in str(declared.get("model_id", "")):  # a hub id by default: the lent machine has no network
+            family = settings.parameters.get(path.stem, {}).get("example_family")
+            assert family in transformers.CONFIG_MAPPING, f"{path.stem} would download {declared['model_id']}"
+    assert set(settings.parameters) == {"18_your_own_model", "19_your_trainer_on_a_free_t4"}
+
+
+def test_the_notebook_child_injects_the_t4_parameters(tmp_path, monkeypatch):
+    from colab_memopt import runner
+
+    seen = {}
+
+    def fake_run_notebook(path, out_dir, results_dir, parameters):
+        seen[path.stem] = parameters
+        return runner.NotebookRun(path.stem, out_dir / path.name, 0.1, parameters)
+
+    monkeypatch.setattr(runner, "run_notebook", fake_run_notebook)
+    for stem in ("18_your_own_model", "00_where_the_memory_goes"):
+        assert gpucheck._notebook_child(str(REPO / "notebooks" / f"{stem}.ipynb"), str(tmp_path)) == 0
+    assert seen["18_your_own_model"]["example_family"] == "llama" and seen["00_where_the_memory_goes"] == {}
+    assert gpucheck.child_env("t4")["HF_HUB_OFFLINE"] == "1"
+
+
+def test_the_t4_settings_file_refuses_what_it_does_not_know(tmp_path):
+    bad = tmp_path / "t4.yaml"
+    bad.write_text("notebooks:\n  00_where_the_memory_goes:\n    model_size: small\n")
+    with pytest.raises(ValueError, match=r"notebook '00_where_the_memory_goes' may set \['budget_seconds', 'lent_seconds', "
+                                         r"'parameters', 'requires'\].*got \['model_size'\]"):
+        gpucheck.load_t4_settings(bad)
+    bad.write_text("lent_run:\n  steps:\n    unit: 100\n")
+    with pytest.raises(ValueError, match=r"lent_run.steps may name \['gpu-tests', 'planner', 'costs'\], got \['unit'\]"):
+        gpucheck.load_t4_settings(bad)
+
+
+def test_a_notebook_whose_module_is_absent_is_not_run_with_the_reason(tmp_path, monkeypatch):
+    settings = gpucheck.load_t4_settings()
+    settings.requires["00_where_the_memory_goes"] = ["cm_not_a_module"]
+    monkeypatch.setattr(gpucheck, "load_t4_settings", lambda path=None: settings)
+    monkeypatch.setattr(gpucheck, "run_command", lambda *a, **k: pytest.fail("a notebook without its module ran"))
+    (result,) = gpucheck.run_notebooks(tmp_path, gpucheck.child_env("none"), ["00"])
+    assert result.status == "not run" and result.detail == "not run: cm_not_a_module not installed"
+    assert gpucheck.absent_requirements(settings, "10_deepspeed_zero", {}) == (
+        [] if importlib.util.find_spec("deepspeed") else ["deepspeed"])
+
+
+def test_each_slice_gets_its_share_of_the_cores():
+    env = gpucheck.worker_env({"PATH": "/bin"}, 5, cpus=16)
+    assert env["OMP_NUM_THREADS"] == env["MKL_NUM_THREADS"] == "3" and env["PATH"] == "/bin"
+    assert gpucheck.worker_env({"OMP_NUM_THREADS": "1"}, 5, cpus=16)["OMP_NUM_THREADS"] == "1"
+    assert gpucheck.worker_env({}, 32, cpus=16)["OMP_NUM_THREADS"] == "1"
+
+
+def test_the_parallel_run_end_to_end_with_fake_steps(tmp_path, monkeypatch, capsys):
+    # run_parallel's wiring on the CPU: install first, a notebook left out with its reason, the rest in two slices,
+    # each result recorded at once, the summary and the archive at the end
+    import argparse
+    import json
+    import tarfile
+    import time
+
+    settings = gpucheck.load_t4_settings()
+    settings.requires["10_deepspeed_zero"] = ["cm_not_a_module"]
+    monkeypatch.setattr(gpucheck, "load_t4_settings", lambda path=None: settings)
+    monkeypatch.setattr(gpucheck, "install_missing", lambda wheelhouse, target: gpucheck.StepResult("install", "passed", 1.0, "ok"))
+    monkeypatch.setattr(gpucheck, "step_command", lambda name, out, *a: (
+        [sys.executable, "-c", f"print('{name} ok')"], out / "logs" / f"{name}.log"))
+    monkeypatch.setattr(gpucheck, "notebook_command", lambda path, out: [sys.executable, "-c", (
+        f"import json, pathlib; d = pathlib.Path({str(tmp_path / 'results')!r}); d.mkdir(exist_ok=True); "
+        f"(d / '{path.stem}.json').write_text(json.dumps({{'device': 'cuda', 'baseline': {{'peak_bytes': 1}}}}))")])
+    args = argparse.Namespace(only=list(gpucheck.ONE_CALL_STEPS), skip=[], notebooks=["00", "10", "18"], parallel=2,
+                              wheelhouse=None, pip_target=None)
+    record = gpucheck.Recorder(tmp_path, "H100 emulating t4", {"gpu": "H100"}, tmp_path / "OUT" / "gpucheck.tar.gz")
+    code = gpucheck.run_parallel(args, tmp_path, "H100 emulating t4", gpucheck.child_env("t4"), "t4", (9, 0), record,
+                                 time.monotonic() + 120)
+    assert code == 0, capsys.readouterr().out
+    steps = {s.step: s for s in record.steps}
+    assert steps["install"].status == "passed" and record.steps[0].step == "install"
+    assert steps["notebook 10_deepspeed_zero"].status == "not run"
+    assert all(steps[n].status == "passed" for n in ("gpu-tests", "planner", "notebook 00_where_the_memory_goes",
+                                                      "notebook 18_your_own_model"))
+    assert steps["notebook 18_your_own_model"].data["peak_bytes"] == 1  # held to the T4 (notebook_verdict)
+    assert {steps[n].data["slice"] for n in ("gpu-tests", "planner")} <= {1, 2}
+    with tarfile.open(tmp_path / "OUT" / "gpucheck.tar.gz") as tar:
+        summary = tar.extractfile(f"{tmp_path.name}/summary.txt").read().decode()
+        assert json.loads(tar.extractfile(f"{tmp_path.name}/results.json").read())["not_run"] == ["notebook 10_deepspeed_zero"]
+    assert "5 of 6 steps passed; not run (reason above): notebook 10_deepspeed_zero" in summary
+
+
+def test_the_offline_install_is_one_pip_call_when_every_wheel_installs(tmp_path, monkeypatch):
+    (tmp_path / "house").mkdir()
+    for name in ("cm_fake_one", "cm_fake_two"):
+        _fake_wheel(tmp_path / "house", name)
+    monkeypatch.setattr(gpucheck, "NEEDED", {"cm_fake_one": "cm-fake-one", "cm_fake_two": "cm-fake-two"})
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    real, pips = subprocess.run, []
+
+    def counting_run(cmd, *a, **k):
+        if cmd[1:4] == ["-m", "pip", "install"]:
+            pips.append(cmd)
+        return real(cmd, *a, **k)
+
+    monkeypatch.setattr(subprocess, "run", counting_run)
+    result = gpucheck.install_missing(str(tmp_path / "house"), str(tmp_path / "site"))
+    assert result.status == "passed" and sorted(result.data["installed"]) == [
+        "cm_fake_one-1.0-py3-none-any.whl", "cm_fake_two-1.0-py3-none-any.whl"]
+    assert len(pips) == 1  # the one-call carry in one pip (2 s on the H100 machine), not one pip per package

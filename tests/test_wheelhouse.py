@@ -53,3 +53,18 @@ def test_normalize_and_limit_checks():
     assert wheelhouse.normalize("Torch_Optimi") == wheelhouse.normalize("torch.optimi") == "torch-optimi"
     with pytest.raises(SystemExit):
         wheelhouse.main(["--limit-mib", "70", "--dry-run"])
+
+
+def test_sdist_groups_come_last_in_parts_of_their_own_so_part1_holds_every_wheel():
+    # the one call carries part1 (gpucheck.CARRY): every wheel, DeepSpeed's sdist and build tools left to part2
+    groups = {"deepspeed": ["deepspeed", "setuptools", "pydantic"], "bnb": ["bnb"], "trl": ["trl", "pydantic"]}
+    sizes = {"deepspeed": 2 * MiB, "setuptools": 1 * MiB, "pydantic": 1 * MiB, "bnb": 40 * MiB, "trl": 5 * MiB}
+    parts = wheelhouse.split(groups, sizes, 60 * MiB, {"deepspeed"})
+    assert [p.packages for p in parts] == [["bnb", "trl"], ["deepspeed"]]  # without `apart`, deepspeed joins part1
+    assert [p.packages for p in wheelhouse.split(groups, sizes, 60 * MiB)] == [["bnb", "trl", "deepspeed"]]
+    assert parts[1].files == ["deepspeed", "setuptools", "pydantic"] and parts[1].bytes == 4 * MiB
+    # make gpu-wheels writes part1 where the one call's carry names it
+    from colab_memopt.gpucheck import CARRY
+
+    assert wheelhouse.REPO_ROOT / CARRY == wheelhouse.REPO_ROOT / "build" / "wheelhouse" / parts[0].name
+    assert "WHEELHOUSE_DIR ?= build/wheelhouse" in (wheelhouse.REPO_ROOT / "Makefile").read_text()
