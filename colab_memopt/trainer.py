@@ -169,6 +169,8 @@ def _trace_step(trainer: Any, args: Any, batch: int, seq_len: int, *, cuda: bool
         with _fake_parameters(model, mode) if swap else contextlib.nullcontext(), mode, _ScalarMode(), _fake_safe_module_to(), \
                 _fake_safe_bitsandbytes(mode, recipe, cuda=cuda), _fake_safe_transformers(), _cpu_device_without_index(trainer.args):
             trainer.optimizer = None
+            if args.fp16:  # fp16's GradScaler needs fp32 trainables: planned as MemoryGuardCallback casts them
+                _upcast_trainable(model)
             optimizer = trainer.create_optimizer(model)
             _prefer_impl(optimizer, cuda)
             n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -391,6 +393,10 @@ def plan_trainer(
     if holder is None:
         mode = _new_mode()
         holder = _fake_trainer(args, model, lora, bnb, seq, mode)
+    if args.fp16 and (half := _half_trainable(holder.model)):
+        warn.append(f"{FP16_TRAP} {len(half)} trainable tensor(s) in "
+                    f"{' and '.join(sorted({str(d).removeprefix('torch.') for d in half.values()}))}: the GradScaler "
+                    "cannot unscale them on a GPU; planned in float32, as MemoryGuardCallback casts them")
     micro = int(args.per_device_train_batch_size)
     with _args_of(holder, args):
         trace, _n = _trace_step(holder, args, micro, seq, cuda=tgt.cuda, mode=mode)
@@ -485,6 +491,27 @@ def _max_micro_batch(trainer: Any, args: Any, seq_len: int, tgt: Target, plan: P
     while guess > 0 and peak(guess) > budget:
         guess -= 1
     return int(guess)
+
+
+def _half_trainable(model: Any) -> dict[str, torch.dtype]:
+    from colab_memopt.guard import half_trainable
+
+    return half_trainable(model)
+
+
+def _upcast_trainable(model: Any) -> None:
+    from colab_memopt.guard import upcast_trainable
+
+    upcast_trainable(model)
+
+
+FP16_TRAP = "fp16=True with"  # how plan_trainer's warning about bf16/fp16 trainable weights begins
+FP16_TRAP_NOTE = "fp16=True needs float32 trainable weights (TRL makes 4-bit LoRA bfloat16): add MemoryGuardCallback"
+
+
+def _fp16_trap_notes(*plans: Plan | None) -> list[str]:
+    """Return fit_trainer's note for trainable weights fp16 cannot train, where a plan found them."""
+    return [FP16_TRAP_NOTE] if any(p is not None and any(w.startswith(FP16_TRAP) for w in p.warnings) for p in plans) else []
 
 
 # -- fitting -------------------------------------------------------------------------------------------
@@ -600,7 +627,7 @@ def fit_trainer(
         lora = real_lora
     base_cost = _slowdown(args, tgt, lora, bnb)
     if before.fits and not (args.bf16 and tgt.cuda and tgt.compute_capability and tuple(tgt.compute_capability) < (8, 0)):
-        return TrainerFit({}, before, before, 1.0)
+        return TrainerFit({}, before, before, 1.0, notes=_fp16_trap_notes(before))
     ranked = sorted(((c, _slowdown(_changed_args(args, c), tgt, lora, bnb) / base_cost) for c in _candidates(args, tgt) if c),
                     key=lambda cs: (round(cs[1], 3), len(cs[0])))
     tried: list[tuple[dict[str, Any], int, float]] = []
@@ -611,7 +638,7 @@ def fit_trainer(
             notes = [] if "gradient_accumulation_steps" not in changes else [
                 f"effective batch kept: {changes['per_device_train_batch_size']} x {changes['gradient_accumulation_steps']} "
                 f"= {before.batch}"]
-            return TrainerFit(changes, before, after, cost, tried, notes)
+            return TrainerFit(changes, before, after, cost, tried, notes + _fp16_trap_notes(after))
     notes = ["none of these settings fits: shorten max_length, use LoRA / QLoRA (BitsAndBytesConfig(load_in_4bit=True)) "
              "or a smaller model"]
-    return TrainerFit({}, before, None, 1.0, tried, notes)
+    return TrainerFit({}, before, None, 1.0, tried, notes + _fp16_trap_notes(before))

@@ -187,3 +187,31 @@ def test_a_real_qlora_sft_trainer_trains_guarded_with_fp32_adapters(tmp_path):
     train(trainer)
     assert trainable_dtypes(trainer) == {torch.float32} and trainer.state.global_step == 2
     assert guard.plan.fits and guard.report["measured_bytes"] > 0
+
+
+def test_plan_and_fit_of_bf16_adapters_under_fp16_count_float32_and_name_the_fix():
+    from colab_memopt import trainer as tr
+
+    trainer = sft(quantized_flag=True, fp16=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        before = tr.plan_trainer(trainer, target="t4")
+    assert any(w.startswith("fp16=True with 8 trainable tensor(s) in bfloat16") for w in before.warnings), before.warnings
+    assert trainable_dtypes(trainer) == {torch.bfloat16}  # planning changed nothing
+    fit = tr.fit_trainer(trainer, target="t4")
+    assert tr.FP16_TRAP_NOTE in fit.notes and len(tr.FP16_TRAP_NOTE) <= 100
+    cm.guard.upcast_trainable(trainer.model)
+    after = tr.plan_trainer(trainer, target="t4")
+    assert not any(w.startswith(tr.FP16_TRAP) for w in after.warnings)
+    assert before.peak_bytes == after.peak_bytes  # what the guard will train: float32 adapters
+    assert tr.FP16_TRAP_NOTE not in tr.fit_trainer(trainer, target="t4").notes
+    # from settings alone: the planner's own SFTTrainer on a 4-bit model gets TRL's cast too
+    from transformers import BitsAndBytesConfig
+
+    nf4 = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float16)
+    args = SFTConfig(output_dir="/tmp/colab_memopt_test_guard", max_length=48, fp16=True, use_cpu=True, report_to=[])
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        planned = tr.plan_trainer(args, model=LlamaConfig(**DIMS), lora=lora, bnb=nf4, target="t4")
+    assert any(w.startswith("fp16=True with 8 trainable tensor(s) in bfloat16") for w in planned.warnings), planned.warnings
