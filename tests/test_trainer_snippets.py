@@ -139,10 +139,23 @@ def _build_trainers(namespace: dict, checkpoint: str, name: str) -> None:
         tokenizer = AutoTokenizer.from_pretrained(checkpoint)
         if isinstance(args, SFTConfig):
             data = Dataset.from_list([{"text": "w1 w2 w3 w4"}] * 4)
-            SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer)
+            trainer = SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer)
         else:
             data = Dataset.from_list([{"input_ids": [3, 4, 5, 6], "labels": [3, 4, 5, 6]}] * 4)
-            Trainer(model=model, args=args, train_dataset=data)
+            trainer = Trainer(model=model, args=args, train_dataset=data)
+        _check_fp16_trainable(trainer, name)
+
+
+def _check_fp16_trainable(trainer, name: str) -> None:
+    """Under fp16=True the trainer's trainable weights are fp32 (the GradScaler cannot unscale bf16 or fp16 ones on a
+    GPU: TRL's bf16 cast of a 4-bit model's LoRA weights, trl#4901), unless MemoryGuardCallback casts them."""
+    from colab_memopt.guard import MemoryGuardCallback, half_trainable
+
+    if not trainer.args.fp16 or any(isinstance(c, MemoryGuardCallback) for c in trainer.callback_handler.callbacks):
+        return
+    half = half_trainable(trainer.model)
+    assert not half, (f"{name}: fp16=True with {len(half)} trainable bf16/fp16 tensors ({next(iter(half))}): the first "
+                      "step fails on a T4; add MemoryGuardCallback or cast them to float32")
 
 
 def _check_t4_settings(namespace: dict, code: str, name: str, *, trl_checkpointing_default: bool = False) -> None:
@@ -207,6 +220,29 @@ def test_the_snippets_run_with_the_pinned_stack(path, tiny_checkpoint, tmp_path,
                 os.environ.clear()
                 os.environ.update(environ)
     assert set(loaded) <= KNOWN_MODEL_IDS, f"{path.name} loads a model the package does not know: {set(loaded) - KNOWN_MODEL_IDS}"
+
+
+def test_the_t4_check_catches_trls_bf16_adapters_under_fp16(tiny_checkpoint):
+    """The fp16 check is not vacuous: TRL's SFTTrainer on a 4-bit model (TRL reads is_loaded_in_4bit) makes the LoRA
+    weights bf16; under fp16=True that is refused, and MemoryGuardCallback in the callbacks lets it pass."""
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import SFTConfig, SFTTrainer
+
+    def trainer(callbacks):
+        model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint)
+        model.is_loaded_in_4bit = True
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return SFTTrainer(model=model, args=SFTConfig(output_dir="out", fp16=True, use_cpu=True, report_to=[]),
+                              train_dataset=Dataset.from_list([{"text": "w1 w2 w3 w4"}] * 4),
+                              processing_class=AutoTokenizer.from_pretrained(tiny_checkpoint), callbacks=callbacks,
+                              peft_config=LoraConfig(r=4, target_modules=["q_proj"], task_type="CAUSAL_LM"))
+
+    with pytest.raises(AssertionError, match="fp16=True with 4 trainable bf16/fp16 tensors"):
+        _check_fp16_trainable(trainer(None), "bad")
+    _check_fp16_trainable(trainer([cm.MemoryGuardCallback(target="t4")]), "guarded")
 
 
 def test_the_t4_check_catches_bf16_and_reentrant_checkpointing():
