@@ -79,13 +79,14 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str) -> object:
-    """Import `MemoryGuardCallback` (a transformers `TrainerCallback` subclass) on first use: importing the package
-    does not import transformers."""
-    if name == "MemoryGuardCallback":
-        from colab_memopt.guard import MemoryGuardCallback
+    """Import `MemoryGuardCallback` (a transformers `TrainerCallback` subclass) and its module `guard` on first use:
+    importing the package does not import transformers."""
+    if name in ("MemoryGuardCallback", "guard"):
+        import importlib
 
-        globals()[name] = MemoryGuardCallback  # once imported, an ordinary attribute
-        return MemoryGuardCallback
+        guard = importlib.import_module("colab_memopt.guard")  # sets the package's `guard` attribute too
+        globals()["MemoryGuardCallback"] = guard.MemoryGuardCallback  # once imported, an ordinary attribute
+        return guard if name == "guard" else guard.MemoryGuardCallback
     raise AttributeError(f"module 'colab_memopt' has no attribute {name!r}")
 
 __all__ = [

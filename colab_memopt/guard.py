@@ -145,9 +145,9 @@ class MemoryGuardCallback(TrainerCallback):
         what = describe_half_trainable(found)
         if not self.upcast_trainable:
             raise MemoryGuardError(
-                f"fp16=True with {what} (e.g. {next(iter(found))}): the GradScaler cannot unscale them and the first "
-                f"step fails on a GPU. Stopped before the first step. Fix: {FP16_FIX}\n"
-                "or leave MemoryGuardCallback(upcast_trainable=True), which does it.")
+                f"fp16=True with {what}: fp16's GradScaler fails on them on a GPU.\n"
+                f"Stopped before the first step (the first one: {next(iter(found))}).\n"
+                f"Fix: {FP16_FIX}\nor leave MemoryGuardCallback(upcast_trainable=True), which does it.")
         self.upcast = upcast_trainable(model)
         if self.verbose:
             dtypes = " and ".join(sorted({str(d).removeprefix("torch.") for d in found.values()}))

@@ -67,7 +67,7 @@ def trainable_dtypes(trainer: SFTTrainer) -> set[torch.dtype]:
 def test_the_guard_is_a_trainer_callback_class_and_the_package_does_not_import_transformers():
     code = ("import sys, colab_memopt as cm; assert 'transformers' not in sys.modules, 'imported at package import'; "
             "from transformers import TrainerCallback; assert issubclass(cm.MemoryGuardCallback, TrainerCallback); "
-            "print('ok')")
+            "import colab_memopt as fresh; assert callable(fresh.guard.upcast_trainable); print('ok')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.stdout.strip().endswith("ok"), out.stderr[-2000:]
 
