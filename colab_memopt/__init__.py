@@ -73,10 +73,21 @@ from colab_memopt import tiling
 from colab_memopt.capacity import longest_context, longest_sequence
 from colab_memopt.train import make_eval_step, make_train_step, train, train_step
 # 19_your_trainer_on_a_free_t4: a Hugging Face Trainer / TRL SFTTrainer planned, fitted and guarded as it is
-from colab_memopt.guard import MemoryGuardCallback
 from colab_memopt.trainer import fit_trainer, plan_trainer
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> object:
+    """Import `MemoryGuardCallback` (a transformers `TrainerCallback` subclass) and its module `guard` on first use:
+    importing the package does not import transformers."""
+    if name in ("MemoryGuardCallback", "guard"):
+        import importlib
+
+        guard = importlib.import_module("colab_memopt.guard")  # sets the package's `guard` attribute too
+        globals()["MemoryGuardCallback"] = guard.MemoryGuardCallback  # once imported, an ordinary attribute
+        return guard if name == "guard" else guard.MemoryGuardCallback
+    raise AttributeError(f"module 'colab_memopt' has no attribute {name!r}")
 
 __all__ = [
     "COLAB_HOST_RAM_BYTES",

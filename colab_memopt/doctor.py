@@ -6,6 +6,8 @@ what was found, why it matters and the fix, printed readably. The codes:
     bf16-not-native              bf16 chosen on a GPU that only emulates it (unsloth#2783)
     fp16-trainable-params        trainable fp16 weights under fp16 autocast: "Attempting to unscale
                                  FP16 gradients" (diffusers#6086)
+    bf16-trainable-under-fp16    trainable bf16 weights under fp16 autocast (TRL's QLoRA cast,
+                                 trl#4901): the GradScaler fails on CUDA at the first step
     checkpointing-frozen-inputs  LoRA with reentrant checkpointing whose inputs carry no gradient
                                  (peft#137, open-unlearning#178)
     adapters-not-training        after one step, an adapter without a gradient
@@ -15,7 +17,8 @@ what was found, why it matters and the fix, printed readably. The codes:
     qlora-small-saving           QLoRA saves little over LoRA for this model and sequence (torchtune#2255)
     deepspeed-op-build           DeepSpeed ops built on first use: minutes and GBs of RAM (DeepSpeed#885)
 
-`model` is a built `nn.Module` (every check) or anything `architectures.resolve_model` takes (a
+`model` is a built `nn.Module` (every check), a transformers `Trainer` / TRL `SFTTrainer` (its model,
+optimizer and settings), or anything `architectures.resolve_model` takes (a
 Hugging Face id, a folder, a config, one of our names: the checks that need no weights).
 """
 
@@ -39,6 +42,7 @@ from colab_memopt.recipe import Recipe
 
 CODES = (
     "bf16-not-native", "fp16-trainable-params", "checkpointing-frozen-inputs", "adapters-not-training",
+    "bf16-trainable-under-fp16",
     "does-not-fit", "host-ram-load", "qlora-small-saving", "deepspeed-op-build",
 )
 SEVERITIES = ("error", "warning", "info")
@@ -136,7 +140,9 @@ def check_bf16(recipe: Recipe | None, model: nn.Module | None, capability: tuple
     if recipe is not None and recipe.eval_precision == "bf16-autocast":
         where.append("recipe.eval_precision='bf16-autocast'")
     if model is not None:
-        n = sum(p.numel() for p in model.parameters() if p.dtype == torch.bfloat16)
+        # under fp16 autocast, bf16 trainable weights are bf16-trainable-under-fp16's finding (TRL's cast), not a choice
+        fp16 = recipe is not None and recipe.precision == "fp16-autocast"
+        n = sum(p.numel() for p in model.parameters() if p.dtype == torch.bfloat16 and not (fp16 and p.requires_grad))
         if n:
             where.append(f"{n / 1e6:.1f}M parameters stored in bfloat16")
     if not where:
@@ -167,6 +173,37 @@ def check_fp16_trainable(recipe: Recipe | None, model: nn.Module) -> Finding | N
         "adapters to fp32 (`p.data = p.data.float()` for p with requires_grad; load_model does it)",
         {"parameters": bad[:20]},
     )
+
+
+def check_bf16_trainable_under_fp16(recipe: Recipe | None, model: nn.Module) -> Finding | None:
+    """bf16-trainable-under-fp16: trainable bf16 weights under fp16 autocast (GradScaler cannot unscale them on CUDA)."""
+    if recipe is None or recipe.precision != "fp16-autocast":
+        return None
+    bad = [n for n, p in _trainable(model) if p.dtype == torch.bfloat16]
+    if not bad:
+        return None
+    return Finding(
+        "bf16-trainable-under-fp16", "error",
+        f"{len(bad)} trainable tensor(s) in bfloat16 under fp16 autocast (fp16=True), e.g. {bad[0]}",
+        "TRL's SFTTrainer casts a 4-bit or 8-bit model's LoRA weights to bfloat16 whatever fp16 says (trl#4901); "
+        "fp16's GradScaler cannot unscale bfloat16 gradients on CUDA: the first step fails with "
+        "'_amp_foreach_non_finite_check_and_unscale_cuda not implemented for BFloat16' (on a T4 too)",
+        "cast them to float32 before trainer.train(): cm.guard.upcast_trainable(trainer.model), or add "
+        "cm.MemoryGuardCallback to the trainer's callbacks (it does so before the first step)",
+        {"parameters": bad[:20]},
+    )
+
+
+def _from_trainer(trainer: Any, optimizer: Any, recipe: Any) -> tuple[nn.Module, Any, Any]:
+    """Return (model, optimizer, recipe) of a transformers Trainer: its settings read as a Recipe unless one is given."""
+    from colab_memopt.hfconfig import trainer_recipe
+    from colab_memopt.trainer import _peft_config
+
+    model = trainer.model
+    if recipe is None:
+        bnb = getattr(getattr(model, "config", None), "quantization_config", None)
+        recipe, _ = trainer_recipe(trainer.args, _peft_config(model), None if isinstance(bnb, dict) else bnb)
+    return model, optimizer if optimizer is not None else trainer.optimizer, recipe
 
 
 def _reentrant_checkpointing(model: nn.Module) -> list[str]:
@@ -420,7 +457,8 @@ def doctor(
     """Check a model, optimizer and recipe for the T4 pitfalls before the first step; return the findings.
 
     Args:
-        model: a built `nn.Module` (all checks), or a name, Hugging Face id, folder, config.json or
+        model: a built `nn.Module` (all checks), a transformers `Trainer` / TRL `SFTTrainer` (its model and
+            optimizer; its settings are the recipe unless `recipe` is given), or a name, Hugging Face id, folder, config.json or
             `PretrainedConfig` (the checks that need no weights: fit, host RAM, QLoRA, DeepSpeed, bf16).
         optimizer: the optimizer (its parameters' dtypes are checked with the model's).
         recipe: the `Recipe` (or dict) that will train; None: plain fp32 AdamW.
@@ -435,6 +473,8 @@ def doctor(
     Example:
         >>> print(cm.doctor(model, opt, recipe, target="t4"))
     """
+    if hasattr(model, "args") and hasattr(model, "callback_handler"):  # a transformers Trainer
+        model, optimizer, recipe = _from_trainer(model, optimizer, recipe)
     rec = recipe if isinstance(recipe, Recipe) else Recipe.from_dict(recipe or {})
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
         raise ValueError(f"batch must be an integer >= 1, got {batch!r}")
@@ -467,6 +507,7 @@ def doctor(
         if not opt_params & {id(p) for p in module.parameters()}:
             skipped["optimizer"] = "the optimizer holds none of the model's parameters"
     run("fp16-trainable-params", check_fp16_trainable, rec, module, needs=no_module)
+    run("bf16-trainable-under-fp16", check_bf16_trainable_under_fp16, rec, module, needs=no_module)
     run("checkpointing-frozen-inputs", check_checkpointing_inputs, module, needs=no_module)
     run("adapters-not-training", functools.partial(check_adapters_training, seq_len=min(seq_len, 16)), module, rec,
         needs=no_module or (None if probe or (module is not None and any(p.grad is not None for _, p in _adapters(module)))

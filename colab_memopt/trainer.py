@@ -178,6 +178,8 @@ def _trace_step(trainer: Any, args: Any, batch: int, seq_len: int, *, cuda: bool
         _enable_checkpointing_as_the_trainer_does(model, args)
         with _fake_parameters(model, mode) if swap else contextlib.nullcontext(), mode, _ScalarMode(), _fake_safe_module_to(), \
                 _fake_safe_bitsandbytes(mode, recipe, cuda=cuda), _fake_safe_transformers(), _cpu_device_without_index(trainer.args):
+            if args.fp16:  # fp16's GradScaler needs fp32 trainables: planned as MemoryGuardCallback casts them
+                _upcast_trainable(model)
             optimizer = _run_optimizer(trainer, model, saved_optimizer, names, notes)
             _prefer_impl(optimizer, cuda)
             n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -479,6 +481,10 @@ def plan_trainer(
             built = _buildable(args)
             with _cpu_device_without_index(built):  # the Trainer moves its model to args.device while it is built
                 holder = _fake_trainer(built, model, lora, bnb, seq, mode)
+        if args.fp16 and (half := _half_trainable(holder.model)):
+            warn.append(f"{FP16_TRAP} {len(half)} trainable tensor(s) in "
+                        f"{' and '.join(sorted({str(d).removeprefix('torch.') for d in half.values()}))}: the GradScaler "
+                        "cannot unscale them on a GPU; planned in float32, as MemoryGuardCallback casts them")
         micro = int(args.per_device_train_batch_size)
         warn += _position_limit(holder.model, seq)
         trace_notes: list[str] = []
@@ -750,6 +756,27 @@ def _target_attention(tgt: Target, args: Any) -> Any:
     return traced_attention(capability, stand_in={torch.bfloat16: torch.float16} if args.fp16 and tgt.cuda else None)
 
 
+def _half_trainable(model: Any) -> dict[str, torch.dtype]:
+    from colab_memopt.guard import half_trainable
+
+    return half_trainable(model)
+
+
+def _upcast_trainable(model: Any) -> None:
+    from colab_memopt.guard import upcast_trainable
+
+    upcast_trainable(model)
+
+
+FP16_TRAP = "fp16=True with"  # how plan_trainer's warning about bf16/fp16 trainable weights begins
+FP16_TRAP_NOTE = "fp16=True needs float32 trainable weights (TRL makes 4-bit LoRA bfloat16): add MemoryGuardCallback"
+
+
+def _fp16_trap_notes(*plans: Plan | None) -> list[str]:
+    """Return fit_trainer's note for trainable weights fp16 cannot train, where a plan found them."""
+    return [FP16_TRAP_NOTE] if any(p is not None and any(w.startswith(FP16_TRAP) for w in p.warnings) for p in plans) else []
+
+
 # -- fitting -------------------------------------------------------------------------------------------
 _EIGHT_BIT = ("adamw_8bit", "paged_adamw_8bit", "adafactor")
 _FULL_ADAM = ("adamw_torch", "adamw_torch_fused", "adamw_apex_fused", "adamw_anyprecision", "paged_adamw",
@@ -870,7 +897,7 @@ def fit_trainer(
         lora = real_lora
     base_cost = _slowdown(args, tgt, lora, bnb)
     if before.fits and not (args.bf16 and tgt.cuda and tgt.compute_capability and tuple(tgt.compute_capability) < (8, 0)):
-        return TrainerFit({}, before, before, 1.0)
+        return TrainerFit({}, before, before, 1.0, notes=_fp16_trap_notes(before))
     ranked = sorted(((c, _slowdown(_changed_args(args, c), tgt, lora, bnb) / base_cost) for c in _candidates(args, tgt, real) if c),
                     key=lambda cs: (round(cs[1], 3), len(cs[0])))
     tried: list[tuple[dict[str, Any], int, float]] = []
@@ -881,11 +908,11 @@ def fit_trainer(
             notes = [] if "gradient_accumulation_steps" not in changes else [
                 f"effective batch kept: {changes['per_device_train_batch_size']} x {changes['gradient_accumulation_steps']} "
                 f"= {before.batch}"]
-            return TrainerFit(changes, before, after, cost, tried, notes)
+            return TrainerFit(changes, before, after, cost, tried, notes + _fp16_trap_notes(after))
     if len(ranked) > max_plans:
         notes = [f"stopped after max_plans={max_plans} plans: {len(ranked) - max_plans} of the {len(ranked)} changes were "
                  "not tried (raise max_plans to try them)"]
     else:
         notes = ["none of these settings fits: shorten max_length, use LoRA / QLoRA (BitsAndBytesConfig(load_in_4bit=True)) "
                  "or a smaller model"]
-    return TrainerFit({}, before, None, 1.0, tried, notes)
+    return TrainerFit({}, before, None, 1.0, tried, notes + _fp16_trap_notes(before))

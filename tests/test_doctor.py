@@ -185,3 +185,22 @@ def test_bad_arguments_are_named():
         doctor("tiny", target="v100")
     with pytest.raises(ValueError, match="unknown recipe field"):
         doctor("tiny", recipe={"precison": "fp32"})
+
+
+def test_trl_bf16_adapters_under_fp16_are_an_error_with_the_fix():
+    """TRL casts a quantized model's LoRA weights to bf16 whatever fp16 says (trl#4901): under fp16=True the
+    GradScaler fails on CUDA. The doctor reads the Trainer (its model and settings) and names the fix."""
+    pytest.importorskip("trl")
+    from test_guard import sft
+
+    trainer = sft(quantized_flag=True, fp16=True)
+    found = doctor(trainer, target="t4", seq_len=32, probe=False)
+    assert "bf16-trainable-under-fp16" in found and not found.ok, str(found)
+    assert "bf16-not-native" not in found  # TRL's cast, not a bf16 choice: one finding, the right fix
+    finding = found.findings[found.codes.index("bf16-trainable-under-fp16")]
+    assert "8 trainable tensor(s) in bfloat16 under fp16 autocast (fp16=True)" in finding.found
+    assert "upcast_trainable(trainer.model)" in finding.fix and "MemoryGuardCallback" in finding.fix
+    cm.guard.upcast_trainable(trainer.model)
+    assert "bf16-trainable-under-fp16" not in doctor(trainer, target="t4", seq_len=32, probe=False)
+    plain = sft(quantized_flag=True)  # no fp16: no GradScaler, so bf16 adapters are no error of this kind
+    assert "bf16-trainable-under-fp16" not in doctor(plain, target="l4", seq_len=32, probe=False)

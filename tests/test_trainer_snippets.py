@@ -139,15 +139,32 @@ def _build_trainers(namespace: dict, checkpoint: str, name: str) -> None:
         tokenizer = AutoTokenizer.from_pretrained(checkpoint)
         if isinstance(args, SFTConfig):
             data = Dataset.from_list([{"text": "w1 w2 w3 w4"}] * 4)
-            SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer)
+            trainer = SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer)
         else:
             data = Dataset.from_list([{"input_ids": [3, 4, 5, 6], "labels": [3, 4, 5, 6]}] * 4)
-            Trainer(model=model, args=args, train_dataset=data)
+            trainer = Trainer(model=model, args=args, train_dataset=data)
+        _check_fp16_trainable(trainer, name)
 
 
-def _check_t4_settings(namespace: dict, code: str, name: str) -> None:
-    """The objects a snippet built are right for a T4: no bf16, fp16 compute, SDPA, non-reentrant checkpointing."""
+def _check_fp16_trainable(trainer, name: str) -> None:
+    """Under fp16=True the trainer's trainable weights are fp32 (the GradScaler cannot unscale bf16 or fp16 ones on a
+    GPU: TRL's bf16 cast of a 4-bit model's LoRA weights, trl#4901), unless MemoryGuardCallback casts them."""
+    from colab_memopt.guard import MemoryGuardCallback, half_trainable
+
+    if not trainer.args.fp16 or any(isinstance(c, MemoryGuardCallback) for c in trainer.callback_handler.callbacks):
+        return
+    half = half_trainable(trainer.model)
+    assert not half, (f"{name}: fp16=True with {len(half)} trainable bf16/fp16 tensors ({next(iter(half))}): the first "
+                      "step fails on a T4; add MemoryGuardCallback or cast them to float32")
+
+
+def _check_t4_settings(namespace: dict, code: str, name: str, *, trl_checkpointing_default: bool = False) -> None:
+    """The objects a snippet built are right for a T4: no bf16, fp16 compute, SDPA, non-reentrant checkpointing.
+
+    `trl_checkpointing_default`: an SFTConfig's checkpointing without use_reentrant is TRL's default, non-reentrant
+    (TRL sets use_reentrant=False on transformers 4, transformers 5 defaults to it)."""
     from transformers import BitsAndBytesConfig, PreTrainedModel, TrainingArguments
+    from trl import SFTConfig
 
     lines = [line.split("#")[0] for line in code.splitlines()]  # comments may name what not to do
     for bad in ("bf16=True", "bfloat16", "flash_attention_2"):
@@ -157,6 +174,8 @@ def _check_t4_settings(namespace: dict, code: str, name: str) -> None:
             assert not value.bf16 and not value.bf16_full_eval, f"{name}: bf16 on (a T4 has no bf16)"
             if value.activation_checkpointing:
                 kwargs = value.activation_checkpointing_kwargs or {}
+                if trl_checkpointing_default and isinstance(value, SFTConfig) and "use_reentrant" not in kwargs:
+                    continue
                 assert kwargs.get("use_reentrant") is False, f"{name}: checkpointing without use_reentrant=False"
         if isinstance(value, BitsAndBytesConfig) and value.load_in_4bit:
             assert value.bnb_4bit_compute_dtype == torch.float16, f"{name}: 4-bit compute dtype must be fp16 on a T4"
@@ -203,6 +222,29 @@ def test_the_snippets_run_with_the_pinned_stack(path, tiny_checkpoint, tmp_path,
     assert set(loaded) <= KNOWN_MODEL_IDS, f"{path.name} loads a model the package does not know: {set(loaded) - KNOWN_MODEL_IDS}"
 
 
+def test_the_t4_check_catches_trls_bf16_adapters_under_fp16(tiny_checkpoint):
+    """The fp16 check is not vacuous: TRL's SFTTrainer on a 4-bit model (TRL reads is_loaded_in_4bit) makes the LoRA
+    weights bf16; under fp16=True that is refused, and MemoryGuardCallback in the callbacks lets it pass."""
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import SFTConfig, SFTTrainer
+
+    def trainer(callbacks):
+        model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint)
+        model.is_loaded_in_4bit = True
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return SFTTrainer(model=model, args=SFTConfig(output_dir="out", fp16=True, use_cpu=True, report_to=[]),
+                              train_dataset=Dataset.from_list([{"text": "w1 w2 w3 w4"}] * 4),
+                              processing_class=AutoTokenizer.from_pretrained(tiny_checkpoint), callbacks=callbacks,
+                              peft_config=LoraConfig(r=4, target_modules=["q_proj"], task_type="CAUSAL_LM"))
+
+    with pytest.raises(AssertionError, match="fp16=True with 4 trainable bf16/fp16 tensors"):
+        _check_fp16_trainable(trainer(None), "bad")
+    _check_fp16_trainable(trainer([cm.MemoryGuardCallback(target="t4")]), "guarded")
+
+
 def test_the_t4_check_catches_bf16_and_reentrant_checkpointing():
     """The settings check is not vacuous: bf16 and reentrant checkpointing are refused."""
     from transformers import TrainingArguments
@@ -212,3 +254,92 @@ def test_the_t4_check_catches_bf16_and_reentrant_checkpointing():
     args = TrainingArguments(output_dir="out", gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": True})
     with pytest.raises(AssertionError, match="use_reentrant"):
         _check_t4_settings({"args": args}, "", "bad")
+
+
+CAPSTONE_NOTEBOOKS = [p for p in NOTEBOOKS if int(p.name[:2]) >= FIRST_CAPSTONE]
+
+
+@pytest.mark.parametrize("path", CAPSTONE_NOTEBOOKS, ids=lambda p: p.stem)
+def test_the_capstone_trainer_snippets_are_t4_runs_with_the_guard(path, tiny_checkpoint, tmp_path, monkeypatch):
+    """Notebooks 18 and 19 show a whole SFTTrainer script: fp16=True (a T4 has no bf16), no bf16 anywhere, and
+    MemoryGuardCallback in the trainer's callbacks (it casts TRL's bf16 QLoRA weights to fp32 before the first step).
+    The hub model and the fit are stood in for (no network); the snippet's SFTConfig and callbacks then build and
+    train a real SFTTrainer on a tiny local checkpoint."""
+    import trl
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    real_sft = trl.SFTTrainer
+    built: list[dict] = []
+
+    class RecordedSFTTrainer:
+        def __init__(self, model=None, args=None, callbacks=None, **kwargs):
+            built.append({"model": model, "args": args, "callbacks": list(callbacks or [])})
+
+        def train(self):
+            pass
+
+    fits: list[tuple] = []
+    monkeypatch.setattr(trl, "SFTTrainer", RecordedSFTTrainer)
+    monkeypatch.setattr(cm, "fit_trainer", lambda args, **kw: fits.append((args, kw)) or
+                        type("Fit", (), {"snippet": lambda self: ""})())
+    monkeypatch.chdir(tmp_path)
+    snippets = [s for s in _snippets(path) if "SFTTrainer(" in s]
+    assert snippets, f"{path.name}: no SFTTrainer snippet in its '{HEADING}' section"
+    for i, code in enumerate(snippets):
+        name = f"{path.name} snippet {i}"
+        namespace: dict = {"__name__": "__snippet__", "dataset": Dataset.from_list([{"text": "w1 w2 w3 w4"}] * 4)}
+        exec(compile(code, name, "exec"), namespace)
+        assert built and fits, f"{name}: no fit_trainer call or no SFTTrainer"
+        for run in built:
+            assert _named_architecture(run["model"]), run["model"]  # a model the package knows offline
+            assert run["args"].fp16, f"{name}: a T4 run is fp16=True"
+            assert any(isinstance(c, cm.MemoryGuardCallback) for c in run["callbacks"]), f"{name}: no MemoryGuardCallback"
+            args = run["args"]
+            args.max_steps, args.use_cpu, args.report_to, args.output_dir = 1, True, [], str(tmp_path / "out")
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                trainer = real_sft(model=AutoModelForCausalLM.from_pretrained(tiny_checkpoint), args=args,
+                                   train_dataset=namespace["dataset"], processing_class=AutoTokenizer.from_pretrained(
+                                       tiny_checkpoint), callbacks=[cm.MemoryGuardCallback(target="t4", verbose=False)])
+                trainer.train()
+            assert trainer.state.global_step == 1
+        _check_t4_settings(namespace, code, name, trl_checkpointing_default=True)
+        built.clear()
+        fits.clear()
+
+
+def _named_architecture(model_id: str) -> str:
+    """Return our architecture built from the same config.json as a hub id (an -Instruct model shares its base's)."""
+    base = model_id.removesuffix("-Instruct")
+    return next(a.name for a in architectures.ARCHITECTURES.values() if a.source == f"{base} config.json")
+
+
+def test_notebook_19_first_draft_does_not_fit_a_t4_at_its_colab_defaults():
+    """CI plans what Colab plans: notebook 19's draft cell, at the parameters cell's values (Colab's), planned for
+    its Colab target; its assert holds there. (TRL turns gradient checkpointing on by default: a draft that did not
+    turn it off fitted a T4, and the notebook's assert stopped Run all on Colab.)"""
+    from peft import LoraConfig
+    from trl import SFTConfig
+
+    from colab_memopt import trainer as cmtrainer
+
+    path = ROOT / "notebooks" / "19_your_trainer_on_a_free_t4.ipynb"
+    nb = nbformat.read(path, as_version=4)
+    params = next(c for c in nb.cells if "parameters" in c.metadata.get("tags", []))
+    draft_cell = next(c for c in nb.cells if c.cell_type == "code" and "draft_plan = cm.plan_trainer(" in c.source)
+    namespace: dict = {}
+    exec(params.source, namespace)
+    assert namespace["target"] == "t4"
+    import tempfile
+
+    namespace.update(tempfile=tempfile, warnings=warnings, SFTConfig=SFTConfig, LoraConfig=LoraConfig, cm=cm,
+                     dev=torch.device("cuda"), tgt=cmtrainer._target(namespace["target"]),
+                     model_id=_named_architecture(namespace["model_id"]))
+    try:
+        exec(draft_cell.source.replace('use_cpu=dev.type == "cpu"', "use_cpu=True"), namespace)  # no GPU here
+    except ValueError as err:  # pragma: no cover - a message, not a silent skip
+        raise AssertionError(f"the draft cell failed: {err}") from err
+    draft_plan = namespace["draft_plan"]
+    assert not draft_plan.fits, f"the first draft fits {draft_plan.target.name}: {draft_plan.device_need_bytes:,} bytes"
+    assert not namespace["draft"].gradient_checkpointing
