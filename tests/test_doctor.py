@@ -185,3 +185,11 @@ def test_bad_arguments_are_named():
         doctor("tiny", target="v100")
     with pytest.raises(ValueError, match="unknown recipe field"):
         doctor("tiny", recipe={"precison": "fp32"})
+
+
+def test_probe3_row_221_doctor_refuses_what_build_refuses(capsys):
+    with pytest.raises(ValueError, match=r"offload_keep_blocks=99 exceeds the model's 2 blocks"):
+        doctor("tiny", recipe={"checkpointing": "offload", "offload_keep_blocks": 99}, target="t4", verbose=False)
+    code = cli(["doctor", "--model", "tiny", "--recipe", "checkpointing=offload", "offload_keep_blocks=99"])
+    out, err = capsys.readouterr()
+    assert code == 2 and "offload_keep_blocks=99 exceeds the model's 2 blocks" in err and "no pitfall" not in out

@@ -267,3 +267,15 @@ def test_str_names_only_the_changed_fields_and_repr_keeps_them_all():
     full = repr(recipe)  # every field, as the dataclass writes it
     assert full.startswith("Recipe(") and all(f"{name}=" in full for name in cm.Recipe().to_dict())
     assert eval(str(recipe), {"Recipe": cm.Recipe}) == recipe  # the short form still builds the same recipe
+
+
+def test_probe3_row_221_offload_keep_blocks_beyond_the_blocks_is_refused_before_build_and_by_plan():
+    recipe = {"checkpointing": "offload", "offload_keep_blocks": 99}
+    says = r"recipe\.offload_keep_blocks=99 exceeds the model's 2 blocks: use 0 to 2"
+    model = cm.build_model("tiny")
+    with pytest.raises(ValueError, match=says):
+        cm.Recipe(**recipe).check_model(model)
+    assert not any("forward" in b.__dict__ for b in model.blocks)  # refused before anything changed
+    with pytest.raises(ValueError, match=says):  # plan refuses it too (it fell back to the analytic estimate)
+        cm.plan("tiny", 2, seq_len=16, recipe=recipe, find_max_batch=False)
+    cm.Recipe(checkpointing="offload", offload_keep_blocks=2).check_model(model)  # all blocks kept: allowed
