@@ -44,6 +44,7 @@ from colab_memopt.quantization import (
     add_lora,
     check_lora_targets,
     check_quantizable,
+    load_4bit_state,
     quantize_model,
     quantized_copy,
 )
@@ -570,6 +571,8 @@ class Recipe:
             half_frozen_base(model, self.base_dtype)
         if self.quantization is not None and self.quantization_phase == "all":
             quantize_model(model, self.quantization)
+            if self.quantization in ("nf4", "fp4"):
+                load_4bit_state(model)  # its state dict loads back into a model built the same way
         if self.lora_rank:
             add_lora(model, self.lora_rank, targets=self.lora_targets)
             if self.base_dtype is not None:
