@@ -405,6 +405,10 @@ class StreamedParameter(nn.Parameter):
         raise RuntimeError("pickling (torch.save of the module): " + STREAMED_MESSAGE)
 
 
+def _refuse_apply(fn: Any, recurse: bool = True) -> Any:
+    raise RuntimeError("model.to / .half / .float / .cuda move or cast every weight: " + STREAMED_MESSAGE)
+
+
 def streamer_of(model: nn.Module) -> LayerStreamer | None:
     """Return the open `LayerStreamer` that streams `model`'s blocks, or None."""
     return next((s for m in model.modules() if (s := getattr(m, "_layer_streamer", None)) is not None
@@ -480,6 +484,8 @@ class LayerStreamer:
             self._handles.append(block.register_load_state_dict_post_hook(self._make_load_post_hook(i)))
         self.closed = False
         model._layer_streamer = self  # (a plain attribute: `streamer_of` finds it, a second streamer refuses)
+        for module in (model, *self.blocks):  # model.to / .half / .cuda: refused before any module is converted
+            module._apply = _refuse_apply
         for ps in self._params:  # reading an evicted one raises, naming materialize(), instead of faulting
             for p in ps:
                 p.__class__ = StreamedParameter
@@ -637,6 +643,8 @@ class LayerStreamer:
         for ps in self._params:
             for p in ps:
                 p.__class__ = nn.Parameter
+        for module in (self.model, *self.blocks):
+            module.__dict__.pop("_apply", None)
         self.closed = True
         if getattr(self.model, "_layer_streamer", None) is self:
             del self.model._layer_streamer
