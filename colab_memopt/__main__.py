@@ -220,8 +220,11 @@ def _plan(args: argparse.Namespace) -> tuple[int, Any]:
 
 
 def _context(args: argparse.Namespace) -> tuple[int, Any]:
-    from colab_memopt.capacity import longest_context
+    from colab_memopt.capacity import check_max_plans, longest_context
 
+    check_max_plans(args.max_plans, "--max-plans")
+    if args.step < 1:
+        raise ValueError(f"--step must be an integer >= 1 (tokens), got {args.step}")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         result = longest_context(args.model, target=_target(args), modes=tuple(args.mode or ()) or ("full", "lora", "qlora"),

@@ -305,6 +305,7 @@ class LongestSequence:
     offload_keep_blocks: int | None = None
     limited_by: str | None = None  # what stops the next length: 'device memory', 'host RAM', both, or the cap
     breakdown: dict[str, Any] | None = None  # at the first miss: device and host costs, largest categories
+    note: str | None = None  # what the search changed or where it stopped early (a step above the cap, max_plans)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -341,6 +342,7 @@ def longest_sequence(model: str, recipe: Recipe | None = None, *, mode: str = ""
 
     if isinstance(step_tokens, bool) or not isinstance(step_tokens, int) or step_tokens < 1:
         raise ValueError(f"step_tokens must be an integer >= 1, got {step_tokens!r}")
+    check_max_plans(max_plans)
     check_headroom(headroom)
     if recipe is None:
         if mode not in MODES:
@@ -351,6 +353,10 @@ def longest_sequence(model: str, recipe: Recipe | None = None, *, mode: str = ""
     limit = architectures.max_seq_len(model)
     if max_tokens is not None:
         limit = min(limit, max_tokens)
+    notes = []
+    if step_tokens > limit:  # no multiple of the step under the cap: search below it, in steps of a power of two
+        asked, step_tokens = step_tokens, 1 << max(0, (limit // 8).bit_length() - 1)
+        notes.append(f"the step ({asked} tokens) is above the {limit}-token cap: searched in steps of {step_tokens}")
     top = limit // step_tokens
     plans: dict[int, Any] = {}
 
@@ -415,6 +421,9 @@ def longest_sequence(model: str, recipe: Recipe | None = None, *, mode: str = ""
     elif units >= top:
         first_miss = {"seq_len": None, "why": f"the search's cap of {limit} tokens (the model's maximum or max_tokens)"}
         limited_by = "the sequence cap"
+    if not converged:
+        notes.append(f"the search stopped after {len(plans)} plans (max_plans={max_plans}) before the boundary: "
+                     "a longer sequence may fit; raise max_plans (--max-plans)")
     ref = best if best is not None else next(iter(plans.values()), None)
     host_off = None
     if best is not None:
@@ -425,8 +434,15 @@ def longest_sequence(model: str, recipe: Recipe | None = None, *, mode: str = ""
         device_need_bytes=best.device_need_bytes if best is not None else None,
         host_need_bytes=best.host_need_bytes if best is not None else None, offloaded_checkpoint_bytes=host_off,
         first_miss=first_miss, plans=len(plans), seconds=time.perf_counter() - start, converged=converged,
-        offload_keep_blocks=keep, limited_by=limited_by, breakdown=breakdown,
+        offload_keep_blocks=keep, limited_by=limited_by, breakdown=breakdown, note="; ".join(notes) or None,
     )
+
+
+def check_max_plans(max_plans: Any, name: str = "max_plans") -> int:
+    """Return `max_plans` if it is an integer >= 1, else raise ValueError naming it."""
+    if isinstance(max_plans, bool) or not isinstance(max_plans, int) or max_plans < 1:
+        raise ValueError(f"{name} must be an integer >= 1 (plans per search), got {max_plans!r}")
+    return max_plans
 
 
 def limit_breakdown(p: Any, n_blocks: int | None = None) -> tuple[str, dict[str, Any]]:
@@ -487,6 +503,7 @@ class ContextReport:
         for mode, r in self.results.items():
             if not r.max_seq_len:
                 lines.append(f"  {mode:5s}  nothing fits at {r.step_tokens} tokens ({r.limited_by or 'see first_miss'})")
+                lines += [f"         note: {r.note}"] if r.note else []
                 continue
             split = f", {r.offload_keep_blocks} blocks' checkpoints kept on the device" if r.offload_keep_blocks else ""
             lines.append(f"  {mode:5s}  {r.max_seq_len:>7,} tokens  device {format_bytes(r.device_need_bytes or 0)}, "
@@ -495,6 +512,8 @@ class ContextReport:
             if r.limited_by:
                 nxt = (r.first_miss or {}).get("seq_len")
                 lines.append(f"         next limit: {r.limited_by}" + (f" at {nxt:,} tokens" if nxt else ""))
+            if r.note:
+                lines.append(f"         note: {r.note}")
         lines += [f"  {mode:5s}  not planned: {why}" for mode, why in self.skipped.items()]
         return "\n".join(lines)
 
@@ -514,6 +533,7 @@ def longest_context(model: str, *, target: Any = "t4", modes: tuple[str, ...] = 
     for m in modes:
         if m not in MODES:
             raise ValueError(f"modes must be among {list(MODES)}, got {m!r}")
+    check_max_plans(max_plans)
     results, skipped = {}, {}
     for m in modes:
         try:

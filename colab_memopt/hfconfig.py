@@ -350,12 +350,19 @@ def recipe_settings(recipe: Recipe | dict[str, Any], batch: int, seq_len: int) -
     rec = recipe if isinstance(recipe, Recipe) else Recipe.from_dict(dict(recipe))
     missing: list[str] = []
     accumulation = rec.accumulation_steps
-    args: dict[str, Any] = {"per_device_train_batch_size": max(1, batch // accumulation),
+    micro = max(1, -(-batch // accumulation))  # the recipe's largest micro-batch: the one its plan's peak is at
+    args: dict[str, Any] = {"per_device_train_batch_size": micro,
                             "gradient_accumulation_steps": accumulation, "max_length": seq_len, "learning_rate": rec.lr}
+    if micro * accumulation != batch:  # the Trainer's micro-batches are equal; the recipe's split `batch` unevenly
+        missing.append(f"accumulation_steps={accumulation} at batch {batch}: the Trainer steps on {micro} x {accumulation} = "
+                       f"{micro * accumulation} sequences, not {batch} (its micro-batches are equal)")
     if rec.optimizer in _RECIPE_TO_OPTIM:
         args["optim"] = _RECIPE_TO_OPTIM[rec.optimizer]
     else:
         missing.append(f"optimizer={rec.optimizer!r} (no Trainer optim; pass it with optimizers=(opt, None))")
+    if rec.optimizer_rank is not None:
+        missing.append(f"optimizer_rank={rec.optimizer_rank} (the Trainer sets GaLore's / APOLLO's rank through "
+                       f"optim_args, e.g. optim_args='rank={rec.optimizer_rank}')")
     if rec.precision == "fp16-autocast":
         args["fp16"] = True
     elif rec.precision == "bf16-autocast":
@@ -363,6 +370,9 @@ def recipe_settings(recipe: Recipe | dict[str, Any], batch: int, seq_len: int) -
     elif rec.precision in ("bf16", "fp16"):
         args["model_init_kwargs"] = {"dtype": "bfloat16" if rec.precision == "bf16" else "float16"}
         missing.append(f"precision={rec.precision!r}: the Trainer trains the weights in that dtype with no update rounding")
+    if rec.weight_dtype is not None:
+        missing.append(f"weight_dtype={rec.weight_dtype!r} (the Trainer trains the weights in the dtype they load in; "
+                       "no 8-bit trainable weights)")
     if rec.base_dtype is not None:
         args["model_init_kwargs"] = {"dtype": "float16" if rec.base_dtype == "fp16" else "bfloat16"}
     if rec.checkpointing == "full":
@@ -383,11 +393,15 @@ def recipe_settings(recipe: Recipe | dict[str, Any], batch: int, seq_len: int) -
         missing.append(f"quantization={rec.quantization!r} ({rec.quantization_phase})")
     if rec.loss_chunk_tokens is not None:
         missing.append(f"loss_chunk_tokens={rec.loss_chunk_tokens} (TRL's SFTTrainer computes the loss by tiles itself)")
-    defaults = Recipe()
-    for name in ("activation_compression", "compression_checkpointing", "attention", "attention_window", "phase_offload",
-                 "update_rounding", "layer_offload_active", "zero_stage", "offload_optimizer", "offload_param"):
-        if getattr(rec, name) != getattr(defaults, name):
-            missing.append(f"{name}={getattr(rec, name)!r}")
+    if rec.mlp_tile_tokens is not None:
+        missing.append(f"mlp_tile_tokens={rec.mlp_tile_tokens} (the Trainer runs each MLP on all tokens at once)")
+    # Every other field set away from its default is named as it is: none is dropped without a word.
+    said = {"accumulation_steps", "lr", "optimizer", "optimizer_rank", "precision", "weight_dtype", "base_dtype",
+            "checkpointing", "lora_rank", "lora_targets", "quantization", "quantization_phase", "loss_chunk_tokens",
+            "mlp_tile_tokens"}
+    for name, value in rec.changed().items():
+        if name not in said:
+            missing.append(f"{name}={value!r}")
     return {"training_args": args, "lora": lora, "bnb": bnb, "not_expressible": missing}
 
 

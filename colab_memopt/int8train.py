@@ -315,6 +315,9 @@ def quantize_model_int8(model: nn.Module, *, group_size: int = GROUP_SIZE, compu
         raise ValueError(f"group_size must be an integer >= 1, got {group_size!r}")
     shared: dict[int, _Int8Weight] = {}
     targets = [(name, m) for name, m in model.named_modules() if type(m) in (nn.Linear, nn.Embedding)]
+    if not targets and int8_weights(model):
+        raise ValueError(f"{type(model).__name__} is already int8 (quantize_model_int8 or weight_dtype='int8' converted "
+                         "its linear and embedding layers): convert a fresh model")
     if not targets:
         raise ValueError(f"quantize_model_int8 found no nn.Linear or nn.Embedding in {type(model).__name__}")
     for name, m in targets:

@@ -347,6 +347,74 @@ def check_streamable(model: nn.Module) -> None:
         raise ValueError(f"{type(model).__name__} has no .blocks: pass blocks=[...] to stream")
 
 
+STREAMED_MESSAGE = ("this weight belongs to a block that streams from host memory (layer_offload_active): "
+                    "its storage is empty between uses. Read weights through model.state_dict(), or end "
+                    "streaming first with opt.streamer.materialize() (opt: the optimizer the build returned)")
+
+# What may be asked of an evicted parameter: its metadata, its storage (which the streamer resizes), its
+# gradient and hooks. Anything else would read the empty storage (a segfault in C++): it raises instead.
+_METADATA_CALLS = frozenset({
+    "__get__", "__set__", "__delete__", "__hash__", "__len__", "size", "dim", "ndimension", "numel", "nelement",
+    "stride", "storage_offset", "element_size", "is_contiguous", "is_floating_point", "is_complex", "is_pinned",
+    "untyped_storage", "data_ptr", "get_device", "requires_grad_", "register_hook",
+    "register_post_accumulate_grad_hook", "_is_view", "is_shared", "_typed_storage", "_version",
+    "detach",  # a view, no read (module.state_dict detaches each parameter before its hook swaps in the host copy)
+})
+
+
+def _empty(t: torch.Tensor) -> bool:
+    return t.numel() > 0 and t.untyped_storage().nbytes() == 0
+
+
+def _guarded(func: Any, args: Any, kwargs: Any) -> Any:
+    """Run `func` unless it would read a streamed tensor's empty storage (then raise, naming materialize())."""
+    kwargs = kwargs or {}
+    name = getattr(func, "__name__", "")
+    with torch._C.DisableTorchFunctionSubclass():
+        if name not in _METADATA_CALLS:
+            leaves = [*args, *kwargs.values()]
+            leaves += [x for a in leaves if isinstance(a, (list, tuple)) for x in a]
+            if any(isinstance(a, (StreamedParameter, _StreamedView)) and _empty(a) for a in leaves):
+                raise RuntimeError(STREAMED_MESSAGE)
+        out = func(*args, **kwargs)
+    if name == "detach" or func == torch.Tensor.data.__get__:  # an alias of the same storage: guarded too
+        out = out.as_subclass(_StreamedView)
+    return out
+
+
+class _StreamedView(torch.Tensor):
+    """`p.detach()` or `p.data` of a streamed parameter: the same storage, the same guard."""
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        return _guarded(func, args, kwargs)
+
+
+class StreamedParameter(nn.Parameter):
+    """A streamed block's parameter: between uses its storage is empty, and reading it raises (naming
+    `streamer.materialize()`) instead of reading freed memory. Loaded, it behaves as an nn.Parameter."""
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        return _guarded(func, args, kwargs)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        raise RuntimeError("copy.deepcopy: " + STREAMED_MESSAGE)
+
+    def __reduce_ex__(self, proto: Any) -> Any:
+        raise RuntimeError("pickling (torch.save of the module): " + STREAMED_MESSAGE)
+
+
+def _refuse_apply(fn: Any, recurse: bool = True) -> Any:
+    raise RuntimeError("model.to / .half / .float / .cuda move or cast every weight: " + STREAMED_MESSAGE)
+
+
+def streamer_of(model: nn.Module) -> LayerStreamer | None:
+    """Return the open `LayerStreamer` that streams `model`'s blocks, or None."""
+    return next((s for m in model.modules() if (s := getattr(m, "_layer_streamer", None)) is not None
+                 and not s.closed), None)
+
+
 class LayerStreamer:
     """Stream a model's blocks between host and device memory during forward and backward.
 
@@ -387,6 +455,9 @@ class LayerStreamer:
         self.device = next(model.parameters()).device
         self.emulated = self.device.type == "cpu"
         pin = self.device.type == "cuda"
+        if streamer_of(model) is not None:
+            raise ValueError(f"{type(model).__name__}'s blocks already stream from host memory: stream a fresh model, "
+                             "or end streaming first with opt.streamer.materialize()")
         self._params = [[p for p in b.parameters()] for b in self.blocks]
         self.host: dict[nn.Parameter, nn.Parameter] = {}
         with torch.no_grad():
@@ -412,6 +483,12 @@ class LayerStreamer:
             self._handles.append(block._register_load_state_dict_pre_hook(self._make_load_pre_hook(i), with_module=True))
             self._handles.append(block.register_load_state_dict_post_hook(self._make_load_post_hook(i)))
         self.closed = False
+        model._layer_streamer = self  # (a plain attribute: `streamer_of` finds it, a second streamer refuses)
+        for module in (model, *self.blocks):  # model.to / .half / .cuda: refused before any module is converted
+            module._apply = _refuse_apply
+        for ps in self._params:  # reading an evicted one raises, naming materialize(), instead of faulting
+            for p in ps:
+                p.__class__ = StreamedParameter
         for i in range(len(self.blocks)):
             self._evict(i)
 
@@ -541,7 +618,8 @@ class LayerStreamer:
         After it the model is an ordinary module again (all its weights on its device, readable, savable, trainable
         with an ordinary optimizer); the streaming optimizer refuses to step. While streaming, read and save the
         weights through `model.state_dict()` (it returns the host copies) and load them with `load_state_dict`;
-        the blocks' parameters themselves have no storage between uses (reading them directly is undefined).
+        the blocks' parameters themselves have no storage between uses (reading one raises, naming this method;
+        so do `copy.deepcopy` of the model and building a recipe on it again).
 
         Example:
             >>> model, opt = Recipe(layer_offload_active=1).build(model); train(...)
@@ -562,7 +640,14 @@ class LayerStreamer:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        for ps in self._params:
+            for p in ps:
+                p.__class__ = nn.Parameter
+        for module in (self.model, *self.blocks):
+            module.__dict__.pop("_apply", None)
         self.closed = True
+        if getattr(self.model, "_layer_streamer", None) is self:
+            del self.model._layer_streamer
         return self.model
 
     # -- the optimizer side -----------------------------------------------------------------

@@ -1110,23 +1110,49 @@ def _linear_max_batch(trace: _Trace, batch: int, budget_bytes: int) -> int:
     return int(best) if best != math.inf else _BATCH_CAP
 
 
+# The max-batch search traces at most this many loop rounds of the chunked loss and tiled MLPs per step (or 4x the
+# asked batch's): their trace time grows with the batch (about 0.1 s a round on a CPU), other ops' does not.
+_SEARCH_LOOP_ROUNDS = 32
+
+
+def _search_batch_cap(meta_model: nn.Module, rec: Recipe, batch: int, seq_len: int) -> int | None:
+    """Return the largest batch the max-batch search may trace (None: no bound needed): where the recipe loops over
+    tokens (loss_chunk_tokens, mlp_tile_tokens) a trace runs a round per chunk or tile, so its time grows with the
+    batch; the bound keeps each trace at most `_SEARCH_LOOP_ROUNDS` rounds (or 4x the asked batch's)."""
+    per_sample = 0.0
+    if isinstance(rec.loss_chunk_tokens, int):
+        per_sample += seq_len / rec.loss_chunk_tokens
+    if rec.mlp_tile_tokens is not None:
+        from colab_memopt.tiling import find_mlps
+
+        per_sample += len(find_mlps(meta_model)) * seq_len / rec.mlp_tile_tokens
+    if per_sample == 0:
+        return None
+    return max(4 * batch, int(_SEARCH_LOOP_ROUNDS / per_sample), rec.accumulation_steps)
+
+
 def _verified_max_batch(
-    fits: Callable[[int], bool], guess: int, max_traces: int = 16, *, lower: int = 1
+    fits: Callable[[int], bool], guess: int, max_traces: int = 16, *, lower: int = 1, upper: int | None = None
 ) -> tuple[int, bool]:
     """Return (largest batch >= `lower` that fits, or 0 if none; whether the boundary was found).
 
     `fits` traces one step. The guess is usually right within one, so this gallops away from it
     (1, 2, 4, ... batches) until the answer changes, then bisects: two traces when the guess is
-    right, about 2*log2(error) otherwise. Batches below `lower` (the accumulation steps) are not valid.
+    right, about 2*log2(error) otherwise. Batches below `lower` (the accumulation steps) are not valid;
+    batches above `upper` are not tried (where `upper` fits, the answer is `upper`, not converged).
     """
     traces = 0
 
     def probe(b: int) -> bool:
         nonlocal traces
+        if upper is not None and b > upper:
+            return False
         traces += 1
         return fits(b)
 
     guess = max(guess, lower)
+    if upper is not None:
+        guess = min(guess, max(upper, lower))
     step = 1
     if probe(guess):
         lo, hi = guess, None
@@ -1155,7 +1181,8 @@ def _verified_max_batch(
             lo = mid
         else:
             hi = mid
-    return (lo if lo >= lower else 0), hi - lo <= 1
+    capped = upper is not None and lo == upper and hi == upper + 1  # `upper + 1` was never tried
+    return (lo if lo >= lower else 0), hi - lo <= 1 and not capped
 
 
 # bitsandbytes 0.50.2, backends/cuda/ops.py: the `gemm_4bit` CUDA kernel's dispatch. At or below 4 rows (tokens)
@@ -1401,7 +1428,9 @@ def _plan_auto_chunk(model_factory: Any, batch: int, *, seq_len: int | None, rec
     from colab_memopt import architectures
     from colab_memopt.loss import DEFAULT_CHUNK_TOKENS, auto_chunk_tokens
 
-    base = plan(model_factory, batch, seq_len=seq_len, recipe=recipe.with_(loss_chunk_tokens=DEFAULT_CHUNK_TOKENS), **kwargs)
+    search = kwargs.pop("find_max_batch")  # one max-batch search, on the plan returned (not on each plan tried)
+    base = plan(model_factory, batch, seq_len=seq_len, recipe=recipe.with_(loss_chunk_tokens=DEFAULT_CHUNK_TOKENS),
+                find_max_batch=False, **kwargs)
     dims = estimate._dims(shape_model(architectures.resolve_model(model_factory).build))
     micro = -(-batch // recipe.accumulation_steps)
     chunk = auto_chunk_tokens(max(0, base.device_limit_bytes - base.device_need_bytes), dims["vocab"], dims["hidden"],
@@ -1409,11 +1438,15 @@ def _plan_auto_chunk(model_factory: Any, batch: int, *, seq_len: int | None, rec
     note = (f"loss_chunk_tokens='auto': {chunk} tokens, from the {format_bytes(max(0, base.device_limit_bytes - base.device_need_bytes))} "
             f"the plan at {DEFAULT_CHUNK_TOKENS} tokens leaves free (loss.auto_chunk_tokens)")
     if chunk != DEFAULT_CHUNK_TOKENS:
-        bigger = plan(model_factory, batch, seq_len=seq_len, recipe=recipe.with_(loss_chunk_tokens=chunk), **kwargs)
+        bigger = plan(model_factory, batch, seq_len=seq_len, recipe=recipe.with_(loss_chunk_tokens=chunk),
+                      find_max_batch=search, **kwargs)
         if bigger.fits or not base.fits:
             bigger.warnings.append(note)
             return bigger
         note += f"; {chunk} did not fit its own plan, so {DEFAULT_CHUNK_TOKENS}"
+    if search:
+        base = plan(model_factory, batch, seq_len=seq_len, recipe=recipe.with_(loss_chunk_tokens=DEFAULT_CHUNK_TOKENS),
+                    find_max_batch=True, **kwargs)
     base.warnings.append(note)
     return base
 
@@ -1612,13 +1645,20 @@ def plan(
         if used == "trace":
             # Guess from the activations per sample, then confirm the boundary with traces.
             guess = _activation_max_batch(trace, batch, budget)
+            cap = _search_batch_cap(meta_model, rec, batch, seq_len)
             if 0 < guess < _BATCH_CAP:
+                if cap is not None:
+                    guess = min(guess, cap)
                 guess = _secant_step(tracer.trace(guess), guess, trace, budget)
                 guess, converged = _verified_max_batch(
                     lambda b: _step_fits(tracer.trace(b), _with_math_attention(device_costs, tracer.trace(b), tgt),
-                                         result.device_limit_bytes), guess, lower=rec.accumulation_steps
+                                         result.device_limit_bytes), guess, lower=rec.accumulation_steps, upper=cap
                 )
-                if not converged:
+                if not converged and cap is not None and guess == cap:
+                    warn.append(f"max_batch {guess} is the largest batch searched, and it fits: a larger one's trace "
+                                "would run more rounds of the chunked loss / tiled MLP than the search allows "
+                                f"({_SEARCH_LOOP_ROUNDS}, or 4x batch {batch}'s); plan a larger batch to check it")
+                elif not converged:
                     warn.append(f"max_batch {guess} is the largest traced batch that fits; the search stopped before the boundary")
         else:
             guess = _linear_max_batch(trace, batch, budget)

@@ -12,6 +12,7 @@ import copy
 import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -327,3 +328,27 @@ def add_lora(model: nn.Module, rank: int, *, targets: Iterable[str] = DEFAULT_LO
 def quantized_copy(model: nn.Module, scheme: str = "int8_channel") -> nn.Module:
     """Return a quantized deep copy of `model` for forward-only phases (evaluation, generation)."""
     return quantize_model(copy.deepcopy(model), scheme)
+
+
+def load_4bit_state(model: nn.Module) -> nn.Module:
+    """Let `model.load_state_dict` take back what `model.state_dict()` saved from its 4-bit layers; return the model.
+
+    bitsandbytes' `Linear4bit` saves its quantization state (absmax, quant map, ...) beside the packed weight but
+    does not load it back: a state dict saved from a QLoRA model fails to load into one built the same way
+    ("Unexpected key(s) ... weight.absmax"). A pre-hook per 4-bit layer rebuilds the layer's quantization state from
+    those keys; the packed weight then loads as any tensor does.
+    """
+    from bitsandbytes.functional import QuantState
+    from bitsandbytes.nn import Linear4bit
+
+    def hook(module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
+        key = prefix + "weight."
+        stats = {k[len(key):]: state_dict.pop(k) for k in list(state_dict) if k.startswith(key)}
+        if stats:
+            module.weight.quant_state = QuantState.from_dict(stats, device=module.weight.device)
+
+    for m in model.modules():
+        if isinstance(m, Linear4bit) and not getattr(m, "_cm_loads_4bit_state", False):
+            m._register_load_state_dict_pre_hook(hook, with_module=True)
+            m._cm_loads_4bit_state = True
+    return model

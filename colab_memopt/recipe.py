@@ -15,11 +15,11 @@ import torch
 from torch import nn
 
 from colab_memopt import zero
-from colab_memopt.checkpointing import POLICIES, apply_checkpointing, find_blocks
+from colab_memopt.checkpointing import POLICIES, apply_checkpointing, find_block_stacks, find_blocks
 from colab_memopt.compression import MODES as COMPRESSION_MODES
 from colab_memopt.compression import check_compressible, compress_activations
 from colab_memopt.loss import apply_chunked_loss, check_chunkable, check_head_not_adapted
-from colab_memopt.offload import STRATEGIES, LayerStreamer, check_streamable
+from colab_memopt.offload import STRATEGIES, LayerStreamer, check_streamable, streamer_of
 from colab_memopt.lowstate import LOW_STATE_OPTIMIZERS, PROJECTED, badam_blocks, check_rank
 from colab_memopt.optimizers import FUSED_BACKWARD_OPTIMIZERS, OPTIMIZERS, OptimizerInBackward, make_optimizer
 from colab_memopt.phases import OFFLOAD_STRATEGIES
@@ -37,13 +37,14 @@ from colab_memopt.precision import (
 )
 from colab_memopt.rounding import UpdateRounding, check_update_rounding
 from colab_memopt.tiling import apply_tiled_mlp, check_tile_tokens, find_mlps
-from colab_memopt.int8train import INT8_RULES, check_weight_dtype, make_int8_optimizer, quantize_model_int8
+from colab_memopt.int8train import INT8_RULES, check_weight_dtype, int8_weights, make_int8_optimizer, quantize_model_int8
 from colab_memopt.quantization import (
     DEFAULT_LORA_TARGETS,
     SCHEMES,
     add_lora,
     check_lora_targets,
     check_quantizable,
+    load_4bit_state,
     quantize_model,
     quantized_copy,
 )
@@ -369,6 +370,10 @@ class Recipe:
                              f"got {self.precision!r}")
         if self.uses_deepspeed or self.zero_stage:
             raise ValueError(f"{name} trains its own int8 weights: leave zero_stage=0 and offload_* False")
+        if self.quantization is not None:
+            raise ValueError(f"{name} already stores the weights in 8 bits, which quantization cannot quantize again: "
+                             f"leave quantization None (got {self.quantization!r}, "
+                             f"quantization_phase={self.quantization_phase!r})")
 
     def _validate_low_state(self) -> None:
         """Refuse what the optimizers with almost no state (`lowstate`) cannot do, naming the values."""
@@ -495,6 +500,14 @@ class Recipe:
         `build` calls it first, and so does the planner (on a meta-device copy of the model), so a recipe
         that cannot run is refused before anything is planned. It changes nothing.
         """
+        if streamer_of(model) is not None:  # a recipe with layer_offload_active was built on it and still streams
+            raise ValueError(f"this {type(model).__name__}'s blocks already stream from host memory (a recipe with "
+                             "layer_offload_active was built on it): build on a fresh model, or end streaming first "
+                             "with opt.streamer.materialize() (opt: the optimizer that build returned)")
+        if int8_weights(model):  # a recipe with weight_dtype='int8' was built on it: its layers are int8 already
+            raise ValueError(f"this {type(model).__name__} is already built with weight_dtype='int8' (its linear and "
+                             "embedding layers hold int8 weights): build on a fresh model, or keep training with the "
+                             "optimizer that first build returned")
         if self.uses_deepspeed:  # DeepSpeed wraps any module
             return
         if (self.attention is not None or self.attention_window is not None) and not hasattr(model, "blocks"):
@@ -507,6 +520,11 @@ class Recipe:
             check_compressible(model)
         if self.checkpointing != "none":
             find_blocks(model)
+        if self.offload_keep_blocks:
+            total = sum(len(blocks) for blocks in find_block_stacks(model))
+            if self.offload_keep_blocks > total:
+                raise ValueError(f"recipe.offload_keep_blocks={self.offload_keep_blocks} exceeds the model's {total} "
+                                 f"blocks: use 0 to {total} (how many of the last blocks keep their input on the device)")
         if self.layer_offload_active:
             check_streamable(model)
         if self.optimizer == "badam":
@@ -553,6 +571,8 @@ class Recipe:
             half_frozen_base(model, self.base_dtype)
         if self.quantization is not None and self.quantization_phase == "all":
             quantize_model(model, self.quantization)
+            if self.quantization in ("nf4", "fp4"):
+                load_4bit_state(model)  # its state dict loads back into a model built the same way
         if self.lora_rank:
             add_lora(model, self.lora_rank, targets=self.lora_targets)
             if self.base_dtype is not None:

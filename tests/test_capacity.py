@@ -111,3 +111,42 @@ def test_longest_sequence_is_the_boundary_of_the_planned_fit():
     assert res.first_miss is not None and res.host_need_bytes > 0 and res.device_need_bytes <= int(target["device_bytes"] * 0.95)
     with pytest.raises(ValueError, match="step_tokens must be an integer >= 1, got 0"):
         longest_sequence("tiny", recipe, step_tokens=0)
+
+
+def test_probe3_rows_198_201_a_step_above_the_cap_searches_below_it_and_max_plans_is_checked():
+    # `context --model tiny` (default step 1024, cap 64 tokens) answered "nothing fits at 1024 tokens" and exit 1
+    from colab_memopt.capacity import longest_context, longest_sequence
+
+    recipe = Recipe(loss_chunk_tokens=8)
+    target = {"name": "big", "device_bytes": 2**34, "host_bytes": 2**40, "cuda": False}
+    for step in (1024, 10**9):
+        res = longest_sequence("tiny", recipe, target=target, step_tokens=step, method="analytic")
+        assert res.max_seq_len == 64 and res.step_tokens == 8 and res.limited_by == "the sequence cap"
+        assert res.note == f"the step ({step} tokens) is above the 64-token cap: searched in steps of 8"
+    few = longest_sequence("tiny", recipe, target=target, step_tokens=1, guess_tokens=1, max_plans=2, method="analytic")
+    assert not few.converged and few.plans == 2 and "the search stopped after 2 plans (max_plans=2)" in few.note
+    for bad in (0, -2, 1.5, True):
+        with pytest.raises(ValueError, match=rf"max_plans must be an integer >= 1 \(plans per search\), got {bad!r}"):
+            longest_sequence("tiny", recipe, max_plans=bad)
+        with pytest.raises(ValueError, match=r"max_plans must be an integer >= 1"):
+            longest_context("tiny", max_plans=bad)
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["--max-plans", "0"], "--max-plans must be an integer >= 1 (plans per search), got 0"),
+    (["--max-plans", "-2"], "--max-plans must be an integer >= 1 (plans per search), got -2"),
+    (["--step", "0"], "--step must be an integer >= 1 (tokens), got 0"),
+])
+def test_probe3_context_cli_refuses_bad_search_bounds_by_flag(argv, says, capsys):
+    from colab_memopt.__main__ import main
+
+    assert main(["context", "--model", "tiny", *argv]) == 2
+    assert says in capsys.readouterr().err
+
+
+def test_probe3_context_cli_answers_for_the_tiny_model(capsys):
+    from colab_memopt.__main__ import main
+
+    code = main(["context", "--model", "tiny", "--mode", "full", "--method", "analytic"])
+    out = capsys.readouterr().out
+    assert code == 0 and "full        64 tokens" in out and "searched in steps of 8" in out, out

@@ -115,3 +115,15 @@ def test_probe_row_21_lora_targets_can_be_set_from_the_cli(capsys):
                            "--recipe", "lora_rank=4", "lora_targets=qkv,proj", "--json"], capsys)
     assert code == 0, err
     assert json.loads(out)["recipe"]["lora_targets"] == ["qkv", "proj"]
+
+
+def test_probe3_row_226_plan_with_the_automatic_loss_chunk_answers_in_seconds(capsys):
+    # the max-batch search with loss_chunk_tokens=auto ran 376 s for the tiny model; bounded, it says where it stopped
+    import time
+
+    start = time.perf_counter()
+    code, out, err = _run(["plan", "--model", "tiny", "--batch", "2", "--seq", "32", "--recipe", "loss_chunk_tokens=auto",
+                           "--json"], capsys)
+    assert code == 0 and time.perf_counter() - start < 60, err
+    answer = json.loads(out)
+    assert answer["max_batch"] >= 2 and any("the largest batch searched" in w for w in answer["warnings"])

@@ -204,3 +204,11 @@ def test_trl_bf16_adapters_under_fp16_are_an_error_with_the_fix():
     assert "bf16-trainable-under-fp16" not in doctor(trainer, target="t4", seq_len=32, probe=False)
     plain = sft(quantized_flag=True)  # no fp16: no GradScaler, so bf16 adapters are no error of this kind
     assert "bf16-trainable-under-fp16" not in doctor(plain, target="l4", seq_len=32, probe=False)
+
+
+def test_probe3_row_221_doctor_refuses_what_build_refuses(capsys):
+    with pytest.raises(ValueError, match=r"offload_keep_blocks=99 exceeds the model's 2 blocks"):
+        doctor("tiny", recipe={"checkpointing": "offload", "offload_keep_blocks": 99}, target="t4", verbose=False)
+    code = cli(["doctor", "--model", "tiny", "--recipe", "checkpointing=offload", "offload_keep_blocks=99"])
+    out, err = capsys.readouterr()
+    assert code == 2 and "offload_keep_blocks=99 exceeds the model's 2 blocks" in err and "no pitfall" not in out

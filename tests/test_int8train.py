@@ -185,3 +185,23 @@ def test_recommender_offers_int8_weights_only_when_no_16_bit_recipe_fits():
     assert any("trade precision for memory" in line for line in big.reasoning)
     assert small.chosen.recipe.weight_dtype is None
     assert not any("8-bit weights" in line for line in small.reasoning)
+
+
+# -- reliability probe 3: a second build, and int8 weights with quantization ----------------------------------
+
+def test_probe3_rows_319_337_a_second_build_says_the_model_is_already_int8():
+    recipe = cm.Recipe(weight_dtype="int8", optimizer="lomo", precision="bf16")
+    model, _ = recipe.build(cm.build_model("tiny"))
+    for again in (recipe, cm.Recipe()):  # any recipe: the model's layers are int8 now
+        with pytest.raises(ValueError, match=r"already built with weight_dtype='int8'.*build on a fresh model"):
+            again.build(model)
+    with pytest.raises(ValueError, match=r"GPT is already int8 .*convert a fresh model"):
+        quantize_model_int8(model)
+
+
+def test_probe3_row_335_int8_weights_with_quantization_are_refused_by_name():
+    # (quantization_phase='all' was refused already: nf4 freezes the weights LOMO would train)
+    with pytest.raises(ValueError, match=r"weight_dtype='int8' already stores the weights in 8 bits.*got 'nf4', "
+                                         r"quantization_phase='forward_only'"):
+        cm.Recipe(weight_dtype="int8", optimizer="lomo", precision="bf16", quantization="nf4",
+                  quantization_phase="forward_only")

@@ -234,3 +234,63 @@ def test_streamed_weights_save_load_and_materialize_as_plain_training_does(refer
     fresh.load_state_dict(streamed.state_dict())  # an ordinary state dict now
     with pytest.raises(RuntimeError, match="materialized"):
         sopt.step()
+
+
+# -- a streamed model never kills the process (reliability probe 3: rows 345-391) -----------------------------
+
+_STREAMED_ACTIONS = r'''
+import copy, sys, torch, colab_memopt as cm
+r = cm.Recipe(layer_offload_active=1)
+m, opt = r.build(cm.build_model("tiny"))
+cm.make_train_step(m, opt, cm.load_corpus(), batch_size=2, seq_len=16, recipe=r)()
+w = m.blocks[0].mlp.up.weight
+actions = {
+    "read": lambda: sum(p.float().sum() for p in m.parameters()),
+    "print": lambda: repr(w),
+    "detach": lambda: w.detach().clone(),
+    "data": lambda: w.data.sum(),
+    "deepcopy": lambda: copy.deepcopy(m),
+    "build again": lambda: r.build(m),
+    "build another": lambda: cm.Recipe().build(m),
+}
+for name, act in actions.items():
+    try:
+        act()
+        print(name, "|ok", flush=True)
+    except Exception as exc:
+        print(name, "|" + type(exc).__name__ + ": " + str(exc), flush=True)
+state = {k: v.clone() for k, v in m.state_dict().items()}  # the host copies: readable while streaming
+opt.streamer.materialize()
+assert type(w) is torch.nn.Parameter and all(torch.equal(state[k], v) for k, v in m.state_dict().items())
+print("after |", float(sum(p.float().sum() for p in m.parameters())), type(copy.deepcopy(m)).__name__, flush=True)
+m2, opt2 = r.build(m)  # streaming again, from the trained weights
+cm.make_train_step(m2, opt2, cm.load_corpus(), batch_size=2, seq_len=16, recipe=r)()
+print("rebuilt |ok", flush=True)
+for name, act in {"to": lambda: m2.to(torch.bfloat16), "blocks to": lambda: m2.blocks[0].half()}.items():
+    try:
+        act()
+        print(name, "|ok", flush=True)
+    except Exception as exc:
+        print(name, "|" + type(exc).__name__ + ": " + str(exc), flush=True)
+assert all(p.dtype == torch.float32 for p in opt2.streamer.device_parameters()), "a refused .to converted some modules"
+cm.make_train_step(m2, opt2, cm.load_corpus(), batch_size=2, seq_len=16, recipe=r)()  # still trains
+print("after to |ok", flush=True)
+'''
+
+
+def test_probe3_streamed_parameters_raise_naming_materialize_instead_of_killing_the_process():
+    # Reading an evicted parameter (0-byte storage) used to SIGSEGV the process, as did a second build and deepcopy.
+    # Run in a child process: a segfault must fail this test, not end pytest.
+    import os
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _STREAMED_ACTIONS], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, f"exit {done.returncode} (-11: segfault)\n{done.stdout}\n{done.stderr[-3000:]}"
+    said = dict(line.split(" |", 1) for line in done.stdout.splitlines() if " |" in line)
+    for action in ("read", "print", "detach", "data", "deepcopy", "to", "blocks to", "build again", "build another"):
+        assert "materialize()" in said[action] and said[action].split(":")[0] in ("RuntimeError", "ValueError"), \
+            (action, said[action])
+    assert said["build again"].startswith("ValueError: this GPT's blocks already stream from host memory")
+    assert said["after"].split()[-1] == "GPT" and said["rebuilt"] == "ok" and said["after to"] == "ok"

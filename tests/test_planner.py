@@ -56,6 +56,26 @@ def test_verified_search_finds_boundary_from_any_guess():
     for guess in (1, 37, 40, 41, 90):
         assert planner._verified_max_batch(lambda b: b <= 40, guess) == (40, True)
     assert planner._verified_max_batch(lambda b: False, 5) == (0, True)
+    # an upper bound: never tried above it; where it fits, the answer is the bound, not converged
+    tried = []
+    assert planner._verified_max_batch(lambda b: tried.append(b) or b <= 40, 90, upper=16) == (16, False)
+    assert max(tried) == 16
+    assert planner._verified_max_batch(lambda b: b <= 10, 90, upper=16) == (10, True)
+
+
+def test_probe3_row_226_the_max_batch_search_with_a_chunked_loss_is_bounded_and_says_so():
+    # loss_chunk_tokens='auto' (and any chunked loss / tiled MLP) traces a round per chunk: the unbounded search traced
+    # batch 46,529 (1,454 chunks a trace) and answered after 356 s. Bounded, it stops at 32 rounds and says so.
+    import time
+
+    start = time.perf_counter()
+    p = planner.plan("tiny", 4, seq_len=32, recipe=dict(loss_chunk_tokens="auto"))
+    assert time.perf_counter() - start < 60
+    cap = planner._search_batch_cap(planner.shape_model(lambda: cm.build_model("tiny")), cm.Recipe(loss_chunk_tokens=128),
+                                    4, 32)
+    assert cap == 128 and p.max_batch == cap  # 32 rounds of 128 tokens at 32 tokens a sequence
+    assert any(f"max_batch {cap} is the largest batch searched, and it fits" in w for w in p.warnings)
+    assert planner._search_batch_cap(None, cm.Recipe(), 4, 32) is None  # nothing loops per token: no bound
 
 
 def test_too_big_does_not_fit_and_says_why():

@@ -267,3 +267,55 @@ def test_str_names_only_the_changed_fields_and_repr_keeps_them_all():
     full = repr(recipe)  # every field, as the dataclass writes it
     assert full.startswith("Recipe(") and all(f"{name}=" in full for name in cm.Recipe().to_dict())
     assert eval(str(recipe), {"Recipe": cm.Recipe}) == recipe  # the short form still builds the same recipe
+
+
+def test_probe3_row_221_offload_keep_blocks_beyond_the_blocks_is_refused_before_build_and_by_plan():
+    recipe = {"checkpointing": "offload", "offload_keep_blocks": 99}
+    says = r"recipe\.offload_keep_blocks=99 exceeds the model's 2 blocks: use 0 to 2"
+    model = cm.build_model("tiny")
+    with pytest.raises(ValueError, match=says):
+        cm.Recipe(**recipe).check_model(model)
+    assert not any("forward" in b.__dict__ for b in model.blocks)  # refused before anything changed
+    with pytest.raises(ValueError, match=says):  # plan refuses it too (it fell back to the analytic estimate)
+        cm.plan("tiny", 2, seq_len=16, recipe=recipe, find_max_batch=False)
+    cm.Recipe(checkpointing="offload", offload_keep_blocks=2).check_model(model)  # all blocks kept: allowed
+
+
+def test_probe3_rows_403_409_recipe_settings_names_every_field_it_cannot_say():
+    from colab_memopt.hfconfig import recipe_settings
+
+    # weight_dtype, mlp_tile_tokens and optimizer_rank were dropped with an empty not_expressible
+    cases = {
+        cm.Recipe(weight_dtype="int8", optimizer="lomo", precision="fp16"): "weight_dtype='int8'",
+        cm.Recipe(mlp_tile_tokens=256): "mlp_tile_tokens=256",
+        cm.Recipe(optimizer="galore_adamw8bit", optimizer_rank=64): "optimizer_rank=64",
+        cm.Recipe(checkpointing="every_n", checkpoint_interval=2): "checkpoint_interval=2",
+        cm.Recipe(eval_precision="bf16-autocast"): "eval_precision='bf16-autocast'",
+        cm.Recipe(layer_offload_active=1, layer_offload_prefetch=2): "layer_offload_prefetch=2",
+    }
+    for recipe, says in cases.items():
+        out = recipe_settings(recipe, 8, 512)
+        assert any(line.startswith(says) for line in out["not_expressible"]), (recipe, out["not_expressible"])
+    # every field: set away from its default, it is said (in the settings) or named (in not_expressible)
+    for name, (values, _) in FIELD_SAMPLES.items():
+        if name == "optimizer_state_offload":  # refused by every recipe (no step applies it)
+            continue
+        recipe = cm.Recipe(**values)
+        out = recipe_settings(recipe, 8, 64)
+        named = " ".join(out["not_expressible"])
+        for field_name in recipe.changed():
+            back_field = field_name in ("optimizer", "lr", "precision", "base_dtype", "checkpointing", "lora_rank",
+                                        "lora_targets", "quantization", "accumulation_steps")
+            phase = field_name == "quantization_phase" and f"({recipe.quantization_phase})" in named
+            assert back_field or phase or f"{field_name}=" in named, (field_name, out)
+
+
+def test_probe3_row_409_recipe_settings_notes_an_effective_batch_the_trainer_cannot_split():
+    from colab_memopt.hfconfig import recipe_settings
+
+    out = recipe_settings(cm.Recipe(accumulation_steps=2), 3, 64)
+    args = out["training_args"]
+    assert (args["per_device_train_batch_size"], args["gradient_accumulation_steps"]) == (2, 2)  # the plan's micro-batch
+    assert out["not_expressible"] == ["accumulation_steps=2 at batch 3: the Trainer steps on 2 x 2 = 4 sequences, not 3 "
+                                      "(its micro-batches are equal)"]
+    assert recipe_settings(cm.Recipe(accumulation_steps=2), 4, 64)["not_expressible"] == []
