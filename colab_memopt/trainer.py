@@ -56,12 +56,37 @@ class _ScalarMode(torch.utils._python_dispatch.TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+# What bitsandbytes keeps on its quantized layers (the 4-bit and 8-bit layers' states) and reads in forward; the
+# planner hands each layer a copy holding fake tensors for the duration and puts the real one back afterwards.
+_BNB_LAYER_STATE = ("state", "quant_state", "compute_dtype", "compute_type_is_set")
+
+
 @contextlib.contextmanager
 def _fake_parameters(model: nn.Module, mode: Any) -> Iterator[None]:
-    """Swap every parameter and buffer of `model` for a fake tensor of the same shape, dtype and
-    `requires_grad` (tied weights stay tied), for the duration; the real ones come back afterwards."""
+    """Swap every parameter and buffer of `model` for a fake CPU tensor of the same shape, dtype and
+    `requires_grad` (tied weights stay tied), for the duration; the real ones come back afterwards.
+
+    The fakes are CPU tensors wherever the real ones live (a model on CUDA is planned as the trace counts it).
+    bitsandbytes' quantized weights stay bnb-shaped: a 4-bit weight keeps its `quant_state` (blocksize, quant
+    type, absmax and code books as fakes), an 8-bit one its `CB`/`SCB`, and each quantized layer sees a copy of
+    its own state holding fakes, so the trace runs bitsandbytes' own forward and backward on them.
+    """
     saved: list[tuple[Any, str, str, Any]] = []
+    layer_states: list[tuple[nn.Module, dict[str, Any]]] = []
     swapped: dict[int, Any] = {}
+
+    def fake(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return _fake_state(t, fake)
+        if id(t) not in swapped:
+            swapped[id(t)] = _cpu_fake(t, mode)
+            if isinstance(t, nn.Parameter):
+                param = nn.Parameter(swapped[id(t)], requires_grad=t.requires_grad)
+                for name, value in vars(t).items():  # Params4bit / Int8Params: quant_state, CB, SCB, quant_type, ...
+                    setattr(param, name, fake(value))
+                swapped[id(t)] = param
+        return swapped[id(t)]
+
     try:
         for module in model.modules():
             for kind in ("_parameters", "_buffers"):
@@ -69,15 +94,54 @@ def _fake_parameters(model: nn.Module, mode: Any) -> Iterator[None]:
                 for name, t in list(table.items()):
                     if t is None:
                         continue
-                    if id(t) not in swapped:
-                        fake = mode.from_tensor(t.detach(), static_shapes=True)
-                        swapped[id(t)] = nn.Parameter(fake, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else fake
+                    new = fake(t)
                     saved.append((table, name, kind, t))
-                    table[name] = swapped[id(t)]
+                    table[name] = new
+            if any(name in vars(module) for name in _BNB_LAYER_STATE) and _is_bnb_layer(module):
+                kept = {name: vars(module)[name] for name in _BNB_LAYER_STATE if name in vars(module)}
+                layer_states.append((module, kept))
+                for name, value in kept.items():
+                    setattr(module, name, fake(value))
         yield
     finally:
+        for module, kept in reversed(layer_states):
+            for name, value in kept.items():
+                setattr(module, name, value)
         for table, name, _kind, t in reversed(saved):
             table[name] = t
+
+
+def _cpu_fake(t: torch.Tensor, mode: Any) -> torch.Tensor:
+    """Return a fake CPU tensor like `t` (shape, strides, dtype); nothing is allocated or copied from its device."""
+    if t.device.type == "cpu":
+        return mode.from_tensor(t.detach(), static_shapes=True)
+    with mode:
+        return torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device="cpu")
+
+
+def _fake_state(value: Any, fake: Any) -> Any:
+    """Return a copy of bitsandbytes' `QuantState` / `MatmulLtState` with its tensors made fake (by `fake`);
+    any other value as it is."""
+    try:
+        from bitsandbytes.autograd._functions import MatmulLtState
+        from bitsandbytes.functional import QuantState
+    except ImportError:  # pragma: no cover - bitsandbytes is a dependency
+        return value
+    if not isinstance(value, (QuantState, MatmulLtState)):
+        return value
+    new = copy.copy(value)
+    for name, item in vars(value).items():
+        if isinstance(item, (torch.Tensor, QuantState)):
+            setattr(new, name, fake(item))
+    return new
+
+
+def _is_bnb_layer(module: nn.Module) -> bool:
+    try:
+        import bitsandbytes as bnb
+    except ImportError:  # pragma: no cover - bitsandbytes is a dependency
+        return False
+    return isinstance(module, (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt))
 
 
 @contextlib.contextmanager
