@@ -190,18 +190,40 @@ def seq_len_of(args: Any) -> int:
     raise ValueError("these TrainingArguments set no max_length: pass seq_len= (tokens per sequence)")
 
 
+# The per-token fields of a training example the planner's batch fills where the user's dataset has them (an
+# attention mask of ones is left out: transformers drops an all-ones mask on real data, so the run holds none).
+_TOKEN_FIELDS = ("input_ids", "labels", "completion_mask", "assistant_masks")
+
+
+def _example_fields(dataset: Any) -> dict[str, Any]:
+    """Return {field: an example value} of what the dataset yields per example: its columns (a `datasets.Dataset`)
+    or the keys of its first example (a PyTorch `Dataset`, read for real, outside any fake-tensor mode); input_ids
+    alone where neither can be read."""
+    names = getattr(dataset, "column_names", None) or list(getattr(dataset, "features", None) or ())
+    if names:
+        return {name: None for name in names}
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    try:
+        with unset_fake_temporarily():
+            example = next(iter(dataset)) if isinstance(dataset, torch.utils.data.IterableDataset) else dataset[0]
+    except Exception:  # noqa: BLE001 - a dataset the planner cannot index: the collator's own fields only
+        return {"input_ids": None}
+    return dict(example) if isinstance(example, dict) or hasattr(example, "keys") else {"input_ids": None}
+
+
 def _synthetic_batch(trainer: Any, batch: int, seq_len: int) -> dict[str, Any]:
-    """Return one batch the Trainer's own collator makes from `batch` examples of `seq_len` tokens
-    (every position a trained token: the most the run can hold)."""
+    """Return one batch the Trainer's own collator makes from `batch` examples of `seq_len` tokens (every position
+    a trained token: the most the run can hold), with the per-token fields the Trainer's dataset yields (labels
+    included), each a list or a tensor as the dataset gives it."""
+    fields = _example_fields(trainer.train_dataset)
     examples = []
-    columns = set(getattr(trainer.train_dataset, "column_names", None) or ["input_ids"])
     for _ in range(batch):
-        ex: dict[str, Any] = {"input_ids": [1] * seq_len}
-        for name in ("completion_mask", "assistant_masks"):
-            if name in columns:
-                ex[name] = [1] * seq_len
-        if "labels" in columns:
-            ex["labels"] = [1] * seq_len
+        ex: dict[str, Any] = {}
+        for name in _TOKEN_FIELDS:
+            if name == "input_ids" or name in fields:
+                like = fields.get(name)
+                ex[name] = (torch.ones(seq_len, dtype=like.dtype) if isinstance(like, torch.Tensor) else [1] * seq_len)
         examples.append(ex)
     out = trainer.data_collator(examples)
     return dict(out)
@@ -316,47 +338,105 @@ def _plan_tokenizer() -> Any:
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
 
 
-def _model_dtype(args: Any, spec: Any) -> torch.dtype:
-    """Return the dtype the run loads the weights in: SFTConfig's model_init_kwargs dtype, else the checkpoint's
-    config dtype for 'auto', else fp32 (transformers' default for a model built from a config)."""
-    kwargs = getattr(args, "model_init_kwargs", None) or {}
-    value = kwargs.get("dtype", kwargs.get("torch_dtype"))
-    if value == "auto":
-        value = getattr(spec.config, "dtype", None) if spec.config is not None else None
-    if value is None:
-        return torch.float32
+# The dtypes a model is loaded in, by the names transformers, TRL and torch give them.
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
+           "half": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+def _dtype_value(value: Any, name: str) -> torch.dtype | str | None:
+    """Return `value` as a torch dtype, 'auto' or None; raise ValueError naming `name` for anything else."""
+    if value is None or value == "auto" or (isinstance(value, torch.dtype) and value in _DTYPES.values()):
+        return value
+    if isinstance(value, str) and value.removeprefix("torch.") in _DTYPES:
+        return _DTYPES[value.removeprefix("torch.")]
+    raise ValueError(f"{name} must be 'auto', 'float32', 'float16', 'bfloat16' or that torch dtype, got {value!r}")
+
+
+def _config_dtype(spec: Any) -> torch.dtype:
+    """Return the dtype transformers 5's `from_pretrained` (and `from_config`) loads with none given: the config's
+    dtype ('auto'), fp32 where the config names none."""
+    config = spec.config
+    value = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) if config is not None else None
     if isinstance(value, str):
-        value = getattr(torch, value, None)
-    if not isinstance(value, torch.dtype):
-        raise ValueError(f"model_init_kwargs dtype must be 'auto', 'float32', 'float16' or 'bfloat16', got {kwargs!r}")
-    return value
+        value = getattr(torch, value.removeprefix("torch."), None)
+    return value if isinstance(value, torch.dtype) and value.is_floating_point else torch.float32
 
 
-def _fake_trainer(args: Any, model: Any, lora: Any, bnb: Any, seq_len: int, mode: Any) -> Any:
-    """Build the Trainer these settings would build, around a fake-tensor model (nothing allocated)."""
+def _model_dtype(args: Any, spec: Any, model: Any = None, dtype: Any = None) -> torch.dtype:
+    """Return the dtype the run loads the weights in.
+
+    `dtype` where given (the dtype the user loads with); else, for TRL's SFTTrainer given a model id (`model` a
+    string with an SFTConfig), SFTConfig's `model_init_kwargs` dtype, fp32 where it names none (TRL's rule);
+    else what transformers 5 loads with none given: the config's dtype, fp32 where the config names none.
+    """
+    value = _dtype_value(dtype, "dtype")
+    if value is None and type(args).__name__ == "SFTConfig" and isinstance(model, str):
+        kwargs = getattr(args, "model_init_kwargs", None) or {}
+        value = _dtype_value(kwargs.get("dtype", kwargs.get("torch_dtype")), "SFTConfig.model_init_kwargs['dtype']")
+        value = torch.float32 if value is None else value
+    return _config_dtype(spec) if value in (None, "auto") else value
+
+
+def _as_loaded(net: nn.Module, bnb: Any, mode: Any) -> None:
+    """Quantize `net` in place as `from_pretrained(quantization_config=bnb)` loads it: the linear layers in
+    bitsandbytes' 4-bit or 8-bit storage (the planner's fake-tensor stand-ins of Linear4bit / Linear8bitLt, with
+    the config's compute dtype and double quantization), the skipped ones and the rest in the load dtype; and the
+    model marked quantized as transformers marks it (the Trainer refuses a quantized model without adapters)."""
+    from transformers.quantizers import AutoHfQuantizer
+    from transformers.utils.quantization_config import QuantizationMethod
+
+    from colab_memopt import quantization
+    from colab_memopt.planner import traced_linear4bit
+    from colab_memopt.quantization import quantize_model
+
+    four_bit = bool(bnb.load_in_4bit)
+    scheme = str(bnb.bnb_4bit_quant_type) if four_bit else "bnb_int8"
+    with _fake_safe_bitsandbytes(mode, Recipe(quantization=scheme, lora_rank=1)):
+        stand_in = quantization._bnb_linear
+
+        def bnb_linear(linear: nn.Module, kind: str) -> nn.Module:
+            if kind not in ("nf4", "fp4"):
+                return stand_in(linear, kind)
+            new = traced_linear4bit(linear, kind, compress_statistics=bool(bnb.bnb_4bit_use_double_quant))
+            new.compute_dtype = bnb.bnb_4bit_compute_dtype or torch.float32
+            return new
+
+        quantization._bnb_linear = bnb_linear
+        try:
+            quantize_model(net, scheme, skip=tuple(bnb.llm_int8_skip_modules or ("lm_head",)))
+        finally:
+            quantization._bnb_linear = stand_in
+    net.is_loaded_in_4bit, net.is_loaded_in_8bit = four_bit, bool(bnb.load_in_8bit)
+    net.is_quantized, net.quantization_method = True, QuantizationMethod.BITS_AND_BYTES
+    net.hf_quantizer = AutoHfQuantizer.from_config(bnb)
+    net.config.quantization_config = bnb
+
+
+def _fake_trainer(args: Any, model: Any, lora: Any, bnb: Any, seq_len: int, mode: Any, dtype: Any = None) -> Any:
+    """Build the Trainer these settings would build, around a fake-tensor model (nothing allocated): the model
+    in the dtype the run loads it in (`_model_dtype`), quantized as `bnb` loads it."""
     from datasets import Dataset
     from transformers import Trainer, default_data_collator
 
     from colab_memopt import architectures
 
     spec = architectures.resolve_model(model)
-    dtype = _model_dtype(args, spec)
+    dtype = _model_dtype(args, spec, model, dtype)
     sft = type(args).__name__ == "SFTConfig"
     rows = {"input_ids": [[1] * seq_len]}
     if not sft:
         rows.update(attention_mask=[[1] * seq_len], labels=[[1] * seq_len])
     data = Dataset.from_dict(rows)
     with mode, _fake_safe_module_to(), _quiet_datasets():
-        net = spec.build().to(dtype)
+        net = spec.build()
+        with torch.no_grad():  # the weights in the load dtype; buffers as built (transformers keeps RoPE's in fp32)
+            for p in net.parameters():
+                if p.is_floating_point() and p.dtype != dtype:
+                    p.data = p.data.to(dtype)
+        if net.config is spec.config:  # the model's own config is marked below, never the caller's
+            net.config = copy.deepcopy(spec.config)
         if bnb is not None and (getattr(bnb, "load_in_4bit", False) or getattr(bnb, "load_in_8bit", False)):
-            # as from_pretrained(quantization_config=bnb) loads it: the linear layers in bitsandbytes' 4-bit or 8-bit
-            # storage (the planner's fake-tensor stand-ins of Linear4bit / Linear8bitLt), the skipped ones kept
-            from colab_memopt.quantization import quantize_model
-
-            scheme = str(bnb.bnb_4bit_quant_type) if bnb.load_in_4bit else "bnb_int8"
-            with _fake_safe_bitsandbytes(mode, Recipe(quantization=scheme, lora_rank=1)):
-                quantize_model(net, scheme, skip=tuple(bnb.llm_int8_skip_modules or ("lm_head",)))
-            net.is_loaded_in_4bit, net.is_loaded_in_8bit = bool(bnb.load_in_4bit), bool(bnb.load_in_8bit)
+            _as_loaded(net, bnb, mode)
         if sft:
             from trl import SFTTrainer
 
@@ -392,6 +472,7 @@ def plan_trainer(
     seq_len: int | None = None,
     headroom: float = 0.05,
     find_max_batch: bool = False,
+    dtype: Any = None,
     **changes: Any,
 ) -> Plan:
     """Predict the peak memory of one optimizer step of a Hugging Face Trainer run on a target, without a GPU.
@@ -402,11 +483,16 @@ def plan_trainer(
         model: with TrainingArguments: a model id, a local folder or config.json, a `PretrainedConfig`
             or one of `architectures.model_names()` (random weights under fake tensors).
         lora: with TrainingArguments: a peft `LoraConfig` (a Trainer already holds its peft model).
-        bnb: a `BitsAndBytesConfig`; read into the Recipe (a Trainer already holds the quantized model).
+        bnb: with TrainingArguments: a `BitsAndBytesConfig` (or a dict of its fields): the model is planned
+            as `from_pretrained(quantization_config=bnb)` loads it (a Trainer already holds its quantized model).
         target: 't4', 'l4', 'a100-40gb', 'a100-80gb', 'h100-80gb', 'cpu' (this machine), a `Target` or a dict.
         seq_len: tokens per sequence (default: SFTConfig's max_length).
         headroom: fraction of device memory kept free.
         find_max_batch: also find the largest per_device_train_batch_size that fits (two more traces).
+        dtype: with TrainingArguments: the dtype you load the model in (`torch.bfloat16`, 'float16', 'auto', ...).
+            Default: what the run loads with none given: `SFTTrainer` given a model id loads it in SFTConfig's
+            `model_init_kwargs` dtype, else fp32 (TRL's rule); a model you load yourself (`from_pretrained`,
+            transformers 5) comes in its config's dtype. A Trainer's model is planned in the dtypes it holds.
         **changes: TrainingArguments fields to change for this plan (what `fit_trainer` tries), e.g.
             `per_device_train_batch_size=2`.
 
@@ -428,13 +514,15 @@ def plan_trainer(
     optim = check_optim(args.optim)
     if real_trainer is None and model is None:
         raise ValueError("plan_trainer(TrainingArguments) needs model= (a model id, folder, config or name)")
-    if real_trainer is not None and (model is not None or lora is not None):
-        raise ValueError("a Trainer already holds its model and peft adapters: leave model= and lora= out")
-    if real_trainer is not None and lora is None:
+    given = {k: v for k, v in dict(model=model, lora=lora, bnb=bnb, dtype=dtype).items() if v is not None}
+    if real_trainer is not None and given:
+        raise ValueError(f"a Trainer already holds its model, its peft adapters, their quantization and dtype: leave "
+                         f"{' and '.join(f'{k}=' for k in given)} out")
+    if real_trainer is not None:
         lora = _peft_config(real_trainer.model)
-    if real_trainer is not None and bnb is None:
         bnb = getattr(getattr(real_trainer.model, "config", None), "quantization_config", None)
-        bnb = None if isinstance(bnb, dict) else bnb
+        bnb = bnb if isinstance(bnb, dict) or type(bnb).__name__ == "BitsAndBytesConfig" else None
+    bnb = _bnb_config(bnb)
     seq = int(seq_len) if seq_len is not None else seq_len_of(args)
     if seq < 1:
         raise ValueError(f"seq_len must be >= 1, got {seq}")
@@ -454,7 +542,7 @@ def plan_trainer(
     holder, mode = real_trainer, None
     if holder is None:
         mode = _new_mode()
-        holder = _fake_trainer(args, model, lora, bnb, seq, mode)
+        holder = _fake_trainer(args, model, lora, bnb, seq, mode, dtype)
     micro = int(args.per_device_train_batch_size)
     with _args_of(holder, args):
         trace, _n = _trace_step(holder, args, micro, seq, cuda=tgt.cuda, mode=mode)
@@ -516,6 +604,21 @@ def _args_of(trainer: Any, args: Any) -> Iterator[None]:
         yield
     finally:
         trainer.args = saved
+
+
+def _bnb_config(bnb: Any) -> Any:
+    """Return a BitsAndBytesConfig from one, from a dict of its fields (as a model's config.json holds it) or None;
+    None where it quantizes nothing."""
+    from colab_memopt.hfconfig import read_bnb
+
+    method = bnb.get("quant_method", "bitsandbytes") if isinstance(bnb, dict) else None
+    if isinstance(bnb, dict) and str(getattr(method, "value", method)) == "bitsandbytes":
+        bnb = read_bnb({k: v for k, v in bnb.items() if k not in ("quant_method", "_load_in_4bit", "_load_in_8bit")})
+    elif bnb is not None and type(bnb).__name__ != "BitsAndBytesConfig":
+        raise ValueError(f"bnb must be a BitsAndBytesConfig or a dict of its fields, got {type(bnb).__name__} {bnb!r}")
+    if bnb is None or not (getattr(bnb, "load_in_4bit", False) or getattr(bnb, "load_in_8bit", False)):
+        return None
+    return bnb
 
 
 def _peft_config(model: Any) -> Any:

@@ -96,9 +96,101 @@ def test_a_qlora_sft_trainer_holding_a_real_bitsandbytes_model_is_planned_within
     kept = ("state", "quant_state", "compute_dtype", "compute_type_is_set")
     weight, state = layer.weight, (dict(vars(layer.weight)), {k: getattr(layer, k, None) for k in kept})
     inner = dict(vars(layer.state)) if hasattr(layer, "state") else None
+    guard = cm.MemoryGuardCallback(target="t4")  # plans the real Trainer at on_train_begin, before step 1
+    trainer.add_callback(guard)
     plan = tr.plan_trainer(trainer, target="cpu")
     # the real weights and bitsandbytes' states are untouched: the same objects, the same attributes
     assert layer.weight is weight and (dict(vars(layer.weight)), {k: getattr(layer, k, None) for k in kept}) == state
     assert inner is None or vars(layer.state) == inner
     measured = measured_peak(trainer)
     assert abs(plan.peak_bytes - measured) <= 0.01 * measured, (plan.peak_bytes, measured)
+    assert guard.plan is not None and trainer.state.global_step == 2
+
+
+def test_a_qlora_plan_from_settings_is_the_plan_of_the_trainer_it_builds(bf16_folder):
+    """plan_trainer(SFTConfig, model=, lora=, bnb=, dtype=) before loading: the non-quantized modules in the load
+    dtype (bf16 here, as from_pretrained loads them), the 4-bit layers computing in bnb_4bit_compute_dtype."""
+    trainer = qlora_trainer(bf16_folder, BitsAndBytesConfig(**NF4))
+    from_trainer = tr.plan_trainer(trainer, target="cpu")
+    before = tr.plan_trainer(sft_args(), model=bf16_folder, lora=lora(), bnb=NF4, dtype=torch.bfloat16, target="cpu")
+    assert before.peak_bytes == pytest.approx(from_trainer.peak_bytes, rel=0.001)
+    assert before.by_category["parameters"] == from_trainer.by_category["parameters"]
+    # SFTTrainer given the folder itself loads it in fp32 (TRL's rule): the embeddings, norms and head in fp32
+    as_id = tr.plan_trainer(sft_args(), model=bf16_folder, lora=lora(), bnb=NF4, target="cpu")
+    assert as_id.by_category["parameters"] > before.by_category["parameters"]
+
+
+def test_lora_on_a_bf16_base_is_planned_as_loaded_before_loading_and_from_the_trainer(bf16_folder):
+    """A plain Trainer over a model loaded with from_pretrained (transformers 5: the config's dtype, bf16 here),
+    over a datasets.Dataset and over a PyTorch Dataset yielding input_ids and labels."""
+
+    class Rows(torch.utils.data.Dataset):
+        def __len__(self):
+            return 8
+
+        def __getitem__(self, i):
+            return {"input_ids": torch.ones(SEQ, dtype=torch.long), "labels": torch.ones(SEQ, dtype=torch.long)}
+
+    rows = {"input_ids": [[1] * SEQ] * 8, "labels": [[1] * SEQ] * 8}
+    before = tr.plan_trainer(train_args(), model=bf16_folder, lora=lora(), target="cpu", seq_len=SEQ)
+    for data in (Dataset.from_dict(rows), Rows()):
+        model = get_peft_model(AutoModelForCausalLM.from_pretrained(bf16_folder), lora())
+        trainer = quiet(lambda: Trainer(model=model, args=train_args(), train_dataset=data))
+        planned = tr.plan_trainer(trainer, target="cpu", seq_len=SEQ).peak_bytes
+        measured = measured_peak(trainer)
+        assert abs(planned - measured) <= 0.01 * measured, (type(data).__name__, planned, measured)
+        assert before.peak_bytes == pytest.approx(planned, rel=0.001)
+    params = sum(p.numel() for p in model.parameters())
+    adapters = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert before.by_category["parameters"] == 2 * (params - adapters) + 4 * adapters  # bf16 base, fp32 adapters
+
+
+def test_the_load_dtype_of_a_plan_from_settings(bf16_folder):
+    def params(args, **kwargs):
+        return tr.plan_trainer(args, model=bf16_folder, lora=lora(), target="cpu", seq_len=16, **kwargs).by_category[
+            "parameters"]
+
+    bf16 = params(train_args())  # from_pretrained with no dtype: the config's (bfloat16)
+    assert params(train_args(), dtype="bfloat16") == params(train_args(), dtype="auto") == bf16
+    assert params(train_args(), dtype=torch.float16) == bf16
+    fp32 = params(train_args(), dtype=torch.float32)
+    assert fp32 > 1.9 * bf16
+    assert params(sft_args()) == fp32  # SFTTrainer(model=<id>) loads fp32 unless model_init_kwargs names a dtype
+    assert params(sft_args(model_init_kwargs={"dtype": "bfloat16"})) == bf16
+    assert params(sft_args(model_init_kwargs={"dtype": "auto"})) == bf16
+    assert params(sft_args(model_init_kwargs={"dtype": "float32"}), dtype="bfloat16") == bf16  # what you load wins
+    with pytest.raises(ValueError, match=r"dtype must be 'auto', 'float32', 'float16', 'bfloat16'.*got 'int8'"):
+        params(train_args(), dtype="int8")
+    with pytest.raises(ValueError, match=r"model_init_kwargs\['dtype'\] must be .*got 'bf17'"):
+        params(sft_args(model_init_kwargs={"dtype": "bf17"}))
+
+
+def test_bitsandbytes_settings_are_read_as_the_trainer_reads_them(bf16_folder):
+    # a dict is a BitsAndBytesConfig's fields, as the CLI reads them
+    as_dict = tr.plan_trainer(sft_args(), model=bf16_folder, lora=lora(), bnb=NF4, target="cpu")
+    as_config = tr.plan_trainer(sft_args(), model=bf16_folder, lora=lora(), bnb=BitsAndBytesConfig(**NF4), target="cpu")
+    assert as_dict.recipe["quantization"] == "nf4" and as_dict.peak_bytes == as_config.peak_bytes
+    with pytest.raises(ValueError, match="unknown BitsAndBytesConfig field"):
+        tr.plan_trainer(sft_args(), model=bf16_folder, lora=lora(), bnb={"load_in_4bits": True}, target="cpu")
+    # the Trainer refuses to fine-tune a quantized model without adapters: so does its plan
+    with pytest.raises(ValueError, match="purely quantized models"):
+        tr.plan_trainer(sft_args(), model=bf16_folder, bnb=NF4, target="cpu")
+    # a Trainer holds its model: bnb= and dtype= are refused as model= and lora= are
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(bf16_folder), lora())
+    trainer = quiet(lambda: Trainer(model=model, args=train_args(), train_dataset=Dataset.from_dict(
+        {"input_ids": [[1] * SEQ] * 2, "labels": [[1] * SEQ] * 2})))
+    for given in (dict(bnb=BitsAndBytesConfig(**NF4)), dict(dtype=torch.float16), dict(model=bf16_folder, lora=lora())):
+        with pytest.raises(ValueError, match=f"a Trainer already holds its model.*leave {'= and '.join(given)}= out"):
+            tr.plan_trainer(trainer, target="cpu", seq_len=SEQ, **given)
+
+
+def test_planning_leaves_the_config_it_was_given_as_it_was(bf16_folder):
+    """transformers' from_config writes the dtype it builds in into the config it is given: the planner builds
+    each model from its own copy, so the user's config (and a folder's, read again) keeps saying bfloat16."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(bf16_folder)
+    tr.plan_trainer(train_args(), model=config, lora=lora(), target="cpu", seq_len=16)
+    assert config.dtype == torch.bfloat16 and getattr(config, "quantization_config", None) is None
+    tr.plan_trainer(train_args(), model=config, lora=lora(), bnb=NF4, target="cpu", seq_len=16)
+    assert config.dtype == torch.bfloat16 and getattr(config, "quantization_config", None) is None
