@@ -59,6 +59,8 @@ class _ScalarMode(torch.utils._python_dispatch.TorchDispatchMode):
 # What bitsandbytes keeps on its quantized layers (the 4-bit and 8-bit layers' states) and reads in forward; the
 # planner hands each layer a copy holding fake tensors for the duration and puts the real one back afterwards.
 _BNB_LAYER_STATE = ("state", "quant_state", "compute_dtype", "compute_type_is_set")
+_BNB_WEIGHT_STATE = ("quant_state", "blocksize", "compress_statistics", "quant_type", "quant_storage", "bnb_quantized",
+                     "module", "CB", "SCB", "has_fp16_weights")
 
 
 @contextlib.contextmanager
@@ -82,8 +84,9 @@ def _fake_parameters(model: nn.Module, mode: Any) -> Iterator[None]:
             swapped[id(t)] = _cpu_fake(t, mode)
             if isinstance(t, nn.Parameter):
                 param = nn.Parameter(swapped[id(t)], requires_grad=t.requires_grad)
-                for name, value in vars(t).items():  # Params4bit / Int8Params: quant_state, CB, SCB, quant_type, ...
-                    setattr(param, name, fake(value))
+                for name in _BNB_WEIGHT_STATE:  # a Params4bit's quant_state, an Int8Params' CB and SCB, ...
+                    if name in vars(t):
+                        setattr(param, name, fake(vars(t)[name]))
                 swapped[id(t)] = param
         return swapped[id(t)]
 

@@ -10,6 +10,7 @@ import warnings
 
 import pytest
 import torch
+from torch import nn
 
 pytest.importorskip("trl")
 pytest.importorskip("bitsandbytes")
@@ -194,3 +195,29 @@ def test_planning_leaves_the_config_it_was_given_as_it_was(bf16_folder):
     assert config.dtype == torch.bfloat16 and getattr(config, "quantization_config", None) is None
     tr.plan_trainer(train_args(), model=config, lora=lora(), bnb=NF4, target="cpu", seq_len=16)
     assert config.dtype == torch.bfloat16 and getattr(config, "quantization_config", None) is None
+
+
+def test_a_trainer_whose_model_lives_on_cuda_is_planned_on_cpu_fakes(bf16_folder):
+    """The model's weights are fake CUDA tensors (what FakeTensorMode makes on a CPU-only torch, standing in for a
+    model moved to the GPU): the plan traces CPU fakes of the same shapes and dtypes, as for the model on the CPU."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(bf16_folder), lora())
+    data = Dataset.from_dict({"input_ids": [[1] * SEQ] * 2, "labels": [[1] * SEQ] * 2})
+    trainer = quiet(lambda: Trainer(model=model, args=train_args(), train_dataset=data))
+    on_cpu = tr.plan_trainer(trainer, target="cpu", seq_len=SEQ)
+    tables = [(m._parameters, name, p) for m in model.modules() for name, p in m._parameters.items() if p is not None]
+    with FakeTensorMode() as cuda_mode:
+        on_cuda = {id(p): nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="cuda"), requires_grad=p.requires_grad)
+                   for _, _, p in tables}
+    assert cuda_mode is not None
+    try:
+        for table, name, p in tables:
+            table[name] = on_cuda[id(p)]
+        assert {p.device.type for p in model.parameters()} == {"cuda"}
+        planned = tr.plan_trainer(trainer, target="cpu", seq_len=SEQ)
+        assert {p.device.type for p in model.parameters()} == {"cuda"}  # the model's own tensors are left as they are
+    finally:
+        for table, name, p in tables:
+            table[name] = p
+    assert planned.peak_bytes == on_cpu.peak_bytes and planned.by_category == on_cpu.by_category
