@@ -82,8 +82,9 @@ def qlora_trainer(folder: str, bnb: BitsAndBytesConfig, *, prepare: bool = False
     if prepare:
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     text = Dataset.from_dict({"text": ["hello world " * 20] * 8})  # every row longer than max_length: full rows
-    return quiet(lambda: SFTTrainer(model=model, args=sft_args(), processing_class=AutoTokenizer.from_pretrained(folder),
-                                    train_dataset=text, peft_config=lora()))
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    return quiet(lambda: SFTTrainer(model=model, args=sft_args(), processing_class=tokenizer, train_dataset=text,
+                                    peft_config=lora()))
 
 
 NF4 = dict(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16)
@@ -208,8 +209,8 @@ def test_a_trainer_whose_model_lives_on_cuda_is_planned_on_cpu_fakes(bf16_folder
     on_cpu = tr.plan_trainer(trainer, target="cpu", seq_len=SEQ)
     tables = [(m._parameters, name, p) for m in model.modules() for name, p in m._parameters.items() if p is not None]
     with FakeTensorMode() as cuda_mode:
-        on_cuda = {id(p): nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="cuda"), requires_grad=p.requires_grad)
-                   for _, _, p in tables}
+        on_cuda = {id(p): nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="cuda"),
+                                       requires_grad=p.requires_grad) for _, _, p in tables}
     assert cuda_mode is not None
     try:
         for table, name, p in tables:
@@ -221,3 +222,23 @@ def test_a_trainer_whose_model_lives_on_cuda_is_planned_on_cpu_fakes(bf16_folder
         for table, name, p in tables:
             table[name] = p
     assert planned.peak_bytes == on_cpu.peak_bytes and planned.by_category == on_cpu.by_category
+
+
+def test_cli_plans_the_dtype_given_with_training_args(bf16_folder, tmp_path, capsys):
+    import json
+
+    from colab_memopt.__main__ import main
+
+    config = tmp_path / "sft.yaml"
+    config.write_text(f"model_name_or_path: {bf16_folder}\nmax_length: 16\nper_device_train_batch_size: 1\n"
+                      "use_peft: true\nlora_r: 4\nlora_target_modules: [q_proj, v_proj]\nbf16: false\nuse_cpu: true\n"
+                      f"output_dir: {tmp_path / 'out'}\n")
+    params = {}
+    for dtype in (None, "bfloat16"):
+        argv = ["plan", "--training-args", str(config), "--no-max-batch", "--json"]
+        argv += ["--dtype", dtype] if dtype else []
+        assert main(argv) == 0
+        params[dtype] = json.loads(capsys.readouterr().out)["by_category"]["parameters"]
+    assert params[None] > 1.9 * params["bfloat16"]  # TRL given the folder loads fp32; --dtype: what you load
+    assert main(["plan", "--model", bf16_folder, "--batch", "1", "--dtype", "bfloat16", "--json"]) == 2
+    assert "--dtype goes with --training-args" in json.loads(capsys.readouterr().out)["error"]
