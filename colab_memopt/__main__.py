@@ -1,7 +1,7 @@
 """Command line.
 
     python -m colab_memopt plan --model gpt2 --batch 8 --seq 1024 --target t4 [--json]
-    python -m colab_memopt plan --model ID --training-args sft.yaml [--lora FILE] [--bnb FILE] --target t4
+    python -m colab_memopt plan --model ID --training-args sft.yaml [--lora FILE] [--bnb FILE] [--dtype bfloat16] --target t4
     python -m colab_memopt recommend --model llama-3.2-1b --seq 512 --target t4 [--mode auto] [--json]
     python -m colab_memopt doctor --model Qwen/Qwen2.5-0.5B --recipe precision=bf16-autocast --target t4 [--json]
 
