@@ -64,9 +64,13 @@ _BNB_WEIGHT_STATE = ("quant_state", "blocksize", "compress_statistics", "quant_t
 
 
 @contextlib.contextmanager
-def _fake_parameters(model: nn.Module, mode: Any) -> Iterator[None]:
+def _fake_parameters(model: nn.Module, mode: Any, *, half: torch.dtype | None = None) -> Iterator[None]:
     """Swap every parameter and buffer of `model` for a fake CPU tensor of the same shape, dtype and
     `requires_grad` (tied weights stay tied), for the duration; the real ones come back afterwards.
+
+    `half`: the dtype fp16 tensors (and bitsandbytes' fp16 compute and quantization dtypes) are traced in: bf16
+    where CUDA's fp16 autocast is traced as the CPU's bf16 autocast (the same bytes; an fp16 tensor under CPU
+    bf16 autocast would be cast where CUDA casts nothing).
 
     The fakes are CPU tensors wherever the real ones live (a model on CUDA is planned as the trace counts it).
     bitsandbytes' quantized weights stay bnb-shaped: a 4-bit weight keeps its `quant_state` (blocksize, quant
@@ -78,10 +82,12 @@ def _fake_parameters(model: nn.Module, mode: Any) -> Iterator[None]:
     swapped: dict[int, Any] = {}
 
     def fake(t: Any) -> Any:
+        if isinstance(t, torch.dtype):
+            return half if half is not None and t == torch.float16 else t
         if not isinstance(t, torch.Tensor):
             return _fake_state(t, fake)
         if id(t) not in swapped:
-            swapped[id(t)] = _cpu_fake(t, mode)
+            swapped[id(t)] = _cpu_fake(t, mode, fake(t.dtype))
             if isinstance(t, nn.Parameter):
                 param = nn.Parameter(swapped[id(t)], requires_grad=t.requires_grad)
                 for name in _BNB_WEIGHT_STATE:  # a Params4bit's quant_state, an Int8Params' CB and SCB, ...
@@ -114,17 +120,17 @@ def _fake_parameters(model: nn.Module, mode: Any) -> Iterator[None]:
             table[name] = t
 
 
-def _cpu_fake(t: torch.Tensor, mode: Any) -> torch.Tensor:
-    """Return a fake CPU tensor like `t` (shape, strides, dtype); nothing is allocated or copied from its device."""
-    if t.device.type == "cpu":
+def _cpu_fake(t: torch.Tensor, mode: Any, dtype: torch.dtype) -> torch.Tensor:
+    """Return a fake CPU tensor like `t` (shape, strides) in `dtype`; nothing is allocated or copied from its device."""
+    if t.device.type == "cpu" and t.dtype == dtype:
         return mode.from_tensor(t.detach(), static_shapes=True)
     with mode:
-        return torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device="cpu")
+        return torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=dtype, device="cpu")
 
 
 def _fake_state(value: Any, fake: Any) -> Any:
-    """Return a copy of bitsandbytes' `QuantState` / `MatmulLtState` with its tensors made fake (by `fake`);
-    any other value as it is."""
+    """Return a copy of bitsandbytes' `QuantState` / `MatmulLtState` with its tensors (and dtypes) made fake (by
+    `fake`); any other value as it is."""
     try:
         from bitsandbytes.autograd._functions import MatmulLtState
         from bitsandbytes.functional import QuantState
@@ -134,7 +140,7 @@ def _fake_state(value: Any, fake: Any) -> Any:
         return value
     new = copy.copy(value)
     for name, item in vars(value).items():
-        if isinstance(item, (torch.Tensor, QuantState)):
+        if isinstance(item, (torch.Tensor, QuantState, torch.dtype)):
             setattr(new, name, fake(item))
     return new
 
@@ -380,11 +386,12 @@ def _model_dtype(args: Any, spec: Any, model: Any = None, dtype: Any = None) -> 
     return _config_dtype(spec) if value in (None, "auto") else value
 
 
-def _as_loaded(net: nn.Module, bnb: Any, mode: Any) -> None:
+def _as_loaded(net: nn.Module, bnb: Any, mode: Any, half: torch.dtype | None = None) -> None:
     """Quantize `net` in place as `from_pretrained(quantization_config=bnb)` loads it: the linear layers in
     bitsandbytes' 4-bit or 8-bit storage (the planner's fake-tensor stand-ins of Linear4bit / Linear8bitLt, with
     the config's compute dtype and double quantization), the skipped ones and the rest in the load dtype; and the
-    model marked quantized as transformers marks it (the Trainer refuses a quantized model without adapters)."""
+    model marked quantized as transformers marks it (the Trainer refuses a quantized model without adapters).
+    `half`: the dtype an fp16 compute dtype is traced in (as `_fake_parameters`)."""
     from transformers.quantizers import AutoHfQuantizer
     from transformers.utils.quantization_config import QuantizationMethod
 
@@ -402,6 +409,8 @@ def _as_loaded(net: nn.Module, bnb: Any, mode: Any) -> None:
                 return stand_in(linear, kind)
             new = traced_linear4bit(linear, kind, compress_statistics=bool(bnb.bnb_4bit_use_double_quant))
             new.compute_dtype = bnb.bnb_4bit_compute_dtype or torch.float32
+            if half is not None and new.compute_dtype == torch.float16:
+                new.compute_dtype = half
             return new
 
         quantization._bnb_linear = bnb_linear
@@ -415,9 +424,11 @@ def _as_loaded(net: nn.Module, bnb: Any, mode: Any) -> None:
     net.config.quantization_config = bnb
 
 
-def _fake_trainer(args: Any, model: Any, lora: Any, bnb: Any, seq_len: int, mode: Any, dtype: Any = None) -> Any:
+def _fake_trainer(args: Any, model: Any, lora: Any, bnb: Any, seq_len: int, mode: Any, dtype: Any = None,
+                  half: torch.dtype | None = None) -> Any:
     """Build the Trainer these settings would build, around a fake-tensor model (nothing allocated): the model
-    in the dtype the run loads it in (`_model_dtype`), quantized as `bnb` loads it."""
+    in the dtype the run loads it in (`_model_dtype`; fp16 as `half` where given, as `_fake_parameters`),
+    quantized as `bnb` loads it."""
     from datasets import Dataset
     from transformers import Trainer, default_data_collator
 
@@ -425,6 +436,7 @@ def _fake_trainer(args: Any, model: Any, lora: Any, bnb: Any, seq_len: int, mode
 
     spec = architectures.resolve_model(model)
     dtype = _model_dtype(args, spec, model, dtype)
+    dtype = half if half is not None and dtype == torch.float16 else dtype
     sft = type(args).__name__ == "SFTConfig"
     rows = {"input_ids": [[1] * seq_len]}
     if not sft:
@@ -439,7 +451,7 @@ def _fake_trainer(args: Any, model: Any, lora: Any, bnb: Any, seq_len: int, mode
         if net.config is spec.config:  # the model's own config is marked below, never the caller's
             net.config = copy.deepcopy(spec.config)
         if bnb is not None and (getattr(bnb, "load_in_4bit", False) or getattr(bnb, "load_in_8bit", False)):
-            _as_loaded(net, bnb, mode)
+            _as_loaded(net, bnb, mode, half)
         if sft:
             from trl import SFTTrainer
 
@@ -542,12 +554,19 @@ def plan_trainer(
     if tgt.cuda and type(args).__name__ == "SFTConfig":
         warn.append("TRL's fused LM head is traced on its CPU path (torch tiles, every position scored); on CUDA with "
                     "Triton it scores only the trained positions in its own kernels: the plan is the most it can hold")
-    holder, mode = real_trainer, None
+    # CUDA's fp16 autocast is traced as the CPU's bf16 autocast: fp16 weights are traced as bf16 ones (the same bytes)
+    half = torch.bfloat16 if tgt.cuda and args.fp16 else None
+    holder, mode = real_trainer, _new_mode()
     if holder is None:
-        mode = _new_mode()
-        holder = _fake_trainer(args, model, lora, bnb, seq, mode, dtype)
+        holder = _fake_trainer(args, model, lora, bnb, seq, mode, dtype, half)
+
+    def fakes() -> Any:  # a real Trainer's tensors swapped for fakes for the duration; a planner-built one's are fake
+        if real_trainer is None:
+            return contextlib.nullcontext()
+        return _fake_parameters(real_trainer.model, mode, half=half)
+
     micro = int(args.per_device_train_batch_size)
-    with _args_of(holder, args):
+    with _args_of(holder, args), fakes():
         trace, _n = _trace_step(holder, args, micro, seq, cuda=tgt.cuda, mode=mode)
     name = _model_name(holder.model, model)
     batch = micro * int(args.gradient_accumulation_steps)
@@ -561,7 +580,7 @@ def plan_trainer(
     if bnb is not None:
         from colab_memopt.planner import quantization_scale_bytes
 
-        with mode if mode is not None else contextlib.nullcontext():
+        with mode:
             scales = quantization_scale_bytes(holder.model, cuda_rounding=tgt.cuda)
         if scales:
             device_costs.append(Cost("quantization scales", scales,
@@ -575,7 +594,8 @@ def plan_trainer(
         optimizer_impl=f"the Trainer's optim={optim!r}" + (" (torch's CUDA choice)" if tgt.cuda else ""),
     )
     if find_max_batch:
-        result.max_batch = _max_micro_batch(holder, args, seq, tgt, result, trace, mode)
+        with fakes():
+            result.max_batch = _max_micro_batch(holder, args, seq, tgt, result, trace, mode)
     result.seconds = time.perf_counter() - start
     return result
 

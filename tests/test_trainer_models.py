@@ -242,3 +242,24 @@ def test_cli_plans_the_dtype_given_with_training_args(bf16_folder, tmp_path, cap
     assert params[None] > 1.9 * params["bfloat16"]  # TRL given the folder loads fp32; --dtype: what you load
     assert main(["plan", "--model", bf16_folder, "--batch", "1", "--dtype", "bfloat16", "--json"]) == 2
     assert "--dtype goes with --training-args" in json.loads(capsys.readouterr().out)["error"]
+
+
+def test_an_fp16_base_on_a_t4_is_planned_as_the_same_bytes_in_bf16(bf16_folder):
+    """fp16=True on a T4 is traced as the CPU's bf16 autocast: an fp16-loaded base (and an fp16 4-bit compute
+    dtype) is traced as bf16, so nothing is cast that CUDA's fp16 autocast would not cast."""
+    rows = Dataset.from_dict({"input_ids": [[1] * SEQ] * 2, "labels": [[1] * SEQ] * 2})
+
+    def planned(dtype, **bnb):
+        quantized = dict(quantization_config=BitsAndBytesConfig(**bnb), device_map="cpu") if bnb else {}
+        model = get_peft_model(AutoModelForCausalLM.from_pretrained(bf16_folder, dtype=dtype, **quantized), lora())
+        trainer = quiet(lambda: Trainer(model=model, args=train_args(), train_dataset=rows))
+        from_trainer = tr.plan_trainer(trainer, target="t4", seq_len=SEQ, fp16=True)
+        before = tr.plan_trainer(train_args(fp16=True), model=bf16_folder, lora=lora(), bnb=bnb or None, dtype=dtype,
+                                 target="t4", seq_len=SEQ)
+        assert before.by_category == from_trainer.by_category, dtype
+        return from_trainer.by_category
+
+    assert planned(torch.float16) == planned(torch.bfloat16)
+    nf4 = dict(load_in_4bit=True, bnb_4bit_quant_type="nf4")
+    assert planned(torch.float16, **nf4, bnb_4bit_compute_dtype=torch.float16) == planned(
+        torch.bfloat16, **nf4, bnb_4bit_compute_dtype=torch.bfloat16)
