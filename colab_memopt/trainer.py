@@ -568,6 +568,9 @@ def plan_trainer(
     micro = int(args.per_device_train_batch_size)
     with _args_of(holder, args), fakes():
         trace, _n = _trace_step(holder, args, micro, seq, cuda=tgt.cuda, mode=mode)
+    loaded = _frozen_dtype(real_trainer.model) if real_trainer is not None else _model_dtype(
+        args, _resolve(model), model, dtype)
+    recipe = _with_base_dtype(recipe, loaded, warn)
     name = _model_name(holder.model, model)
     batch = micro * int(args.gradient_accumulation_steps)
     device_costs: list[Cost] = []
@@ -627,6 +630,36 @@ def _args_of(trainer: Any, args: Any) -> Iterator[None]:
         yield
     finally:
         trainer.args = saved
+
+
+def _resolve(model: Any) -> Any:
+    from colab_memopt import architectures
+
+    return architectures.resolve_model(model)
+
+
+def _frozen_dtype(model: nn.Module) -> torch.dtype:
+    """Return the dtype most of the model's frozen floating-point weights are in (fp32 where there are none)."""
+    counts: dict[torch.dtype, int] = {}
+    for p in model.parameters():
+        if p.is_floating_point() and not p.requires_grad:
+            counts[p.dtype] = counts.get(p.dtype, 0) + p.numel()
+    return max(counts, key=counts.__getitem__) if counts else torch.float32
+
+
+def _with_base_dtype(recipe: Recipe, loaded: torch.dtype, warn: list[str]) -> Recipe:
+    """Return the Recipe with `base_dtype` where the model is loaded in 16 bits and a Recipe can say so (LoRA under
+    that dtype's autocast); else the Recipe as it is and a note in `warn`."""
+    from colab_memopt.precision import BASE_DTYPE_PRECISION
+
+    name = {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(loaded)
+    if name is None:
+        return recipe
+    if recipe.lora_rank and recipe.precision == BASE_DTYPE_PRECISION[name]:
+        return recipe.with_(base_dtype=name)
+    warn.append(f"not in the Recipe: the model loaded in {str(loaded).removeprefix('torch.')} "
+                f"(its base_dtype is LoRA's frozen base under {BASE_DTYPE_PRECISION[name]})")
+    return recipe
 
 
 def _bnb_config(bnb: Any) -> Any:

@@ -145,6 +145,7 @@ def test_lora_on_a_bf16_base_is_planned_as_loaded_before_loading_and_from_the_tr
     params = sum(p.numel() for p in model.parameters())
     adapters = sum(p.numel() for p in model.parameters() if p.requires_grad)
     assert before.by_category["parameters"] == 2 * (params - adapters) + 4 * adapters  # bf16 base, fp32 adapters
+    assert any("not in the Recipe: the model loaded in bfloat16" in w for w in before.warnings)
 
 
 def test_the_load_dtype_of_a_plan_from_settings(bf16_folder):
@@ -257,6 +258,10 @@ def test_an_fp16_base_on_a_t4_is_planned_as_the_same_bytes_in_bf16(bf16_folder):
         before = tr.plan_trainer(train_args(fp16=True), model=bf16_folder, lora=lora(), bnb=bnb or None, dtype=dtype,
                                  target="t4", seq_len=SEQ)
         assert before.by_category == from_trainer.by_category, dtype
+        # the plan's Recipe says the fp16 frozen base a T4 run keeps under fp16 autocast; bf16 it cannot say there
+        assert from_trainer.recipe["base_dtype"] == before.recipe["base_dtype"] == (
+            "fp16" if dtype == torch.float16 else None)
+        assert (dtype == torch.float16) != any("loaded in bfloat16" in w for w in before.warnings)
         return from_trainer.by_category
 
     assert planned(torch.float16) == planned(torch.bfloat16)
