@@ -451,6 +451,10 @@ def _fake_trainer(args: Any, model: Any, lora: Any, bnb: Any, seq_len: int, mode
         if net.config is spec.config:  # the model's own config is marked below, never the caller's
             net.config = copy.deepcopy(spec.config)
         if bnb is not None and (getattr(bnb, "load_in_4bit", False) or getattr(bnb, "load_in_8bit", False)):
+            if lora is None:  # what the Trainer answers for a purely quantized model, in the user's settings
+                kind = "load_in_4bit" if bnb.load_in_4bit else "load_in_8bit"
+                raise ValueError(f"BitsAndBytesConfig({kind}=True) without LoRA: the Trainer refuses to fine-tune a "
+                                 "purely quantized model; give lora=LoraConfig(...)")
             _as_loaded(net, bnb, mode, half)
         if sft:
             from trl import SFTTrainer

@@ -176,8 +176,11 @@ def test_bitsandbytes_settings_are_read_as_the_trainer_reads_them(bf16_folder):
     with pytest.raises(ValueError, match="unknown BitsAndBytesConfig field"):
         tr.plan_trainer(sft_args(), model=bf16_folder, lora=lora(), bnb={"load_in_4bits": True}, target="cpu")
     # the Trainer refuses to fine-tune a quantized model without adapters: so does its plan
-    with pytest.raises(ValueError, match="purely quantized models"):
+    with pytest.raises(ValueError, match=r"BitsAndBytesConfig\(load_in_4bit=True\) without LoRA.*purely quantized"):
         tr.plan_trainer(sft_args(), model=bf16_folder, bnb=NF4, target="cpu")
+    # the planner's model is marked quantized as from_pretrained marks it (what the Trainer's own checks read)
+    built = tr._fake_trainer(sft_args(), bf16_folder, lora(), BitsAndBytesConfig(**NF4), SEQ, tr._new_mode()).model
+    assert built.is_quantized and built.is_loaded_in_4bit and built.hf_quantizer.is_trainable
     # a Trainer holds its model: bnb= and dtype= are refused as model= and lora= are
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(bf16_folder), lora())
     trainer = quiet(lambda: Trainer(model=model, args=train_args(), train_dataset=Dataset.from_dict(
