@@ -544,13 +544,14 @@ def traced_linear4bit(linear: nn.Module, scheme: str, *, compress_statistics: bo
 
     linear = _as_linear(linear)
     w = linear.weight.detach()
-    packed, state = bnb.functional.quantize_4bit(w, blocksize=FOUR_BIT_BLOCKSIZE, compress_statistics=compress_statistics,
-                                                 quant_type=scheme, quant_storage=torch.uint8)
+    packed, state = bnb.functional.quantize_4bit(w, blocksize=FOUR_BIT_BLOCKSIZE, quant_type=scheme,
+                                                 compress_statistics=compress_statistics, quant_storage=torch.uint8)
     new = TracedLinear4bit()
     new.in_features, new.out_features = linear.in_features, linear.out_features
     weight = nn.Parameter(packed, requires_grad=False)
-    for name, value in (("quant_state", state), ("blocksize", FOUR_BIT_BLOCKSIZE), ("compress_statistics", compress_statistics),
-                        ("quant_type", scheme), ("quant_storage", torch.uint8), ("bnb_quantized", True)):
+    for name, value in (("quant_state", state), ("blocksize", FOUR_BIT_BLOCKSIZE),
+                        ("compress_statistics", compress_statistics), ("quant_type", scheme),
+                        ("quant_storage", torch.uint8), ("bnb_quantized", True)):
         setattr(weight, name, value)
     new.weight = weight
     new.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)

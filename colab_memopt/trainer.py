@@ -358,7 +358,7 @@ def _dtype_value(value: Any, name: str) -> torch.dtype | str | None:
         return value
     if isinstance(value, str) and value.removeprefix("torch.") in _DTYPES:
         return _DTYPES[value.removeprefix("torch.")]
-    raise ValueError(f"{name} must be 'auto', 'float32', 'float16', 'bfloat16' or that torch dtype, got {value!r}")
+    raise ValueError(f"{name} must be 'auto', 'float32', 'float16' or 'bfloat16' (or that torch dtype), got {value!r}")
 
 
 def _config_dtype(spec: Any) -> torch.dtype:

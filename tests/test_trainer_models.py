@@ -117,6 +117,9 @@ def test_a_qlora_plan_from_settings_is_the_plan_of_the_trainer_it_builds(bf16_fo
     before = tr.plan_trainer(sft_args(), model=bf16_folder, lora=lora(), bnb=NF4, dtype=torch.bfloat16, target="cpu")
     assert before.peak_bytes == pytest.approx(from_trainer.peak_bytes, rel=0.001)
     assert before.by_category["parameters"] == from_trainer.by_category["parameters"]
+    # bitsandbytes' absmax as loaded (BitsAndBytesConfig's default: one fp32 per 64 weights, not double-quantized)
+    scales = [[c.bytes for c in p.device_costs if c.name == "quantization scales"] for p in (before, from_trainer)]
+    assert scales[0] == scales[1] and scales[0][0] > 0
     # SFTTrainer given the folder itself loads it in fp32 (TRL's rule): the embeddings, norms and head in fp32
     as_id = tr.plan_trainer(sft_args(), model=bf16_folder, lora=lora(), bnb=NF4, target="cpu")
     assert as_id.by_category["parameters"] > before.by_category["parameters"]
@@ -162,7 +165,7 @@ def test_the_load_dtype_of_a_plan_from_settings(bf16_folder):
     assert params(sft_args(model_init_kwargs={"dtype": "bfloat16"})) == bf16
     assert params(sft_args(model_init_kwargs={"dtype": "auto"})) == bf16
     assert params(sft_args(model_init_kwargs={"dtype": "float32"}), dtype="bfloat16") == bf16  # what you load wins
-    with pytest.raises(ValueError, match=r"dtype must be 'auto', 'float32', 'float16', 'bfloat16'.*got 'int8'"):
+    with pytest.raises(ValueError, match=r"dtype must be 'auto', 'float32', 'float16' or 'bfloat16'.*got 'int8'"):
         params(train_args(), dtype="int8")
     with pytest.raises(ValueError, match=r"model_init_kwargs\['dtype'\] must be .*got 'bf17'"):
         params(sft_args(model_init_kwargs={"dtype": "bf17"}))
