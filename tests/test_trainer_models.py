@@ -79,7 +79,7 @@ def measured_peak(trainer) -> int:
 
 def qlora_trainer(folder: str, bnb: BitsAndBytesConfig, *, prepare: bool = False) -> SFTTrainer:
     model = quiet(lambda: AutoModelForCausalLM.from_pretrained(folder, quantization_config=bnb, device_map="cpu"))
-    if prepare:
+    if prepare:  # (its own checkpointing left off: the Trainer turns on the one SFTConfig names, see the report)
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     text = Dataset.from_dict({"text": ["hello world " * 20] * 8})  # every row longer than max_length: full rows
     tokenizer = AutoTokenizer.from_pretrained(folder)
@@ -137,18 +137,22 @@ def test_lora_on_a_bf16_base_is_planned_as_loaded_before_loading_and_from_the_tr
             return {"input_ids": torch.ones(SEQ, dtype=torch.long), "labels": torch.ones(SEQ, dtype=torch.long)}
 
     rows = {"input_ids": [[1] * SEQ] * 8, "labels": [[1] * SEQ] * 8}
-    before = tr.plan_trainer(train_args(), model=bf16_folder, lora=lora(), target="cpu", seq_len=SEQ)
-    for data in (Dataset.from_dict(rows), Rows()):
+    autocast = dict(bf16=True, gradient_checkpointing=True)  # the CPU's 16-bit autocast, as fp16=True on a T4
+    for data, changes in ((Dataset.from_dict(rows), {}), (Rows(), {}), (Dataset.from_dict(rows), autocast)):
+        before = tr.plan_trainer(train_args(**changes), model=bf16_folder, lora=lora(), target="cpu", seq_len=SEQ)
         model = get_peft_model(AutoModelForCausalLM.from_pretrained(bf16_folder), lora())
-        trainer = quiet(lambda: Trainer(model=model, args=train_args(), train_dataset=data))
+        trainer = quiet(lambda: Trainer(model=model, args=train_args(**changes), train_dataset=data))
         planned = tr.plan_trainer(trainer, target="cpu", seq_len=SEQ).peak_bytes
         measured = measured_peak(trainer)
-        assert abs(planned - measured) <= 0.01 * measured, (type(data).__name__, planned, measured)
+        assert abs(planned - measured) <= 0.01 * measured, (type(data).__name__, changes, planned, measured)
         assert before.peak_bytes == pytest.approx(planned, rel=0.001)
     params = sum(p.numel() for p in model.parameters())
     adapters = sum(p.numel() for p in model.parameters() if p.requires_grad)
     assert before.by_category["parameters"] == 2 * (params - adapters) + 4 * adapters  # bf16 base, fp32 adapters
-    assert any("not in the Recipe: the model loaded in bfloat16" in w for w in before.warnings)
+    assert before.recipe["base_dtype"] == "bf16"  # LoRA's bf16 frozen base under bf16 autocast: a Recipe says it
+    plain = tr.plan_trainer(train_args(), model=bf16_folder, lora=lora(), target="cpu", seq_len=SEQ)
+    assert plain.recipe["base_dtype"] is None
+    assert any("not in the Recipe: the model loaded in bfloat16" in w for w in plain.warnings)
 
 
 def test_the_load_dtype_of_a_plan_from_settings(bf16_folder):
