@@ -1,7 +1,7 @@
 """Command line.
 
     python -m colab_memopt plan --model gpt2 --batch 8 --seq 1024 --target t4 [--json]
-    python -m colab_memopt plan --model ID --training-args sft.yaml [--lora FILE] [--bnb FILE] --target t4
+    python -m colab_memopt plan --model ID --training-args sft.yaml [--lora FILE] [--bnb FILE] [--dtype bfloat16] --target t4
     python -m colab_memopt recommend --model llama-3.2-1b --seq 512 --target t4 [--mode auto] [--json]
     python -m colab_memopt doctor --model Qwen/Qwen2.5-0.5B --recipe precision=bf16-autocast --target t4 [--json]
 
@@ -85,6 +85,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="plan a Trainer run: a TrainingArguments / SFTConfig JSON or YAML (a TRL CLI config too)")
     p.add_argument("--lora", nargs="+", default=None, metavar="FILE|FIELD=VALUE", help="a peft LoraConfig file or fields")
     p.add_argument("--bnb", nargs="+", default=None, metavar="FILE|FIELD=VALUE", help="a BitsAndBytesConfig file or fields")
+    p.add_argument("--dtype", default=None, choices=["auto", "float32", "float16", "bfloat16"],
+                   help="with --training-args: the dtype you load the model in (default: as the run loads it: "
+                        "model_init_kwargs' dtype, else fp32, for TRL given the model id; the config's for a model you load)")
 
     from colab_memopt.presets import MODES
     from colab_memopt.recommender import OBJECTIVES
@@ -195,7 +198,7 @@ def _plan_trainer(args: argparse.Namespace) -> tuple[int, Any]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         result = plan_trainer(cfg.args, model=model, lora=cfg.lora, bnb=cfg.bnb, target=_target(args), seq_len=args.seq,
-                              find_max_batch=not args.no_max_batch)
+                              find_max_batch=not args.no_max_batch, dtype=args.dtype)
     result.warnings += [f"read, no effect on memory: {k}" for k in cfg.ignored] + cfg.notes
     return (0 if result.fits else 1), result
 
@@ -207,6 +210,8 @@ def _plan(args: argparse.Namespace) -> tuple[int, Any]:
         return _plan_trainer(args)
     if args.lora is not None or args.bnb is not None:
         raise ValueError("--lora and --bnb go with --training-args (for a Recipe, use --recipe lora_rank=16 quantization=nf4)")
+    if args.dtype is not None:
+        raise ValueError("--dtype goes with --training-args (for a Recipe's frozen base, use --recipe base_dtype=fp16)")
     if args.model is None or args.batch is None:
         raise ValueError("plan needs --model and --batch (or --training-args FILE)")
     target: Any = _target(args)

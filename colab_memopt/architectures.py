@@ -203,6 +203,8 @@ def check_config(config: Any, where: str) -> None:
 
 def _from_config(name: str, config: Any, source: str, path: str | None = None) -> ModelSpec:
     """Return the spec of a transformers causal LM built from `config` (fp32 weights, whatever the checkpoint's dtype)."""
+    import copy
+
     import torch
     import transformers
 
@@ -217,8 +219,10 @@ def _from_config(name: str, config: Any, source: str, path: str | None = None) -
         ) from None
 
     def build() -> nn.Module:
-        # Training keeps fp32 master weights; the recipe (not the checkpoint's dtype) decides the precision.
-        return from_config(config, dtype=torch.float32)
+        # Training keeps fp32 master weights; the recipe (not the checkpoint's dtype) decides the precision. Each model
+        # gets its own copy of the config: transformers' from_config writes the dtype into the config it is given
+        # (the caller's, whose dtype says what from_pretrained would load) and the model keeps that object.
+        return from_config(copy.deepcopy(config), dtype=torch.float32)
 
     build.__name__ = name
     spec = ModelSpec(name, build, _config_seq_len(config), getattr(config, "model_type", None), config, source, path)

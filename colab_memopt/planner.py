@@ -559,7 +559,7 @@ def _fake_safe_module_to() -> Iterator[None]:
 FOUR_BIT_BLOCKSIZE = 64  # bitsandbytes' Linear4bit / Params4bit default, as quantization._bnb_linear builds them
 
 
-def traced_linear4bit(linear: nn.Module, scheme: str) -> nn.Module:
+def traced_linear4bit(linear: nn.Module, scheme: str, *, compress_statistics: bool = True) -> nn.Module:
     """Return a stand-in for `quantization._bnb_linear(linear, scheme)` that works on fake tensors.
 
     bitsandbytes' `Params4bit` is a tensor subclass that cannot wrap a fake tensor. This module holds
@@ -569,7 +569,8 @@ def traced_linear4bit(linear: nn.Module, scheme: str) -> nn.Module:
     the offset and both code books), and the bias. Its forward is `Linear4bit.forward` itself, so the
     step traces bitsandbytes' `matmul_4bit` (dequantize, linear; dequantize again in backward) and
     peft wraps it as it wraps a real 4-bit layer. `tests/test_planner.py` pins its bytes to a real
-    `Linear4bit` per quant type.
+    `Linear4bit` per quant type. `compress_statistics=False`: one fp32 absmax per block, not nested
+    (BitsAndBytesConfig's default `bnb_4bit_use_double_quant=False`).
     """
     import bitsandbytes as bnb
 
@@ -581,13 +582,14 @@ def traced_linear4bit(linear: nn.Module, scheme: str) -> nn.Module:
 
     linear = _as_linear(linear)
     w = linear.weight.detach()
-    packed, state = bnb.functional.quantize_4bit(w, blocksize=FOUR_BIT_BLOCKSIZE, compress_statistics=True,
-                                                 quant_type=scheme, quant_storage=torch.uint8)
+    packed, state = bnb.functional.quantize_4bit(w, blocksize=FOUR_BIT_BLOCKSIZE, quant_type=scheme,
+                                                 compress_statistics=compress_statistics, quant_storage=torch.uint8)
     new = TracedLinear4bit()
     new.in_features, new.out_features = linear.in_features, linear.out_features
     weight = nn.Parameter(packed, requires_grad=False)
-    for name, value in (("quant_state", state), ("blocksize", FOUR_BIT_BLOCKSIZE), ("compress_statistics", True),
-                        ("quant_type", scheme), ("quant_storage", torch.uint8), ("bnb_quantized", True)):
+    for name, value in (("quant_state", state), ("blocksize", FOUR_BIT_BLOCKSIZE),
+                        ("compress_statistics", compress_statistics), ("quant_type", scheme),
+                        ("quant_storage", torch.uint8), ("bnb_quantized", True)):
         setattr(weight, name, value)
     new.weight = weight
     new.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)

@@ -61,12 +61,46 @@ class _ScalarMode(torch.utils._python_dispatch.TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+# What bitsandbytes keeps on its quantized layers (the 4-bit and 8-bit layers' states) and reads in forward; the
+# planner hands each layer a copy holding fake tensors for the duration and puts the real one back afterwards.
+_BNB_LAYER_STATE = ("state", "quant_state", "compute_dtype", "compute_type_is_set")
+_BNB_WEIGHT_STATE = ("quant_state", "blocksize", "compress_statistics", "quant_type", "quant_storage", "bnb_quantized",
+                     "module", "CB", "SCB", "has_fp16_weights")
+
+
 @contextlib.contextmanager
-def _fake_parameters(model: nn.Module, mode: Any) -> Iterator[None]:
-    """Swap every parameter and buffer of `model` for a fake tensor of the same shape, dtype and
-    `requires_grad` (tied weights stay tied), for the duration; the real ones come back afterwards."""
+def _fake_parameters(model: nn.Module, mode: Any, *, half: torch.dtype | None = None) -> Iterator[None]:
+    """Swap every parameter and buffer of `model` for a fake CPU tensor of the same shape, dtype and
+    `requires_grad` (tied weights stay tied), for the duration; the real ones come back afterwards.
+
+    `half`: the dtype fp16 tensors (and bitsandbytes' fp16 compute and quantization dtypes) are traced in: bf16
+    where CUDA's fp16 autocast is traced as the CPU's bf16 autocast (the same bytes; an fp16 tensor under CPU
+    bf16 autocast would be cast where CUDA casts nothing).
+
+    The fakes are CPU tensors wherever the real ones live (a model on CUDA is planned as the trace counts it).
+    bitsandbytes' quantized weights stay bnb-shaped: a 4-bit weight keeps its `quant_state` (blocksize, quant
+    type, absmax and code books as fakes), an 8-bit one its `CB`/`SCB`, and each quantized layer sees a copy of
+    its own state holding fakes, so the trace runs bitsandbytes' own forward and backward on them.
+    """
     saved: list[tuple[Any, str, str, Any]] = []
+    layer_states: list[tuple[nn.Module, dict[str, Any]]] = []
     swapped: dict[int, Any] = {}
+
+    def fake(t: Any) -> Any:
+        if isinstance(t, torch.dtype):
+            return half if half is not None and t == torch.float16 else t
+        if not isinstance(t, torch.Tensor):
+            return _fake_state(t, fake)
+        if id(t) not in swapped:
+            swapped[id(t)] = _cpu_fake(t, mode, fake(t.dtype))
+            if isinstance(t, nn.Parameter):
+                param = nn.Parameter(swapped[id(t)], requires_grad=t.requires_grad)
+                for name in _BNB_WEIGHT_STATE:  # a Params4bit's quant_state, an Int8Params' CB and SCB, ...
+                    if name in vars(t):
+                        setattr(param, name, fake(vars(t)[name]))
+                swapped[id(t)] = param
+        return swapped[id(t)]
+
     try:
         for module in model.modules():
             for kind in ("_parameters", "_buffers"):
@@ -74,15 +108,54 @@ def _fake_parameters(model: nn.Module, mode: Any) -> Iterator[None]:
                 for name, t in list(table.items()):
                     if t is None:
                         continue
-                    if id(t) not in swapped:
-                        fake = mode.from_tensor(t.detach(), static_shapes=True)
-                        swapped[id(t)] = nn.Parameter(fake, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else fake
+                    new = fake(t)
                     saved.append((table, name, kind, t))
-                    table[name] = swapped[id(t)]
+                    table[name] = new
+            if any(name in vars(module) for name in _BNB_LAYER_STATE) and _is_bnb_layer(module):
+                kept = {name: vars(module)[name] for name in _BNB_LAYER_STATE if name in vars(module)}
+                layer_states.append((module, kept))
+                for name, value in kept.items():
+                    setattr(module, name, fake(value))
         yield
     finally:
+        for module, kept in reversed(layer_states):
+            for name, value in kept.items():
+                setattr(module, name, value)
         for table, name, _kind, t in reversed(saved):
             table[name] = t
+
+
+def _cpu_fake(t: torch.Tensor, mode: Any, dtype: torch.dtype) -> torch.Tensor:
+    """Return a fake CPU tensor like `t` (shape, strides) in `dtype`; nothing is allocated or copied from its device."""
+    if t.device.type == "cpu" and t.dtype == dtype:
+        return mode.from_tensor(t.detach(), static_shapes=True)
+    with mode:
+        return torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=dtype, device="cpu")
+
+
+def _fake_state(value: Any, fake: Any) -> Any:
+    """Return a copy of bitsandbytes' `QuantState` / `MatmulLtState` with its tensors (and dtypes) made fake (by
+    `fake`); any other value as it is."""
+    try:
+        from bitsandbytes.autograd._functions import MatmulLtState
+        from bitsandbytes.functional import QuantState
+    except ImportError:  # pragma: no cover - bitsandbytes is a dependency
+        return value
+    if not isinstance(value, (QuantState, MatmulLtState)):
+        return value
+    new = copy.copy(value)
+    for name, item in vars(value).items():
+        if isinstance(item, (torch.Tensor, QuantState, torch.dtype)):
+            setattr(new, name, fake(item))
+    return new
+
+
+def _is_bnb_layer(module: nn.Module) -> bool:
+    try:
+        import bitsandbytes as bnb
+    except ImportError:  # pragma: no cover - bitsandbytes is a dependency
+        return False
+    return isinstance(module, (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt))
 
 
 @contextlib.contextmanager
@@ -133,32 +206,55 @@ def seq_len_of(args: Any) -> int:
     raise ValueError("these TrainingArguments set no max_length: pass seq_len= (tokens per sequence)")
 
 
+# The per-token fields of a training example the planner's batch fills where the user's dataset has them (an
+# attention mask of ones is left out: transformers drops an all-ones mask on real data, so the run holds none).
+_TOKEN_FIELDS = ("input_ids", "labels", "completion_mask", "assistant_masks")
+
+
+def _example_fields(dataset: Any) -> dict[str, Any]:
+    """Return {field: an example value} of what the dataset yields per example: its columns (a `datasets.Dataset`)
+    or the keys of its first example (a PyTorch `Dataset`, read for real, outside any fake-tensor mode); input_ids
+    alone where neither can be read."""
+    names = getattr(dataset, "column_names", None) or list(getattr(dataset, "features", None) or ())
+    if names:
+        return {name: None for name in names}
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    try:
+        with unset_fake_temporarily():
+            example = next(iter(dataset)) if isinstance(dataset, torch.utils.data.IterableDataset) else dataset[0]
+    except Exception:  # noqa: BLE001 - a dataset the planner cannot index: the collator's own fields only
+        return {"input_ids": None}
+    return dict(example) if isinstance(example, dict) or hasattr(example, "keys") else {"input_ids": None}
+
+
 def _synthetic_batch(trainer: Any, batch: int, seq_len: int) -> dict[str, Any]:
-    """Return one batch the Trainer's own collator makes from `batch` examples of `seq_len` tokens
-    (every position a trained token: the most the run can hold)."""
+    """Return one batch the Trainer's own collator makes from `batch` examples of `seq_len` tokens (every position
+    a trained token: the most the run can hold), with the per-token fields the Trainer's dataset yields (labels
+    included), each a list or a tensor as the dataset gives it."""
+    fields = _example_fields(trainer.train_dataset)
     examples = []
-    columns = set(getattr(trainer.train_dataset, "column_names", None) or ["input_ids"])
     for _ in range(batch):
-        ex: dict[str, Any] = {"input_ids": [1] * seq_len}
-        for name in ("completion_mask", "assistant_masks"):
-            if name in columns:
-                ex[name] = [1] * seq_len
-        if "labels" in columns:
-            ex["labels"] = [1] * seq_len
+        ex: dict[str, Any] = {}
+        for name in _TOKEN_FIELDS:
+            if name == "input_ids" or name in fields:
+                like = fields.get(name)
+                ex[name] = (torch.ones(seq_len, dtype=like.dtype) if isinstance(like, torch.Tensor) else [1] * seq_len)
         examples.append(ex)
     out = trainer.data_collator(examples)
     return dict(out)
 
 
 def _trace_step(trainer: Any, args: Any, batch: int, seq_len: int, *, cuda: bool, mode: Any = None,
-                notes: list[str] | None = None) -> tuple[_Trace, int]:
+                notes: list[str] | None = None, param_names: dict[int, str] | None = None) -> tuple[_Trace, int]:
     """Trace the Trainer's step on fake tensors; return (the trace, the number of trainable parameters).
 
     `mode`: the fake-tensor mode a planner-built Trainer's model lives in (its parameters are fake already);
     None swaps a real Trainer's parameters for fake ones for the duration. The optimizer is the one the Trainer
     steps (the user's own, `optimizers=(opt, None)`, as a twin over the fake parameters); checkpointing is what
     the Trainer's `train()` leaves on: the model's own, or the settings' `gradient_checkpointing`; every flag and
-    hook that enabling it adds is taken off afterwards. `notes`: what the trace could not run as given is added."""
+    hook that enabling it adds is taken off afterwards. `notes`: what the trace could not run as given is added.
+    `param_names`: {id: name} of the real parameters, where they are swapped for fakes before this is called."""
     grad_accum = int(args.gradient_accumulation_steps)
     micro = int(args.per_device_train_batch_size)
     model = trainer.model
@@ -168,7 +264,8 @@ def _trace_step(trainer: Any, args: Any, batch: int, seq_len: int, *, cuda: bool
     saved = {k: copy.deepcopy(getattr(trainer, k)) for k in ("_metrics", "_total_train_tokens") if hasattr(trainer, k)}
     saved_optimizer, saved_training = trainer.optimizer, model.training
     # the names of the parameters of a user's own optimizer (optimizers=(opt, None)), to find their fake twins
-    names = {id(p): n for n, p in model.named_parameters()} if saved_optimizer is not None else {}
+    names = param_names if param_names is not None else (
+        {id(p): n for n, p in model.named_parameters()} if saved_optimizer is not None else {})
     restore_modules = _snapshot_modules(model)
     # The run's autocast: accelerate autocasts fp16 and bf16 on CUDA, only bf16 on the CPU (an fp16 run there is fp32);
     # CUDA's fp16 autocast is traced as CPU bf16 autocast (the same 2-byte activations).
@@ -320,47 +417,115 @@ def _plan_tokenizer() -> Any:
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
 
 
-def _model_dtype(args: Any, spec: Any) -> torch.dtype:
-    """Return the dtype the run loads the weights in: SFTConfig's model_init_kwargs dtype, else the checkpoint's
-    config dtype for 'auto', else fp32 (transformers' default for a model built from a config)."""
-    kwargs = getattr(args, "model_init_kwargs", None) or {}
-    value = kwargs.get("dtype", kwargs.get("torch_dtype"))
-    if value == "auto":
-        value = getattr(spec.config, "dtype", None) if spec.config is not None else None
-    if value is None:
-        return torch.float32
+# The dtypes a model is loaded in, by the names transformers, TRL and torch give them.
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
+           "half": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+def _dtype_value(value: Any, name: str) -> torch.dtype | str | None:
+    """Return `value` as a torch dtype, 'auto' or None; raise ValueError naming `name` for anything else."""
+    if value is None or value == "auto" or (isinstance(value, torch.dtype) and value in _DTYPES.values()):
+        return value
+    if isinstance(value, str) and value.removeprefix("torch.") in _DTYPES:
+        return _DTYPES[value.removeprefix("torch.")]
+    raise ValueError(f"{name} must be 'auto', 'float32', 'float16' or 'bfloat16' (or that torch dtype), got {value!r}")
+
+
+def _config_dtype(spec: Any) -> torch.dtype:
+    """Return the dtype transformers 5's `from_pretrained` (and `from_config`) loads with none given: the config's
+    dtype ('auto'), fp32 where the config names none."""
+    config = spec.config
+    value = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) if config is not None else None
     if isinstance(value, str):
-        value = getattr(torch, value, None)
-    if not isinstance(value, torch.dtype):
-        raise ValueError(f"model_init_kwargs dtype must be 'auto', 'float32', 'float16' or 'bfloat16', got {kwargs!r}")
-    return value
+        value = getattr(torch, value.removeprefix("torch."), None)
+    return value if isinstance(value, torch.dtype) and value.is_floating_point else torch.float32
 
 
-def _fake_trainer(args: Any, model: Any, lora: Any, bnb: Any, seq_len: int, mode: Any) -> Any:
-    """Build the Trainer these settings would build, around a fake-tensor model (nothing allocated)."""
+def _model_dtype(args: Any, spec: Any, model: Any = None, dtype: Any = None) -> torch.dtype:
+    """Return the dtype the run loads the weights in.
+
+    `dtype` where given (the dtype the user loads with); else, for TRL's SFTTrainer given a model id (`model` a
+    string with an SFTConfig), SFTConfig's `model_init_kwargs` dtype, fp32 where it names none (TRL's rule);
+    else what transformers 5 loads with none given: the config's dtype, fp32 where the config names none.
+    """
+    value = _dtype_value(dtype, "dtype")
+    if value is None and type(args).__name__ == "SFTConfig" and isinstance(model, str):
+        kwargs = getattr(args, "model_init_kwargs", None) or {}
+        value = _dtype_value(kwargs.get("dtype", kwargs.get("torch_dtype")), "SFTConfig.model_init_kwargs['dtype']")
+        value = torch.float32 if value is None else value
+    return _config_dtype(spec) if value in (None, "auto") else value
+
+
+def _as_loaded(net: nn.Module, bnb: Any, mode: Any, half: torch.dtype | None = None) -> None:
+    """Quantize `net` in place as `from_pretrained(quantization_config=bnb)` loads it: the linear layers in
+    bitsandbytes' 4-bit or 8-bit storage (the planner's fake-tensor stand-ins of Linear4bit / Linear8bitLt, with
+    the config's compute dtype and double quantization), the skipped ones and the rest in the load dtype; and the
+    model marked quantized as transformers marks it (the Trainer refuses a quantized model without adapters).
+    `half`: the dtype an fp16 compute dtype is traced in (as `_fake_parameters`)."""
+    from transformers.quantizers import AutoHfQuantizer
+    from transformers.utils.quantization_config import QuantizationMethod
+
+    from colab_memopt import quantization
+    from colab_memopt.planner import traced_linear4bit
+    from colab_memopt.quantization import quantize_model
+
+    four_bit = bool(bnb.load_in_4bit)
+    scheme = str(bnb.bnb_4bit_quant_type) if four_bit else "bnb_int8"
+    with _fake_safe_bitsandbytes(mode, Recipe(quantization=scheme, lora_rank=1)):
+        stand_in = quantization._bnb_linear
+
+        def bnb_linear(linear: nn.Module, kind: str) -> nn.Module:
+            if kind not in ("nf4", "fp4"):
+                return stand_in(linear, kind)
+            new = traced_linear4bit(linear, kind, compress_statistics=bool(bnb.bnb_4bit_use_double_quant))
+            new.compute_dtype = bnb.bnb_4bit_compute_dtype or torch.float32
+            if half is not None and new.compute_dtype == torch.float16:
+                new.compute_dtype = half
+            return new
+
+        quantization._bnb_linear = bnb_linear
+        try:
+            quantize_model(net, scheme, skip=tuple(bnb.llm_int8_skip_modules or ("lm_head",)))
+        finally:
+            quantization._bnb_linear = stand_in
+    net.is_loaded_in_4bit, net.is_loaded_in_8bit = four_bit, bool(bnb.load_in_8bit)
+    net.is_quantized, net.quantization_method = True, QuantizationMethod.BITS_AND_BYTES
+    net.hf_quantizer = AutoHfQuantizer.from_config(bnb)
+    net.config.quantization_config = bnb
+
+
+def _fake_trainer(args: Any, model: Any, lora: Any, bnb: Any, seq_len: int, mode: Any, dtype: Any = None,
+                  half: torch.dtype | None = None) -> Any:
+    """Build the Trainer these settings would build, around a fake-tensor model (nothing allocated): the model
+    in the dtype the run loads it in (`_model_dtype`; fp16 as `half` where given, as `_fake_parameters`),
+    quantized as `bnb` loads it."""
     from datasets import Dataset
     from transformers import Trainer, default_data_collator
 
     from colab_memopt import architectures
 
     spec = architectures.resolve_model(model)
-    dtype = _model_dtype(args, spec)
+    dtype = _model_dtype(args, spec, model, dtype)
+    dtype = half if half is not None and dtype == torch.float16 else dtype
     sft = type(args).__name__ == "SFTConfig"
     rows = {"input_ids": [[1] * seq_len]}
     if not sft:
         rows.update(attention_mask=[[1] * seq_len], labels=[[1] * seq_len])
     data = Dataset.from_dict(rows)
     with mode, _fake_safe_module_to(), _quiet_datasets():
-        net = spec.build().to(dtype)
+        net = spec.build()
+        with torch.no_grad():  # the weights in the load dtype; buffers as built (transformers keeps RoPE's in fp32)
+            for p in net.parameters():
+                if p.is_floating_point() and p.dtype != dtype:
+                    p.data = p.data.to(dtype)
+        if net.config is spec.config:  # the model's own config is marked below, never the caller's
+            net.config = copy.deepcopy(spec.config)
         if bnb is not None and (getattr(bnb, "load_in_4bit", False) or getattr(bnb, "load_in_8bit", False)):
-            # as from_pretrained(quantization_config=bnb) loads it: the linear layers in bitsandbytes' 4-bit or 8-bit
-            # storage (the planner's fake-tensor stand-ins of Linear4bit / Linear8bitLt), the skipped ones kept
-            from colab_memopt.quantization import quantize_model
-
-            scheme = str(bnb.bnb_4bit_quant_type) if bnb.load_in_4bit else "bnb_int8"
-            with _fake_safe_bitsandbytes(mode, Recipe(quantization=scheme, lora_rank=1)):
-                quantize_model(net, scheme, skip=tuple(bnb.llm_int8_skip_modules or ("lm_head",)))
-            net.is_loaded_in_4bit, net.is_loaded_in_8bit = bool(bnb.load_in_4bit), bool(bnb.load_in_8bit)
+            if lora is None:  # what the Trainer answers for a purely quantized model, in the user's settings
+                kind = "load_in_4bit" if bnb.load_in_4bit else "load_in_8bit"
+                raise ValueError(f"BitsAndBytesConfig({kind}=True) without LoRA: the Trainer refuses to fine-tune a "
+                                 "purely quantized model; give lora=LoraConfig(...)")
+            _as_loaded(net, bnb, mode, half)
         if sft:
             from trl import SFTTrainer
 
@@ -396,6 +561,7 @@ def plan_trainer(
     seq_len: int | None = None,
     headroom: float = 0.05,
     find_max_batch: bool = False,
+    dtype: Any = None,
     **changes: Any,
 ) -> Plan:
     """Predict the peak memory of one optimizer step of a Hugging Face Trainer run on a target, without a GPU.
@@ -408,11 +574,16 @@ def plan_trainer(
         lora: with TrainingArguments: a peft `LoraConfig` (or its fields as a dict) or another peft config
             (`IA3Config`, `LoHaConfig`, prompt tuning: traced, named in the warnings); a Trainer already holds
             its peft model.
-        bnb: a `BitsAndBytesConfig`; read into the Recipe (a Trainer already holds the quantized model).
+        bnb: with TrainingArguments: a `BitsAndBytesConfig` (or a dict of its fields): the model is planned
+            as `from_pretrained(quantization_config=bnb)` loads it (a Trainer already holds its quantized model).
         target: 't4', 'l4', 'a100-40gb', 'a100-80gb', 'h100-80gb', 'cpu' (this machine), a `Target` or a dict.
         seq_len: tokens per sequence (default: SFTConfig's max_length).
         headroom: fraction of device memory kept free.
         find_max_batch: also find the largest per_device_train_batch_size that fits (two more traces).
+        dtype: with TrainingArguments: the dtype you load the model in (`torch.bfloat16`, 'float16', 'auto', ...).
+            Default: what the run loads with none given: `SFTTrainer` given a model id loads it in SFTConfig's
+            `model_init_kwargs` dtype, else fp32 (TRL's rule); a model you load yourself (`from_pretrained`,
+            transformers 5) comes in its config's dtype. A Trainer's model is planned in the dtypes it holds.
         **changes: TrainingArguments fields to change for this plan (what `fit_trainer` tries), e.g.
             `per_device_train_batch_size=2`; the arguments are rebuilt through their class, so what
             `TrainingArguments` refuses is refused (fp16 with bf16), and `deepspeed` / `fsdp`, which the
@@ -437,19 +608,21 @@ def plan_trainer(
     optim = check_optim(args.optim)
     if real_trainer is None and model is None:
         raise ValueError("plan_trainer(TrainingArguments) needs model= (a model id, folder, config or name)")
-    if real_trainer is not None and (model is not None or lora is not None):
-        raise ValueError("a Trainer already holds its model and peft adapters: leave model= and lora= out")
+    given = {k: v for k, v in dict(model=model, lora=lora, bnb=bnb, dtype=dtype).items() if v is not None}
+    if real_trainer is not None and given:
+        raise ValueError(f"a Trainer already holds its model, its peft adapters, their quantization and dtype: leave "
+                         f"{' and '.join(f'{k}=' for k in given)} out")
     if real_trainer is None:
         _check_trainable_model(model)
     if isinstance(lora, dict):
         from colab_memopt.hfconfig import read_lora
 
         lora = read_lora(lora)
-    if real_trainer is not None and lora is None:
+    if real_trainer is not None:
         lora = _peft_config(real_trainer.model)
-    if real_trainer is not None and bnb is None:
         bnb = getattr(getattr(real_trainer.model, "config", None), "quantization_config", None)
-        bnb = None if isinstance(bnb, dict) else bnb
+        bnb = bnb if isinstance(bnb, dict) or type(bnb).__name__ == "BitsAndBytesConfig" else None
+    bnb = _bnb_config(bnb)
     seq = _whole("seq_len", seq_len) if seq_len is not None else seq_len_of(args)
     recipe, notes = trainer_recipe(args, lora, bnb)
     given_optimizer = getattr(real_trainer, "optimizer", None)
@@ -472,26 +645,40 @@ def plan_trainer(
     if tgt.cuda and type(args).__name__ == "SFTConfig":
         warn.append("TRL's fused LM head is traced on its CPU path (torch tiles, every position scored); on CUDA with "
                     "Triton it scores only the trained positions in its own kernels: the plan is the most it can hold")
+    # CUDA's fp16 autocast is traced as the CPU's bf16 autocast: fp16 weights are traced as bf16 ones (the same bytes)
+    half = torch.bfloat16 if tgt.cuda and args.fp16 else None
     # the planner's own Trainer builds its accelerator from these settings: in accelerate's process-wide state,
     # which is put back as it was afterwards
     with _accelerate_state_kept(fresh=real_trainer is None):
-        holder, mode = real_trainer, None
+        holder, mode = real_trainer, _new_mode()
         if holder is None:
-            mode = _new_mode()
             built = _buildable(args)
             with _cpu_device_without_index(built):  # the Trainer moves its model to args.device while it is built
-                holder = _fake_trainer(built, model, lora, bnb, seq, mode)
-        if args.fp16 and (half := _half_trainable(holder.model)):
-            warn.append(f"{FP16_TRAP} {len(half)} trainable tensor(s) in "
-                        f"{' and '.join(sorted({str(d).removeprefix('torch.') for d in half.values()}))}: the GradScaler "
+                holder = _fake_trainer(built, model, lora, bnb, seq, mode, dtype, half)
+
+        # a user's own optimizer holds the real parameters: their names find the fake twins
+        names = {id(p): n for n, p in holder.model.named_parameters()} if given_optimizer is not None else None
+
+        def fakes() -> Any:  # a real Trainer's tensors swapped for fakes for the duration; a planner-built one's are fake
+            if real_trainer is None:
+                return contextlib.nullcontext()
+            return _fake_parameters(real_trainer.model, mode, half=half)
+
+        if args.fp16 and (found := _half_trainable(holder.model)):
+            warn.append(f"{FP16_TRAP} {len(found)} trainable tensor(s) in "
+                        f"{' and '.join(sorted({str(d).removeprefix('torch.') for d in found.values()}))}: the GradScaler "
                         "cannot unscale them on a GPU; planned in float32, as MemoryGuardCallback casts them")
         micro = int(args.per_device_train_batch_size)
         warn += _position_limit(holder.model, seq)
         trace_notes: list[str] = []
-        with _args_of(holder, args), _rows_kept(holder, args, trace_notes), _target_attention(tgt, args) as sdpa:
-            trace, _n = _trace_step(holder, args, micro, seq, cuda=tgt.cuda, mode=mode, notes=trace_notes)
+        with _args_of(holder, args), fakes(), _rows_kept(holder, args, trace_notes), _target_attention(tgt, args) as sdpa:
+            trace, _n = _trace_step(holder, args, micro, seq, cuda=tgt.cuda, mode=mode, notes=trace_notes,
+                                    param_names=names)
         trace.hidden_bytes = sdpa.hidden_bytes if sdpa is not None else 0
         warn += trace_notes
+        loaded = _frozen_dtype(real_trainer.model) if real_trainer is not None else _model_dtype(
+            args, _resolve(model), model, dtype)
+        recipe = _with_base_dtype(recipe, loaded, warn)
         name = _model_name(holder.model, model)
         batch = micro * int(args.gradient_accumulation_steps)
         device_costs: list[Cost] = []
@@ -507,7 +694,7 @@ def plan_trainer(
         if bnb is not None:
             from colab_memopt.planner import quantization_scale_bytes
 
-            with mode if mode is not None else contextlib.nullcontext():
+            with mode:
                 scales = quantization_scale_bytes(holder.model, cuda_rounding=tgt.cuda)
             if scales:
                 device_costs.append(Cost("quantization scales", scales,
@@ -523,7 +710,8 @@ def plan_trainer(
                             else f"the Trainer's optim={optim!r}") + (" (torch's CUDA choice)" if tgt.cuda else ""),
         )
         if find_max_batch:
-            result.max_batch = _max_micro_batch(holder, args, seq, tgt, result, trace, mode)
+            with fakes():
+                result.max_batch = _max_micro_batch(holder, args, seq, tgt, result, trace, mode, names)
     result.seconds = time.perf_counter() - start
     return result
 
@@ -715,6 +903,51 @@ def _args_of(trainer: Any, args: Any) -> Iterator[None]:
         trainer.args = saved
 
 
+def _resolve(model: Any) -> Any:
+    from colab_memopt import architectures
+
+    return architectures.resolve_model(model)
+
+
+def _frozen_dtype(model: nn.Module) -> torch.dtype:
+    """Return the dtype most of the model's frozen floating-point weights are in (fp32 where there are none)."""
+    counts: dict[torch.dtype, int] = {}
+    for p in model.parameters():
+        if p.is_floating_point() and not p.requires_grad:
+            counts[p.dtype] = counts.get(p.dtype, 0) + p.numel()
+    return max(counts, key=counts.__getitem__) if counts else torch.float32
+
+
+def _with_base_dtype(recipe: Recipe, loaded: torch.dtype, warn: list[str]) -> Recipe:
+    """Return the Recipe with `base_dtype` where the model is loaded in 16 bits and a Recipe can say so (LoRA under
+    that dtype's autocast); else the Recipe as it is and a note in `warn`."""
+    from colab_memopt.precision import BASE_DTYPE_PRECISION
+
+    name = {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(loaded)
+    if name is None:
+        return recipe
+    if recipe.lora_rank and recipe.precision == BASE_DTYPE_PRECISION[name]:
+        return recipe.with_(base_dtype=name)
+    warn.append(f"not in the Recipe: the model loaded in {str(loaded).removeprefix('torch.')} "
+                f"(its base_dtype is LoRA's frozen base under {BASE_DTYPE_PRECISION[name]})")
+    return recipe
+
+
+def _bnb_config(bnb: Any) -> Any:
+    """Return a BitsAndBytesConfig from one, from a dict of its fields (as a model's config.json holds it) or None;
+    None where it quantizes nothing."""
+    from colab_memopt.hfconfig import read_bnb
+
+    method = bnb.get("quant_method", "bitsandbytes") if isinstance(bnb, dict) else None
+    if isinstance(bnb, dict) and str(getattr(method, "value", method)) == "bitsandbytes":
+        bnb = read_bnb({k: v for k, v in bnb.items() if k not in ("quant_method", "_load_in_4bit", "_load_in_8bit")})
+    elif bnb is not None and type(bnb).__name__ != "BitsAndBytesConfig":
+        raise ValueError(f"bnb must be a BitsAndBytesConfig or a dict of its fields, got {type(bnb).__name__} {bnb!r}")
+    if bnb is None or not (getattr(bnb, "load_in_4bit", False) or getattr(bnb, "load_in_8bit", False)):
+        return None
+    return bnb
+
+
 def _peft_config(model: Any) -> Any:
     configs = getattr(model, "peft_config", None)
     if isinstance(configs, dict) and configs:
@@ -729,7 +962,8 @@ def _model_name(net: Any, given: Any) -> str:
     return str(getattr(config, "_name_or_path", "") or getattr(config, "model_type", "") or type(net).__name__)
 
 
-def _max_micro_batch(trainer: Any, args: Any, seq_len: int, tgt: Target, plan: Plan, trace: _Trace, mode: Any) -> int:
+def _max_micro_batch(trainer: Any, args: Any, seq_len: int, tgt: Target, plan: Plan, trace: _Trace, mode: Any,
+                     param_names: dict[int, str] | None = None) -> int:
     """Return the largest per_device_train_batch_size that fits: linear in the batch from two traces, then confirmed."""
     budget = plan.device_limit_bytes - sum(c.bytes for c in plan.device_costs if c.name != MATH_ATTENTION_LINE)
     micro = int(args.per_device_train_batch_size)
@@ -737,7 +971,7 @@ def _max_micro_batch(trainer: Any, args: Any, seq_len: int, tgt: Target, plan: P
     def peak(b: int) -> int:
         with _args_of(trainer, _changed_args(args, {"per_device_train_batch_size": b})), _target_attention(tgt, args) as sdpa:
             peak_bytes = _trace_step(trainer, _changed_args(args, {"per_device_train_batch_size": b}), b, seq_len,
-                                     cuda=tgt.cuda, mode=mode)[0].peak_bytes
+                                     cuda=tgt.cuda, mode=mode, param_names=param_names)[0].peak_bytes
         return peak_bytes + (sdpa.hidden_bytes if sdpa is not None else 0)
 
     other = micro + 1
