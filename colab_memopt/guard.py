@@ -22,10 +22,10 @@ from transformers import TrainerCallback
 
 from colab_memopt.measure import LiveMemory, MemoryReport, format_bytes
 from colab_memopt.planner import Plan, Target
+from colab_memopt.precision import HALF_DTYPES, describe_half_trainable, half_trainable, upcast_trainable  # noqa: F401 - cm.guard.upcast_trainable
 from colab_memopt.tracker import LiveBytesMode
 from colab_memopt.trainer import CPU_TARGET_NAME, _target, fit_trainer, plan_trainer
 
-HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 
 class MemoryGuardError(RuntimeError):
@@ -45,37 +45,6 @@ def _running_trainer() -> Any:
             return candidate
         frame = frame.f_back
     raise RuntimeError("MemoryGuardCallback found no Trainer calling it: add it to a Trainer (callbacks=[...])")
-
-
-def half_trainable(model: torch.nn.Module) -> dict[str, torch.dtype]:
-    """Return {name: dtype} of the trainable parameters stored in bf16 or fp16.
-
-    Under `fp16=True` the GradScaler cannot unscale them: bf16 fails on CUDA with
-    "_amp_foreach_non_finite_check_and_unscale_cuda not implemented for 'BFloat16'" (TRL casts a
-    4-bit or 8-bit model's LoRA weights to bf16: huggingface/trl#4901), fp16 with "Attempting to
-    unscale FP16 gradients" (diffusers#6086).
-    """
-    return {n: p.dtype for n, p in model.named_parameters() if p.requires_grad and p.dtype in HALF_DTYPES}
-
-
-def upcast_trainable(model: torch.nn.Module) -> dict[str, torch.dtype]:
-    """Cast the bf16/fp16 trainable parameters of `model` to fp32 in place; return {name: dtype before}.
-
-    The parameters stay the same objects (an optimizer already built keeps them); call it before the first
-    step, while no optimizer state exists. Example:
-        >>> cm.guard.upcast_trainable(trainer.model)   # after SFTTrainer(...), before trainer.train()
-    """
-    found = half_trainable(model)
-    for name, p in model.named_parameters():
-        if name in found:
-            p.data = p.data.float()
-    return found
-
-
-def describe_half_trainable(found: dict[str, torch.dtype]) -> str:
-    """Return 'N trainable tensor(s) in bfloat16' (the dtypes named as torch names them)."""
-    dtypes = sorted({str(d).removeprefix("torch.") for d in found.values()})
-    return f"{len(found)} trainable tensor(s) in {' and '.join(dtypes)}"
 
 
 FP16_FIX = ("cast them to float32 after SFTTrainer(...) and before train():\n"

@@ -173,3 +173,38 @@ def adapters_to_fp32(model: nn.Module) -> nn.Module:
             if p.requires_grad and p.is_floating_point() and p.dtype != torch.float32:
                 p.data = p.data.to(torch.float32)
     return model
+
+
+# -- trainable weights under fp16 autocast (MemoryGuardCallback, plan_trainer and doctor use these) --
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def half_trainable(model: torch.nn.Module) -> dict[str, torch.dtype]:
+    """Return {name: dtype} of the trainable parameters stored in bf16 or fp16.
+
+    Under `fp16=True` the GradScaler cannot unscale them: bf16 fails on CUDA with
+    "_amp_foreach_non_finite_check_and_unscale_cuda not implemented for 'BFloat16'" (TRL casts a
+    4-bit or 8-bit model's LoRA weights to bf16: huggingface/trl#4901), fp16 with "Attempting to
+    unscale FP16 gradients" (diffusers#6086).
+    """
+    return {n: p.dtype for n, p in model.named_parameters() if p.requires_grad and p.dtype in HALF_DTYPES}
+
+
+def upcast_trainable(model: torch.nn.Module) -> dict[str, torch.dtype]:
+    """Cast the bf16/fp16 trainable parameters of `model` to fp32 in place; return {name: dtype before}.
+
+    The parameters stay the same objects (an optimizer already built keeps them); call it before the first
+    step, while no optimizer state exists. Example:
+        >>> cm.guard.upcast_trainable(trainer.model)   # after SFTTrainer(...), before trainer.train()
+    """
+    found = half_trainable(model)
+    for name, p in model.named_parameters():
+        if name in found:
+            p.data = p.data.float()
+    return found
+
+
+def describe_half_trainable(found: dict[str, torch.dtype]) -> str:
+    """Return 'N trainable tensor(s) in bfloat16' (the dtypes named as torch names them)."""
+    dtypes = sorted({str(d).removeprefix("torch.") for d in found.values()})
+    return f"{len(found)} trainable tensor(s) in {' and '.join(dtypes)}"

@@ -991,13 +991,13 @@ def _target_attention(tgt: Target, args: Any) -> Any:
 
 
 def _half_trainable(model: Any) -> dict[str, torch.dtype]:
-    from colab_memopt.guard import half_trainable
+    from colab_memopt.precision import half_trainable
 
     return half_trainable(model)
 
 
 def _upcast_trainable(model: Any) -> None:
-    from colab_memopt.guard import upcast_trainable
+    from colab_memopt.precision import upcast_trainable
 
     upcast_trainable(model)
 
