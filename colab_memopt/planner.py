@@ -1061,6 +1061,15 @@ def math_attention_cost(hidden_bytes: int, target: Target) -> Cost:
                 "x T x T fp32 score tensor that the trace cannot see: the largest, once", in_allocator=True, in_step=True)
 
 
+def _grouped_query(model: Any) -> bool:
+    """Return whether a transformers model has fewer key/value heads than query heads (grouped-query attention)."""
+    config = getattr(model, "config", None)
+    get = getattr(config, "get_text_config", None)
+    config = get() if callable(get) else config
+    heads, kv = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
+    return isinstance(heads, int) and isinstance(kv, int) and kv < heads
+
+
 def math_attention_warning(target: Target) -> str:
     """Return the warning of a plan whose attention runs SDPA's math kernel on the target: T x T scores per layer."""
     return (f"attention runs SDPA's math kernel on {target.name}: T x T scores per layer (planned); for a "
@@ -1603,6 +1612,11 @@ def plan(
             warnings.warn(warn[-1], stacklevel=2)
     if trace is None:
         trace = _Trace(analytic.peak_bytes, analytic.by_category, analytic.by_phase, analytic.phase_categories)
+        if _grouped_query(meta_model) and tgt.cuda and tgt.compute_capability is not None \
+                and tuple(tgt.compute_capability) < (8, 0):
+            warn.append(f"grouped-query attention without a mask runs SDPA's math kernel on {tgt.name}: the estimate "
+                        "leaves out its T x T scores per layer; trace the step (method='trace'), or call "
+                        "colab_memopt.attention.repeat_kv_for_sdpa(model) to run the O(T) kernel")
 
     result = Plan(
         model=name, batch=batch, seq_len=seq_len, recipe=rec.to_dict(), target=tgt, method=used,

@@ -2,6 +2,7 @@ import pytest
 
 import colab_memopt as cm
 from colab_memopt import estimate
+from colab_memopt.planner import MATH_ATTENTION_LINE
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "naive"])
@@ -22,6 +23,12 @@ def test_optimizer_state_bytes_match_measurement(tiny, corpus, name):
     opt = cm.make_optimizer(name, model.parameters())
     report = cm.measure_step(cm.make_train_step(model, opt, corpus, batch_size=2, seq_len=16), model=model, optimizer=opt, repeat=1)
     assert report.resident_bytes["optimizer_state"] == estimate.optimizer_state_bytes(model.parameters(), name)
+
+# The analytic estimate models O(T) attention (SDPA's flash / memory-efficient kernels). A CUDA target without a
+# compute capability is traced with the O(T) kernel; a T4 runs grouped-query calls without a mask with the math
+# kernel (T x T scores), which the estimate does not model yet: see the t4 test below.
+O_T_TARGET = {"name": "o(t)-attention", "device_bytes": 14 * 2**30, "host_bytes": 12 * 10**9}
+
 
 
 def test_formulas_and_conventions():
@@ -76,9 +83,22 @@ def test_the_analytic_estimate_follows_the_trace_of_transformers_families_at_lon
     from colab_memopt.planner import plan
 
     config = small_config(family)
-    analytic = plan(config, 2, seq_len=512, recipe=recipe, method="analytic", find_max_batch=False).peak_bytes
-    traced = plan(config, 2, seq_len=512, recipe=recipe, method="trace", find_max_batch=False).peak_bytes
-    assert abs(analytic - traced) / traced < 0.15, (analytic, traced)
+    analytic = plan(config, 2, seq_len=512, recipe=recipe, method="analytic", find_max_batch=False, target=O_T_TARGET)
+    traced = plan(config, 2, seq_len=512, recipe=recipe, method="trace", find_max_batch=False, target=O_T_TARGET)
+    assert abs(analytic.peak_bytes - traced.peak_bytes) / traced.peak_bytes < 0.15, (analytic.peak_bytes, traced.peak_bytes)
+    assert not any(c.name == MATH_ATTENTION_LINE for c in traced.device_costs)
+
+
+def test_the_analytic_estimate_says_what_it_leaves_out_for_grouped_query_attention_on_a_t4():
+    # On a T4 (sm_75) transformers' grouped-query call without a mask runs SDPA's math kernel: the trace counts its
+    # T x T scores, the analytic estimate does not yet; it says so and names the two ways out.
+    from colab_memopt.architectures import small_config
+    from colab_memopt.planner import plan
+
+    analytic = plan(small_config("llama"), 2, seq_len=512, method="analytic", find_max_batch=False, target="t4")
+    traced = plan(small_config("llama"), 2, seq_len=512, method="trace", find_max_batch=False, target="t4")
+    assert traced.peak_bytes > 1.5 * analytic.peak_bytes
+    assert any("math kernel on t4" in w and "repeat_kv_for_sdpa" in w for w in analytic.warnings), analytic.warnings
 
 
 def _selective_model(family, recipe):
@@ -154,6 +174,8 @@ def test_the_analytic_estimate_of_selective_checkpointing_follows_the_trace(mode
 
     config = small_config(model) if model == "llama" else model
     recipe = {"checkpointing": "selective", **fields}
-    analytic = plan(config, batch, seq_len=seq, recipe=recipe, method="analytic", find_max_batch=False).peak_bytes
-    traced = plan(config, batch, seq_len=seq, recipe=recipe, method="trace", find_max_batch=False).peak_bytes
+    analytic = plan(config, batch, seq_len=seq, recipe=recipe, method="analytic", find_max_batch=False,
+                    target=O_T_TARGET).peak_bytes
+    traced = plan(config, batch, seq_len=seq, recipe=recipe, method="trace", find_max_batch=False,
+                  target=O_T_TARGET).peak_bytes
     assert abs(analytic - traced) / traced < within, (analytic, traced)
