@@ -115,8 +115,9 @@ def run_notebook(path: Path, out_dir: Path, results_dir: Path, parameters: dict[
 
     A cell that runs past `cell_timeout` seconds fails the notebook (papermill's `execution_timeout`):
     a lost kernel message, which left `make run` waiting forever once on this 2-core machine, is
-    an error that names the notebook instead of a hang. (Reproduced in notebook 08's panel cell: the
-    cell's code finished, the kernel sat idle, and its reply never reached the client.)
+    an error that names the notebook instead of a hang. (Reproduced in notebook 08's panel cell: its
+    output, down to the panel's execute_result, reached papermill, then the kernel sat at no CPU, its
+    main thread waiting in epoll with no timeout, and the cell's reply never came.)
     """
     import papermill
 
@@ -210,8 +211,8 @@ def _run(args: argparse.Namespace, out: Path) -> int:
                                    cell_timeout=timeout)
             except Exception as exc:  # noqa: BLE001 - papermill's execution error, a dead kernel, a timeout: name the notebook
                 if attempt == 1 and isinstance(exc, TimeoutError):
-                    # ipykernel 7 can finish a cell, go idle and never send its reply (seen in notebook 08's panel
-                    # cell, about 1 run in 7 on a loaded 2-core machine): a timeout is retried once, a real hang
+                    # A kernel can send a cell's whole output, then sit idle without its reply (notebook 08's
+                    # panel cell, 1 run in 7 on a loaded 2-core machine): a timeout is retried once, a real hang
                     # fails twice.
                     print(f"  {failure_line(path.stem, exc, out / 'notebooks' / path.name)}\n"
                           f"  {path.stem}: running it once more (a kernel can go idle without replying)", flush=True)
