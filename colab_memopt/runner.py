@@ -115,9 +115,11 @@ def run_notebook(path: Path, out_dir: Path, results_dir: Path, parameters: dict[
 
     A cell that runs past `cell_timeout` seconds fails the notebook (papermill's `execution_timeout`):
     a lost kernel message, which left `make run` waiting forever once on this 2-core machine, is
-    an error that names the notebook instead of a hang. (Reproduced in notebook 08's panel cell: its
-    output, down to the panel's execute_result, reached papermill, then the kernel sat at no CPU, its
-    main thread waiting in epoll with no timeout, and the cell's reply never came.)
+    an error that names the notebook instead of a hang. (Reproduced: notebook 08 alone, 2 of 19 runs
+    on a loaded 2-core machine, both in its panel cell: every iopub message of the cell reached
+    papermill, its execute_result and the kernel's `idle` status included, but the shell channel's
+    execute_reply never did, and papermill waits for that; the kernel sat idle. ipykernel 7.4.0,
+    pyzmq 27.3.0, jupyter_client 8.10.0: the class of ipykernel#1529 and #1554.)
     """
     import papermill
 
@@ -211,9 +213,9 @@ def _run(args: argparse.Namespace, out: Path) -> int:
                                    cell_timeout=timeout)
             except Exception as exc:  # noqa: BLE001 - papermill's execution error, a dead kernel, a timeout: name the notebook
                 if attempt == 1 and isinstance(exc, TimeoutError):
-                    # A kernel can send a cell's whole output, then sit idle without its reply (notebook 08's
-                    # panel cell, 1 run in 7 on a loaded 2-core machine): a timeout is retried once, a real hang
-                    # fails twice.
+                    # A kernel can send a cell's whole output and its idle status, but lose the execute_reply
+                    # (notebook 08's panel cell, 2 of 19 runs here; run_notebook): a timeout is retried once, a
+                    # real hang fails twice.
                     print(f"  {failure_line(path.stem, exc, out / 'notebooks' / path.name)}\n"
                           f"  {path.stem}: running it once more (a kernel can go idle without replying)", flush=True)
                     continue

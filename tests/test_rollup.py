@@ -148,8 +148,8 @@ def test_runner_never_waits_on_a_cell_forever(tmp_path, monkeypatch):
 @pytest.mark.parametrize("failures, exit_code, runs", [(["timeout"], 0, 2), (["timeout", "timeout"], 1, 2),
                                                        (["error"], 1, 1)])
 def test_runner_reruns_a_notebook_once_after_a_cell_timeout(failures, exit_code, runs, tmp_path, monkeypatch, capsys):
-    # Notebook 08 hung in make run: its panel cell's output all arrived, then the kernel sat idle and the cell's reply
-    # never came (1 run in 7 here). A timeout is retried once; a real hang times out twice; other errors are not.
+    # Notebook 08 hung in make run: its panel cell's output and idle status all arrived, its execute_reply never did
+    # (2 of 19 runs here). A timeout is retried once; a real hang times out twice; other errors are not.
     import json
 
     from nbclient.exceptions import CellTimeoutError
