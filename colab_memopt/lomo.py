@@ -199,6 +199,11 @@ def fused_step(optimizer: torch.optim.Optimizer, loss: torch.Tensor, lr: float |
             return False  # overflow: the scale is lower, the gradients dropped, this step skipped
     optimizer.fused_backward(loss, lr)
     if scaler is not None:
+        if scaler.has_overflow_serial:
+            # lomo-optim drops one gradient per hook call after the overflow: any it did not reach would stay
+            # resident and be added into the next step's update
+            for p in optimizer.model.parameters():
+                p.grad = None
         # lomo-optim never raises the scale; a skip found in this pass (partial update) lowers it
         scaler.update_scale(overflow=scaler.has_overflow_serial)
         return not scaler.has_overflow_serial

@@ -1,7 +1,9 @@
 """Widget panels: a few controls that call one ordinary function.
 
 The callback is a plain function that tests call directly. `panel` runs it once with the default
-values, so a headless run (papermill, CI) gets the full result without a click. After that it runs
+values, so a headless run (papermill, CI) gets the full result without a click. An exception or an
+interrupt in the callback shows in the panel and is raised again: the cell fails, and a headless run
+with it (ipywidgets' Output alone would print the traceback and carry on). After that it runs
 only when the user asks: by default the panel has a Run button, and no control fires while it is
 being dragged or typed into (`continuous_update=False`), so a slider never retrains the model for
 every value it passes over and a text box never looks a model up per keystroke.
@@ -55,10 +57,18 @@ def panel(callback: Callable[..., Any], controls: Mapping[str, Any], *, title: s
 
     def run(*_: Any) -> None:
         status.value = ""
+        failed: list[BaseException] = []
         with out:
             out.clear_output(wait=True)
-            callback(**{name: control.value for name, control in controls.items()})
-            show_inline_matplotlib_plots()
+            try:
+                callback(**{name: control.value for name, control in controls.items()})
+                show_inline_matplotlib_plots()
+            except BaseException as exc:  # an interrupt too: a cell timeout's, or the user's
+                failed.append(exc)
+                raise  # the Output shows the traceback in the panel, and inside a kernel it stops there
+        if failed:  # so raise it again: the cell (or the Run press) fails, and a headless run with it
+            status.value = f"<b>{type(failed[0]).__name__}</b>: the run failed (traceback below)."
+            raise failed[0]
 
     row = list(controls.values())
     if run_button:
@@ -88,5 +98,18 @@ def panel(callback: Callable[..., Any], controls: Mapping[str, Any], *, title: s
     # For the browser test (tests/browser): CSS classes that find the panel and its output in the page.
     box.add_class(PANEL_CLASS)
     out.add_class(OUTPUT_CLASS)
-    run()
+    try:
+        run()
+    except BaseException:
+        _display_in_kernel(box)  # the cell fails before it returns the panel: show the failed panel all the same
+        raise
     return box
+
+
+def _display_in_kernel(box: Any) -> None:
+    """Display `box` where an IPython kernel runs (nothing elsewhere: a plain script or a test)."""
+    from IPython import get_ipython
+    from IPython.display import display
+
+    if getattr(get_ipython(), "kernel", None) is not None:
+        display(box)

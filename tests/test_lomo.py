@@ -165,6 +165,34 @@ def test_fp16_adalomo_skips_overflowing_steps_and_never_writes_inf_or_nan(one_th
     assert scales[3] == scales[1] / 4 and scales[7] == scales[3] * 2  # halved twice, doubled after 4 clean steps
 
 
+def test_fp16_lomo_overflow_in_the_update_pass_leaves_no_gradient(one_thread, monkeypatch):
+    # On CUDA the two backward passes may differ, so an overflow can show only in the second (update) pass
+    # (review cuda-run-1 #16). Forced here at each of its checks in turn: the step is reported skipped, the
+    # scale halves, and no gradient stays resident into the next step.
+    from lomo_optim.lomo import DynamicLossScaler
+
+    real_check = DynamicLossScaler._has_inf_or_nan
+    x = torch.randint(0, SMALL["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(0))
+    for at in (1, 2, 5, 13):
+        model = cm.build_model("tiny", dtype=torch.float16, **SMALL)
+        opt = make_lomo("lomo", model, lr=0.05)
+        checks = []
+
+        def check(self, grad, opt=opt, checks=checks, at=at):
+            if opt.gather_norm:  # the norm pass: the real check
+                return real_check(self, grad)
+            checks.append(1)
+            return len(checks) == at or real_check(self, grad)
+
+        monkeypatch.setattr(DynamicLossScaler, "_has_inf_or_nan", check)
+        scale = opt.loss_scaler.loss_scale
+        assert fused_step(opt, model(x, labels=x).loss) is False, at
+        assert opt.loss_scaler.loss_scale == scale / 2, at
+        assert [n for n, p in model.named_parameters() if p.grad is not None] == [], at
+        monkeypatch.setattr(DynamicLossScaler, "_has_inf_or_nan", real_check)
+        assert fused_step(opt, model(x, labels=x).loss) is True  # the next step runs clean
+
+
 def test_fp16_scaler_exists_for_an_fp32_loss_and_bad_scale_window_is_named():
     model = cm.build_model("tiny", dtype=torch.float16, **SMALL)
     model.loss_chunk_tokens = 8  # the chunked loss returns an fp32 loss: lomo-optim alone would not scale it

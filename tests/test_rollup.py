@@ -145,6 +145,42 @@ def test_runner_never_waits_on_a_cell_forever(tmp_path, monkeypatch):
     assert seen["execution_timeout"] == runner.CELL_TIMEOUT_SECONDS
 
 
+@pytest.mark.parametrize("failures, exit_code, runs", [(["timeout"], 0, 2), (["timeout", "timeout"], 1, 2),
+                                                       (["error"], 1, 1)])
+def test_runner_reruns_a_notebook_once_after_a_cell_timeout(failures, exit_code, runs, tmp_path, monkeypatch, capsys):
+    # Notebook 08 hung in make run: its panel cell's output and idle status all arrived, its execute_reply never did
+    # (2 of 19 runs here). A timeout is retried once; a real hang times out twice; other errors are not.
+    import json
+
+    from nbclient.exceptions import CellTimeoutError
+
+    import colab_memopt.runner as runner
+
+    stem = "08_activation_compression"
+    calls = []
+
+    def fake_run(path, out_dir, results_dir, parameters, cell_timeout):
+        calls.append(cell_timeout)
+        if len(calls) <= len(failures):
+            if failures[len(calls) - 1] == "timeout":
+                raise CellTimeoutError("A cell timed out while it was being executed, after 720 seconds.")
+            raise RuntimeError("boom")
+        results_dir.mkdir(parents=True, exist_ok=True)
+        (results_dir / f"{path.stem}.json").write_text(json.dumps(MERGED["notebooks"]["02_mixed_precision"]))
+        return runner.NotebookRun(path.stem, out_dir / path.name, 0.1, parameters)
+
+    monkeypatch.setattr(runner, "run_notebook", fake_run)
+    monkeypatch.setattr(runner, "notebook_paths", lambda names=None: [NOTEBOOK_DIR / f"{stem}.ipynb"])
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    assert runner.main(["--out", str(tmp_path / "build")]) == exit_code
+    budget = runner.load_cpu_parameters()[stem]["budget_seconds"]
+    assert calls == [min(runner.CELL_TIMEOUT_SECONDS, max(600, 3 * budget))] * runs
+    out = capsys.readouterr()
+    assert ("running it once more" in out.out) == (failures[0] == "timeout")
+    assert runner.cell_timeout_for(stem, gpu=True, cpu_params=runner.load_cpu_parameters(), cell_timeout=1800) == 1800
+    assert runner.cell_timeout_for(stem, gpu=False, cpu_params={}, cell_timeout=1800) == 1800
+
+
 def test_runner_outside_a_checkout_says_so_in_one_line(tmp_path, capsys, monkeypatch):
     """Installed from a wheel (no notebooks/ beside the package) the runner names what is missing and stops."""
     from colab_memopt import runner

@@ -41,6 +41,80 @@ def test_panel_without_run_button_reruns_on_each_committed_change():
     assert calls == [3, 5]
 
 
+@pytest.fixture
+def ipython_shell():
+    """An IPython shell in this process: ipywidgets' Output then behaves as in a kernel (it prints an exception's
+    traceback into itself and swallows the exception)."""
+    from IPython.core.interactiveshell import InteractiveShell
+
+    shell = InteractiveShell.instance()
+    yield shell
+    InteractiveShell.clear_instance()
+
+
+@pytest.mark.parametrize("error", [RuntimeError("broken on purpose"), KeyboardInterrupt()])
+def test_a_failing_callback_fails_the_panel_and_shows_in_it(error, ipython_shell, monkeypatch):
+    # Hardening 3: an interrupt (a cell timeout's) in notebook 08's display-time run was swallowed by the Output
+    # and the notebook recorded as passed. The panel now raises it again: at display time and on Run.
+    import ipywidgets as ipw
+
+    shown = []
+    monkeypatch.setattr(ipython_shell, "showtraceback", lambda *a, **k: shown.append(a))
+    fail = {"now": True}
+
+    def callback(n):
+        if fail["now"]:
+            raise error
+        print(n)
+
+    with pytest.raises(type(error)):
+        widgets.panel(callback, {"n": ipw.IntSlider(value=3)})
+    assert len(shown) == 1, "the Output shows the traceback in the panel"
+    fail["now"] = False
+    box = widgets.panel(callback, {"n": ipw.IntSlider(value=3)})
+    fail["now"] = True
+    with pytest.raises(type(error)):
+        box.run()
+    assert len(shown) == 2 and "the run failed" in box.children[1].value
+    fail["now"] = False
+    box.run()
+    assert box.children[1].value == ""
+
+
+HEADLESS_FAILURES = {
+    # The callback raises at display time.
+    "raises": ("    raise RuntimeError('broken on purpose')\n", "RuntimeError: broken on purpose"),
+    # The kernel is interrupted inside the callback, as nbval's cell timeout (or the user's Interrupt) does.
+    "interrupted": ("    os.kill(os.getpid(), signal.SIGINT)\n    time.sleep(30)\n", "KeyboardInterrupt"),
+}
+
+
+@pytest.mark.notebook
+@pytest.mark.parametrize("kind", sorted(HEADLESS_FAILURES))
+def test_a_failing_panel_fails_the_headless_run(kind, tmp_path):
+    # Before the panel raised again, both notebooks ran to their last cell and the runner recorded them as passed.
+    nbformat = pytest.importorskip("nbformat")
+    from colab_memopt.runner import failure_line, run_notebook
+
+    body, expected = HEADLESS_FAILURES[kind]
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nb.cells = [
+        nbformat.v4.new_code_cell("results_dir = None", metadata={"tags": ["parameters"]}),
+        nbformat.v4.new_code_cell(
+            "import os, signal, time\nimport ipywidgets as ipw\nfrom colab_memopt import widgets\n\n\n"
+            f"def explore(n):\n{body}\n\n"
+            'panel = widgets.panel(explore, {"n": ipw.IntSlider(value=3, description="n")})\npanel'),
+        nbformat.v4.new_code_cell("print('after the panel')"),
+    ]
+    path = tmp_path / f"99_{kind}.ipynb"
+    nbformat.write(nb, path)
+    with pytest.raises(Exception) as failed:
+        run_notebook(path, tmp_path / "out", tmp_path / "results", {}, cell_timeout=120)
+    line = failure_line(path.stem, failed.value, tmp_path / "out" / path.name)
+    assert expected in line and "failed in cell 3" in line, line  # 3: papermill injects the parameters as cell 2
+
+
 def test_colab_url_and_badge():
     url = project.colab_url("notebooks/00_where_the_memory_goes.ipynb")
     assert url == (f"https://colab.research.google.com/github/{project.REPOSITORY}/blob/{project.BRANCH}"
