@@ -127,9 +127,10 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--seq", type=int, default=None, help="tokens per sequence (default: min(512, the model's maximum))")
     d.add_argument("--method", default="auto", choices=["auto", "trace", "analytic"])
     d.add_argument("--json", action="store_true", help="print one JSON object")
-    for command in (p, r, d):
+    for command in (p, r, c, d):
         command.add_argument("--verbose", action="store_true",
-                             help="let the libraries' own notes and warnings through to stderr (default: hidden)")
+                             help="print every figure with its source and derivation, and let the libraries' own "
+                                  "notes and warnings through to stderr (default: the answer, short)")
     return parser
 
 
@@ -295,7 +296,9 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # noqa: BLE001 - a bug, not the input: say so, with the traceback on stderr
         traceback.print_exc()
         return answer(3, f"internal error ({type(exc).__name__}: {exc}); please report it with the command line")
-    print(json.dumps(_finite(result.to_dict()), indent=2, allow_nan=False) if as_json else result, file=stdout)
+    verbose = getattr(args, "verbose", False) and hasattr(result, "explain")
+    text = result.explain() if verbose else result  # the sources and derivations behind each figure
+    print(json.dumps(_finite(result.to_dict()), indent=2, allow_nan=False) if as_json else text, file=stdout)
     return code
 
 
