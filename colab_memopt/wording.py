@@ -88,17 +88,18 @@ def call_lines(name: str, fields: dict, indent: str = "  ", width: int = WIDTH) 
     pad = " " * len(lead)
     lines, line = [], lead
     for part in parts:
-        if line not in (lead, pad) and len(line) + 1 + len(part) > width:
+        sep = "" if line in (lead, pad) else " "
+        if sep and len(line) + 1 + len(part) > width:
             lines.append(line)
-            line = pad
-        if line == pad and len(pad) + len(part) > width and "[" in part:  # a long list: its items over lines
-            inner = " " * (len(pad) + part.index("[") + 1)
-            wrapped = textwrap.wrap(part, width=width, initial_indent=pad, subsequent_indent=inner,
+            line, sep = pad, ""
+        if len(line) + len(sep) + len(part) > width and "[" in part:  # a long list: its items over lines
+            inner = " " * (len(line) + len(sep) + part.index("[") + 1)
+            wrapped = textwrap.wrap(part, width=width, initial_indent=line + sep, subsequent_indent=inner,
                                     break_long_words=False, break_on_hyphens=False)
             lines += wrapped[:-1]
             line = wrapped[-1]
             continue
-        line += ("" if line in (lead, pad) else " ") + part
+        line += sep + part
     lines.append(line)
     return lines
 
