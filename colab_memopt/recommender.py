@@ -235,18 +235,20 @@ class Recommendation:
 
         c, p = self.chosen, self.plan
         mode = _MODE_WORDS.get(self.mode, self.mode)
-        how = "traced" if p.method == "trace" else "ESTIMATE, not traced"
+        how = "" if p.method == "trace" else " (ESTIMATE, not traced)"
         lines = wrap(f"{self.model}, batch {self.batch} x {self.seq_len} tokens on {self.target.name}: {mode} fits, "
-                     f"need {format_bytes(p.device_need_bytes)} of {format_bytes(p.device_limit_bytes)} usable ({how})")
+                     f"need {format_bytes(p.device_need_bytes)} of {format_bytes(p.device_limit_bytes)} usable{how}")
         settings = self.trainer_settings()
-        lines.append("write these settings (TRL's SFTConfig; TrainingArguments takes the same fields but max_length):")
+        lines.append("write these settings (TrainingArguments takes the same, less max_length):")
         lines += call_lines("SFTConfig", settings["training_args"])
         if settings["lora"]:
             lines += call_lines("LoraConfig", settings["lora"])
         if settings["bnb"]:
             lines += call_lines("BitsAndBytesConfig", settings["bnb"])
-        for missing in settings["not_expressible"]:
-            lines += wrap(f"not a Trainer setting, planned: {missing}", first="  ", rest="    ")
+        if settings["not_expressible"]:  # the plan holds only with these: say so before any figure
+            lines.append("and what no Trainer setting says (the plan needs it; colab_memopt's training loop runs it):")
+            for missing in settings["not_expressible"]:
+                lines += wrap(missing, first="  ", rest="    ")
         if p.estimate_error:
             lines += wrap(f"ESTIMATE, NOT TRACED: {describe_estimate_error(p.estimate_error)}")
         lines.append(self.step_time())

@@ -46,6 +46,7 @@ def test_recommend_llama_1b_on_a_t4_is_short_speaks_sftconfig_and_compares_like_
     lines_ok(out)
     no_maintainer_words(out)
     assert lines[0].startswith("llama-3.2-1b, batch 4 x 512 tokens on t4: LoRA fits, need ") and "usable" in lines[0]
+    assert lines[1].startswith("write these settings") and lines[2].startswith("  SFTConfig(")  # the answer first
     assert "SFTConfig(" in out and "LoraConfig(" in out and "learning_rate=2e-4" in out and "fp16=True" in out
     assert "step time x0.38 of an fp32 AdamW step (prior: published figures, not measured on a t4)" in out
     # LoRA against QLoRA: both traced (never a trace against an estimate), and QLoRA needs less
@@ -68,6 +69,19 @@ def test_the_learning_rate_is_the_modes_never_the_planners_default():
     assert "learning_rate=2e-5" in str(full) and "learning_rate=2e-4" in str(lora)
     given = replace(lora, chosen=replace(lora.chosen, recipe=lora.recipe.with_(lr=5e-5)))
     assert given.trainer_settings()["training_args"]["learning_rate"] == 5e-5  # a rate the recipe was given is kept
+
+
+def test_recommend_says_what_no_trainer_setting_says_before_the_figures():
+    # a recipe the Trainer cannot run as written (offloaded checkpoints, the loss by chunks): the printout says so
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        rec = cm.recommend("tiny", 2, seq_len=32, mode="full", target="t4")
+    rec = replace(rec, chosen=replace(rec.chosen, recipe=rec.recipe.with_(checkpointing="offload", loss_chunk_tokens=8)))
+    lines = str(rec).splitlines()
+    lines_ok(str(rec))
+    said = lines.index("and what no Trainer setting says (the plan needs it; colab_memopt's training loop runs it):")
+    assert lines[said + 1].startswith("  checkpointing='offload'") and said < min(
+        i for i, line in enumerate(lines) if line.startswith("step time"))
 
 
 def test_lora_and_qlora_are_compared_trace_against_trace():
