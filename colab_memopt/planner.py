@@ -1351,13 +1351,12 @@ def four_bit_load_costs(meta_model: nn.Module, spec: Any, recipe: Recipe, target
                 and t.dtype != dtype), default=0) if recipe.base_dtype is not None else 0
     lines = [context,
              Cost("unquantized model", sum(_round_block(t.numel() * t.element_size()) for t in seen.values()),
-                  "the model as built, on the device before Recipe.build casts (base_dtype) and quantizes "
-                  "(quantization.quantize_model) it", in_allocator=True)]
+                  "the model as built, on the device before it is cast (base_dtype) and quantized", in_allocator=True)]
     if cast > quantize:
-        return [*lines, Cost("tensor being cast", cast, f"precision.half_frozen_base casts the model to {name} tensor by "
-                             "tensor before quantizing it (Module.to): the largest tensor's new copy", in_allocator=True)]
+        return [*lines, Cost("tensor being cast", cast, f"the model is cast to {name} tensor by "
+                             "tensor before it is quantized (Module.to): the largest tensor's new copy", in_allocator=True)]
     return [*lines, Cost("weight being quantized", quantize,
-                         f"quantization._bnb_linear clones the layer's weight ({name}) and bitsandbytes quantizes the clone "
+                         f"each layer's weight ({name}) is cloned and bitsandbytes quantizes the clone "
                          f"on the device (quantize_4bit: absmax in fp32, then less its offset: {_BNB_CUDA_OPS}); the "
                          "largest layer", in_allocator=True)]
 

@@ -203,6 +203,8 @@ class Recommendation:
             "costs": self._costs_dict(),
             "reasoning": self.reasoning, "warnings": self.warnings, "candidates": [c.to_dict() for c in self.candidates],
             "estimate": self.plan.method == "analytic", "estimate_error": self.plan.estimate_error,
+            "trainer_settings": self.trainer_settings(), "lora_vs_qlora": self.lora_vs_qlora,
+            "passed_over": self.passed_over,
         }
 
     def _costs_dict(self) -> dict[str, Any]:
@@ -239,7 +241,7 @@ class Recommendation:
         lines = wrap(f"{self.model}, batch {self.batch} x {self.seq_len} tokens on {self.target.name}: {mode} fits, "
                      f"need {format_bytes(p.device_need_bytes)} of {format_bytes(p.device_limit_bytes)} usable{how}")
         settings = self.trainer_settings()
-        lines.append("write these settings (TrainingArguments takes the same, less max_length):")
+        lines.append("write these settings (TRL's SFTConfig):")
         lines += call_lines("SFTConfig", settings["training_args"])
         if settings["lora"]:
             lines += call_lines("LoraConfig", settings["lora"])

@@ -67,6 +67,7 @@ def test_the_learning_rate_is_the_modes_never_the_planners_default():
     assert full.trainer_settings()["training_args"]["learning_rate"] == 2e-5
     assert lora.trainer_settings()["training_args"]["learning_rate"] == 2e-4
     assert "learning_rate=2e-5" in str(full) and "learning_rate=2e-4" in str(lora)
+    assert full.to_dict()["trainer_settings"]["training_args"]["learning_rate"] == 2e-5  # --json says it too
     given = replace(lora, chosen=replace(lora.chosen, recipe=lora.recipe.with_(lr=5e-5)))
     assert given.trainer_settings()["training_args"]["learning_rate"] == 5e-5  # a rate the recipe was given is kept
 
