@@ -444,7 +444,7 @@ class Plan:
 
     def __str__(self) -> str:
         """Return the answer first, then one line per figure (at most 100 characters); `explain()` has the sources."""
-        from colab_memopt.wording import WIDTH, first_clause, warning_lines, wrap
+        from colab_memopt.wording import WIDTH, estimate_line, first_clause, warning_lines, wrap
 
         verdict = "fits" if self.fits else "DOES NOT FIT"
         why = [] if self.fits else [w for w, ok in (("device memory", self.fits_device), ("host RAM", self.fits_host)) if not ok]
@@ -478,7 +478,7 @@ class Plan:
                          f"{format_bytes(self.load_need_bytes)}, step {format_bytes(self.device_need_bytes)})")
         lines.append(f"host RAM: need {format_bytes(self.host_need_bytes)} of {format_bytes(self.host_limit_bytes)} usable")
         if self.estimate_error:
-            lines += wrap(f"ESTIMATE, NOT TRACED: {describe_estimate_error(self.estimate_error)}")
+            lines += wrap(estimate_line(self.estimate_error))
         lines += warning_lines(self.warnings)
         lines.append("where each figure comes from: plan.explain() (command line: --verbose)")
         return "\n".join(lines)

@@ -233,7 +233,7 @@ class Recommendation:
     def __str__(self) -> str:
         """Return the answer first: the verdict, the settings to write, the need against the limit, one line per
         figure (at most 100 characters); `explain()` has the reasoning and every candidate."""
-        from colab_memopt.wording import call_lines, short, warning_lines, wrap
+        from colab_memopt.wording import call_lines, estimate_line, short, warning_lines, wrap
 
         c, p = self.chosen, self.plan
         mode = _MODE_WORDS.get(self.mode, self.mode)
@@ -252,12 +252,13 @@ class Recommendation:
             for missing in settings["not_expressible"]:
                 lines += wrap(missing, first="  ", rest="    ")
         if p.estimate_error:
-            lines += wrap(f"ESTIMATE, NOT TRACED: {describe_estimate_error(p.estimate_error)}")
+            lines += wrap(estimate_line(p.estimate_error))
         lines.append(self.step_time())
         if self.lora_vs_qlora:
             d = self.lora_vs_qlora
             saved = d["lora"] - d["qlora"]
-            lines.append(f"LoRA vs QLoRA ({d['method']}, both): LoRA {format_bytes(d['lora'])}, QLoRA "
+            both = "both traced" if d["method"] == "traced" else "both estimated"
+            lines.append(f"LoRA vs QLoRA, {both}: LoRA {format_bytes(d['lora'])}, QLoRA "
                          f"{format_bytes(d['qlora'])}: " + (f"QLoRA saves {format_bytes(saved)}, slower" if saved > 0
                                                              else f"QLoRA needs {format_bytes(-saved)} more"))
         lines += [short(r, 100) for r in self.passed_over]

@@ -110,3 +110,11 @@ def _py(value: object) -> str:
         mantissa, exponent = f"{value:.6e}".split("e")
         return f"{float(mantissa):g}e{int(exponent)}"
     return repr(value)
+
+
+def estimate_line(band: dict) -> str:
+    """Return one line on how far the analytic estimate was from traces (the source is in explain())."""
+    if "cases" not in band:
+        return "ESTIMATE, NOT TRACED: its error is not measured; keep a margin or trace the step"
+    return (f"ESTIMATE, NOT TRACED: within 10% of the traced peak in {band['within_10pct']} of {band['cases']} cases "
+            f"({band['min_rel_error_pct']:+.0f}% to {band['max_rel_error_pct']:+.0f}%); keep a margin")
