@@ -92,7 +92,7 @@ def _parser() -> argparse.ArgumentParser:
     from colab_memopt.presets import MODES
     from colab_memopt.recommender import OBJECTIVES
 
-    r = sub.add_parser("recommend", help="the recipe that fits a target at the least expected slowdown")
+    r = sub.add_parser("recommend", help="the settings that fit a target with the shortest expected step time")
     r.add_argument("--model", required=True, help=f"one of: {', '.join(model_names())}; or a Hugging Face id, a local folder or a config.json")
     r.add_argument("--batch", type=int, default=1, help="effective batch (sequences per optimizer step; default 1)")
     r.add_argument("--seq", type=int, default=None, help="tokens per sequence (default: the model's maximum)")
@@ -275,7 +275,12 @@ def main(argv: list[str] | None = None) -> int:
     stdout = sys.stdout
 
     def answer(code: int, message: str) -> int:
-        print(message, file=sys.stderr)
+        from colab_memopt.wording import wrap
+
+        # bad input (2), a bug (3) or --json: one line. No recipe fits (1): each mode's reason a paragraph of lines
+        # of at most 100 characters
+        text = message if code != 1 or as_json else "\n".join(line for part in message.split(" | ") for line in wrap(part, rest="  "))
+        print(text, file=sys.stderr)
         if as_json:
             print(json.dumps({"error": message.removeprefix("error: "), "exit_code": code}), file=stdout)
         return code
