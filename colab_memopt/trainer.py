@@ -1078,6 +1078,18 @@ class TrainerFit:
                  else f"measured on {table.device}" if kinds == {"measured"} else f"from the {table.table}")
         return f"step time x{self.slowdown:.2f} of your settings' ({label})"
 
+    def explain(self) -> str:
+        """Return every change set tried with its need and step time, then the plans before and after in full."""
+        from colab_memopt.measure import format_bytes
+
+        lines = [f"tried ({len(self.tried)}), cheapest expected step time first:"]
+        lines += [f"  {format_bytes(need):>10s}  step time x{cost:.2f}  "
+                  + (", ".join(f"{k}={v!r}" for k, v in changes.items()) or "no change") for changes, need, cost in self.tried]
+        lines += ["plan of your settings:", *[f"  {line}" for line in self.before.explain().splitlines()]]
+        if self.after is not None and self.after is not self.before:
+            lines += ["plan with the changes:", *[f"  {line}" for line in self.after.explain().splitlines()]]
+        return "\n".join(lines)
+
 
 def _slowdown(args: Any, tgt: Target, lora: Any, bnb: Any) -> float:
     """Return the expected step time of these settings against plain fp32 training on the target (costs.py)."""

@@ -186,6 +186,8 @@ def test_fit_trainer_prints_the_answer_first_and_its_step_time_as_a_prior():
     assert failed.splitlines()[0].startswith("no change tried fits t4 (1 tried): your settings need ")
     assert "the least need reached: " in failed and "gradient_checkpointing=True" in failed
     assert "note: shorten max_length" in failed  # the advice on failure is printed
+    explained = _fit({"gradient_checkpointing": True}, False, []).explain()
+    assert "gradient_checkpointing=True" in explained and "plan of your settings:" in explained
 
 
 def test_context_prints_trainer_settings_first_and_its_recipe_fields_behind_verbose(capsys):
