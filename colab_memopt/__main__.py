@@ -92,7 +92,7 @@ def _parser() -> argparse.ArgumentParser:
     from colab_memopt.presets import MODES
     from colab_memopt.recommender import OBJECTIVES
 
-    r = sub.add_parser("recommend", help="the recipe that fits a target at the least expected slowdown")
+    r = sub.add_parser("recommend", help="the settings that fit a target with the shortest expected step time")
     r.add_argument("--model", required=True, help=f"one of: {', '.join(model_names())}; or a Hugging Face id, a local folder or a config.json")
     r.add_argument("--batch", type=int, default=1, help="effective batch (sequences per optimizer step; default 1)")
     r.add_argument("--seq", type=int, default=None, help="tokens per sequence (default: the model's maximum)")
@@ -127,9 +127,10 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--seq", type=int, default=None, help="tokens per sequence (default: min(512, the model's maximum))")
     d.add_argument("--method", default="auto", choices=["auto", "trace", "analytic"])
     d.add_argument("--json", action="store_true", help="print one JSON object")
-    for command in (p, r, d):
+    for command in (p, r, c, d):
         command.add_argument("--verbose", action="store_true",
-                             help="let the libraries' own notes and warnings through to stderr (default: hidden)")
+                             help="print every figure with its source and derivation, and let the libraries' own "
+                                  "notes and warnings through to stderr (default: the answer, short)")
     return parser
 
 
@@ -274,7 +275,12 @@ def main(argv: list[str] | None = None) -> int:
     stdout = sys.stdout
 
     def answer(code: int, message: str) -> int:
-        print(message, file=sys.stderr)
+        from colab_memopt.wording import wrap
+
+        # bad input (2), a bug (3) or --json: one line. No recipe fits (1): each mode's reason a paragraph of lines
+        # of at most 100 characters
+        text = message if code != 1 or as_json else "\n".join(line for part in message.split(" | ") for line in wrap(part, rest="  "))
+        print(text, file=sys.stderr)
         if as_json:
             print(json.dumps({"error": message.removeprefix("error: "), "exit_code": code}), file=stdout)
         return code
@@ -295,7 +301,9 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # noqa: BLE001 - a bug, not the input: say so, with the traceback on stderr
         traceback.print_exc()
         return answer(3, f"internal error ({type(exc).__name__}: {exc}); please report it with the command line")
-    print(json.dumps(_finite(result.to_dict()), indent=2, allow_nan=False) if as_json else result, file=stdout)
+    verbose = getattr(args, "verbose", False) and hasattr(result, "explain")
+    text = result.explain() if verbose else result  # the sources and derivations behind each figure
+    print(json.dumps(_finite(result.to_dict()), indent=2, allow_nan=False) if as_json else text, file=stdout)
     return code
 
 

@@ -496,6 +496,42 @@ class ContextReport:
                 "skipped": self.skipped}
 
     def __str__(self) -> str:
+        """Return the answer first: the longest sequence per mode, then the settings that reach it as `SFTConfig` /
+        `LoraConfig` lines and what no Trainer setting says; lines of at most 100 characters (`explain()`: all)."""
+        from colab_memopt.hfconfig import recipe_settings
+        from colab_memopt.measure import format_bytes
+        from colab_memopt.recommender import FINETUNE_LR
+        from colab_memopt.wording import call_lines, wrap
+
+        words = {"full": "full fine-tuning", "lora": "LoRA", "qlora": "QLoRA"}
+        how = " and ".join(sorted({"traced" if r.method == "trace" else "estimated" for r in self.results.values()}))
+        lines = [f"{self.model} on {self.target}, batch 1: the longest trainable sequence ({how})"]
+        for mode, r in self.results.items():
+            name = words.get(mode, mode)
+            if not r.max_seq_len:
+                lines += wrap(f"{name}: nothing fits at {r.step_tokens:,} tokens ({r.limited_by or 'see first_miss'})")
+                continue
+            nxt = (r.first_miss or {}).get("seq_len")
+            lines += wrap(f"{name}: {r.max_seq_len:,} tokens, device {format_bytes(r.device_need_bytes or 0)}, host "
+                          f"{format_bytes(r.host_need_bytes or 0)}"
+                          + (f"; next limit: {r.limited_by}" + (f" at {nxt:,}" if nxt else "") if r.limited_by else ""))
+            settings = recipe_settings(r.recipe, 1, r.max_seq_len)
+            settings["training_args"]["learning_rate"] = FINETUNE_LR["lora" if settings["lora"] else "full"]
+            lines += call_lines("SFTConfig", settings["training_args"])
+            if settings["lora"]:
+                lines += call_lines("LoraConfig", settings["lora"])
+            if settings["bnb"]:
+                lines += call_lines("BitsAndBytesConfig", settings["bnb"])
+            beyond = [m.split(" (", 1)[0] for m in settings["not_expressible"]]
+            if beyond:
+                lines += wrap("beyond a Trainer setting (colab_memopt's training loop runs them): " + ", ".join(beyond),
+                              first="  ", rest="    ")
+        lines += [line for m, why in self.skipped.items() for line in wrap(f"{words.get(m, m)}: not planned: {why}")]
+        lines.append("the recipes, limits and search notes: .explain() (command line: --verbose)")
+        return "\n".join(lines)
+
+    def explain(self) -> str:
+        """Return every mode's recipe fields, next limit and search note (what `--verbose` prints)."""
         from colab_memopt.measure import format_bytes
 
         methods = ", ".join(sorted({r.method for r in self.results.values()}))

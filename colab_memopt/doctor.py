@@ -65,7 +65,12 @@ class Finding:
     details: dict[str, Any] = field(default_factory=dict)
 
     def __str__(self) -> str:
-        return f"[{self.severity}] {self.code}: {self.found}\n    why: {self.why}\n    fix: {self.fix}"
+        """Return the finding, then why and the fix, in lines of at most 100 characters."""
+        from colab_memopt.wording import wrap
+
+        return "\n".join([*wrap(f"[{self.severity}] {self.code}: {self.found}", rest="    "),
+                          *wrap(f"fix: {self.fix}", first="    ", rest="      "),
+                          *wrap(f"why: {self.why}", first="    ", rest="      ")])
 
 
 @dataclass
@@ -97,9 +102,11 @@ class Checkup:
     def __str__(self) -> str:
         head = f"doctor: {self.model} on {self.target}: " + (
             f"{len(self.findings)} finding(s)" if self.findings else "no pitfall found")
+        from colab_memopt.wording import wrap
+
         lines = [head, *[str(f) for f in self.findings]]
-        lines.append(f"checked: {', '.join(self.checked)}")
-        lines += [f"not checked: {k} ({v})" for k, v in self.skipped.items()]
+        lines += wrap(f"checked: {', '.join(self.checked)}")
+        lines += [line for k, v in self.skipped.items() for line in wrap(f"not checked: {k} ({v})")]
         return "\n".join(lines)
 
     def _repr_pretty_(self, p: Any, cycle: bool) -> None:  # IPython prints it readably

@@ -170,11 +170,9 @@ class MemoryGuardCallback(TrainerCallback):
         if not self.plan.fits:
             fit = fit_trainer(trainer, target=self.target, headroom=self.headroom, seq_len=self.seq_len,
                               max_plans=self.max_plans)
-            advice = fit.snippet() if fit.fits else "\n".join(fit.notes)
             raise MemoryGuardError(
                 f"this run will not fit {self.target.name}: it needs {format_bytes(self.plan.device_need_bytes)} of "
-                f"{format_bytes(self.plan.device_limit_bytes)} usable (colab_memopt.plan_trainer). "
-                f"Stopped before the first step. fit_trainer's changes:\n{advice}")
+                f"{format_bytes(self.plan.device_limit_bytes)} usable. Stopped before the first step.\n{fit}")
         self.device = torch.device(args.device)
         on_gpu = self.device.type == "cuda"
         self.compare_plan = self.plan if on_gpu else plan_trainer(trainer, target=CPU_TARGET_NAME, seq_len=self.seq_len)

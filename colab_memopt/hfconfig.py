@@ -264,11 +264,11 @@ def trainer_recipe(args: Any, lora: Any = None, bnb: Any = None) -> tuple[Recipe
     if name in OPTIMIZERS:
         fields["optimizer"] = name
         if optim == "adamw_torch_fused":
-            notes.append("optim='adamw_torch_fused': the Recipe's 'adamw' with the fused kernel (no foreach temporaries)")
+            notes.append("optim='adamw_torch_fused': planned with the fused AdamW kernel (no foreach temporaries)")
         if optim.startswith("paged_"):
             notes.append(f"optim={optim!r}: paged state (bitsandbytes pages it to host RAM under pressure on CUDA)")
     else:
-        notes.append(f"optim={optim!r} has no Recipe optimizer (traced as the Trainer builds it)")
+        notes.append(f"optim={optim!r}: planned as the Trainer builds it (no step-time figure for it)")
     if args.fp16:
         fields["precision"] = "fp16-autocast"
     elif args.bf16:
@@ -278,58 +278,59 @@ def trainer_recipe(args: Any, lora: Any = None, bnb: Any = None) -> tuple[Recipe
         kwargs = args.gradient_checkpointing_kwargs or {}
         if kwargs.get("use_reentrant", True) is not False:
             notes.append("gradient_checkpointing with use_reentrant=True (transformers' default): PyTorch recommends "
-                         "use_reentrant=False; the trace runs what you set")
+                         "use_reentrant=False; planned as you set it")
         other = sorted(set(kwargs) - {"use_reentrant"})
         if other:
-            notes.append(f"gradient_checkpointing_kwargs {other}: no Recipe field (traced as set)")
+            notes.append(f"gradient_checkpointing_kwargs {other}: planned as set")
     if getattr(args, "torch_compile", False):
-        notes.append("torch_compile=True: not traced (the plan is of the eager step; compiled kernels can hold less)")
+        notes.append("torch_compile=True: the plan cannot model compiled kernels: it plans the eager step (compiled ones can hold less)")
     if getattr(args, "use_liger_kernel", False):
-        notes.append("use_liger_kernel=True: Liger's layer kernels are not traced (the plan is of transformers' layers)")
+        notes.append("use_liger_kernel=True: the plan cannot model Liger's kernels: it plans transformers' layers (they hold more)")
     if getattr(args, "label_smoothing_factor", 0):
         notes.append(f"label_smoothing_factor={args.label_smoothing_factor}: the full logits are built (traced)")
     if getattr(args, "packing", False):
-        notes.append("packing=True: every row is planned full at max_length")
+        notes.append("packing=True: the plan cannot model packed rows: every row is planned full at max_length")
     if lora is not None and not (hasattr(lora, "r") and hasattr(lora, "lora_dropout")):
         kind = str(getattr(getattr(lora, "peft_type", None), "value", "") or type(lora).__name__)
-        notes.append(f"peft {kind} ({type(lora).__name__}): no Recipe field (traced as peft builds it)")
+        notes.append(f"peft {kind} ({type(lora).__name__}): planned as peft builds it (no step-time figure for it)")
         lora = None
     if lora is not None:
         fields["lora_rank"] = int(lora.r)
         targets = lora.target_modules
         if isinstance(targets, str):
-            notes.append(f"lora target_modules={targets!r} (a regex or 'all-linear'): the Recipe keeps its default targets")
+            notes.append(f"lora target_modules={targets!r}: planned on the modules peft picks for it")
         elif targets:
             fields["lora_targets"] = tuple(sorted(targets))
         if lora.lora_dropout:
             notes.append(f"lora_dropout={lora.lora_dropout}: each adapted layer keeps a dropped copy of its input and the "
-                         "mask (traced; no Recipe field)")
+                         "mask (planned)")
         if lora.bias != "none":
-            notes.append(f"lora bias={lora.bias!r}: trains biases too (traced; no Recipe field)")
+            notes.append(f"lora bias={lora.bias!r}: trains biases too (planned)")
         if lora.modules_to_save:
-            notes.append(f"lora modules_to_save={list(lora.modules_to_save)}: full trainable copies (traced; no Recipe field)")
+            notes.append(f"lora modules_to_save={list(lora.modules_to_save)}: full trainable copies (planned)")
         if getattr(lora, "use_dora", False):
-            notes.append("use_dora=True: DoRA's magnitude vectors and weight norms (traced; the Recipe says plain LoRA)")
+            notes.append("use_dora=True: DoRA's magnitude vectors and weight norms (planned; step time counted as plain LoRA's)")
         if getattr(lora, "layers_to_transform", None) is not None:
-            notes.append(f"layers_to_transform={lora.layers_to_transform!r}: adapters on those layers only (traced; "
-                         "the Recipe says every layer)")
+            notes.append(f"layers_to_transform={lora.layers_to_transform!r}: adapters on those layers only (planned; "
+                         "step time counted as on every layer)")
         for name in ("rank_pattern", "alpha_pattern"):
             if getattr(lora, name, None):
-                notes.append(f"{name}={getattr(lora, name)!r}: per-layer ranks (traced; the Recipe has one rank)")
+                notes.append(f"{name}={getattr(lora, name)!r}: per-layer ranks (planned)")
     if bnb is not None:
         if getattr(bnb, "load_in_4bit", False):
             fields["quantization"] = str(bnb.bnb_4bit_quant_type)
             if bnb.bnb_4bit_use_double_quant:
-                notes.append("bnb_4bit_use_double_quant=True: the absmax scales quantized again (no Recipe field)")
-            notes.append(f"bnb_4bit_compute_dtype={bnb.bnb_4bit_compute_dtype}: no Recipe field")
+                notes.append("bnb_4bit_use_double_quant=True: the absmax scales quantized again (planned as set)")
+            notes.append(f"bnb_4bit_compute_dtype={bnb.bnb_4bit_compute_dtype}: planned as set")
         elif getattr(bnb, "load_in_8bit", False):
             fields["quantization"] = "bnb_int8"
         if getattr(bnb, "llm_int8_skip_modules", None):
-            notes.append(f"llm_int8_skip_modules={list(bnb.llm_int8_skip_modules)}: kept in 16 bits (no Recipe field)")
+            notes.append(f"llm_int8_skip_modules={list(bnb.llm_int8_skip_modules)}: kept in 16 bits (planned)")
     try:
         return Recipe.from_dict(fields), notes
     except ValueError as err:
-        notes.append(f"the Recipe refuses these settings together ({err}); it keeps the precision and batch only")
+        notes.append(f"these settings together have no step-time figure ({err}): planned as set; the step time counts "
+                     "the precision and batch only")
         keep = {k: v for k, v in fields.items() if k in ("lr", "accumulation_steps", "precision", "checkpointing")}
         return Recipe.from_dict(keep), notes
 

@@ -1,7 +1,7 @@
 """The package's layers, bottom to top: a module imports only from its own layer or the ones below.
 
     (a) core        measure memory: result files written whole (`fileio`), the tracker adapter, device
-                    and host facts, `measure`, `report`
+                    and host facts, `measure`, `report`; `wording`, the shape of every printout
     (b) blocks      the model, the data and the techniques, one module each, each usable alone
     (c) recipe      the `Recipe`, its presets and the training step that apply the techniques
     (d) planning    what fits before a run (estimate, planner, recommender, capacity) and what went
@@ -30,7 +30,7 @@ class Layer:
 
 LAYERS: tuple[Layer, ...] = (
     Layer("core", "measure memory: the one way every number is taken",
-          ("fileio", "tracker", "env", "measure", "report", "ranks")),
+          ("fileio", "tracker", "env", "measure", "report", "ranks", "wording")),
     Layer("blocks", "the model, the data and the techniques, one module each, each usable alone",
           ("models", "architectures", "data", "evaluation", "attention", "structured", "precision",
            "checkpointing", "accumulation", "lowstate", "optimizers", "rounding", "lomo", "quantization", "compression",

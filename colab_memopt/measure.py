@@ -140,8 +140,8 @@ class MemoryReport:
     def __str__(self) -> str:
         cats = ", ".join(f"{k} {format_bytes(v)}" for k, v in self.by_category.items() if v)
         text = (
-            f"{self.label or 'step'} on {self.device}: peak {format_bytes(self.peak_bytes)} "
-            f"({cats}); {self.step_seconds * 1e3:.1f} ms/step"
+            f"{self.label or 'step'} on {self.device}: peak {format_bytes(self.peak_bytes)}"
+            + (f" ({cats})" if cats else "") + f"; {self.step_seconds * 1e3:.1f} ms/step"
         )
         if self.skipped_steps:
             text += f"; {self.skipped_steps} warm-up update(s) skipped by the GradScaler"

@@ -141,9 +141,9 @@ def cublas_workspace_bytes(compute_capability: tuple[int, int] | None, config: s
             raise ValueError(f"CUBLAS_WORKSPACE_CONFIG must be ':SIZE_KiB:COUNT' pairs such as ':4096:8', got {config!r}")
         return sum(int(a) * 1024 * int(b) for a, b in pairs), f"CUBLAS_WORKSPACE_CONFIG={config} (set in the environment)"
     if compute_capability is not None and tuple(compute_capability) == (9, 0):  # `major == 9 && minor == 0` there
-        return _CUBLAS_DEFAULT_SM90, "torch's default cuBLAS workspace on sm_90 (32 MiB, CublasHandlePool.cpp); make test-gpu measures it"
+        return _CUBLAS_DEFAULT_SM90, "torch's default cuBLAS workspace on sm_90 (32 MiB, CublasHandlePool.cpp)"
     return _CUBLAS_DEFAULT_BELOW_SM90, ("torch's default cuBLAS workspace below sm_90 (':4096:2:16:8' = 8,519,680 B, "
-                                        "CublasHandlePool.cpp), through the caching allocator; make test-gpu measures it")
+                                        "CublasHandlePool.cpp), through the caching allocator")
 
 
 _CUBLASLT_DEFAULT_KIB = 1024  # CublasHandlePool.cpp, parseCUDABlasLtWorkspaceSize: "default size in KiB according to #73328"
@@ -443,6 +443,48 @@ class Plan:
         return estimate_band() if self.method == "analytic" else None
 
     def __str__(self) -> str:
+        """Return the answer first, then one line per figure (at most 100 characters); `explain()` has the sources."""
+        from colab_memopt.wording import WIDTH, estimate_line, first_clause, warning_lines, wrap
+
+        verdict = "fits" if self.fits else "DOES NOT FIT"
+        why = [] if self.fits else [w for w, ok in (("device memory", self.fits_device), ("host RAM", self.fits_host)) if not ok]
+        how = "traced" if self.method == "trace" else "ESTIMATE, not traced"
+        spare = self.device_limit_bytes - self.device_need_bytes
+        lines = wrap(f"{self.model}, batch {self.batch} x {self.seq_len} tokens on {self.target.name}: {verdict}"
+                     + (f" ({' and '.join(why)})" if why else ""), rest="  ")
+        lines.append(f"need {format_bytes(self.device_need_bytes)} of {format_bytes(self.device_limit_bytes)} usable "
+                     + (f"({format_bytes(spare)} spare)" if spare >= 0 else f"(short by {format_bytes(-spare)})") + f"; {how}")
+        if self.max_batch is not None:
+            lines.append(f"largest batch that fits: {self.max_batch}")
+        lines.append("device memory:")
+
+        def row(sign: str, name: str, nbytes: int, note: str = "") -> str:
+            head = f"  {sign}{name:{20 - len(sign)}s} {format_bytes(nbytes):>10s}"
+            note = first_clause(note, WIDTH - len(head) - 2) if note else ""
+            return f"{head}  {note}".rstrip()
+
+        lines += [row("", c, b) for c, b in self.by_category.items() if b]
+        lines.append(row("= ", "tensors at peak", self.peak_bytes))
+        lines += [row("+ ", c.name, c.bytes, c.source) for c in self.device_costs]
+        overlap = self.peak_bytes + sum(c.bytes for c in self.device_costs if c.in_step) - self.step_peak_bytes
+        if overlap > 0:
+            lines.append(row("- ", "off the peak", overlap, "a transient below the step's peak"))
+        lines.append(row("= ", "need", self.device_need_bytes,
+                         f"of {format_bytes(self.device_limit_bytes)} usable ({self.headroom_fraction:.0%} kept free)"))
+        lines += wrap("peak by phase: " + ", ".join(f"{p} {format_bytes(b)}" for p, b in self.by_phase.items()))
+        if self.load_costs:
+            lines.append(f"run peak: {format_bytes(self.run_peak_bytes)}, while "
+                         f"{'loading' if self.run_peak_phase == 'loading' else 'training'} (loading "
+                         f"{format_bytes(self.load_need_bytes)}, step {format_bytes(self.device_need_bytes)})")
+        lines.append(f"host RAM: need {format_bytes(self.host_need_bytes)} of {format_bytes(self.host_limit_bytes)} usable")
+        if self.estimate_error:
+            lines += wrap(estimate_line(self.estimate_error))
+        lines += warning_lines(self.warnings)
+        lines.append("where each figure comes from: plan.explain() (command line: --verbose)")
+        return "\n".join(lines)
+
+    def explain(self) -> str:
+        """Return the whole plan: every figure with its source and derivation (what `--verbose` prints)."""
         lines = [
             f"plan: {self.model}, batch {self.batch} x {self.seq_len} tokens, on {self.target.name} "
             f"({self.target.description or format_bytes(self.target.device_bytes)}); method: {self.method}; "
@@ -450,8 +492,9 @@ class Plan:
             "device memory:",
         ]
         lines += [f"  {c:18s} {format_bytes(b):>12s}" for c, b in self.by_category.items() if b]
-        lines.append(f"  {'= tensors at peak':18s} {format_bytes(self.peak_bytes):>12s}   "
-                     f"(analytic cross-check {format_bytes(self.analytic_peak_bytes)})")
+        lines.append(f"  {'= tensors at peak':18s} {format_bytes(self.peak_bytes):>12s}"
+                     + (f"   (analytic estimate {format_bytes(self.analytic_peak_bytes)})"
+                        if self.analytic_peak_bytes and self.method != "analytic" else ""))
         lines += [f"  + {c.name:16s} {format_bytes(c.bytes):>12s}   {c.source}" for c in self.device_costs]
         overlap = self.peak_bytes + sum(c.bytes for c in self.device_costs if c.in_step) - self.step_peak_bytes
         if overlap > 0:  # a transient of a phase below the step's peak
@@ -1317,13 +1360,12 @@ def four_bit_load_costs(meta_model: nn.Module, spec: Any, recipe: Recipe, target
                 and t.dtype != dtype), default=0) if recipe.base_dtype is not None else 0
     lines = [context,
              Cost("unquantized model", sum(_round_block(t.numel() * t.element_size()) for t in seen.values()),
-                  "the model as built, on the device before Recipe.build casts (base_dtype) and quantizes "
-                  "(quantization.quantize_model) it", in_allocator=True)]
+                  "the model as built, on the device before it is cast (base_dtype) and quantized", in_allocator=True)]
     if cast > quantize:
-        return [*lines, Cost("tensor being cast", cast, f"precision.half_frozen_base casts the model to {name} tensor by "
-                             "tensor before quantizing it (Module.to): the largest tensor's new copy", in_allocator=True)]
+        return [*lines, Cost("tensor being cast", cast, f"the model is cast to {name} tensor by "
+                             "tensor before it is quantized (Module.to): the largest tensor's new copy", in_allocator=True)]
     return [*lines, Cost("weight being quantized", quantize,
-                         f"quantization._bnb_linear clones the layer's weight ({name}) and bitsandbytes quantizes the clone "
+                         f"each layer's weight ({name}) is cloned and bitsandbytes quantizes the clone "
                          f"on the device (quantize_4bit: absmax in fp32, then less its offset: {_BNB_CUDA_OPS}); the "
                          "largest layer", in_allocator=True)]
 

@@ -163,6 +163,8 @@ class Recommendation:
     costs_device: str
     reasoning: list[str] = field(default_factory=list)
     costs: TechniqueCosts | None = None  # the table the slowdowns come from (its class, measured or prior rows)
+    lora_vs_qlora: dict[str, Any] | None = None  # {'lora': bytes, 'qlora': bytes, 'method': how both were planned}
+    passed_over: list[str] = field(default_factory=list)  # mode 'auto': one line per mode passed over (or also fitting)
 
     @property
     def recipe(self) -> Recipe:
@@ -183,7 +185,12 @@ class Recommendation:
         or None, 'bnb': BitsAndBytesConfig fields or None, 'not_expressible': what they cannot say} (`trainer.recipe_settings`)."""
         from colab_memopt.hfconfig import recipe_settings
 
-        return recipe_settings(self.recipe, self.batch, self.seq_len)
+        settings = recipe_settings(self.recipe, self.batch, self.seq_len)
+        # The recipe's lr is the planner's default (lr plays no part in memory): a Trainer gets the rate for its mode
+        # (2e-4 for LoRA / QLoRA adapters, 2e-5 for full fine-tuning; `finetune_lr`), never 1e-3 for a full fine-tune.
+        if self.recipe.lr == Recipe().lr and self.recipe.optimizer.startswith(_ADAM_LIKE_PREFIXES):
+            settings["training_args"]["learning_rate"] = finetune_lr(self.recipe)
+        return settings
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -196,6 +203,8 @@ class Recommendation:
             "costs": self._costs_dict(),
             "reasoning": self.reasoning, "warnings": self.warnings, "candidates": [c.to_dict() for c in self.candidates],
             "estimate": self.plan.method == "analytic", "estimate_error": self.plan.estimate_error,
+            "trainer_settings": self.trainer_settings(), "lora_vs_qlora": self.lora_vs_qlora,
+            "passed_over": self.passed_over,
         }
 
     def _costs_dict(self) -> dict[str, Any]:
@@ -212,7 +221,54 @@ class Recommendation:
                             for t, r in self.chosen.slowdown.parts.items()},
         }
 
+    def step_time(self) -> str:
+        """Return the chosen recipe's 'step time xN of an fp32 AdamW step (prior|measured on ...)'."""
+        from colab_memopt.wording import step_time
+
+        c = self.chosen
+        table = self.costs
+        return step_time(c.slowdown.ratio, c.slowdown.kinds, table.device if table else self.costs_device,
+                         table.device_class if table else None)
+
     def __str__(self) -> str:
+        """Return the answer first: the verdict, the settings to write, the need against the limit, one line per
+        figure (at most 100 characters); `explain()` has the reasoning and every candidate."""
+        from colab_memopt.wording import call_lines, estimate_line, short, warning_lines, wrap
+
+        c, p = self.chosen, self.plan
+        mode = _MODE_WORDS.get(self.mode, self.mode)
+        how = "" if p.method == "trace" else " (ESTIMATE, not traced)"
+        lines = wrap(f"{self.model}, batch {self.batch} x {self.seq_len} tokens on {self.target.name}: {mode} fits, "
+                     f"need {format_bytes(p.device_need_bytes)} of {format_bytes(p.device_limit_bytes)} usable{how}")
+        settings = self.trainer_settings()
+        lines.append("write these settings (TRL's SFTConfig):")
+        lines += call_lines("SFTConfig", settings["training_args"])
+        if settings["lora"]:
+            lines += call_lines("LoraConfig", settings["lora"])
+        if settings["bnb"]:
+            lines += call_lines("BitsAndBytesConfig", settings["bnb"])
+        if settings["not_expressible"]:  # the plan holds only with these: say so before any figure
+            lines.append("and what no Trainer setting says (the plan needs it; colab_memopt's training loop runs it):")
+            for missing in settings["not_expressible"]:
+                lines += wrap(missing, first="  ", rest="    ")
+        if p.estimate_error:
+            lines += wrap(estimate_line(p.estimate_error))
+        lines.append(self.step_time())
+        if self.lora_vs_qlora:
+            d = self.lora_vs_qlora
+            saved = d["lora"] - d["qlora"]
+            both = "both traced" if d["method"] == "traced" else "both estimated"
+            lines.append(f"LoRA vs QLoRA, {both}: LoRA {format_bytes(d['lora'])}, QLoRA "
+                         f"{format_bytes(d['qlora'])}: " + (f"QLoRA saves {format_bytes(saved)}, slower" if saved > 0
+                                                             else f"QLoRA needs {format_bytes(-saved)} more"))
+        lines += [short(r, 100) for r in self.passed_over]
+        lines += warning_lines(self.warnings)
+        lines.append(f"why, and the {len(self.candidates)} candidates: rec.explain() (command line: --verbose)")
+        return "\n".join(lines)
+
+    def explain(self) -> str:
+        """Return the whole recommendation: the recipe, the sources of each step-time ratio, the reasoning, the
+        plan of the chosen recipe and every candidate considered (what `--verbose` prints)."""
         c = self.chosen
         lines = [
             f"recommendation for {self.model} ({self.mode}), batch {self.batch} x {self.seq_len} tokens on {self.target.name}, "
@@ -222,14 +278,16 @@ class Recommendation:
             f"  predicted peak {format_bytes(self.plan.peak_bytes)}, need {format_bytes(self.plan.device_need_bytes)} of "
             f"{format_bytes(self.plan.device_limit_bytes)} usable ({self.plan.method})",
             *([f"  ESTIMATE, NOT TRACED: {describe_estimate_error(self.plan.estimate_error)}"] if self.plan.estimate_error else []),
-            f"  expected slowdown x{c.slowdown.ratio:.2f} vs fp32 AdamW ("
-            + (f"{self.costs.table}" if self.costs is not None else f"ratios measured on {self.costs_device}") + ")",
+            f"  {self.step_time()}, from the " + (f"{self.costs.table}" if self.costs is not None
+                                                   else f"ratios measured on {self.costs_device}"),
             *[f"    {t} x{r:.2f}: {c.slowdown.sources.get(t, '')}" for t, r in c.slowdown.parts.items()],
             *[f"warning: {w}" for w in self.warnings],
             "reasoning:",
             *[f"  {r}" for r in self.reasoning],
-            "candidates considered (cheapest first):",
+            "candidates considered (cheapest first; xN: step time against an fp32 AdamW step):",
             *[f"  {x.line()}" for x in self.candidates],
+            "plan of the chosen recipe:",
+            *[f"  {line}" for line in self.plan.explain().splitlines()],
         ]
         return "\n".join(lines)
 
@@ -430,12 +488,14 @@ def recommend(
 def _recommend_auto(model: Any, batch: int, kwargs: dict[str, Any]) -> Recommendation:
     """Mode 'auto': full fine-tuning if it fits, else LoRA, else QLoRA; 'least_memory': the least need of all."""
     passed_over: list[str] = []
+    short_lines: list[str] = []  # one line per mode passed over, for the printout
     found: list[Recommendation] = []
     for m in MODES:
         try:
             rec = _recommend_mode(model, batch, mode=m, **kwargs)
         except NoRecipeFits as exc:
             passed_over.append(f"mode {m} passed over: {exc}")
+            short_lines.append(_passed_over_line(m, exc.candidates))
             if m == list(MODES)[-1] and not found:
                 raise NoRecipeFits(" | ".join(passed_over), exc.candidates) from None
             continue
@@ -449,7 +509,23 @@ def _recommend_auto(model: Any, batch: int, kwargs: dict[str, Any]) -> Recommend
         passed_over.append(f"objective least_memory: mode {rec.mode} needs least ({format_bytes(rec.plan.device_need_bytes)})")
     rec = found[-1] if kwargs["objective"] == "fastest" else rec
     rec.reasoning[:0] = passed_over
+    rec.passed_over = short_lines + [f"{_MODE_WORDS.get(r.mode, r.mode)} fits too: needs "
+                                     f"{format_bytes(r.plan.device_need_bytes)} ({r.chosen.name})" for r in found if r is not rec]
     return rec
+
+
+_MODE_WORDS = {"full": "full fine-tuning", "lora": "LoRA", "qlora": "QLoRA"}
+
+
+def _passed_over_line(mode: str, cands: list[Candidate]) -> str:
+    """Return one short line saying why a mode was passed over: its leanest candidate's need against the limit."""
+    planned = [c for c in cands if c.plan is not None]
+    if not cands:
+        return f"{_MODE_WORDS.get(mode, mode)} does not fit"
+    leanest = min(planned or cands, key=lambda c: c.need_bytes)
+    how = "traced" if leanest.plan is not None and leanest.plan.method == "trace" else "estimate"
+    return (f"{_MODE_WORDS.get(mode, mode)} does not fit: its leanest recipe needs {format_bytes(leanest.need_bytes)} "
+            f"of {format_bytes(leanest.limit_bytes)} ({how})")
 
 
 LONG_CONTEXT_TILE_TOKENS = 4096  # the MLP's tile in the longest-context round (tokens)
@@ -514,22 +590,38 @@ def _longest_context_round(factory: Any, arch: str | None, batch: int, seq_len: 
     return cand if split.fits else None
 
 
-def _side_by_side(chosen: Candidate, meta_model: nn.Module, batch: int, seq_len: int, fixed: int) -> str | None:
-    """Return LoRA's and QLoRA's needs for the chosen recipe side by side (QLoRA often saves less than expected)."""
+def _side_by_side(chosen: Candidate, meta_model: nn.Module, batch: int, seq_len: int, fixed: int, *, model: Any = None,
+                  target: Any = None, headroom: float = 0.10, method: str = "auto") -> dict[str, Any] | None:
+    """Return LoRA's and QLoRA's needs for the chosen recipe, planned the same way (QLoRA often saves less than
+    expected): {'lora', 'qlora': bytes, 'method': 'traced' or 'analytic estimate', 'line': the reasoning line}.
+
+    The other one is traced when the chosen one was (trace against trace); where it cannot be, or the chosen one is
+    an estimate, both are the analytic estimate: never a trace against an estimate."""
     r = chosen.recipe
     if not r.lora_rank:
         return None
     other = r.with_(quantization=None) if r.quantization is not None else r.with_(quantization="nf4")
-    other_need = estimate.training_step_bytes(meta_model, batch, seq_len, other).peak_bytes + fixed
-    need = chosen.need_bytes
-    how = chosen.plan.method if chosen.plan is not None else "analytic"
+    need, other_need, how = None, None, "analytic estimate"
+    if chosen.plan is not None and chosen.plan.method == "trace" and model is not None and method != "analytic":
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                other_plan = plan(model, batch, seq_len=seq_len, recipe=other, target=target, headroom=headroom,
+                                  find_max_batch=False, method="trace")
+            need, other_need, how = chosen.plan.device_need_bytes, other_plan.device_need_bytes, "traced"
+        except Exception:  # noqa: BLE001 - what cannot be traced is compared by the estimate, both sides
+            need = None
+    if need is None:
+        need = estimate.training_step_bytes(meta_model, batch, seq_len, r).peak_bytes + fixed
+        other_need = estimate.training_step_bytes(meta_model, batch, seq_len, other).peak_bytes + fixed
     lora_need, qlora_need = (other_need, need) if r.quantization is not None else (need, other_need)
     base = f"{r.base_dtype or 'fp32'} base"
     saved = lora_need - qlora_need
-    return (f"LoRA vs QLoRA, this recipe: LoRA ({base}) needs {format_bytes(lora_need)}, QLoRA (nf4 base) needs "
-            f"{format_bytes(qlora_need)}: QLoRA saves {format_bytes(saved)} ({saved / max(1, lora_need):.0%}); "
-            f"the chosen one {how}, the other analytic; QLoRA only where LoRA does not fit (or objective least_memory): "
-            "it dequantizes every weight in forward and backward")
+    line = (f"LoRA vs QLoRA, this recipe, both {how}: LoRA ({base}) needs {format_bytes(lora_need)}, QLoRA (nf4 base) "
+            f"needs {format_bytes(qlora_need)}: QLoRA saves {format_bytes(saved)} ({saved / max(1, lora_need):.0%}); "
+            "QLoRA only where LoRA does not fit (or objective least_memory): it dequantizes every weight in forward "
+            "and backward")
+    return {"lora": lora_need, "qlora": qlora_need, "method": how, "line": line}
 
 
 def _recommend_mode(
@@ -594,11 +686,11 @@ def _recommend_mode(
                           f"{precisions[0]} for every candidate on a CUDA target (tensor cores; 2-byte activations)"
                           if tgt.cuda else f"{precisions} ranked by the {costs.device_class or 'given'} costs")
          + ("; LoRA's frozen base stored in the same 16-bit dtype, adapters fp32" if mode != "full" and half_precision else "")),
-        f"slowdowns: products of step-time ratios from the {costs.table} ({costs.source})",
+        f"step times: products of step-time ratios from the {costs.table} ({'published priors' if costs.source == 'costs.PRIORS' else costs.source})",
     ]
     priors = sorted(t for t in costs.ratios if costs.kind(t) == "prior")
     if priors:
-        reasoning.append(f"  priors (published figures, not measured on {costs.device_class}; `make test-gpu` measures them): {priors}")
+        reasoning.append(f"  priors (published figures, not measured on {costs.device_class}): {priors}")
 
     def confirm(round_cands: list[Candidate]) -> Candidate | None:
         floored = sorted({n for c in round_cands for n in c.slowdown.floored})
@@ -681,12 +773,14 @@ def _recommend_mode(
         chosen = confirm(int8)
     if chosen is None:
         raise NoRecipeFits(_no_fit_message(cands, name, mode, batch, seq_len, tgt, limit, headroom), cands)
-    reasoning.append(f"chosen: {chosen.name}, expected slowdown x{chosen.slowdown.ratio:.2f}"
+    reasoning.append(f"chosen: {chosen.name}, step time x{chosen.slowdown.ratio:.2f} of an fp32 AdamW step"
                      + (f" (not measured: {chosen.slowdown.unmeasured}, counted as 1.0)" if chosen.slowdown.unmeasured else ""))
-    side = _side_by_side(chosen, meta_model, batch, seq_len, fixed)
+    side = _side_by_side(chosen, meta_model, batch, seq_len, fixed, model=factory if callable(model) else model,
+                         target=tgt, headroom=headroom, method=method)
     if side:
-        reasoning.append(side)
-    return Recommendation(name, batch, seq_len, mode, objective, tgt, chosen, cands, costs.device, reasoning, costs)
+        reasoning.append(side["line"])
+    return Recommendation(name, batch, seq_len, mode, objective, tgt, chosen, cands, costs.device, reasoning, costs,
+                          lora_vs_qlora={k: v for k, v in side.items() if k != "line"} if side else None)
 
 
 # Starting learning rates for fine-tuning a pretrained model with an AdamW-like optimizer, by what trains:

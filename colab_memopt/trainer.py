@@ -626,7 +626,7 @@ def plan_trainer(
     seq = _whole("seq_len", seq_len) if seq_len is not None else seq_len_of(args)
     recipe, notes = trainer_recipe(args, lora, bnb)
     given_optimizer = getattr(real_trainer, "optimizer", None)
-    warn = [f"not in the Recipe: {n}" for n in notes if given_optimizer is None or not n.startswith("optim=")]
+    warn = [n for n in notes if given_optimizer is None or not n.startswith("optim=")]  # each names the setting
     if given_optimizer is not None:
         recipe, line = _given_optimizer_recipe(recipe, given_optimizer, optim)
         warn.append(line)
@@ -928,8 +928,9 @@ def _with_base_dtype(recipe: Recipe, loaded: torch.dtype, warn: list[str]) -> Re
         return recipe
     if recipe.lora_rank and recipe.precision == BASE_DTYPE_PRECISION[name]:
         return recipe.with_(base_dtype=name)
-    warn.append(f"not in the Recipe: the model loaded in {str(loaded).removeprefix('torch.')} "
-                f"(its base_dtype is LoRA's frozen base under {BASE_DTYPE_PRECISION[name]})")
+    warn.append(f"the model loaded in {str(loaded).removeprefix('torch.')}: planned as loaded, its weights "
+                f"{str(loaded).removeprefix('torch.')} (the plan's recipe summary says base_dtype only for LoRA under "
+                f"{BASE_DTYPE_PRECISION[name]})")
     return recipe
 
 
@@ -1041,16 +1042,53 @@ class TrainerFit:
         return "\n".join(lines)
 
     def __str__(self) -> str:
+        """Return the answer first (fits or not, the need against the limit), the lines to set, the step time with
+        its source, the notes; lines of at most 100 characters (`before.explain()` / `after.explain()`: the plans)."""
         from colab_memopt.measure import format_bytes
+        from colab_memopt.wording import wrap
 
         before = self.before
-        head = (f"before: needs {format_bytes(before.device_need_bytes)} of {format_bytes(before.device_limit_bytes)} "
-                f"usable on {before.target.name}: {'fits' if before.fits else 'does not fit'}")
+        limit = format_bytes(before.device_limit_bytes)
+        tgt = before.target.name
         if self.after is None:
-            return "\n".join([head, f"no change tried fits ({len(self.tried)} tried)", *[f"note: {n}" for n in self.notes]])
-        return "\n".join([head, f"after:  needs {format_bytes(self.after.device_need_bytes)}: "
-                          f"{'fits' if self.after.fits else 'does not fit'}; expected step time x{self.slowdown:.2f}",
-                          self.snippet(), *[f"note: {n}" for n in self.notes]])
+            lines = [f"no change tried fits {tgt} ({len(self.tried)} tried): your settings need "
+                     f"{format_bytes(before.device_need_bytes)} of {limit} usable"]
+            if self.tried:
+                best, need, _ = min(self.tried, key=lambda t: t[1])
+                lines += wrap(f"the least need reached: {format_bytes(need)}, with "
+                              + (", ".join(f"{k}={v!r}" for k, v in best.items()) or "no change"), first="", rest="  ")
+        elif not self.changes:
+            lines = [f"fits {tgt} as it is: needs {format_bytes(self.after.device_need_bytes)} of {limit} usable"]
+        else:
+            verdict = "fits" if self.after.fits else "does not fit"
+            lines = [f"{verdict} {tgt} with these changes: needs {format_bytes(self.after.device_need_bytes)} of {limit} "
+                     f"usable (now {format_bytes(before.device_need_bytes)})", *self.snippet().splitlines(),
+                     self._step_time()]
+        for n in self.notes:
+            lines += wrap(n, first="note: ", rest="  ")
+        return "\n".join(lines)
+
+    def _step_time(self) -> str:
+        """Return 'step time xN of your settings' (prior|measured on ...)' from the target's cost table."""
+        from colab_memopt import costs
+
+        table = costs.costs_for_target(self.before.target)
+        kinds = {table.kind(t) for t in table.ratios}
+        label = (f"prior: published figures, not measured on a {table.device_class}" if kinds <= {"prior"}
+                 else f"measured on {table.device}" if kinds == {"measured"} else f"from the {table.table}")
+        return f"step time x{self.slowdown:.2f} of your settings' ({label})"
+
+    def explain(self) -> str:
+        """Return every change set tried with its need and step time, then the plans before and after in full."""
+        from colab_memopt.measure import format_bytes
+
+        lines = [f"tried ({len(self.tried)}), cheapest expected step time first:"]
+        lines += [f"  {format_bytes(need):>10s}  step time x{cost:.2f}  "
+                  + (", ".join(f"{k}={v!r}" for k, v in changes.items()) or "no change") for changes, need, cost in self.tried]
+        lines += ["plan of your settings:", *[f"  {line}" for line in self.before.explain().splitlines()]]
+        if self.after is not None and self.after is not self.before:
+            lines += ["plan with the changes:", *[f"  {line}" for line in self.after.explain().splitlines()]]
+        return "\n".join(lines)
 
 
 def _slowdown(args: Any, tgt: Target, lora: Any, bnb: Any) -> float:

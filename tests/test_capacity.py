@@ -149,4 +149,6 @@ def test_probe3_context_cli_answers_for_the_tiny_model(capsys):
 
     code = main(["context", "--model", "tiny", "--mode", "full", "--method", "analytic"])
     out = capsys.readouterr().out
-    assert code == 0 and "full        64 tokens" in out and "searched in steps of 8" in out, out
+    assert code == 0 and "full fine-tuning: 64 tokens" in out and "max_length=64" in out, out
+    assert main(["context", "--model", "tiny", "--mode", "full", "--method", "analytic", "--verbose"]) == 0
+    assert "searched in steps of 8" in capsys.readouterr().out  # the search's note: behind --verbose

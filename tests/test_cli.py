@@ -110,6 +110,16 @@ def test_no_recipe_fits_is_exit_1_with_a_json_error(capsys):
     assert "no recipe fits" in _json_error(argv, capsys, code=1)
 
 
+def test_no_recipe_fits_says_each_modes_reason_in_lines_of_at_most_100_characters(capsys):
+    # the message ran to one line of over 1,000 characters (three modes' reasons joined by ' | ')
+    argv = ["recommend", "--model", "tiny", "--seq", "32", "--device-bytes", "1", "--host-bytes", "1", "--method", "analytic"]
+    code, out, err = _run(argv, capsys)
+    lines = err.strip().splitlines()
+    assert code == 1 and out == "" and lines[0].startswith("no recipe fits: ") and " | " not in err
+    assert len(lines) > 3 and max(map(len, lines)) <= 100, err
+    assert sum(line.startswith("mode ") for line in lines) == 2  # full, lora, qlora: one paragraph each
+
+
 def test_probe_row_21_lora_targets_can_be_set_from_the_cli(capsys):
     code, out, err = _run(["plan", "--model", "tiny", "--batch", "1", "--seq", "16", "--method", "analytic", "--no-max-batch",
                            "--recipe", "lora_rank=4", "lora_targets=qkv,proj", "--json"], capsys)

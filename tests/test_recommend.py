@@ -160,9 +160,10 @@ def test_plan_warnings_and_the_analytic_fallback_are_in_the_text_and_json():
     fallback = next(w for w in rec.warnings if "could not trace" in w)
     assert rec.plan.method == "analytic"
     assert rec.to_dict()["warnings"] == rec.warnings
-    text = str(rec)
+    text = rec.explain()  # the whole warning and the reasoning; the printout names it in a line or two
     assert f"warning: {fallback}" in text
     assert "fell back from the trace to the analytic estimate: could not trace" in text
+    assert "warning: could not trace the step on fake tensors" in str(rec) and "ESTIMATE" in str(rec)
 
 
 @pytest.mark.parametrize("factory, says", [
