@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import textwrap
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -509,6 +510,8 @@ def _fake_trainer(args: Any, model: Any, lora: Any, bnb: Any, seq_len: int, mode
     dtype = _model_dtype(args, spec, model, dtype)
     dtype = half if half is not None and dtype == torch.float16 else dtype
     sft = type(args).__name__ == "SFTConfig"
+    if sft and getattr(args, "model_init_kwargs", None):  # read above (the load dtype): TRL would say it ignores them
+        args = _changed_args(args, {"model_init_kwargs": None})
     rows = {"input_ids": [[1] * seq_len]}
     if not sft:
         rows.update(attention_mask=[[1] * seq_len], labels=[[1] * seq_len])
@@ -1189,17 +1192,21 @@ def _dimensions(args: Any, tgt: Target, trainer: Any = None, *, lora: Any = None
             return _Level((("model_init_kwargs", kwargs),), (("dtype", dtype),))
         return _Level((), (("dtype", dtype),))
 
-    if trainer is None and half is not None and loaded == torch.float32:
-        if lora is not None:  # the frozen base in 16 bits: LoRA trains fp32 adapters on it
-            dims.append(([_Level(), load_dtype(half)], True))
-        elif half == torch.bfloat16:  # 16-bit weights for full fine-tuning: bf16 only (fp16 weights cannot be scaled)
-            level = load_dtype(half)
-            dims.append(([_Level(), _Level(level.args + (("bf16", True), ("fp16", False)), level.load, 2.0)], True))
-    if trainer is None and lora is not None and bnb is None and half is not None:
-        from transformers import BitsAndBytesConfig
+    if trainer is None and half is not None and lora is not None:  # LoRA's frozen base: 16 bits, then 4 bits
+        base = [_Level()]
+        sixteen = load_dtype(half) if loaded == torch.float32 else _Level()  # LoRA trains fp32 adapters on it
+        if sixteen.load:
+            base.append(sixteen)
+        if bnb is None:  # QLoRA: the linear layers in nf4, the rest (embeddings, norms, head) in 16 bits
+            from transformers import BitsAndBytesConfig
 
-        four_bit = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=half)
-        dims.append(([_Level(), _Level((), (("bnb", four_bit),), 2.0)], True))
+            four_bit = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=half)
+            base.append(_Level(sixteen.args, sixteen.load + (("bnb", four_bit),), 2.0))
+        if len(base) > 1:
+            dims.append((base, True))
+    elif trainer is None and half == torch.bfloat16 and loaded == torch.float32:  # full fine-tuning: 16-bit weights,
+        level = load_dtype(half)  # bf16 only (a T4's fp16 weights cannot be trained under the GradScaler)
+        dims.append(([_Level(), _Level(level.args + (("bf16", True), ("fp16", False)), level.load, 2.0)], True))
     if not args.gradient_checkpointing and not (trainer is not None and _checkpointing_on(trainer.model)):
         dims.append(([_Level(), _Level((("gradient_checkpointing", True),
                                         ("gradient_checkpointing_kwargs", {"use_reentrant": False})), cost=1.0)], True))
@@ -1323,12 +1330,15 @@ def fit_trainer(
             return TrainerFit(changes, before, after, cost, tried, notes + _fp16_trap_notes(after), skipped=skipped, **use)
         failed.append(idx)
     left = len(ranked) - len(tried) - skipped
-    notes = [f"stopped after max_plans={max_plans} plans: {left} of the {len(ranked)} change sets were not tried "
-             "(raise max_plans to try them)"] if left > 0 else []
+    notes = [f"stopped after max_plans={max_plans} plans; {left} more change sets not tried (raise max_plans)"
+             ] if left > 0 else []
     best = min(tried, key=lambda t: t[1]) if tried else ({}, before.device_need_bytes, 1.0)
-    shown = ", ".join(f"{k}={_dtype_text(v) if isinstance(v, torch.dtype) else _bnb_text(v) if k == 'bnb' else repr(v)}"
-                      for k, v in best[0].items()) or "your settings"
-    notes.append(f"smallest need reached: {format_bytes(best[1])} of {format_bytes(before.device_limit_bytes)} with {shown}")
+    shown = {k: v for k, v in best[0].items() if not (k == "bf16" and best[0].get("fp16"))
+             and not (k == "dtype" and "model_init_kwargs" in best[0])}
+    text = ", ".join(f"{k}={_dtype_text(v) if isinstance(v, torch.dtype) else _bnb_text(v) if k == 'bnb' else repr(v)}"
+                     for k, v in shown.items()) or "your settings"
+    notes.append("\n      ".join(textwrap.wrap(f"smallest need reached: {format_bytes(best[1])} of "
+                                               f"{format_bytes(before.device_limit_bytes)} usable, with {text}", 92)))
     if lora is None:
         notes.append("next: train LoRA adapters (peft_config=LoraConfig(...)), or QLoRA with a 4-bit base, or a smaller model")
     else:
