@@ -1030,14 +1030,16 @@ class FittedSettings:
         >>> trainer = SFTTrainer(model=model_id, args=fitted.args, peft_config=fitted.lora,
         ...                      quantization_config=fitted.bnb, train_dataset=dataset)
     or a model you load yourself:
-        >>> model = AutoModelForCausalLM.from_pretrained(model_id, dtype=fitted.dtype, quantization_config=fitted.bnb)
+        >>> model = AutoModelForCausalLM.from_pretrained(model_id, quantization_config=fitted.bnb,
+        ...                                              **fitted.model_init_kwargs)
+        >>> trainer = SFTTrainer(model=model, args=fitted.args, peft_config=fitted.lora, train_dataset=dataset)
     """
 
     args: Any  # a new TrainingArguments / SFTConfig: yours with the fit's changes, built (and checked) by its class
     lora: Any  # the LoraConfig (peft config) to train with, or None (full fine-tuning)
     bnb: Any  # the BitsAndBytesConfig to load the model with, or None (not quantized)
-    dtype: torch.dtype | None  # the dtype to load the model with (`from_pretrained(dtype=...)`); None: as you load it
-    model_init_kwargs: dict[str, Any] | None  # SFTConfig's: what SFTTrainer loads a model id with (None: not an SFTConfig)
+    dtype: torch.dtype | None  # the dtype to load the model with; None: none chosen (as you load it)
+    model_init_kwargs: dict[str, Any]  # `from_pretrained` keywords: an SFTConfig's model_init_kwargs, and the dtype
 
 
 @dataclass
@@ -1084,8 +1086,12 @@ class TrainerFit:
             raise ValueError(f"nothing tried fits {self.before.target.name} (needs {format_bytes(self.before.device_need_bytes)}"
                              f" of {format_bytes(self.before.device_limit_bytes)}): {'; '.join(self.notes)}")
         fitted = _changed_args(args, self.changes)
-        return FittedSettings(fitted, self.lora, self.bnb, self.dtype, getattr(fitted, "model_init_kwargs", None)
-                              if type(fitted).__name__ == "SFTConfig" else None)
+        kwargs = dict(getattr(fitted, "model_init_kwargs", None) or {})
+        dtype = self.dtype if self.dtype is not None else _dtype_value(kwargs.get("dtype", kwargs.get("torch_dtype")),
+                                                                        "model_init_kwargs['dtype']")
+        if isinstance(dtype, torch.dtype) and "dtype" not in kwargs and "torch_dtype" not in kwargs:
+            kwargs["dtype"] = dtype
+        return FittedSettings(fitted, self.lora, self.bnb, dtype if isinstance(dtype, torch.dtype) else None, kwargs)
 
     def snippet(self, name: str = "SFTConfig") -> str:
         """Return the lines to paste into your `SFTConfig(...)` / `TrainingArguments(...)` call (and, where the fit

@@ -78,6 +78,17 @@ def test_lora_fit_loads_the_base_in_fp16_first_and_apply_returns_settings_that_f
     assert type(fitted.args) is SFTConfig and fitted.args is not args and args.bf16 and args.model_init_kwargs is None
     assert fitted.args.fp16 and not fitted.args.bf16 and fitted.model_init_kwargs == {"dtype": "float16"}
     assert fitted.lora is fit.lora and fitted.bnb is None and fitted.dtype == torch.float16
+    # the same fit for TrainingArguments and a model you load yourself: the dtype to load it with
+    from transformers import TrainingArguments
+
+    hf_args = TrainingArguments(output_dir="/tmp/colab_memopt_test_fit", per_device_train_batch_size=4, use_cpu=True,
+                                bf16=True, report_to=[])
+    hf_needs = [tr.plan_trainer(hf_args, model=model_id, lora=lora(), target=small_t4(2**40), headroom=0.0, seq_len=256,
+                                bf16=False, fp16=True, dtype=d).device_need_bytes for d in ("float16", None)]
+    hf_fit = tr.fit_trainer(hf_args, model=model_id, lora=lora(), target=between(*hf_needs), headroom=0.0, seq_len=256)
+    hf_fitted = hf_fit.apply(hf_args)
+    assert hf_fit.fits and hf_fit.changes == {"bf16": False, "fp16": True} and hf_fit.dtype == torch.float16
+    assert hf_fitted.model_init_kwargs == {"dtype": torch.float16} and hf_fitted.dtype == torch.float16
     again = tr.plan_trainer(fitted.args, model=model_id, lora=fitted.lora, bnb=fitted.bnb, target=target, headroom=0.0)
     assert again.fits and again.device_need_bytes == fit.after.device_need_bytes
     assert "model_init_kwargs={'dtype': 'float16'}," in fit.snippet()
