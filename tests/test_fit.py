@@ -147,3 +147,24 @@ def test_no_optimizer_swap_for_lora_but_for_full_fine_tuning(model_id):
     # cheapest first: the base in fp16 before checkpointing, batch changes and a shorter max_length
     order = [next(iter(k for k in c if k not in ("bf16", "fp16")), None) for c in lora_sets]
     assert order[:2] == [None, "model_init_kwargs"] and order.index("max_length") > order.index("per_device_train_batch_size")
+
+
+@pytest.mark.parametrize("number", ["18", "19"])
+def test_the_capstone_snippets_train_the_settings_fit_apply_returns(number):
+    """Review 3 finding 4: the "Use it" code printed the fit and then trained the unfixed `args`. Each fenced
+    snippet that calls fit_trainer applies the fit with the public `fit.apply(args)` and trains its `.args`."""
+    import re
+    from pathlib import Path
+
+    import nbformat
+
+    path = next((Path(__file__).resolve().parent.parent / "notebooks").glob(f"{number}_*.ipynb"))
+    source = "\n".join(c.source for c in nbformat.read(path, as_version=4).cells)
+    assert "_changed_args" not in source and "cmtrainer._target" not in source  # no private helpers
+    snippets = [s for s in re.findall(r"```python\n(.*?)```", source, re.S) if "fit_trainer(" in s]
+    assert snippets, path.name
+    for code in snippets:
+        applied = re.search(r"(\w+) = \w+\.apply\(", code)
+        assert applied, f"{path.name}: no fit.apply(args) in\n{code}"
+        trainer_call = code[code.index("SFTTrainer("):]
+        assert f"args={applied.group(1)}.args" in trainer_call, f"{path.name}: the trainer does not train the fit\n{code}"
