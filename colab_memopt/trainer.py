@@ -1059,6 +1059,7 @@ class TrainerFit:
     bnb: Any = None  # the BitsAndBytesConfig to load the model with (yours, or the fit's 4-bit one), or None
     dtype: torch.dtype | None = None  # the dtype to load the model with, where the fit or you chose one
     skipped: int = 0  # change sets not planned: they save no more than one that did not fit
+    predicted: int = 0  # change sets not planned: two plans that differ only in the batch predict they do not fit
 
     @property
     def fits(self) -> bool:
@@ -1279,7 +1280,8 @@ def fit_trainer(
     - gradient checkpointing (`use_reentrant=False`);
     - a smaller `per_device_train_batch_size` with `gradient_accumulation_steps` keeping the effective batch;
     - a shorter `max_length` (half, then a quarter: the run then trains on less text, so it comes last).
-    A change set that saves no more memory than one that did not fit is not planned. At most `max_plans` plans
+    A change set that saves no more memory than one that did not fit is not planned, nor one whose need two plans
+    differing only in `per_device_train_batch_size` predict (linear in it) over the limit. At most `max_plans` plans
     after the first; a built Trainer keeps its model's dtype and quantization. On failure the notes name the
     smallest need reached and what to do next. Arguments as `plan_trainer`.
 
@@ -1316,11 +1318,30 @@ def fit_trainer(
     # the settings as they are, where they do not fit (fp16 for a T4's bf16, a must, needs no less than bf16)
     failed: list[tuple[int, ...]] = [] if before.fits else [tuple(0 for _ in dims)]
     tried: list[tuple[dict[str, Any], int, float]] = []
-    skipped = 0
+    skipped = predicted = 0
+    # the need is linear in the per-device batch at a fixed accumulation regime: two plans of smaller batches that
+    # differ only in it predict the others; one predicted 5% over the limit is not planned (a fit is always planned)
+    bdim = next((d for d, (levels, _) in enumerate(dims) for lv in levels if dict(lv.args).get("per_device_train_batch_size")),
+                None)
+    points: dict[tuple[int, ...], dict[int, int]] = {}
+
+    def split(idx: tuple[int, ...], levels: list[_Level]) -> tuple[tuple[int, ...], int]:
+        micro = int(dict(levels[bdim].args).get("per_device_train_batch_size", args.per_device_train_batch_size))
+        return idx[:bdim] + idx[bdim + 1:], micro
+
     for idx, levels in ranked:
         if any(_saves_no_more(idx, f, dims) for f in failed):
             skipped += 1
             continue
+        if bdim is not None and idx[bdim] > 0:
+            rest, micro = split(idx, levels)
+            known = sorted(points.get(rest, {}).items())
+            if len(known) >= 2:
+                (b1, n1), (b2, n2) = known[0], known[-1]
+                if n1 + (n2 - n1) * (micro - b1) / (b2 - b1) > 1.05 * before.device_limit_bytes:
+                    predicted += 1
+                    failed.append(idx)
+                    continue
         if len(tried) >= max_plans:
             break
         changes = {k: v for lv in levels for k, v in lv.args}
@@ -1329,13 +1350,17 @@ def fit_trainer(
         use = dict(lora=lora, bnb=_bnb_config(load.get("bnb")), dtype=load.get("dtype", kept["dtype"]))
         cost = _slowdown(_changed_args(args, changes), tgt, lora, use["bnb"]) / base_cost
         tried.append(({**changes, **{k: v for lv in levels for k, v in lv.load}}, after.device_need_bytes, cost))
+        if bdim is not None and idx[bdim] > 0:  # a smaller batch with accumulation (accumulating holds the gradients)
+            rest, micro = split(idx, levels)
+            points.setdefault(rest, {})[micro] = after.device_need_bytes
         if after.fits:
             notes = [] if "gradient_accumulation_steps" not in changes else [
                 f"effective batch kept: {changes['per_device_train_batch_size']} x {changes['gradient_accumulation_steps']} "
                 f"= {before.batch}"]
-            return TrainerFit(changes, before, after, cost, tried, notes + _fp16_trap_notes(after), skipped=skipped, **use)
+            return TrainerFit(changes, before, after, cost, tried, notes + _fp16_trap_notes(after), skipped=skipped,
+                              predicted=predicted, **use)
         failed.append(idx)
-    left = len(ranked) - len(tried) - skipped
+    left = len(ranked) - len(tried) - skipped - predicted
     notes = [f"stopped after max_plans={max_plans} plans; {left} more change sets not tried (raise max_plans)"
              ] if left > 0 else []
     best = min(tried, key=lambda t: t[1]) if tried else ({}, before.device_need_bytes, 1.0)
@@ -1349,4 +1374,5 @@ def fit_trainer(
         notes.append("next: train LoRA adapters (peft_config=LoraConfig(...)), or QLoRA with a 4-bit base, or a smaller model")
     else:
         notes.append("next: a smaller model, a shorter max_length, fewer LoRA target_modules, or a GPU with more memory")
-    return TrainerFit({}, before, None, 1.0, tried, notes + _fp16_trap_notes(before), skipped=skipped, **kept)
+    return TrainerFit({}, before, None, 1.0, tried, notes + _fp16_trap_notes(before), skipped=skipped,
+                      predicted=predicted, **kept)

@@ -168,3 +168,22 @@ def test_the_capstone_snippets_train_the_settings_fit_apply_returns(number):
         assert applied, f"{path.name}: no fit.apply(args) in\n{code}"
         trainer_call = code[code.index("SFTTrainer("):]
         assert f"args={applied.group(1)}.args" in trainer_call, f"{path.name}: the trainer does not train the fit\n{code}"
+
+
+def test_batch_changes_are_predicted_from_two_plans_and_the_fit_confirmed():
+    """Full fine-tuning where only the per-device batch can change: batches 8 and 4 are planned, 2 is predicted more
+    than 5% over the limit (linear in the batch) and not planned, 1 is planned and fits."""
+    from transformers import TrainingArguments
+
+    model = LlamaConfig(**CFG)
+    args = TrainingArguments(output_dir="/tmp/colab_memopt_test_fit", per_device_train_batch_size=16, fp16=True,
+                             use_cpu=True, optim="adafactor", gradient_checkpointing=True, report_to=[])
+    plans = {b: tr.plan_trainer(args, model=model, target=small_t4(2**40), headroom=0.0, seq_len=256,
+                                per_device_train_batch_size=b, gradient_accumulation_steps=16 // b).device_need_bytes
+             for b in (1, 2)}
+    target = small_t4(plans[1] + 2**10)
+    assert plans[2] > 1.05 * target["device_bytes"], plans  # beyond the prediction's 5% margin
+    fit = tr.fit_trainer(args, model=model, target=target, headroom=0.0, seq_len=256)
+    assert fit.fits and fit.changes == {"per_device_train_batch_size": 1, "gradient_accumulation_steps": 16}, str(fit)
+    assert [c["per_device_train_batch_size"] for c, _, _ in fit.tried] == [8, 4, 1] and fit.predicted == 1
+    assert fit.after.device_need_bytes == plans[1]
