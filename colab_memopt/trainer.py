@@ -1094,15 +1094,6 @@ class TrainerFit:
             kwargs["dtype"] = dtype
         return FittedSettings(fitted, self.lora, self.bnb, dtype if isinstance(dtype, torch.dtype) else None, kwargs)
 
-    def snippet(self, name: str = "SFTConfig") -> str:
-        """Return the lines to paste into your `SFTConfig(...)` / `TrainingArguments(...)` call (and, where the fit
-        loads the model otherwise, how to load it)."""
-        if not self.changes and not self._load_lines():
-            return f"# {name}(...) fits as it is: nothing to change"
-        lines = [f"# in your {name}(...) / TrainingArguments(...) call, set:"] if self.changes else []
-        lines += [f"    {k}={v!r}," for k, v in self.changes.items()]
-        return "\n".join(lines + self._load_lines())
-
     def _load_lines(self) -> list[str]:
         """Return the lines that say how to load the model, where the fit changed it (dtype, 4-bit)."""
         load = self.tried[-1][0] if self.fits and self.tried else {}
@@ -1112,6 +1103,15 @@ class TrainerFit:
         if "dtype" in load and "model_init_kwargs" not in self.changes:  # SFTTrainer loads a model id with those
             lines.append(f"# load the model with dtype={_dtype_text(self.dtype)}")
         return lines
+
+    def snippet(self, name: str = "SFTConfig") -> str:
+        """Return the lines to paste into your `SFTConfig(...)` / `TrainingArguments(...)` call (and, where the fit
+        loads the model otherwise, how to load it)."""
+        if not self.changes and not self._load_lines():
+            return f"# {name}(...) fits as it is: nothing to change"
+        lines = [f"# in your {name}(...) / TrainingArguments(...) call, set:"] if self.changes else []
+        lines += [f"    {k}={v!r}," for k, v in self.changes.items()] + self._load_lines()
+        return "\n".join(lines)
 
     def __str__(self) -> str:
         from colab_memopt.measure import format_bytes
