@@ -1286,10 +1286,13 @@ def fit_trainer(
     smallest need reached and what to do next. Arguments as `plan_trainer`.
 
     Example:
-        >>> fit = cm.fit_trainer(SFTConfig(per_device_train_batch_size=4, max_length=1024), model="llama-3.2-3b",
-        ...                      lora=LoraConfig(target_modules="all-linear"), target="t4")
-        >>> print(fit)
-        >>> fitted = fit.apply(args)   # fitted.args, fitted.lora, fitted.bnb, fitted.dtype: see TrainerFit.apply
+        >>> args = SFTConfig(per_device_train_batch_size=4, max_length=1024)
+        >>> fit = cm.fit_trainer(args, model="meta-llama/Llama-3.2-3B", lora=LoraConfig(target_modules="all-linear"),
+        ...                      target="t4")
+        >>> print(fit)   # here: fp16=True, model_init_kwargs={'dtype': 'float16'} (the frozen base in fp16)
+        >>> fitted = fit.apply(args)   # .args, .lora, .bnb, .dtype, .model_init_kwargs: see TrainerFit.apply
+        >>> trainer = SFTTrainer(model="meta-llama/Llama-3.2-3B", args=fitted.args, peft_config=fitted.lora,
+        ...                      quantization_config=fitted.bnb, train_dataset=dataset)
     """
     from colab_memopt.measure import format_bytes
 
