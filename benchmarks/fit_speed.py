@@ -12,9 +12,10 @@ The case (issue 35): LoRA `all-linear` through TRL's SFTTrainer given a model id
 
 On a machine without a GPU, `SFTConfig()` refuses its default bf16=True unless `use_cpu=True` is given: the case is
 run with it (the plan is for the T4 whatever the machine). Runs in a fresh process (imports timed apart) and records
-the seconds fit_trainer took (wall, and CPU: about what a quiet machine takes), the CPU seconds of the process, the load averages before and after (other processes slow the wall
-time), the plans it made and skipped, its changes, and the need of the applied settings planned again. Target: the
-fit found in 60 s or less on 2 cores. Writes benchmarks/results/fit_speed.json, and prints it.
+the seconds fit_trainer took (wall, and CPU: about what a quiet machine takes), the CPU seconds of the process, the
+load averages before and after (other processes slow the wall time), the plans it made and skipped, its changes, and
+the need of the applied settings planned again. Target: the fit found in 60 s or less on 2 cores. Writes
+benchmarks/results/fit_speed.json, and prints it.
 """
 
 from __future__ import annotations

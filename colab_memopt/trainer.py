@@ -1084,8 +1084,9 @@ class TrainerFit:
         if not self.fits:
             from colab_memopt.measure import format_bytes
 
-            raise ValueError(f"nothing tried fits {self.before.target.name} (needs {format_bytes(self.before.device_need_bytes)}"
-                             f" of {format_bytes(self.before.device_limit_bytes)}): {'; '.join(self.notes)}")
+            before = self.before
+            raise ValueError(f"nothing tried fits {before.target.name} (needs {format_bytes(before.device_need_bytes)} "
+                             f"of {format_bytes(before.device_limit_bytes)}): {'; '.join(self.notes)}")
         fitted = _changed_args(args, self.changes)
         kwargs = dict(getattr(fitted, "model_init_kwargs", None) or {})
         dtype = self.dtype if self.dtype is not None else _dtype_value(kwargs.get("dtype", kwargs.get("torch_dtype")),
@@ -1324,8 +1325,8 @@ def fit_trainer(
     skipped = predicted = 0
     # the need is linear in the per-device batch at a fixed accumulation regime: two plans of smaller batches that
     # differ only in it predict the others; one predicted 5% over the limit is not planned (a fit is always planned)
-    bdim = next((d for d, (levels, _) in enumerate(dims) for lv in levels if dict(lv.args).get("per_device_train_batch_size")),
-                None)
+    bdim = next((d for d, (levels, _) in enumerate(dims) for lv in levels
+                 if dict(lv.args).get("per_device_train_batch_size")), None)
     points: dict[tuple[int, ...], dict[int, int]] = {}
 
     def split(idx: tuple[int, ...], levels: list[_Level]) -> tuple[tuple[int, ...], int]:
@@ -1374,7 +1375,8 @@ def fit_trainer(
     notes.append("\n      ".join(textwrap.wrap(f"smallest need reached: {format_bytes(best[1])} of "
                                                f"{format_bytes(before.device_limit_bytes)} usable, with {text}", 92)))
     if lora is None:
-        notes.append("next: train LoRA adapters (peft_config=LoraConfig(...)), or QLoRA with a 4-bit base, or a smaller model")
+        notes.append("next: train LoRA adapters (peft_config=LoraConfig(...)), or QLoRA with a 4-bit base, "
+                     "or a smaller model")
     else:
         notes.append("next: a smaller model, a shorter max_length, fewer LoRA target_modules, or a GPU with more memory")
     return TrainerFit({}, before, None, 1.0, tried, notes + _fp16_trap_notes(before), skipped=skipped,
