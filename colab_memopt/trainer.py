@@ -1244,13 +1244,14 @@ def _candidates(args: Any, tgt: Target, trainer: Any = None, **kwargs: Any) -> l
 
 def _ranked(dims: list[tuple[list[_Level], bool]]) -> list[tuple[tuple[int, ...], list[_Level]]]:
     """Return every combination of one level per setting, as (level indices, levels), cheapest to the user first
-    (the sum of the levels' costs, then the fewest changes); the first is 'nothing changed' unless a change is a must."""
+    (the sum of the levels' costs), then the most changes among sets of the same cost: the set that saves the most for
+    that cost is planned first, and where it does not fit, the sets it includes are not planned."""
     import itertools
 
     combos = itertools.product(*[range(len(levels)) for levels, _ in dims])
     picked = [(idx, [dims[d][0][i] for d, i in enumerate(idx)]) for idx in combos]
     return sorted(picked, key=lambda p: (round(sum(lv.cost for lv in p[1]), 3),
-                                         sum(bool(lv.args or lv.load) for lv in p[1])))
+                                         -sum(bool(lv.args or lv.load) for lv in p[1])))
 
 
 def _saves_no_more(idx: tuple[int, ...], than: tuple[int, ...], dims: list[tuple[list[_Level], bool]]) -> bool:

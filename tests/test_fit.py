@@ -63,7 +63,7 @@ def between(low: int, high: int) -> dict:
 
 def test_lora_fit_loads_the_base_in_fp16_first_and_apply_returns_settings_that_fit(model_id):
     """The common T4 case: LoRA on a model id TRL loads in fp32. The first plan after yours is the base in fp16 (the
-    must-change bf16 -> fp16 alone needs no less than bf16 and is not planned); no optimizer swap is tried."""
+    must-change bf16 -> fp16 alone needs no less than bf16: it would not be planned); no optimizer swap is tried."""
     t4 = small_t4(2**40)
     fp32_need = need(model_id, t4)
     fp16_need = need(model_id, t4, dtype="float16")
@@ -72,7 +72,7 @@ def test_lora_fit_loads_the_base_in_fp16_first_and_apply_returns_settings_that_f
     fit = tr.fit_trainer(args, model=model_id, lora=lora(), target=target, headroom=0.0)
     assert fit.fits and not fit.before.fits, str(fit)
     assert fit.changes == {"bf16": False, "fp16": True, "model_init_kwargs": {"dtype": "float16"}}, fit.changes
-    assert len(fit.tried) == 1 and fit.skipped >= 1  # one plan after yours
+    assert len(fit.tried) == 1  # one plan after yours
     assert fit.dtype == torch.float16 and fit.bnb is None and fit.model_init_kwargs == {"dtype": "float16"}
     fitted = fit.apply(args)
     assert type(fitted.args) is SFTConfig and fitted.args is not args and args.bf16 and args.model_init_kwargs is None
@@ -144,9 +144,10 @@ def test_no_optimizer_swap_for_lora_but_for_full_fine_tuning(model_id):
     assert any("model_init_kwargs" in c for c in lora_sets)
     assert not any("model_init_kwargs" in c for c in full_sets)  # fp16 weights cannot be trained under the scaler
     assert all(c.get("fp16") for c in lora_sets)  # bf16 on a T4 is always changed
-    # cheapest first: the base in fp16 before checkpointing, batch changes and a shorter max_length
+    # cheapest first (the most saving among sets of one cost): the base in fp16 before checkpointing, batch changes
+    # and a shorter max_length
     order = [next(iter(k for k in c if k not in ("bf16", "fp16")), None) for c in lora_sets]
-    assert order[:2] == [None, "model_init_kwargs"] and order.index("max_length") > order.index("per_device_train_batch_size")
+    assert order[:2] == ["model_init_kwargs", None] and order.index("max_length") > order.index("per_device_train_batch_size")
 
 
 @pytest.mark.parametrize("number", ["18", "19"])
