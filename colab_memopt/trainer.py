@@ -1100,7 +1100,8 @@ class TrainerFit:
         load = self.tried[-1][0] if self.fits and self.tried else {}
         lines = []
         if "bnb" in load:
-            lines.append(f"# load the model 4-bit: quantization_config={_bnb_text(self.bnb)}")
+            lines += textwrap.wrap(f"# load the model 4-bit: quantization_config={_bnb_text(self.bnb)}", 96,
+                                   subsequent_indent="#     ")
         if "dtype" in load and "model_init_kwargs" not in self.changes:  # SFTTrainer loads a model id with those
             lines.append(f"# load the model with dtype={_dtype_text(self.dtype)}")
         return lines

@@ -111,7 +111,8 @@ def test_lora_fit_takes_a_4bit_base_where_the_fp16_base_does_not_fit(model_id):
     assert [sorted(c) for c, _, _ in fit.tried] == [sorted(["bf16", "fp16", "model_init_kwargs", "dtype"]),
                                                     sorted(["bf16", "fp16", "model_init_kwargs", "dtype", "bnb"])]
     assert "# load the model 4-bit: quantization_config=BitsAndBytesConfig(load_in_4bit=True, " \
-           "bnb_4bit_quant_type='nf4', bnb_4bit_compute_dtype=torch.float16)" in fit.snippet()
+           "bnb_4bit_quant_type='nf4', bnb_4bit_compute_dtype=torch.float16)" in fit.snippet().replace("\n#     ", " ")
+    assert all(len(line) <= 100 for line in fit.snippet().splitlines()), fit.snippet()
     fitted = fit.apply(args)
     again = tr.plan_trainer(fitted.args, model=model_id, lora=fitted.lora, bnb=fitted.bnb, dtype=fitted.dtype,
                             target=target, headroom=0.0)
