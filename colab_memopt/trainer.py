@@ -1127,11 +1127,7 @@ class TrainerFit:
         tgt = before.target.name
         if self.after is None:
             lines = [f"no change tried fits {tgt} ({len(self.tried)} tried): your settings need "
-                     f"{format_bytes(before.device_need_bytes)} of {limit} usable"]
-            if self.tried:
-                best, need, _ = min(self.tried, key=lambda t: t[1])
-                lines += wrap(f"the least need reached: {format_bytes(need)}, with "
-                              + (", ".join(f"{k}={v!r}" for k, v in best.items()) or "no change"), first="", rest="  ")
+                     f"{format_bytes(before.device_need_bytes)} of {limit} usable"]  # the notes: the least need reached
         elif not self.changes:
             lines = [f"fits {tgt} as it is: needs {format_bytes(self.after.device_need_bytes)} of {limit} usable"]
         else:
@@ -1159,7 +1155,7 @@ class TrainerFit:
 
         lines = [f"tried ({len(self.tried)}), cheapest expected step time first:"]
         lines += [f"  {format_bytes(need):>10s}  step time x{cost:.2f}  "
-                  + (", ".join(f"{k}={v!r}" for k, v in changes.items()) or "no change") for changes, need, cost in self.tried]
+                  + (", ".join(_change_text(k, v) for k, v in changes.items()) or "no change") for changes, need, cost in self.tried]
         lines += ["plan of your settings:", *[f"  {line}" for line in self.before.explain().splitlines()]]
         if self.after is not None and self.after is not self.before:
             lines += ["plan with the changes:", *[f"  {line}" for line in self.after.explain().splitlines()]]
@@ -1168,6 +1164,13 @@ class TrainerFit:
 
 def _dtype_text(dtype: Any) -> str:
     return f"torch.{str(dtype).removeprefix('torch.')}" if isinstance(dtype, torch.dtype) else repr(dtype)
+
+
+def _change_text(key: str, value: Any) -> str:
+    """Return one change as the user writes it: `bnb=BitsAndBytesConfig(...)`, `dtype=torch.float16`, `k=v`."""
+    if key == "bnb":
+        return f"bnb={_bnb_text(value)}"
+    return f"{key}={_dtype_text(value) if isinstance(value, torch.dtype) else repr(value)}"
 
 
 def _bnb_text(bnb: Any) -> str:
