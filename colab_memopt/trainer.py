@@ -1027,10 +1027,22 @@ class TrainerFit:
     slowdown: float  # expected step time after / before, from the target's technique-cost table
     tried: list[tuple[dict[str, Any], int, float]] = field(default_factory=list)  # (changes, peak bytes, slowdown)
     notes: list[str] = field(default_factory=list)
+    lora: Any = None  # SHIM (branch nb19 only, until fit35's apply lands): the LoraConfig fit_trainer was given
+    bnb: Any = None  # SHIM: the BitsAndBytesConfig fit_trainer was given
 
     @property
     def fits(self) -> bool:
         return self.after is not None and self.after.fits
+
+    def apply(self, args: Any) -> Any:
+        """SHIM (branch nb19 only, replaced by fit35's): return the fitted settings as an object with `.args`
+        (your arguments with `changes`, rebuilt through their class), `.lora`, `.bnb`, `.model_init_kwargs`, `.dtype`."""
+        from types import SimpleNamespace
+
+        fitted = _changed_args(args, self.changes)
+        kwargs = dict(getattr(fitted, "model_init_kwargs", None) or {})
+        return SimpleNamespace(args=fitted, lora=self.lora, bnb=self.bnb, model_init_kwargs=kwargs,
+                               dtype=kwargs.get("dtype"))
 
     def snippet(self, name: str = "SFTConfig") -> str:
         """Return the lines to paste into your `SFTConfig(...)` / `TrainingArguments(...)` call."""
@@ -1131,7 +1143,7 @@ def fit_trainer(
         lora = real_lora
     base_cost = _slowdown(args, tgt, lora, bnb)
     if before.fits and not (args.bf16 and tgt.cuda and tgt.compute_capability and tuple(tgt.compute_capability) < (8, 0)):
-        return TrainerFit({}, before, before, 1.0, notes=_fp16_trap_notes(before))
+        return TrainerFit({}, before, before, 1.0, notes=_fp16_trap_notes(before), lora=lora, bnb=bnb)
     ranked = sorted(((c, _slowdown(_changed_args(args, c), tgt, lora, bnb) / base_cost) for c in _candidates(args, tgt, real) if c),
                     key=lambda cs: (round(cs[1], 3), len(cs[0])))
     tried: list[tuple[dict[str, Any], int, float]] = []
@@ -1142,11 +1154,11 @@ def fit_trainer(
             notes = [] if "gradient_accumulation_steps" not in changes else [
                 f"effective batch kept: {changes['per_device_train_batch_size']} x {changes['gradient_accumulation_steps']} "
                 f"= {before.batch}"]
-            return TrainerFit(changes, before, after, cost, tried, notes + _fp16_trap_notes(after))
+            return TrainerFit(changes, before, after, cost, tried, notes + _fp16_trap_notes(after), lora=lora, bnb=bnb)
     if len(ranked) > max_plans:
         notes = [f"stopped after max_plans={max_plans} plans: {len(ranked) - max_plans} of the {len(ranked)} changes were "
                  "not tried (raise max_plans to try them)"]
     else:
         notes = ["none of these settings fits: shorten max_length, use LoRA / QLoRA (BitsAndBytesConfig(load_in_4bit=True)) "
                  "or a smaller model"]
-    return TrainerFit({}, before, None, 1.0, tried, notes + _fp16_trap_notes(before))
+    return TrainerFit({}, before, None, 1.0, tried, notes + _fp16_trap_notes(before), lora=lora, bnb=bnb)
