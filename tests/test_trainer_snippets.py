@@ -280,9 +280,30 @@ def test_the_capstone_trainer_snippets_are_t4_runs_with_the_guard(path, tiny_che
             pass
 
     fits: list[tuple] = []
+    loads: list[tuple] = []
+
+    class Fit:  # fit_trainer's result as the snippet uses it: its changes as lines, and the fitted settings
+        def __init__(self, args, kw):
+            self.kw = kw
+
+        def snippet(self):
+            return ""
+
+        def apply(self, args):
+            from types import SimpleNamespace
+
+            return SimpleNamespace(args=args, lora=self.kw.get("lora"), bnb=self.kw.get("bnb"),
+                                   model_init_kwargs=dict(args.model_init_kwargs or {}),
+                                   dtype=(args.model_init_kwargs or {}).get("dtype"))
+
+    def load(model_id, **kwargs):  # a hub model loaded by the snippet: recorded, and stood in for by its id
+        loads.append((model_id, kwargs))
+        return model_id
+
+    real_from_pretrained = AutoModelForCausalLM.from_pretrained
     monkeypatch.setattr(trl, "SFTTrainer", RecordedSFTTrainer)
-    monkeypatch.setattr(cm, "fit_trainer", lambda args, **kw: fits.append((args, kw)) or
-                        type("Fit", (), {"snippet": lambda self: ""})())
+    monkeypatch.setattr(cm, "fit_trainer", lambda args, **kw: fits.append((args, kw)) or Fit(args, kw))
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", load)
     monkeypatch.chdir(tmp_path)
     snippets = [s for s in _snippets(path) if "SFTTrainer(" in s]
     assert snippets, f"{path.name}: no SFTTrainer snippet in its '{HEADING}' section"
@@ -299,14 +320,19 @@ def test_the_capstone_trainer_snippets_are_t4_runs_with_the_guard(path, tiny_che
             args.max_steps, args.use_cpu, args.report_to, args.output_dir = 1, True, [], str(tmp_path / "out")
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                trainer = real_sft(model=AutoModelForCausalLM.from_pretrained(tiny_checkpoint), args=args,
+                trainer = real_sft(model=real_from_pretrained(tiny_checkpoint), args=args,
                                    train_dataset=namespace["dataset"], processing_class=AutoTokenizer.from_pretrained(
                                        tiny_checkpoint), callbacks=[cm.MemoryGuardCallback(target="t4", verbose=False)])
                 trainer.train()
             assert trainer.state.global_step == 1
+        for model_id, kwargs in loads:  # a model the snippet loads itself: QLoRA's 4-bit base computes in fp16
+            quantization = kwargs.get("quantization_config")
+            assert quantization is None or (quantization.load_in_4bit and
+                                            quantization.bnb_4bit_compute_dtype == torch.float16), f"{name}: {kwargs}"
         _check_t4_settings(namespace, code, name, trl_checkpointing_default=True)
         built.clear()
         fits.clear()
+        loads.clear()
 
 
 def _named_architecture(model_id: str) -> str:
@@ -316,13 +342,12 @@ def _named_architecture(model_id: str) -> str:
 
 
 def test_notebook_19_first_draft_does_not_fit_a_t4_at_its_colab_defaults():
-    """CI plans what Colab plans: notebook 19's draft cell, at the parameters cell's values (Colab's), planned for
-    its Colab target; its assert holds there. (TRL turns gradient checkpointing on by default: a draft that did not
-    turn it off fitted a T4, and the notebook's assert stopped Run all on Colab.)"""
+    """CI plans what Colab plans: notebook 19's draft cell (QLoRA of its Colab model), at the parameters cell's values
+    (Colab's), planned for its Colab target; its assert holds there. (TRL turns gradient checkpointing on by default:
+    a draft that did not turn it off fitted a T4, and the notebook's assert stopped Run all on Colab.)"""
     from peft import LoraConfig
+    from transformers import BitsAndBytesConfig
     from trl import SFTConfig
-
-    from colab_memopt import trainer as cmtrainer
 
     path = ROOT / "notebooks" / "19_your_trainer_on_a_free_t4.ipynb"
     nb = nbformat.read(path, as_version=4)
@@ -333,8 +358,8 @@ def test_notebook_19_first_draft_does_not_fit_a_t4_at_its_colab_defaults():
     assert namespace["target"] == "t4"
     import tempfile
 
-    namespace.update(tempfile=tempfile, warnings=warnings, SFTConfig=SFTConfig, LoraConfig=LoraConfig, cm=cm,
-                     dev=torch.device("cuda"), tgt=cmtrainer._target(namespace["target"]),
+    namespace.update(tempfile=tempfile, warnings=warnings, torch=torch, SFTConfig=SFTConfig, LoraConfig=LoraConfig,
+                     BitsAndBytesConfig=BitsAndBytesConfig, cm=cm, dev=torch.device("cuda"),
                      model_id=_named_architecture(namespace["model_id"]))
     try:
         exec(draft_cell.source.replace('use_cpu=dev.type == "cpu"', "use_cpu=True"), namespace)  # no GPU here
@@ -343,3 +368,4 @@ def test_notebook_19_first_draft_does_not_fit_a_t4_at_its_colab_defaults():
     draft_plan = namespace["draft_plan"]
     assert not draft_plan.fits, f"the first draft fits {draft_plan.target.name}: {draft_plan.device_need_bytes:,} bytes"
     assert not namespace["draft"].gradient_checkpointing
+    assert namespace["bnb_config"].load_in_4bit and namespace["bnb_config"].bnb_4bit_compute_dtype == torch.float16
