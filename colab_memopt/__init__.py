@@ -74,6 +74,7 @@ from colab_memopt.capacity import longest_context, longest_sequence
 from colab_memopt.train import make_eval_step, make_train_step, train, train_step
 # 19_your_trainer_on_a_free_t4: a Hugging Face Trainer / TRL SFTTrainer planned, fitted and guarded as it is
 from colab_memopt.trainer import fit_trainer, plan_trainer
+from colab_memopt.chat import MergeCost, merge_cost, to_messages
 
 __version__ = "0.1.0"
 
@@ -91,6 +92,9 @@ def __getattr__(name: str) -> object:
 
 __all__ = [
     "COLAB_HOST_RAM_BYTES",
+    "MergeCost",
+    "merge_cost",
+    "to_messages",
     "GPT",
     "MODEL_SIZES",
     "T4_USABLE_BYTES",

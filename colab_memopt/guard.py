@@ -215,6 +215,7 @@ class MemoryGuardCallback(TrainerCallback):
             return
         if self._memory is not None:
             self._memory.__exit__(None, None, None)
+            self._memory = None  # it tracks the model and optimizer: holding it would keep them on the GPU
         if self._since_log:
             self.peaks.append((state.global_step, self._since_log))
             self._since_log = 0

@@ -40,7 +40,7 @@ LAYERS: tuple[Layer, ...] = (
           ("recipe", "presets", "train", "loading")),
     Layer("planning", "what fits before a run, and what went wrong after one",
           ("estimate", "planner", "costs", "recommender", "capacity", "monitor", "oom", "doctor", "hfconfig", "trainer",
-           "guard")),
+           "guard", "chat")),
     Layer("tooling", "the notebooks' runner, roll-up, plots and widgets, and the command line",
           ("runner", "rollup", "project", "plots", "widgets", "layers", "gpucheck", "wheelhouse", "__main__")),
 )

@@ -215,3 +215,38 @@ def test_plan_and_fit_of_bf16_adapters_under_fp16_count_float32_and_name_the_fix
         warnings.simplefilter("ignore")
         planned = tr.plan_trainer(args, model=LlamaConfig(**DIMS), lora=lora, bnb=nf4, target="t4")
     assert any(w.startswith("fp16=True with 8 trainable tensor(s) in bfloat16") for w in planned.warnings), planned.warnings
+
+
+def _reachable(root, limit: int = 200_000) -> list:
+    """Return the objects reachable from `root` through references (modules and classes not followed)."""
+    import gc
+    import types
+
+    seen, todo, found = set(), [root], []
+    while todo and len(seen) < limit:
+        obj = todo.pop()
+        if id(obj) in seen or isinstance(obj, (types.ModuleType, type)):
+            continue
+        seen.add(id(obj))
+        found.append(obj)
+        todo.extend(gc.get_referents(obj))
+    return found
+
+
+def test_after_the_run_the_guard_holds_neither_the_model_nor_the_optimizer():
+    """On a GPU the guard measures through a LiveMemory that tracks the model and the optimizer: kept after the run,
+    it kept them on the device, so a notebook that freed its Trainer to merge the adapter still held the 4-bit
+    model and its optimizer. (The CUDA path's LiveMemory is entered here on the CPU, as on_train_begin enters it.)"""
+    from transformers import TrainerControl
+
+    guard = cm.MemoryGuardCallback(target="cpu", verbose=False)
+    trainer = sft()
+    trainer.add_callback(guard)
+    train(trainer)
+    memory = cm.LiveMemory(trainer.model, trainer.optimizer, device="cpu")
+    memory.__enter__()
+    guard._memory = memory  # what on_train_begin holds on a GPU
+    guard.on_train_end(trainer.args, trainer.state, TrainerControl())
+    held = {id(o) for o in _reachable(guard)}
+    assert id(trainer.model) not in held and id(trainer.optimizer) not in held
+    assert guard.report["measured_bytes"] > 0

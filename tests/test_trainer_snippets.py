@@ -342,13 +342,12 @@ def _named_architecture(model_id: str) -> str:
 
 
 def test_notebook_19_first_draft_does_not_fit_a_t4_at_its_colab_defaults():
-    """CI plans what Colab plans: notebook 19's draft cell, at the parameters cell's values (Colab's), planned for
-    its Colab target; its assert holds there. (TRL turns gradient checkpointing on by default: a draft that did not
-    turn it off fitted a T4, and the notebook's assert stopped Run all on Colab.)"""
+    """CI plans what Colab plans: notebook 19's draft cell (QLoRA of its Colab model), at the parameters cell's values
+    (Colab's), planned for its Colab target; its assert holds there. (TRL turns gradient checkpointing on by default:
+    a draft that did not turn it off fitted a T4, and the notebook's assert stopped Run all on Colab.)"""
     from peft import LoraConfig
+    from transformers import BitsAndBytesConfig
     from trl import SFTConfig
-
-    from colab_memopt import trainer as cmtrainer
 
     path = ROOT / "notebooks" / "19_your_trainer_on_a_free_t4.ipynb"
     nb = nbformat.read(path, as_version=4)
@@ -359,8 +358,8 @@ def test_notebook_19_first_draft_does_not_fit_a_t4_at_its_colab_defaults():
     assert namespace["target"] == "t4"
     import tempfile
 
-    namespace.update(tempfile=tempfile, warnings=warnings, SFTConfig=SFTConfig, LoraConfig=LoraConfig, cm=cm,
-                     dev=torch.device("cuda"), tgt=cmtrainer._target(namespace["target"]),
+    namespace.update(tempfile=tempfile, warnings=warnings, torch=torch, SFTConfig=SFTConfig, LoraConfig=LoraConfig,
+                     BitsAndBytesConfig=BitsAndBytesConfig, cm=cm, dev=torch.device("cuda"),
                      model_id=_named_architecture(namespace["model_id"]))
     try:
         exec(draft_cell.source.replace('use_cpu=dev.type == "cpu"', "use_cpu=True"), namespace)  # no GPU here
@@ -369,3 +368,4 @@ def test_notebook_19_first_draft_does_not_fit_a_t4_at_its_colab_defaults():
     draft_plan = namespace["draft_plan"]
     assert not draft_plan.fits, f"the first draft fits {draft_plan.target.name}: {draft_plan.device_need_bytes:,} bytes"
     assert not namespace["draft"].gradient_checkpointing
+    assert namespace["bnb_config"].load_in_4bit and namespace["bnb_config"].bnb_4bit_compute_dtype == torch.float16

@@ -1,0 +1,117 @@
+"""colab_memopt.chat: dataset records as TRL's `messages`, and what merging a LoRA adapter costs."""
+
+import sys
+
+import pytest
+import torch
+
+import colab_memopt as cm
+from colab_memopt.chat import merge_cost, to_messages
+
+
+def test_alpaca_records_become_a_user_and_an_assistant_turn():
+    assert to_messages({"instruction": "Translate to French.", "input": "cat", "output": "chat"}) == {"messages": [
+        {"role": "user", "content": "Translate to French.\n\ncat"}, {"role": "assistant", "content": "chat"}]}
+    # an empty input adds nothing; a system message goes first
+    assert to_messages({"instruction": "Name a colour.", "input": "", "output": "Blue."}, system="Be brief.") == {
+        "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."},
+                     {"role": "assistant", "content": "Blue."}]}
+
+
+def test_sharegpt_records_map_their_speakers_to_chat_roles():
+    record = {"conversations": [{"from": "system", "value": "You help."}, {"from": "human", "value": "Hi"},
+                                {"from": "gpt", "value": "Hello!"}, {"from": "human", "value": "Bye"},
+                                {"from": "gpt", "value": "Bye!"}]}
+    roles = [m["role"] for m in to_messages(record)["messages"]]
+    assert roles == ["system", "user", "assistant", "user", "assistant"]
+    assert to_messages(record, system="ignored")["messages"][0]["content"] == "You help."  # it has one already
+    # some ShareGPT sets name the column `messages` and keep from/value
+    assert to_messages({"messages": record["conversations"][1:3]})["messages"][1] == {"role": "assistant",
+                                                                                     "content": "Hello!"}
+    with pytest.raises(ValueError, match="unknown ShareGPT speaker 'narrator'"):
+        to_messages({"conversations": [{"from": "narrator", "value": "Once"}]})
+
+
+def test_trl_forms_are_read_as_they_are():
+    chat = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]
+    assert to_messages({"messages": chat}) == {"messages": chat}
+    assert to_messages({"prompt": chat[:1], "completion": chat[1:]}) == {"messages": chat}
+    assert to_messages({"prompt": "2+2?", "completion": "4"}) == {"messages": chat}
+
+
+def test_a_record_of_another_form_is_refused_with_its_fields():
+    with pytest.raises(ValueError, match=r"fields \['question', 'text'\].*Alpaca"):
+        to_messages({"text": "x", "question": "y"})
+    with pytest.raises(TypeError, match="got list"):
+        to_messages([{"role": "user", "content": "x"}])
+
+
+def test_to_messages_maps_a_dataset_sharegpt_and_alpaca_alike():
+    from datasets import Dataset
+
+    alpaca = Dataset.from_list([{"instruction": "a", "input": "", "output": "b"}])
+    out = alpaca.map(to_messages, remove_columns=alpaca.column_names)
+    assert out.column_names == ["messages"] and out[0]["messages"][1]["content"] == "b"
+
+
+def _tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    return config, LlamaForCausalLM(config)
+
+
+def test_merge_cost_counts_the_16_bit_weights_and_the_largest_adapted_layer():
+    config, model = _tiny_llama()
+    cost = merge_cost(config, "float16", r=8)
+    params = sum(p.numel() for p in model.parameters())  # the tied head once
+    assert cost.parameters == params and cost.weights_bytes == 2 * params and cost.dtype == torch.float16
+    # the largest Linear LoRA adapts is an MLP projection (160 x 64), not the tied head (96 x 64)
+    assert cost.largest_layer.endswith("mlp.gate_proj") and cost.update_bytes == 160 * 64 * 4 * 2
+    # A and B of rank 8 in fp32 on q, k, v, o, gate, up, down (k and v: 2 heads of 16 -> 32 outputs)
+    per_layer = (64 + 64) + 2 * (64 + 32) + (64 + 64) + 2 * (64 + 160) + (160 + 64)
+    assert cost.adapter_bytes == 2 * 8 * per_layer * 4
+    assert merge_cost(model, torch.float32).weights_bytes == 4 * params  # a model in memory, counted as it is
+    assert "merge in float16" in str(cost) and max(len(line) for line in str(cost).splitlines()) <= 100
+
+
+def test_merge_cost_bounds_a_real_merge_on_the_cpu():
+    """Merge a LoRA adapter into an fp16 base on the CPU, counting every tensor storage: the peak is the base's
+    weights plus one layer's update (peft upcasts it to fp32 there), as merge_cost says, and no more."""
+    from peft import LoraConfig, get_peft_model
+
+    from colab_memopt.tracker import LiveBytesMode
+
+    config, model = _tiny_llama()
+    model = model.to(torch.float16)
+    peft_model = get_peft_model(model, LoraConfig(r=8, target_modules="all-linear", init_lora_weights=False))
+    adapter_bytes = sum(p.numel() * p.element_size() for n, p in peft_model.named_parameters() if "lora_" in n)
+    cost = merge_cost(config, torch.float16, r=8)
+    assert cost.adapter_bytes == adapter_bytes
+    mode = LiveBytesMode(sys.maxsize, device=torch.device("cpu"))
+    mode.track(peft_model)
+    with mode:
+        merged = peft_model.merge_and_unload()
+    assert cost.weights_bytes + cost.adapter_bytes < mode.peak <= cost.peak_bytes  # an update is held while added
+    assert sum(p.numel() for p in merged.parameters()) == cost.parameters
+
+
+def test_merge_cost_refuses_a_quantized_model_and_other_dtypes():
+    with pytest.raises(ValueError, match="dtype must be 'float16', 'bfloat16' or 'float32', got 'int8'"):
+        merge_cost("smollm2-135m", "int8")
+    with pytest.raises(ValueError, match="got torch.int8"):
+        merge_cost("smollm2-135m", torch.int8)
+    with pytest.raises(ValueError, match="r must be an int >= 1 .*got 0"):
+        merge_cost("smollm2-135m", r=0)
+    net = torch.nn.Linear(4, 4)
+    net.weight = torch.nn.Parameter(torch.zeros(8, 1, dtype=torch.uint8), requires_grad=False)
+    with pytest.raises(ValueError, match="model is quantized"):
+        merge_cost(net)
+
+
+def test_merge_cost_of_a_named_1_5b_model_fits_colab_host_ram_and_a_t4():
+    cost = merge_cost("qwen2.5-1.5b")  # Qwen2.5-1.5B's config, built on the meta device
+    assert 1.5e9 < cost.parameters < 1.6e9
+    assert cost.peak_bytes < cm.COLAB_HOST_RAM_BYTES and cost.peak_bytes < cm.T4_USABLE_BYTES
