@@ -184,8 +184,9 @@ def test_fit_trainer_prints_the_answer_first_and_its_step_time_as_a_prior():
     failed = str(_fit({"gradient_checkpointing": True}, False, ["shorten max_length, or load the base in 4 bits"]))
     lines_ok(failed)
     assert failed.splitlines()[0].startswith("no change tried fits t4 (1 tried): your settings need ")
-    assert "the least need reached: " in failed and "gradient_checkpointing=True" in failed
-    assert "note: shorten max_length" in failed  # the advice on failure is printed
+    # the advice on failure is printed: fit_trainer's notes (the least need reached and what to try next,
+    # tests/test_fit.py::test_a_failed_fit_prints_the_smallest_need_and_what_to_do_next_and_apply_refuses)
+    assert "note: shorten max_length" in failed
     explained = _fit({"gradient_checkpointing": True}, False, []).explain()
     assert "gradient_checkpointing=True" in explained and "plan of your settings:" in explained
 
