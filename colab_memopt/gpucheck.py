@@ -70,7 +70,7 @@ NEEDED = {
     "ipywidgets": "ipywidgets", "lomo_optim": "lomo-optim", "galore_torch": "galore-torch",
     "apollo_torch": "apollo-torch", "torchao": "torchao", "badam": "badam", "optimi": "torch-optimi",
     "trl": "trl", "datasets": "datasets", "accelerate": "accelerate", "safetensors": "safetensors",
-    "tokenizers": "tokenizers", "packaging": "packaging",
+    "tokenizers": "tokenizers", "packaging": "packaging", "IPython": "ipython", "nbclient": "nbclient",
 }
 NO_CUDA = 2
 
