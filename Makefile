@@ -46,8 +46,12 @@ readme: $(STAMP)
 # and the notebooks ran 3.5x slower (06, 13, 14 and 16 on two workers: 191 s with torch's default threads, 54 s with one).
 XDIST := -n 2
 WORKER_THREADS := OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
+# The tests that hold plans against real CPU Trainer runs measure in a pytest process of their own: in the whole
+# suite an earlier test leaves process state that makes a real Trainer step hold more (not yet identified).
+MEASURED_TESTS := tests/test_trainer_models.py tests/test_trainer_hostile.py
 test: $(STAMP)
-	$(WORKER_THREADS) $(PY) -m pytest tests -m "not notebook and not browser" -q $(XDIST)
+	$(WORKER_THREADS) $(PY) -m pytest tests -m "not notebook and not browser" -q $(XDIST) $(addprefix --ignore=,$(MEASURED_TESTS))
+	$(WORKER_THREADS) $(PY) -m pytest $(MEASURED_TESTS) -q $(XDIST)
 	rm -rf build/ci_notebooks build/results build/notebook_seconds.json
 	$(PY) -m colab_memopt.runner --prepare-only build/ci_notebooks
 	$(WORKER_THREADS) PYTHONPATH=tests$(if $(PYTHONPATH),:$(PYTHONPATH)) $(PY) -m pytest -q -p nbval_budget -p no:cacheprovider --nbval-lax --nbval-current-env $(XDIST) --dist loadfile build/ci_notebooks
@@ -55,7 +59,8 @@ test: $(STAMP)
 	$(BROWSER_TEST_IF_AVAILABLE)
 
 test-unit: $(STAMP)
-	$(PY) -m pytest tests -m "not notebook and not browser" -q
+	$(PY) -m pytest tests -m "not notebook and not browser" -q $(addprefix --ignore=,$(MEASURED_TESTS))
+	$(PY) -m pytest $(MEASURED_TESTS) -q
 
 # make test-notebooks NOTEBOOKS="10 13": only those (stems, number prefixes or paths); all by default.
 test-notebooks: $(STAMP)
