@@ -53,8 +53,11 @@ def install_command(extras: Sequence[str] = ("colab",)) -> str:
     return f'pip install -q "colab-memopt[{",".join(extras)}] @ git+{REPOSITORY_URL}@{BRANCH}"'
 
 
-# The course: the order a T4 user reads the notebooks in (the README's "Start here", each notebook's
-# "Next:" link). Numbers are the order they were written in; this is the order to learn in.
+# The course: the order a T4 user reads the notebooks in, named here once. The README's "Start here"
+# list (FIRST_SCREEN), the README's index, notebooks/README.md and each notebook's "Next:" link are all
+# generated from it. Numbers are the order the notebooks were written in; this is the order to learn in.
+# Start here ends with the whole job (19: QLoRA through SFTTrainer, saved, merged, chatted with); its
+# last notebook's Next leads on to the first of *Going further*.
 COURSE: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("Start here", (
         "00_where_the_memory_goes",
@@ -64,8 +67,8 @@ COURSE: tuple[tuple[str, tuple[str, ...]], ...] = (
         "04_gradient_accumulation",
         "06_lean_optimizers",
         "07_weight_quantization",
-        "19_your_trainer_on_a_free_t4",
         "18_your_own_model",
+        "19_your_trainer_on_a_free_t4",
     )),
     ("Going further", (
         "05_memory_efficient_attention",
@@ -84,6 +87,56 @@ COURSE: tuple[tuple[str, tuple[str, ...]], ...] = (
     )),
 )
 COURSE_ORDER: tuple[str, ...] = tuple(stem for _, stems in COURSE for stem in stems)
+# The README's first screen lists the whole "Start here" part, in its order, and nothing else.
+FIRST_SCREEN: tuple[str, ...] = COURSE[0][1]
+
+# What each notebook teaches, one short line: the README index's column (colab_memopt.rollup).
+TEACHES: dict[str, str] = {
+    "00_where_the_memory_goes": "What holds memory in a training step: weights, gradients, optimizer state, activations",
+    "01_will_it_fit": "Plan a step's memory before loading anything, and check the plan against a measurement",
+    "02_mixed_precision": "fp16 autocast with a GradScaler on a T4 (not bf16): what 16 bits shrink and what they keep",
+    "03_activation_checkpointing": "Recompute activations in backward: much less memory for about a third more compute",
+    "04_gradient_accumulation": "A large effective batch from small micro-batches, with the same gradient",
+    "05_memory_efficient_attention": "Attention whose memory grows with the sequence, not its square (SDPA), on a T4",
+    "06_lean_optimizers": "Optimizers that keep less state: 8-bit AdamW, Adafactor, Lion, Adam-mini, a fused step",
+    "07_weight_quantization": "8- and 4-bit weights, and QLoRA: a frozen quantized base with LoRA adapters",
+    "08_activation_compression": "Activations saved for backward in int8 or in host memory, with checkpointing",
+    "09_cpu_offload": "Stream layers from host RAM, and park the optimizer state off the GPU",
+    "10_deepspeed_zero": "What ZeRO's stages shard across GPUs, and what ZeRO-Offload does on one GPU",
+    "11_memory_profiling_and_monitoring": "Watch memory while training: spikes, leaks, a Trainer callback, allocation history",
+    "12_dynamic_batch_size_and_oom": "Find the largest batch, and survive an OOM without changing what the model learns",
+    "13_semiseparable_matrices": "Research: a dense N x N operator stored as a band plus a low-rank part",
+    "14_phase_aware_training": "Research: steps whose updates are predicted, not back-propagated, and what they free",
+    "15_fit_the_biggest_model": "Presets and the recommender: the recipe that fits, and the largest model per mode",
+    "16_full_finetuning_on_a_t4": "Full fine-tuning in little memory: 16-bit weights, LOMO, AdaLomo, 8-bit AdamW",
+    "17_long_context": "Long sequences: offloaded checkpoints, the chunked loss, the longest context per model",
+    "18_your_own_model": "Your model by its id: plan it from its config, check it, load it, fine-tune it on your text",
+    "19_your_trainer_on_a_free_t4": "QLoRA with SFTTrainer end to end: plan, fit, guard, train, save, merge, chat",
+}
+
+
+def teaches(stem: str) -> str:
+    """Return the one line that says what notebook `stem` teaches (the README index's column)."""
+    if stem not in TEACHES:
+        raise ValueError(f"{stem!r} has no line in project.TEACHES; notebooks with one: {', '.join(TEACHES)}")
+    return TEACHES[stem]
+
+
+def order_note(path: Sequence[str] = FIRST_SCREEN) -> str:
+    """Return the one sentence that says where a reading path leaves the notebooks' numbers ('' if nowhere).
+
+    Example: ('00_a', '01_b', '03_c') -> 'The numbers are the order the notebooks were written in, not
+    the order to read them in: this path goes from 01 to 03; the others come after it, in *Going further*
+    and *Advanced and research*.'
+    """
+    numbers = [int(stem[:2]) for stem in path]
+    jumps = [f"from {a:02d} to {b:02d}" for a, b in zip(numbers, numbers[1:]) if b != a + 1]
+    if not jumps:
+        return ""
+    listed = ", ".join(jumps[:-1]) + (" and " if len(jumps) > 1 else "") + jumps[-1]
+    rest = " and ".join(f"*{part}*" for part, _ in COURSE[1:])
+    return ("The numbers are the order the notebooks were written in, not the order to read them in: "
+            f"this path goes {listed}; the others come after it, in {rest}.")
 
 
 def course_part(stem: str) -> str:

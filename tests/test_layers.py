@@ -11,7 +11,7 @@ import pytest
 from colab_memopt.layers import FACADE, LAYERS, Layer, layer_of
 
 PACKAGE_DIR = Path(__file__).resolve().parent.parent / "colab_memopt"
-README = PACKAGE_DIR.parent / "README.md"
+CONTRIBUTING = PACKAGE_DIR.parent / "CONTRIBUTING.md"  # the module table, for contributors
 
 
 def import_graph(package_dir: Path) -> dict[str, set[str]]:
@@ -158,8 +158,8 @@ def test_a_planted_upward_import_and_a_facade_import_are_found(tmp_path):
 
 
 def test_the_readme_module_table_follows_the_layers():
-    """Every module has one row in the README's module table, and the rows come in layer order."""
-    rows = [line for line in README.read_text().splitlines() if line.startswith("| `")]
+    """Every module has one row in CONTRIBUTING.md's module table, and the rows come in layer order."""
+    rows = [line for line in CONTRIBUTING.read_text().splitlines() if line.startswith("| `")]
     order: list[int] = []
     seen: list[str] = []
     for row in rows:
@@ -170,4 +170,4 @@ def test_the_readme_module_table_follows_the_layers():
         order += [layer_of(n) for n in names]
     declared = [m for layer in LAYERS for m in layer.modules]
     assert sorted(seen) == sorted(declared), f"missing: {sorted(set(declared) - set(seen))}, twice: {sorted(n for n in seen if seen.count(n) > 1)}"
-    assert order == sorted(order), "README module rows are not in layer order (colab_memopt.layers.LAYERS)"
+    assert order == sorted(order), "CONTRIBUTING.md module rows are not in layer order (colab_memopt.layers.LAYERS)"

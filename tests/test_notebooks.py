@@ -230,7 +230,7 @@ def test_course_path_holds_every_notebook_once_and_links_follow_it():
 def test_no_internal_references_in_notebooks_readmes_or_the_package():
     """A reader can look up every source: no unpublished documents, seeds, tracker numbers or internal names."""
     texts = {p.relative_to(REPO).as_posix(): p.read_text(encoding="utf-8") for p in NOTEBOOKS}
-    texts.update({name: (REPO / name).read_text(encoding="utf-8") for name in ("README.md", "notebooks/README.md")})
+    texts.update({name: (REPO / name).read_text(encoding="utf-8") for name in ("README.md", "CONTRIBUTING.md", "notebooks/README.md")})
     # the package: everything it can print (claims, plans, advice) and every docstring and comment
     texts.update({p.relative_to(REPO).as_posix(): p.read_text(encoding="utf-8") for p in sorted((REPO / "colab_memopt").glob("*.py"))})
     found = {name: sorted(set(m.group(0) for m in INTERNAL_REFERENCE.finditer(text))) for name, text in texts.items()}

@@ -1,4 +1,4 @@
-"""Every name of colab_memopt that the notebooks and the README use still resolves (no public name lost)."""
+"""Every name of colab_memopt that the notebooks, the README and CONTRIBUTING.md use still resolves (no public name lost)."""
 
 from __future__ import annotations
 
@@ -15,13 +15,14 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _code_texts() -> dict[str, str]:
-    """Return source name -> the code it shows: notebooks' code cells, the README's code blocks and `inline` code."""
+    """Return source name -> the code it shows: notebooks' code cells, README/CONTRIBUTING code blocks and `inline` code."""
     texts = {}
     for path in sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb")):
         cells = json.loads(path.read_text())["cells"]
         texts[path.name] = "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "code")
-    readme = (ROOT / "README.md").read_text()
-    texts["README.md"] = "\n".join(re.findall(r"```python\n(.*?)```", readme, re.S) + re.findall(r"`([^`\n]+)`", readme))
+    for doc in ("README.md", "CONTRIBUTING.md"):
+        text = (ROOT / doc).read_text()
+        texts[doc] = "\n".join(re.findall(r"```python\n(.*?)```", text, re.S) + re.findall(r"`([^`\n]+)`", text))
     return texts
 
 

@@ -93,18 +93,18 @@ def test_readme_refresh_refuses_partial_results_and_leaves_the_readme(tmp_path, 
     from colab_memopt.rollup import missing_notebooks
 
     readme = tmp_path / "README.md"
-    readme.write_text(f"a\n{INDEX_START}\nold\n{INDEX_END}\nb")
+    readme.write_text(f"a\n{INDEX_START}\nSTALE ROW\n{INDEX_END}\nb")
     results = tmp_path / "results.json"
     results.write_text(json.dumps(MERGED))
     args = ["--results", str(results), "--claims", str(tmp_path / "claims.md"), "--readme", str(readme)]
     assert rollup_main(args) == 2
-    assert "no results for" in capsys.readouterr().err and "old" in readme.read_text()
+    assert "no results for" in capsys.readouterr().err and "STALE ROW" in readme.read_text()
     assert (tmp_path / "claims.md").exists()  # the claims of what ran are still written
     full = {**MERGED, "notebooks": {p.stem: MERGED["notebooks"]["02_mixed_precision"] for p in NOTEBOOKS}}
     assert missing_notebooks(full) == [] and missing_notebooks(MERGED) == [p.stem for p in NOTEBOOKS if p.stem not in MERGED["notebooks"]]
     results.write_text(json.dumps(full))
     assert rollup_main(args) == 0
-    assert "old" not in readme.read_text() and readme.read_text().startswith("a\n") and readme.read_text().endswith("\nb")
+    assert "STALE ROW" not in readme.read_text() and readme.read_text().startswith("a\n") and readme.read_text().endswith("\nb")
 
 
 def test_make_run_writes_under_its_build_folder_only(tmp_path, monkeypatch):
@@ -196,14 +196,91 @@ def test_runner_outside_a_checkout_says_so_in_one_line(tmp_path, capsys, monkeyp
 
 
 def test_readme_first_screen_is_for_a_learner():
-    """'Start here' within the first 40 lines, with the generated badges; the index says what it measured on."""
-    from colab_memopt.rollup import START_HERE_END, START_HERE_START, device_label, start_here_markdown
+    """'Start here' within the first 40 lines, with the generated badges of the whole Start here part."""
+    from colab_memopt.project import FIRST_SCREEN
+    from colab_memopt.rollup import START_HERE_END, START_HERE_START, start_here_markdown
 
     text = README.read_text()
     assert "## Start here" in "\n".join(text.splitlines()[:40])
     block = START_HERE_START + text.split(START_HERE_START, 1)[1].split(START_HERE_END, 1)[0] + START_HERE_END
     assert block == start_here_markdown(), "run `make readme`: the Start here badges are out of date"
-    assert block.count("colab-badge.svg") == 3
-    assert device_label("cpu") == "CPU, small model" and device_label("NVIDIA T4") == "NVIDIA T4"
+    assert block.count("colab-badge.svg") == len(FIRST_SCREEN)
     index = index_markdown(MERGED)
     assert index.index("**Start here**") < index.index("**Going further**") < index.index("**Advanced and research**")
+
+
+def _stems(markdown: str) -> list[str]:
+    """Return the notebook stems `markdown` links to, in order, each once (a row may link one twice)."""
+    seen: list[str] = []
+    for stem in re.findall(r"(\d\d_[a-z0-9_]+)\.ipynb\)", markdown):
+        if stem not in seen:
+            seen.append(stem)
+    return seen
+
+
+def test_one_course_path_everywhere_with_19_on_it():
+    """The README's Start here list and index, notebooks/README.md and the Next links give one path, 19 on it."""
+    import json
+
+    from colab_memopt.project import COURSE, COURSE_ORDER, FIRST_SCREEN, next_notebook
+    from colab_memopt.rollup import START_HERE_END, START_HERE_START
+
+    path = list(COURSE[0][1])
+    assert COURSE[0][0] == "Start here" and list(FIRST_SCREEN) == path
+    assert "19_your_trainer_on_a_free_t4" in path and path[0] == "00_where_the_memory_goes"
+    text = README.read_text()
+    first_screen = text.split(START_HERE_START, 1)[1].split(START_HERE_END, 1)[0]
+    assert _stems(first_screen) == path, "README's Start here list"
+    index_start = _readme_index().split("**Start here**", 1)[1].split("**Going further**", 1)[0]
+    assert _stems(index_start) == path, "README index's Start here section"
+    assert _stems(_readme_index()) == list(COURSE_ORDER), "README index's order"
+    course = (NOTEBOOK_DIR / "README.md").read_text().split("**Start here**", 1)[1].split("**Going further**", 1)[0]
+    assert _stems(course) == path, "notebooks/README.md's Start here list"
+    for stem in path:  # each notebook's last cell links on along the path, and the last one into Going further
+        last = "".join(json.loads((NOTEBOOK_DIR / f"{stem}.ipynb").read_text())["cells"][-1]["source"])
+        following = next_notebook(stem)
+        assert _stems(last) == [following], f"{stem}'s Next link"
+    assert next_notebook(path[-1]) == COURSE[1][1][0] and next_notebook(path[-1]) not in path
+
+
+def test_readme_index_says_what_each_notebook_teaches_and_figures_only_from_a_t4():
+    """A CPU run's toy figures, a CI target's name and an emulating GPU's figures never reach the index."""
+    from colab_memopt.project import TEACHES, teaches
+    from colab_memopt.rollup import measured_on_t4
+
+    assert sorted(TEACHES) == [p.stem for p in NOTEBOOKS]
+    assert all(0 < len(line) <= 100 and line == line.strip() for line in TEACHES.values())
+    with pytest.raises(ValueError, match="'99_nothing' has no line"):
+        teaches("99_nothing")
+    on_cpu = index_markdown(MERGED)
+    assert teaches("02_mixed_precision") in on_cpu and "MiB" not in on_cpu and "small model" not in on_cpu
+    t4_run = {"notebooks": {"02_mixed_precision": {**MERGED["notebooks"]["02_mixed_precision"], "device": "Tesla T4"}}}
+    row = next(l for l in index_markdown(t4_run).splitlines() if "02_mixed_precision.ipynb)" in l)
+    assert row.endswith(f"{teaches('02_mixed_precision')}. Measured on Tesla T4: fp32 2.00 MiB -> bf16 1.00 MiB "
+                        "(50% less), step time x1.50 |")
+    emulated = {"notebooks": {"02_mixed_precision": {**t4_run["notebooks"]["02_mixed_precision"],
+                                                     "device": "NVIDIA H100 80GB HBM3 emulating t4"}}}
+    assert "MiB" not in index_markdown(emulated)
+    assert measured_on_t4("NVIDIA T4") and not measured_on_t4("cpu") and not measured_on_t4("small-t4")
+    index = _readme_index()
+    assert "small-t4" not in index and "MiB" not in index
+    for path in NOTEBOOKS:
+        row = next(l for l in index.splitlines() if f"](notebooks/{path.name})" in l)
+        assert teaches(path.stem) in row, f"{path.name}: regenerate the index (`make readme`)"
+
+
+def test_readme_is_for_users_and_ends_with_the_package():
+    """Maintainer text (GPU checks, wheels, CI parameters, generation) lives in CONTRIBUTING.md, linked once."""
+    text = re.sub(r"<!--.*?-->", "", README.read_text(), flags=re.S)  # the generated blocks' marker comments
+    headings = re.findall(r"^## (.+)$", text, re.M)
+    assert headings == ["Start here", "What sets it apart", "The notebooks", "Your own model",
+                        "Presets and the recommender", "The package"]
+    for maintainer in ("make test-gpu", "gpu-wheels", "gpucheck", "wheelhouse", "small-t4", "notebook_parameters",
+                       "make readme", "make run", "rollup", "lent", "borrowed"):
+        assert not re.search(rf"\b{re.escape(maintainer)}\b", text), f"README.md says {maintainer!r}: for CONTRIBUTING.md"
+    links = [line for line in text.splitlines() if "CONTRIBUTING.md" in line]
+    assert len(links) == 1 and "`make test`" in links[0], links
+    contributing = (NOTEBOOK_DIR.parent / "CONTRIBUTING.md").read_text()
+    for moved in ("make test-gpu", "make gpu-wheels", "gpucheck plan", "tests/notebook_parameters.yaml", "make readme",
+                  "| module | what it holds |"):
+        assert moved in contributing, f"CONTRIBUTING.md lost {moved!r}"
