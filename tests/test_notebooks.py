@@ -246,3 +246,99 @@ def test_panel_waits_for_the_user(path):
     # widgets.panel sets continuous_update=False and adds a Run button; nothing may wire a control around it
     for banned in ("continuous_update=True", "run_button=False", "interactive_output(", "interact(", ".observe("):
         assert banned not in code, f"{banned!r}: use widgets.panel, which waits for Run (tests/test_widgets_and_project.py)"
+
+
+def _use_it(nb) -> list:
+    """Return the cells of a notebook's 'Use it in your own training' section: its Markdown and the code below."""
+    cells, inside = [], False
+    for cell in nb.cells:
+        if cell.cell_type == "markdown" and cell.source.startswith("## "):
+            inside = cell.source.startswith("## Use it in your own training")
+        if inside:
+            cells.append(cell)
+    return cells
+
+
+USE_IT = {p.stem: _use_it(nbformat.read(p, as_version=4)) for p in NOTEBOOKS}
+
+
+def test_every_notebook_has_a_use_it_section():
+    assert all(USE_IT.values()), [stem for stem, cells in USE_IT.items() if not cells]
+
+
+def test_use_it_teaches_the_checkpointing_flag_every_transformers_knows():
+    """`gradient_checkpointing=True` with `use_reentrant=False`, in every notebook: transformers 4.x knows only
+    that name, and 5.x takes it as the older name of `activation_checkpointing` (until v6)."""
+    newer_name = re.compile(r"\bactivation_checkpointing(?:_kwargs)?\s*=|\.activation_checkpointing_enable\(")
+    for stem, cells in USE_IT.items():
+        for cell in cells:
+            assert not newer_name.search(cell.source), f"{stem}: write gradient_checkpointing=True, as 03 teaches"
+            if re.search(r"\bgradient_checkpointing\s*=\s*True", cell.source):
+                assert re.search(r"gradient_checkpointing_kwargs\s*=\s*\{\"use_reentrant\": False", cell.source), stem
+    assert "model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={\"use_reentrant\": False})" in "\n".join(
+        c.source for c in USE_IT["03_activation_checkpointing"])
+
+
+def test_the_checkpointing_flag_taught_runs_on_the_installed_transformers(tmp_path):
+    import warnings
+
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # transformers 5: the older names, kept until v6
+        args = transformers.TrainingArguments(output_dir=str(tmp_path), gradient_checkpointing=True,
+                                              gradient_checkpointing_kwargs={"use_reentrant": False})
+        model = transformers.LlamaForCausalLM(config)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    assert args.gradient_checkpointing and getattr(args, "activation_checkpointing", True)
+    assert args.gradient_checkpointing_kwargs == {"use_reentrant": False}
+    assert model.is_gradient_checkpointing
+
+
+def test_what_decides_the_default_optimizer_is_said_as_the_installed_transformers_does():
+    """transformers 5.23 picks optim="adamw_torch_fused" for torch 2.8 or newer: a notebook saying which default
+    applies names the torch version (as 06 does), not the transformers version alone."""
+    import torch
+    from packaging.version import Version
+    from transformers import TrainingArguments
+
+    default = TrainingArguments.__dataclass_fields__["optim"].default
+    fused = Version(torch.__version__.split("+")[0]) >= Version("2.8")
+    assert str(getattr(default, "value", default)) == ("adamw_torch_fused" if fused else "adamw_torch")
+    for stem, cells in USE_IT.items():
+        for cell in cells:
+            if cell.cell_type == "markdown" and "adamw_torch_fused" in cell.source and re.search(r"default|picks", cell.source):
+                assert re.search(r"torch (is )?2\.8", cell.source), f"{stem}: say that torch >= 2.8 makes it the default"
+
+
+def test_use_it_text_says_what_its_cell_passes():
+    """A 'Use it' text that names find_max_batch names the value its code below passes (notebook 12 said True)."""
+    for stem, cells in USE_IT.items():
+        text = "\n".join(c.source for c in cells if c.cell_type == "markdown")
+        code = "\n".join(c.source for c in cells if c.cell_type == "code")
+        for value in set(re.findall(r"find_max_batch=(True|False)", code)):
+            if "find_max_batch" in text:
+                assert f"find_max_batch={value}" in text, f"{stem}: its code passes find_max_batch={value}"
+
+
+def test_accelerates_retry_is_described_as_accelerate_does_it():
+    """accelerate's find_executable_batch_size (behind auto_find_batch_size) retries with 0.9 x the batch."""
+    memory = pytest.importorskip("accelerate.utils.memory")
+    import inspect
+
+    assert "batch_size * 0.9" in inspect.getsource(memory.find_executable_batch_size)
+    for path in NOTEBOOKS:
+        for cell in nbformat.read(path, as_version=4).cells:
+            if cell.cell_type != "markdown" or cell.source.startswith("## Further reading"):
+                continue
+            for part in re.split(r"[.;()]", cell.source):
+                if re.search(r"find_executable_batch_size|auto_find_batch_size|common tools", part):
+                    assert "halv" not in part.lower(), f"{path.stem}: accelerate multiplies by 0.9: {part.strip()!r}"
+
+
+def test_notebooks_do_not_hedge_on_the_package_version():
+    """Every version a reader can install has what a notebook uses: no 'where your colab_memopt has ...'."""
+    for path in NOTEBOOKS:
+        text = path.read_text(encoding="utf-8")
+        assert not re.search(r"[Ww]here your `?colab_memopt`? has", text), path.stem
