@@ -1,4 +1,4 @@
-"""Where the project lives: the one place that names its repository (badges and the Colab install)."""
+"""Where the project lives: the one place that names its repository (badges and the Colab install) and its course."""
 
 from __future__ import annotations
 
