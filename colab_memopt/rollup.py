@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import textwrap
 from collections import Counter
 from collections.abc import Mapping
 from pathlib import Path
@@ -142,7 +143,7 @@ def start_here_markdown(notebook_dir: Path | None = None) -> str:
     for i, stem in enumerate(FIRST_SCREEN, 1):
         rel = f"notebooks/{stem}.ipynb"
         lines.append(f"{i}. {colab_badge(rel)} [{_cell(notebook_title(notebook_dir / f'{stem}.ipynb'))}]({rel})")
-    note = order_note(FIRST_SCREEN)
+    note = textwrap.fill(order_note(FIRST_SCREEN), 100, break_on_hyphens=False)
     lines += (["", note] if note else []) + [START_HERE_END]
     return "\n".join(lines)
 

@@ -243,6 +243,15 @@ def test_one_course_path_everywhere_with_19_on_it():
     assert next_notebook(path[-1]) == COURSE[1][1][0] and next_notebook(path[-1]) not in path
 
 
+def test_the_readme_says_once_where_the_path_leaves_the_numbers():
+    from colab_memopt.project import FIRST_SCREEN, order_note
+
+    assert order_note(("00_a", "01_b", "02_c")) == ""
+    assert "this path goes from 01 to 03 and from 03 to 02;" in order_note(("00_a", "01_b", "03_c", "02_d"))
+    readme = " ".join(README.read_text().split())
+    assert readme.count(order_note(FIRST_SCREEN)) == 1 and "from 04 to 06" in order_note(FIRST_SCREEN)
+
+
 def test_readme_index_says_what_each_notebook_teaches_and_figures_only_from_a_t4():
     """A CPU run's toy figures, a CI target's name and an emulating GPU's figures never reach the index."""
     from colab_memopt.project import TEACHES, teaches
