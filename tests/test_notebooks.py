@@ -279,33 +279,9 @@ def test_use_it_teaches_the_checkpointing_flag_every_transformers_knows():
         c.source for c in USE_IT["03_activation_checkpointing"])
 
 
-def test_the_checkpointing_flag_taught_runs_on_the_installed_transformers(tmp_path):
-    import warnings
-
-    transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                      num_attention_heads=2, num_key_value_heads=2)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)  # transformers 5: the older names, kept until v6
-        args = transformers.TrainingArguments(output_dir=str(tmp_path), gradient_checkpointing=True,
-                                              gradient_checkpointing_kwargs={"use_reentrant": False})
-        model = transformers.LlamaForCausalLM(config)
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    assert args.gradient_checkpointing and getattr(args, "activation_checkpointing", True)
-    assert args.gradient_checkpointing_kwargs == {"use_reentrant": False}
-    assert model.is_gradient_checkpointing
-
-
 def test_what_decides_the_default_optimizer_is_said_as_the_installed_transformers_does():
-    """transformers 5.23 picks optim="adamw_torch_fused" for torch 2.8 or newer: a notebook saying which default
-    applies names the torch version (as 06 does), not the transformers version alone."""
-    import torch
-    from packaging.version import Version
-    from transformers import TrainingArguments
-
-    default = TrainingArguments.__dataclass_fields__["optim"].default
-    fused = Version(torch.__version__.split("+")[0]) >= Version("2.8")
-    assert str(getattr(default, "value", default)) == ("adamw_torch_fused" if fused else "adamw_torch")
+    """transformers 5.23 picks optim="adamw_torch_fused" for torch 2.8 or newer (tests/test_trainer_snippets.py
+    checks it): a notebook saying which default applies names the torch version, as 06 does."""
     for stem, cells in USE_IT.items():
         for cell in cells:
             if cell.cell_type == "markdown" and "adamw_torch_fused" in cell.source and re.search(r"default|picks", cell.source):

@@ -369,3 +369,27 @@ def test_notebook_19_first_draft_does_not_fit_a_t4_at_its_colab_defaults():
     assert not draft_plan.fits, f"the first draft fits {draft_plan.target.name}: {draft_plan.device_need_bytes:,} bytes"
     assert not namespace["draft"].gradient_checkpointing
     assert namespace["bnb_config"].load_in_4bit and namespace["bnb_config"].bnb_4bit_compute_dtype == torch.float16
+
+
+def test_the_checkpointing_flag_the_notebooks_teach_runs_on_the_installed_transformers(tmp_path):
+    """`gradient_checkpointing=True` (TrainingArguments / SFTConfig) and `model.gradient_checkpointing_enable(...)`:
+    transformers 4.x knows only these names; 5.x takes them as the older names of activation_checkpointing."""
+    config = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # transformers 5: the older names, kept until v6
+        args = transformers.TrainingArguments(output_dir=str(tmp_path), gradient_checkpointing=True,
+                                              gradient_checkpointing_kwargs={"use_reentrant": False})
+        model = transformers.LlamaForCausalLM(config)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    assert args.gradient_checkpointing and getattr(args, "activation_checkpointing", True)
+    assert args.gradient_checkpointing_kwargs == {"use_reentrant": False}
+    assert model.is_gradient_checkpointing
+
+
+def test_the_default_optimizer_is_picked_by_the_torch_version_as_notebooks_00_and_06_say():
+    from packaging.version import Version
+
+    default = transformers.TrainingArguments.__dataclass_fields__["optim"].default
+    fused = Version(torch.__version__.split("+")[0]) >= Version("2.8")
+    assert str(getattr(default, "value", default)) == ("adamw_torch_fused" if fused else "adamw_torch")
