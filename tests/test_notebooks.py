@@ -246,3 +246,35 @@ def test_panel_waits_for_the_user(path):
     # widgets.panel sets continuous_update=False and adds a Run button; nothing may wire a control around it
     for banned in ("continuous_update=True", "run_button=False", "interactive_output(", "interact(", ".observe("):
         assert banned not in code, f"{banned!r}: use widgets.panel, which waits for Run (tests/test_widgets_and_project.py)"
+
+
+LINK = re.compile(r"\]\(https?://[^)\s]+\)|https?://\S+")
+
+
+def further_reading_entries(source: str) -> list[str]:
+    """Return the entries of a '## Further reading' list: each '- ' line with its continuation lines."""
+    entries: list[str] = []
+    for line in source.splitlines()[1:]:
+        if line.startswith("- "):
+            entries.append(line)
+        elif line.strip() and entries:
+            entries[-1] += " " + line.strip()
+    return entries
+
+
+def test_further_reading_entries_are_found_with_their_continuations():
+    entries = further_reading_entries("## Further reading\n\n- A, [*B*](https://arxiv.org/abs/1)\n  (2020).\n- C (2021).\n")
+    assert entries == ["- A, [*B*](https://arxiv.org/abs/1) (2020).", "- C (2021)."]
+    assert [bool(LINK.search(e)) for e in entries] == [True, False]
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=_ids(NOTEBOOKS))
+def test_every_further_reading_entry_has_a_public_link(path):
+    """A reader can open every source the closing list names: a paper's arXiv/DOI page, a doc page, a repository."""
+    nb = nbformat.read(path, as_version=4)
+    closing = [c.source for c in nb.cells if c.cell_type == "markdown" and c.source.startswith("## Further reading")]
+    assert len(closing) == 1, f"{path.name}: one closing '## Further reading' cell, found {len(closing)}"
+    entries = further_reading_entries(closing[0])
+    assert entries, f"{path.name}: the Further reading list is empty"
+    unlinked = [e for e in entries if not LINK.search(e)]
+    assert not unlinked, f"{path.name}: entries without a link: {unlinked}"
