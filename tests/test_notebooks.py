@@ -278,3 +278,15 @@ def test_every_further_reading_entry_has_a_public_link(path):
     assert entries, f"{path.name}: the Further reading list is empty"
     unlinked = [e for e in entries if not LINK.search(e)]
     assert not unlinked, f"{path.name}: entries without a link: {unlinked}"
+
+
+def test_notebooks_11_and_19_say_which_trainer_callback_to_use_when_in_the_same_words():
+    """review 3 finding 14: two Trainer callbacks for similar jobs, and no word on which to use when."""
+    paragraphs = []
+    for stem in ("11_memory_profiling_and_monitoring", "19_your_trainer_on_a_free_t4"):
+        text = "\n".join(c.source for c in nbformat.read(NOTEBOOK_DIR / f"{stem}.ipynb", as_version=4).cells)
+        start = text.find("**Which Trainer callback, when.**")
+        assert start >= 0, f"{stem} does not say which Trainer callback to use when"
+        paragraphs.append(text[start:text.find("\n\n", start)])
+    assert paragraphs[0] == paragraphs[1]
+    assert "MemoryGuardCallback" in paragraphs[0] and "monitor.trainer_callback" in paragraphs[0]
