@@ -290,3 +290,12 @@ def test_notebooks_11_and_19_say_which_trainer_callback_to_use_when_in_the_same_
         paragraphs.append(text[start:text.find("\n\n", start)])
     assert paragraphs[0] == paragraphs[1]
     assert "MemoryGuardCallback" in paragraphs[0] and "monitor.trainer_callback" in paragraphs[0]
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=_ids(NOTEBOOKS))
+def test_panel_shows_what_was_computed_above_instead_of_rerunning_it(path):
+    """review 3 finding 14: Run all repeated each panel's work on display (07 fine-tuned again, 19 planned again)."""
+    code = "\n".join(c.source for c in _code(nbformat.read(path, as_version=4)))
+    call = code[code.index("widgets.panel("):]
+    call = call[:call.index("\npanel")]
+    assert "\n    shown=" in call, f"{path.name}: pass widgets.panel(..., shown=...) the result computed above for the defaults"
