@@ -298,10 +298,10 @@ def api_rows() -> None:
     warns(77, "every_n interval 10 on 4 blocks", lambda: cm.Recipe(checkpointing="every_n", checkpoint_interval=10).build(
         cm.build_model("tiny", n_layer=4)), "exceeds the model's 4 blocks")
     err(78, "Recipe.preset('nope')", lambda: cm.Recipe.preset("nope"), "unknown preset 'nope'")
-    err(78, "Recipe.preset(mode='nope')", lambda: cm.Recipe.preset("balanced", mode="nope"), "unknown mode 'nope'")
-    err(78, "Recipe.preset(bogus=1)", lambda: cm.Recipe.preset("balanced", bogus=1), "bogus")
-    err(79, "Recipe.preset(target='nope')", lambda: cm.Recipe.preset("balanced", target="nope"), "unknown target 'nope'")
-    err(80, "Recipe.preset(model='nope', mode='lora')", lambda: cm.Recipe.preset("balanced", model="nope", mode="lora"), "unknown model 'nope'")
+    err(78, "Recipe.preset(mode='nope')", lambda: cm.Recipe.preset("ckpt-every-8", mode="nope"), "unknown mode 'nope'")
+    err(78, "Recipe.preset(bogus=1)", lambda: cm.Recipe.preset("ckpt-every-8", bogus=1), "bogus")
+    err(79, "Recipe.preset(target='nope')", lambda: cm.Recipe.preset("ckpt-every-8", target="nope"), "unknown target 'nope'")
+    err(80, "Recipe.preset(model='nope', mode='lora')", lambda: cm.Recipe.preset("ckpt-every-8", model="nope", mode="lora"), "unknown model 'nope'")
     err(81, "lora_targets=('nonexistent',) build", lambda: cm.Recipe(lora_rank=4, lora_targets=("nonexistent",)).build(cm.build_model("tiny")), "nonexistent")
 
     def semiseparable_window():

@@ -240,7 +240,7 @@ def load_model(id_or_path: Any, recipe: Recipe | dict[str, Any] | None = None, d
         the trainable parameters, the load dtype and the host RAM the load took (peak RSS, sampled).
 
     Example:
-        >>> loaded = load_model("Qwen/Qwen2.5-0.5B", Recipe.preset("balanced", mode="qlora", model="qwen2.5-0.5b"))
+        >>> loaded = load_model("Qwen/Qwen2.5-0.5B", Recipe.preset("ckpt-every-8", mode="qlora", model="qwen2.5-0.5b"))
         >>> step = make_train_step(loaded.model, loaded.optimizer, corpus, batch_size=4, seq_len=512, recipe=loaded.recipe)
     """
     if recipe is not None and not isinstance(recipe, (Recipe, dict)):

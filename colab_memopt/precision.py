@@ -208,3 +208,43 @@ def describe_half_trainable(found: dict[str, torch.dtype]) -> str:
     """Return 'N trainable tensor(s) in bfloat16' (the dtypes named as torch names them)."""
     dtypes = sorted({str(d).removeprefix("torch.") for d in found.values()})
     return f"{len(found)} trainable tensor(s) in {' and '.join(dtypes)}"
+
+
+def bf16_matmul_check(device: torch.device | str, *, size: int = 2048, repeat: int = 5) -> dict[str, Any]:
+    """Return what a bf16 matmul measures on a CUDA device against the same matmul in fp16.
+
+    Keys: 'capability' (major, minor), 'is_bf16_supported' (what torch answers), 'bf16_seconds' and
+    'fp16_seconds' (median of `repeat` timed (size, size) matmuls, after one warm-up), 'bf16_error'
+    (the exception text where bf16 does not run, else None). On a device that is not CUDA it measures
+    nothing and says so: {'measured': False, 'why': ...}.
+
+    Example:
+        >>> bf16_matmul_check("cpu")["measured"]
+        False
+    """
+    import statistics
+    import time
+
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return {"measured": False, "why": f"device {dev.type!r} is not CUDA: bf16 on a T4 is measured on a CUDA GPU"}
+    if size < 1 or repeat < 1:
+        raise ValueError(f"size and repeat must be >= 1, got size={size}, repeat={repeat}")
+    out: dict[str, Any] = {"measured": True, "capability": torch.cuda.get_device_capability(dev),
+                           "is_bf16_supported": torch.cuda.is_bf16_supported(), "bf16_error": None}
+    for name, dtype in (("fp16", torch.float16), ("bf16", torch.bfloat16)):
+        try:
+            a = torch.randn(size, size, device=dev, dtype=dtype)
+            a @ a  # warm-up: kernel selection
+            torch.cuda.synchronize(dev)
+            times = []
+            for _ in range(repeat):
+                start = time.perf_counter()
+                a @ a
+                torch.cuda.synchronize(dev)
+                times.append(time.perf_counter() - start)
+            out[f"{name}_seconds"] = statistics.median(times)
+        except RuntimeError as exc:  # no bf16 kernel on this card
+            out[f"{name}_seconds"] = None
+            out[f"{name}_error"] = str(exc).splitlines()[0]
+    return out

@@ -1,13 +1,20 @@
-"""Presets: conservative, balanced, aggressive, maximum, and the training modes (full, LoRA, QLoRA).
+"""Presets named by what they do: selective-ckpt, ckpt-every-8, ckpt-every-4, ckpt-every-2-paged, and the
+training modes (full, LoRA, QLoRA).
 
-The presets are this project's defaults, a ladder of common memory-saving stacks: each turns on
-gradient checkpointing (more of it from conservative to maximum: 'checkpoint_interval' 8, 4, 2),
-8-bit quantization and, from balanced on, CPU offloading of layers (`Preset.document` keeps that
-fuller stack). They map onto the Recipe fields that exist:
+The presets are this project's defaults, a ladder of common memory-saving stacks. Every one trains in
+mixed precision with 8-bit optimizer state; the name says how much is checkpointed:
 
-- checkpointing: conservative uses 'selective' (saves the matmul and attention outputs and recomputes
-  only the cheap elementwise ops: the least recompute), the others 'every_n' with the preset's interval (a block in N is checkpointed;
-  a smaller N saves more and recomputes more).
+- 'selective-ckpt': every block checkpointed selectively (the matmul and attention outputs are kept,
+  only the cheap elementwise ops are recomputed: the least recompute). It checkpoints *every* block, so
+  at long sequences it can fit a larger model than the interval presets.
+- 'ckpt-every-8', 'ckpt-every-4': one block in 8 (or 4) checkpointed whole (`checkpointing='every_n'`);
+  the other blocks keep all their activations. A smaller N saves more and recomputes more.
+- 'ckpt-every-2-paged': one block in 2, and the 8-bit optimizer state paged (bitsandbytes
+  PagedAdamW8bit, which moves to host RAM under pressure on CUDA).
+
+The ladder follows the "Optimization Stack Combinations" of a public memory optimization guide
+(`Preset.document` keeps its fuller stack). They map onto the Recipe fields that exist:
+
 - quantization: 8-bit quantization becomes 8-bit optimizer state (bitsandbytes
   AdamW8bit) for full fine-tuning; the weights are quantized only in QLoRA mode (nf4), because a
   quantized weight is frozen.
@@ -19,13 +26,17 @@ fuller stack). They map onto the Recipe fields that exist:
   offloaded checkpoints only when nothing else fits (its long-context round), and notebooks 09, 10 and
   17 measure it.
 
-A preset is a starting point, combinable with explicit overrides: `Recipe.preset('balanced',
+A preset is a starting point, combinable with explicit overrides: `Recipe.preset('ckpt-every-8',
 accumulation_steps=4)`. Each preset's expected cost is the product of its techniques' measured
 step-time ratios (`costs.expected_slowdown`), never a typed-in figure.
+
+The old names (conservative, balanced, aggressive, maximum) still work in this release, with a warning
+that names the new one (`RENAMED`).
 """
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,28 +64,28 @@ PRESETS: dict[str, Preset] = {
     p.name: p
     for p in [
         Preset(
-            "conservative",
+            "selective-ckpt",
             dict(checkpointing="selective", optimizer="adamw8bit"),
             "mixed precision, selective checkpointing, 8-bit optimizer state",
             "models that almost fit",
             {"checkpointing": "enabled", "cpu_offloading": "disabled", "quantization": "enabled"},
         ),
         Preset(
-            "balanced",
+            "ckpt-every-8",
             dict(checkpointing="every_n", checkpoint_interval=8, optimizer="adamw8bit"),
             "mixed precision, every 8th block checkpointed, 8-bit optimizer state",
             "1B models on 16 GB GPUs",
             {"checkpointing": "interval=8", "cpu_offloading": "max_active_layers=4", "quantization": "enabled"},
         ),
         Preset(
-            "aggressive",
+            "ckpt-every-4",
             dict(checkpointing="every_n", checkpoint_interval=4, optimizer="adamw8bit"),
             "mixed precision, every 4th block checkpointed, 8-bit optimizer state",
             "7B models on 24 GB GPUs",
             {"checkpointing": "interval=4", "cpu_offloading": "max_active_layers=1-2", "quantization": "enabled"},
         ),
         Preset(
-            "maximum",
+            "ckpt-every-2-paged",
             dict(checkpointing="every_n", checkpoint_interval=2, optimizer="paged_adamw8bit"),
             "mixed precision, every 2nd block checkpointed, paged 8-bit optimizer state",
             "the largest models, very slow but feasible",
@@ -82,6 +93,23 @@ PRESETS: dict[str, Preset] = {
         ),
     ]
 }
+
+# The names before this release, kept for one release: each still works, with a warning naming the new name.
+RENAMED: dict[str, str] = {
+    "conservative": "selective-ckpt",
+    "balanced": "ckpt-every-8",
+    "aggressive": "ckpt-every-4",
+    "maximum": "ckpt-every-2-paged",
+}
+
+
+def preset_name(name: str) -> str:
+    """Return the preset's current name: an old name (`RENAMED`) warns once per call and maps to its new one."""
+    if name in RENAMED:
+        warnings.warn(f"preset {name!r} is now called {RENAMED[name]!r}; the old name goes in the next release",
+                      FutureWarning, stacklevel=3)
+        return RENAMED[name]
+    return name
 
 # Training modes: what is trained. QLoRA quantizes the frozen base to nf4; LoRA keeps it as it is (a preset
 # stores it in its autocast dtype: `preset_fields`).
@@ -112,7 +140,7 @@ def with_family_lora_targets(recipe: Any, family: str | None) -> Any:
 
 
 def preset_names() -> list[str]:
-    """Return the preset names, from least to most memory saved."""
+    """Return the preset names, from selective checkpointing of every block to one block in 2 (the ladder's order)."""
     return list(PRESETS)
 
 
@@ -151,6 +179,7 @@ def mode_fields(mode: str, model: str | None = None) -> dict[str, Any]:
 def preset_fields(name: str, *, target: Any = "t4", mode: str = "full", model: str | None = None,
                   **overrides: Any) -> dict[str, Any]:
     """Return the Recipe fields of a preset for a target, mode and model, with explicit overrides applied last."""
+    name = preset_name(name)
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; choose one of {preset_names()}")
     if isinstance(target, str) and target not in TARGET_NAMES:  # named, not taken for a T4

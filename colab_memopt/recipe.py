@@ -462,11 +462,11 @@ class Recipe:
     @classmethod
     def preset(cls, name: str, *, target: Any = "t4", mode: str = "full", model: str | None = None,
                **overrides: Any) -> Recipe:
-        """Return a preset recipe ('conservative', 'balanced', 'aggressive', 'maximum'; see `presets`).
+        """Return a preset recipe ('selective-ckpt', 'ckpt-every-8', 'ckpt-every-4', 'ckpt-every-2-paged'; see `presets`).
 
         `mode` is 'full', 'lora' or 'qlora' (`model`, a real architecture's name, picks its LoRA target
         layers); `target` picks fp16 (T4) or bf16 autocast; explicit
-        field overrides apply last, e.g. `Recipe.preset('balanced', accumulation_steps=4)`.
+        field overrides apply last, e.g. `Recipe.preset('ckpt-every-8', accumulation_steps=4)`.
         """
         from colab_memopt.presets import preset_fields
 

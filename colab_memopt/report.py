@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import platform
+import re
 import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
@@ -19,6 +20,9 @@ from colab_memopt.fileio import nonfinite_paths, read_json, write_json
 from colab_memopt.measure import MemoryReport, format_bytes, max_reserved_bytes
 
 VERDICTS = ("holds", "partly holds", "does not hold", "not measurable here")
+# A `measured` text that opens by saying nothing was measured: such a claim gets no verdict but 'not measurable
+# here' (a text that names one part not measurable after what was measured keeps its verdict).
+NOT_MEASURED = re.compile(r"^\W*(not (measurable|measured)|nothing (was )?measured)\b", re.I)
 
 
 @dataclass
@@ -36,6 +40,9 @@ class Claim:
         for name in ("claim", "source", "measured"):
             if not str(getattr(self, name)).strip():
                 raise ValueError(f"claim {name} must not be empty")
+        if self.verdict != "not measurable here" and NOT_MEASURED.match(self.measured):
+            raise ValueError(f"verdict {self.verdict!r} needs a measurement, but measured says {self.measured!r}: "
+                             "use 'not measurable here' and say what would measure it")
 
 
 def _entry(report: MemoryReport | None) -> dict[str, Any] | None:

@@ -1,7 +1,8 @@
 """Widget panels: a few controls that call one ordinary function.
 
-The callback is a plain function that tests call directly. `panel` runs it once with the default
-values, so a headless run (papermill, CI) gets the full result without a click. An exception or an
+The callback is a plain function that tests call directly. A panel shows a result for its default
+values without a click: the one the notebook already computed above (`shown`), so displaying it repeats
+no training, planning or loading; without `shown` it runs the callback once with the defaults. An exception or an
 interrupt in the callback shows in the panel and is raised again: the cell fails, and a headless run
 with it (ipywidgets' Output alone would print the traceback and carry on). After that it runs
 only when the user asks: by default the panel has a Run button, and no control fires while it is
@@ -18,20 +19,25 @@ PANEL_CLASS = "cm-panel"
 OUTPUT_CLASS = "cm-panel-output"
 RUN_CLASS = "cm-panel-run"
 STALE_TEXT = "Settings changed: press Run to measure them."
+SHOWN_TEXT = "The result computed above for these settings: change them and press Run."
 
 
 def panel(callback: Callable[..., Any], controls: Mapping[str, Any], *, title: str = "",
-          run_button: bool = True) -> Any:
+          run_button: bool = True, shown: Any = None) -> Any:
     """Return a VBox of `controls` above an output area that shows `callback(**values)`.
 
     Args:
-        callback: called with one keyword argument per control: once on start with the defaults, then on
-            every press of Run (or, with `run_button=False`, on every committed change).
+        callback: called with one keyword argument per control on every press of Run (or, with
+            `run_button=False`, on every committed change); on start too, with the defaults, unless `shown`
+            is given.
         controls: name -> ipywidgets control (its `value` is the default). Controls that can update while
             dragged or typed into get `continuous_update=False`.
         title: a line above the controls.
         run_button: add a Run button and run only when it is pressed (the default: panels here train,
             plan or load); False reruns on each committed change, for callbacks that take well under a second.
+        shown: what the notebook already computed for the default values, shown on start instead of calling
+            `callback` again: a function of no arguments that prints or draws it (cheaply), or a value (a
+            string is printed, anything else displayed). It fails the panel as loudly as the callback does.
 
     Example:
         >>> import ipywidgets as ipw
@@ -55,13 +61,16 @@ def panel(callback: Callable[..., Any], controls: Mapping[str, Any], *, title: s
     out = widgets.Output()
     status = widgets.HTML("")
 
-    def run(*_: Any) -> None:
+    def run(*_: Any, show: Callable[[], Any] | None = None) -> None:
         status.value = ""
         failed: list[BaseException] = []
         with out:
             out.clear_output(wait=True)
             try:
-                callback(**{name: control.value for name, control in controls.items()})
+                if show is None:
+                    callback(**{name: control.value for name, control in controls.items()})
+                else:
+                    show()
                 show_inline_matplotlib_plots()
             except BaseException as exc:  # an interrupt too: a cell timeout's, or the user's
                 failed.append(exc)
@@ -99,11 +108,31 @@ def panel(callback: Callable[..., Any], controls: Mapping[str, Any], *, title: s
     box.add_class(PANEL_CLASS)
     out.add_class(OUTPUT_CLASS)
     try:
-        run()
+        if shown is None:
+            run()
+        else:
+            run(show=_shower(shown))
+            if box_run is not None:
+                status.value = f"<i>{SHOWN_TEXT}</i>"
     except BaseException:
         _display_in_kernel(box)  # the cell fails before it returns the panel: show the failed panel all the same
         raise
     return box
+
+
+def _shower(shown: Any) -> Callable[[], Any]:
+    """Return a function that shows `shown`: calls it, prints a string, displays anything else."""
+    if callable(shown):
+        return shown
+    if isinstance(shown, str):
+        return lambda: print(shown)
+
+    def show() -> None:
+        from IPython.display import display
+
+        display(shown)
+
+    return show
 
 
 def _display_in_kernel(box: Any) -> None:

@@ -124,7 +124,7 @@ def test_recommend_and_capacity_take_a_folder(tmp_path):
 
     fit = capacity.best_fit(str(tmp_path), mode="qlora", seq_len=64)
     assert fit.fits and fit.params == capacity.model_params(str(tmp_path)) > 0
-    rows = capacity.capacity_table([str(tmp_path), "smollm2-135m"], seq_lens=(64,), modes=("full",), presets=("maximum",))
+    rows = capacity.capacity_table([str(tmp_path), "smollm2-135m"], seq_lens=(64,), modes=("full",), presets=("ckpt-every-2-paged",))
     assert rows[0]["largest_model"] == "smollm2-135m"
 
 

@@ -22,7 +22,7 @@ def test_leaner_recipes_fit_more():
 
 
 def test_capacity_table_rows_and_qlora_8b_at_512():
-    rows = capacity.capacity_table(["smollm2-135m", "llama-3.1-8b"], seq_lens=(512,), modes=("full", "qlora"), presets=("maximum",))
+    rows = capacity.capacity_table(["smollm2-135m", "llama-3.1-8b"], seq_lens=(512,), modes=("full", "qlora"), presets=("ckpt-every-2-paged",))
     by_mode = {r["mode"]: r for r in rows}
     assert by_mode["qlora"]["largest_model"] == "llama-3.1-8b"
     assert by_mode["full"]["largest_model"] == "smollm2-135m" and by_mode["full"]["next_short_bytes"] > 0

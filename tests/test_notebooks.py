@@ -306,7 +306,7 @@ def test_accelerates_retry_is_described_as_accelerate_does_it():
     assert "batch_size * 0.9" in inspect.getsource(memory.find_executable_batch_size)
     for path in NOTEBOOKS:
         for cell in nbformat.read(path, as_version=4).cells:
-            if cell.cell_type != "markdown" or cell.source.startswith("## Further reading"):
+            if cell.cell_type != "markdown":
                 continue
             for part in re.split(r"[.;()]", cell.source):
                 if re.search(r"find_executable_batch_size|auto_find_batch_size|common tools", part):
@@ -318,3 +318,56 @@ def test_notebooks_do_not_hedge_on_the_package_version():
     for path in NOTEBOOKS:
         text = path.read_text(encoding="utf-8")
         assert not re.search(r"[Ww]here your `?colab_memopt`? has", text), path.stem
+
+
+LINK = re.compile(r"\]\(https?://[^)\s]+\)|https?://\S+")
+
+
+def further_reading_entries(source: str) -> list[str]:
+    """Return the entries of a '## Further reading' list: each '- ' line with its continuation lines."""
+    entries: list[str] = []
+    for line in source.splitlines()[1:]:
+        if line.startswith("- "):
+            entries.append(line)
+        elif line.strip() and entries:
+            entries[-1] += " " + line.strip()
+    return entries
+
+
+def test_further_reading_entries_are_found_with_their_continuations():
+    entries = further_reading_entries("## Further reading\n\n- A, [*B*](https://arxiv.org/abs/1)\n  (2020).\n- C (2021).\n")
+    assert entries == ["- A, [*B*](https://arxiv.org/abs/1) (2020).", "- C (2021)."]
+    assert [bool(LINK.search(e)) for e in entries] == [True, False]
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=_ids(NOTEBOOKS))
+def test_every_further_reading_entry_has_a_public_link(path):
+    """A reader can open every source the closing list names: a paper's arXiv/DOI page, a doc page, a repository."""
+    nb = nbformat.read(path, as_version=4)
+    closing = [c.source for c in nb.cells if c.cell_type == "markdown" and c.source.startswith("## Further reading")]
+    assert len(closing) == 1, f"{path.name}: one closing '## Further reading' cell, found {len(closing)}"
+    entries = further_reading_entries(closing[0])
+    assert entries, f"{path.name}: the Further reading list is empty"
+    unlinked = [e for e in entries if not LINK.search(e)]
+    assert not unlinked, f"{path.name}: entries without a link: {unlinked}"
+
+
+def test_notebooks_11_and_19_say_which_trainer_callback_to_use_when_in_the_same_words():
+    """review 3 finding 14: two Trainer callbacks for similar jobs, and no word on which to use when."""
+    paragraphs = []
+    for stem in ("11_memory_profiling_and_monitoring", "19_your_trainer_on_a_free_t4"):
+        text = "\n".join(c.source for c in nbformat.read(NOTEBOOK_DIR / f"{stem}.ipynb", as_version=4).cells)
+        start = text.find("**Which Trainer callback, when.**")
+        assert start >= 0, f"{stem} does not say which Trainer callback to use when"
+        paragraphs.append(text[start:text.find("\n\n", start)])
+    assert paragraphs[0] == paragraphs[1]
+    assert "MemoryGuardCallback" in paragraphs[0] and "monitor.trainer_callback" in paragraphs[0]
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=_ids(NOTEBOOKS))
+def test_panel_shows_what_was_computed_above_instead_of_rerunning_it(path):
+    """review 3 finding 14: Run all repeated each panel's work on display (07 fine-tuned again, 19 planned again)."""
+    code = "\n".join(c.source for c in _code(nbformat.read(path, as_version=4)))
+    call = code[code.index("widgets.panel("):]
+    call = call[:call.index("\npanel")]
+    assert "\n    shown=" in call, f"{path.name}: pass widgets.panel(..., shown=...) the result computed above for the defaults"

@@ -1,6 +1,6 @@
 import pytest
 
-from colab_memopt.presets import MODES, PRESETS, mixed_precision, mode_fields, preset_fields, preset_names
+from colab_memopt.presets import MODES, PRESETS, RENAMED, mixed_precision, mode_fields, preset_fields, preset_names
 from colab_memopt.recipe import Recipe
 
 
@@ -14,31 +14,43 @@ def test_every_preset_builds_a_valid_recipe_per_mode():
             assert (r.quantization == "nf4") == (mode == "qlora")
 
 
-def test_presets_follow_the_documents_checkpoint_intervals():
-    assert [Recipe.preset(n).checkpoint_interval for n in ("balanced", "aggressive", "maximum")] == [8, 4, 2]
-    assert Recipe.preset("conservative").checkpointing == "selective"
-    assert set(PRESETS) == {"conservative", "balanced", "aggressive", "maximum"}
+def test_preset_names_say_what_they_checkpoint():
+    assert [Recipe.preset(n).checkpoint_interval for n in ("ckpt-every-8", "ckpt-every-4", "ckpt-every-2-paged")] == [8, 4, 2]
+    assert Recipe.preset("selective-ckpt").checkpointing == "selective"
+    assert Recipe.preset("ckpt-every-2-paged").optimizer == "paged_adamw8bit"
+    assert preset_names() == ["selective-ckpt", "ckpt-every-8", "ckpt-every-4", "ckpt-every-2-paged"]
+    for name, p in PRESETS.items():
+        r = Recipe.preset(name)
+        interval = f"ckpt-every-{r.checkpoint_interval}" if r.checkpointing == "every_n" else f"{r.checkpointing}-ckpt"
+        assert name.startswith(interval) and name.endswith("-paged") == r.optimizer.startswith("paged"), name
+
+
+@pytest.mark.parametrize("old, new", sorted(RENAMED.items()))
+def test_old_preset_names_still_work_for_one_release_and_name_the_new_one(old, new):
+    with pytest.warns(FutureWarning, match=f"preset '{old}' is now called '{new}'"):
+        assert Recipe.preset(old, mode="lora", accumulation_steps=2) == Recipe.preset(new, mode="lora", accumulation_steps=2)
+    assert old not in preset_names()
 
 
 def test_target_picks_the_autocast_dtype():
     assert mixed_precision("t4") == "fp16-autocast"
-    assert Recipe.preset("balanced", target="a100-80gb").precision == "bf16-autocast"
+    assert Recipe.preset("ckpt-every-8", target="a100-80gb").precision == "bf16-autocast"
 
 
 def test_overrides_apply_last_and_are_validated():
-    r = Recipe.preset("balanced", accumulation_steps=4, checkpoint_interval=3)
+    r = Recipe.preset("ckpt-every-8", accumulation_steps=4, checkpoint_interval=3)
     assert r.accumulation_steps == 4 and r.checkpoint_interval == 3 and r.optimizer == "adamw8bit"
     with pytest.raises(ValueError, match="accumulation_steps"):
-        Recipe.preset("balanced", accumulation_steps=0)
+        Recipe.preset("ckpt-every-8", accumulation_steps=0)
     with pytest.raises(ValueError, match="unknown recipe field"):
-        Recipe.preset("balanced", no_such_field=1)
+        Recipe.preset("ckpt-every-8", no_such_field=1)
 
 
 def test_unknown_preset_and_mode_name_the_choices():
-    with pytest.raises(ValueError, match="conservative.*balanced.*aggressive.*maximum"):
+    with pytest.raises(ValueError, match="selective-ckpt.*ckpt-every-8.*ckpt-every-4.*ckpt-every-2-paged"):
         Recipe.preset("turbo")
     with pytest.raises(ValueError, match="full.*lora.*qlora"):
-        preset_fields("balanced", mode="prefix")
+        preset_fields("ckpt-every-8", mode="prefix")
 
 
 def test_lora_targets_follow_the_architecture_family():
@@ -51,9 +63,9 @@ def test_lora_targets_follow_the_architecture_family():
 def test_probe_rows_79_80_an_unknown_target_or_model_is_named():
     # was: accepted, fp16 autocast (target) and the reference model's LoRA targets (model)
     with pytest.raises(ValueError, match="unknown target 'nope'"):
-        Recipe.preset("balanced", target="nope")
+        Recipe.preset("ckpt-every-8", target="nope")
     with pytest.raises(ValueError, match="unknown model 'nope'"):
-        Recipe.preset("balanced", model="nope", mode="lora")
+        Recipe.preset("ckpt-every-8", model="nope", mode="lora")
 
 
 def test_preset_target_names_are_the_planners():

@@ -46,6 +46,25 @@ def test_verdicts_are_checked():
         cm.Claim(claim="c", source="", measured="m", verdict="holds")
 
 
+@pytest.mark.parametrize("verdict", ["holds", "partly holds", "does not hold"])
+def test_a_claim_without_a_measurement_gets_no_holds_or_does_not_hold(verdict):
+    # review 3 finding 10: a rule (the doctor's bf16 finding) was given 'does not hold' as if measured
+    with pytest.raises(ValueError, match="needs a measurement.*not measurable here"):
+        cm.Claim(claim="c", source="s", measured="not measurable here: no CUDA GPU", verdict=verdict)
+    with pytest.raises(ValueError, match="needs a measurement"):
+        cm.Claim(claim="c", source="s", measured="Nothing measured on this CPU", verdict=verdict)
+    cm.Claim(claim="c", source="s", measured="not measurable here: a T4 would measure it", verdict="not measurable here")
+    # one part measured, another named as not measurable: the verdict rests on what was measured
+    cm.Claim(claim="c", source="s", measured="peak 12 MiB; the loss gap is not measurable here", verdict=verdict)
+
+
+def test_bf16_matmul_check_measures_nothing_off_cuda():
+    from colab_memopt.precision import bf16_matmul_check
+
+    got = bf16_matmul_check("cpu")
+    assert got["measured"] is False and "not CUDA" in got["why"]
+
+
 def test_metrics_must_be_json(tmp_path):
     with pytest.raises(TypeError, match="not JSON-serialisable"):
         cm.record("00_demo", baseline=_report(10, 1.0), metrics={"bad": object()})

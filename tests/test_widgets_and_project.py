@@ -41,6 +41,34 @@ def test_panel_without_run_button_reruns_on_each_committed_change():
     assert calls == [3, 5]
 
 
+def test_panel_shows_the_result_computed_above_and_runs_the_callback_only_on_run(capsys):
+    # review 3 finding 14: every panel reran its callback when displayed (07 another fine-tune, 19 another plan)
+    import ipywidgets as ipw
+
+    calls, shown = [], []
+    slider = ipw.IntSlider(value=3, min=1, max=10)
+    box = widgets.panel(lambda n: calls.append(n), {"n": slider}, shown=lambda: shown.append("above"))
+    assert calls == [] and shown == ["above"], "displaying the panel must not rerun the callback"
+    assert widgets.SHOWN_TEXT in box.children[1].value
+    slider.value = 5
+    assert calls == [], "a change waits for Run"
+    box.run_button.click()
+    assert calls == [5] and shown == ["above"] and box.children[1].value == ""
+    # a value instead of a function: a string is printed into the panel's output
+    text = widgets.panel(lambda n: calls.append(n), {"n": ipw.IntSlider(value=3)}, shown="peak 12 MiB")
+    assert calls == [5] and text.output is not None
+
+
+def test_a_failing_shown_result_fails_the_panel():
+    import ipywidgets as ipw
+
+    def broken():
+        raise RuntimeError("nothing computed above")
+
+    with pytest.raises(RuntimeError, match="nothing computed above"):
+        widgets.panel(lambda n: None, {"n": ipw.IntSlider(value=3)}, shown=broken)
+
+
 @pytest.fixture
 def ipython_shell():
     """An IPython shell in this process: ipywidgets' Output then behaves as in a kernel (it prints an exception's
