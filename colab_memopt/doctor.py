@@ -13,7 +13,7 @@ what was found, why it matters and the fix, printed readably. The codes:
     adapters-not-training        after one step, an adapter without a gradient
     does-not-fit                 the plan does not fit the target; the fix is the recommender's recipe
     host-ram-load                host RAM too small for loading the weights the classic way: Colab
-                                 kills the runtime while the model loads
+                                 kills the runtime while the model loads (int8 weights: cm.load_int8)
     qlora-small-saving           QLoRA saves little over LoRA for this model and sequence (torchtune#2255)
     deepspeed-op-build           DeepSpeed ops built on first use: minutes and GBs of RAM (DeepSpeed#885)
 
