@@ -61,7 +61,7 @@ from colab_memopt.recipe import Recipe
 from colab_memopt import architectures, loading
 from colab_memopt.architectures import resolve_model
 from colab_memopt.doctor import Checkup, Finding, doctor
-from colab_memopt.loading import LoadedModel, load_model
+from colab_memopt.loading import LoadedModel, load_int8, load_model
 from colab_memopt.models import MODEL_SIZES, GPT, GPTConfig, build_model, count_parameters, get_config
 from colab_memopt.monitor import MemoryMonitor, MemoryProfiler
 from colab_memopt.oom import diagnose
@@ -170,6 +170,7 @@ __all__ = [
     "doctor",
     "LoadedModel",
     "load_model",
+    "load_int8",
     "HostPeak",
     # 19_your_trainer_on_a_free_t4
     "plan_trainer",

@@ -13,7 +13,7 @@ what was found, why it matters and the fix, printed readably. The codes:
     adapters-not-training        after one step, an adapter without a gradient
     does-not-fit                 the plan does not fit the target; the fix is the recommender's recipe
     host-ram-load                host RAM too small for loading the weights the classic way: Colab
-                                 kills the runtime while the model loads
+                                 kills the runtime while the model loads (int8 weights: cm.load_int8)
     qlora-small-saving           QLoRA saves little over LoRA for this model and sequence (torchtune#2255)
     deepspeed-op-build           DeepSpeed ops built on first use: minutes and GBs of RAM (DeepSpeed#885)
 
@@ -366,6 +366,15 @@ def check_host_load(spec: Any, recipe: Recipe, tgt: Target, capability: tuple[in
     if process + load.classic_host_bytes <= limit:
         return None
     lean_fits = process + load.host_bytes <= limit
+    if recipe.weight_dtype == "int8":  # loading.load_int8: one tensor at a time, quantized as it arrives
+        dtype = "torch.bfloat16" if capability and capability >= (8, 0) else "torch.float16"
+        fix = (f"cm.load_int8(path_or_id, dtype={dtype}) loads one tensor at a time to int8 on the "
+               f"{'GPU' if tgt.cuda else 'CPU'}: {format_bytes(load.host_bytes)} of host RAM"
+               + ("" if lean_fits else "; even that does not fit: free this process's memory (restart the runtime)"))
+    else:
+        fix = (f"cm.load_model(...) loads shard by shard from the meta device straight to the GPU in {load.load_dtype}: "
+               f"{format_bytes(load.host_bytes)} of host RAM" + ("" if lean_fits else
+               "; even that does not fit: save the checkpoint in smaller shards (max_shard_size) or in 16-bit"))
     return Finding(
         "host-ram-load", "error" if not lean_fits else "warning",
         f"loading {load.params / 1e6:.0f}M parameters (checkpoint {format_bytes(load.checkpoint_bytes)}) the classic way "
@@ -373,10 +382,7 @@ def check_host_load(spec: Any, recipe: Recipe, tgt: Target, capability: tuple[in
         f"{tgt.name} has {format_bytes(limit)} usable",
         "host RAM runs out while the model loads, before the first step: Colab kills and restarts the runtime, "
         "everything in memory is lost, and no Python error names memory as the cause",
-        (f"cm.load_model(...) loads shard by shard from the meta device straight to the GPU in {load.load_dtype}: "
-         f"{format_bytes(load.host_bytes)} of host RAM" + ("" if lean_fits else
-         "; even that does not fit: save the checkpoint in smaller shards (max_shard_size) or in 16-bit")),
-        load.to_dict(),
+        fix, load.to_dict(),
     )
 
 

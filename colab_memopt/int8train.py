@@ -97,6 +97,8 @@ def quantize_int8(weight: torch.Tensor, group_size: int = GROUP_SIZE) -> tuple[t
     g = _group(cols, group_size)
     q = torch.empty(rows, cols, dtype=torch.int8, device=weight.device)
     scale = torch.empty(rows, cols // g, dtype=torch.float32, device=weight.device)
+    if weight.is_meta:  # the layout only (loading.load_int8's skeleton): meta ops run in Python, seconds per model
+        return q, scale
     for r in _row_chunks(rows, cols):
         w = weight[r].float().view(-1, cols // g, g)  # (rows, groups, g)
         s = (w.abs().amax(-1) / QMAX).clamp_(min=torch.finfo(torch.float32).tiny)

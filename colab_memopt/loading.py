@@ -12,13 +12,19 @@ the weights are read) shard by shard, straight to the device, in the dtype the r
   the GradScaler need (fp16 trainable weights fail with "Attempting to unscale FP16 gradients");
 - 4-bit bitsandbytes weights (nf4/fp4) for QLoRA, quantized shard by shard on the GPU
   (`BitsAndBytesConfig`); on the CPU, after loading, with `quantization.quantize_model`;
-- peft LoRA adapters, checkpointing and the optimizer per the recipe.
+- peft LoRA adapters, checkpointing and the optimizer per the recipe;
+- int8 weights (`weight_dtype='int8'`, notebook 16) through `load_int8`: an 8B checkpoint is 16 GB in
+  bf16, more than Colab's RAM and a T4; `load_int8` reads one memory-mapped tensor at a time and
+  quantizes it on the device, so the host holds about one tensor (1 GB at 8B), never a shard.
 
 `load_host_bytes` gives the host RAM each path needs, for the plan and the doctor.
 """
 
 from __future__ import annotations
 
+import functools
+import math
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -169,7 +175,8 @@ def load_host_bytes(model: Any, recipe: Recipe | None = None, device: str | torc
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
     dev = torch.device(device) if not isinstance(device, torch.device) else device
     with torch.device("meta"):
-        params = _unique_params(spec.build())
+        shape = spec.build()
+    params = _unique_params(shape)
     ckpt_dtype = _checkpoint_dtype(spec.config)
     files = _weight_files(spec.path)
     notes = []
@@ -181,7 +188,25 @@ def load_host_bytes(model: Any, recipe: Recipe | None = None, device: str | torc
         notes.append("no weight files here: checkpoint size from the parameter count and the config's dtype, one shard assumed")
     dtype = load_dtype(recipe, dev.type, native_bf16)
     four_bit = recipe.quantization in ("nf4", "fp4") and recipe.quantization_phase == "all"
-    if dev.type == "cuda":
+    if recipe.weight_dtype == "int8":  # load_int8: one memory-mapped tensor at a time, quantized on `device`
+        if files and spec.path and any(p.suffix == ".safetensors" for p in files):
+            tensor = safetensors_largest_bytes(spec.path)
+        else:
+            tensor = max(p.numel() for p in shape.parameters()) * _DTYPE_BYTES[ckpt_dtype]  # fp32 if the config says nothing
+        from colab_memopt.int8train import CHUNK_ELEMENTS, int8_weight_bytes
+
+        values = max(p.numel() for p in shape.parameters())
+        chunk = 3 * 4 * min(CHUNK_ELEMENTS, values)  # quantize_int8's fp32 row chunk, its scaled copy, the rounded one
+        dtype = torch.int8
+        if dev.type == "cuda":
+            host = tensor + LOAD_INT8_OVERHEAD_BYTES
+            path = "cm.load_int8: one memory-mapped tensor at a time, quantized to int8 on the GPU"
+        else:
+            host = int8_weight_bytes(shape)[0] + tensor + chunk + LOAD_INT8_OVERHEAD_BYTES
+            path = "cm.load_int8: the int8 model in host RAM, one memory-mapped tensor at a time"
+        notes.append(f"largest tensor {format_bytes(tensor)} in {str(ckpt_dtype).removeprefix('torch.')}, read alone "
+                     "from its shard (the file is closed before the next one)")
+    elif dev.type == "cuda":
         host = largest
         path = "meta-device init, shards straight to the GPU (device_map)"
     else:
@@ -273,7 +298,9 @@ def load_model(id_or_path: Any, recipe: Recipe | dict[str, Any] | None = None, d
                           f"has {format_bytes(room)} left: free memory (restart the runtime), or load to 'cuda' shard by shard")
     start = time.perf_counter()
     with HostPeak() as host:
-        if weights:
+        if weights and rec.weight_dtype == "int8":  # one tensor at a time to int8: an 8B model fits a T4 and Colab's RAM
+            model = load_int8(source, dtype=dtype, device=dev)
+        elif weights:
             kwargs: dict[str, Any] = dict(dtype=dtype)
             if dev.type == "cuda":
                 kwargs["device_map"] = {"": dev.index or 0}
@@ -304,6 +331,221 @@ def load_model(id_or_path: Any, recipe: Recipe | dict[str, Any] | None = None, d
     model, optimizer = rest.build(model)
     return LoadedModel(model, optimizer, rec, dtype, dev, not weights, host.peak_bytes, host.added_bytes, seconds,
                        source, notes)
+
+
+# -- load_int8: a checkpoint straight to int8 weights, one tensor at a time (notebook 16's 8B on a T4) -----------
+
+# What load_int8 holds beside the tensor it reads: the model's module objects, the files' headers, the allocator's
+# rounding. Measured about 6 MiB on the CPU for a 32-layer llama of 291 tensors (tests/test_load_int8.py), as many
+# as Llama-3.1-8B has.
+LOAD_INT8_OVERHEAD_BYTES = 16 * 2**20
+# safetensors' dtype names load_int8 quantizes or keeps (16-bit and fp32 floats)
+SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+def checkpoint_folder(id_or_path: str | os.PathLike[str]) -> Path:
+    """Return the local folder of a checkpoint: `id_or_path` itself, or a hub id's snapshot (config and
+    safetensors files only, downloaded by `huggingface_hub.snapshot_download` or read from its cache)."""
+    text = os.fspath(id_or_path)
+    path = Path(text).expanduser()
+    if path.is_dir():
+        return path
+    if text.count("/") == 1 and not text.startswith((".", "/", "~")) and all(text.split("/")):
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(text, allow_patterns=["*.json", "*.safetensors"]))
+    raise ValueError(f"{text!r} is neither a local folder nor a Hugging Face id ('org/name'): give the folder that "
+                     "save_pretrained wrote, or the model's id")
+
+
+def safetensors_map(folder: str | Path) -> dict[str, Path]:
+    """Return {tensor name: its file} of a safetensors checkpoint: `model.safetensors.index.json`'s weight_map
+    for sharded ones, else the one `model.safetensors`. Raises ValueError naming what is missing."""
+    from safetensors import safe_open
+
+    folder = Path(folder)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        from colab_memopt.fileio import read_json
+
+        data = read_json(index)
+        weight_map = data.get("weight_map") if isinstance(data, dict) else None
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError(f"{index} has no 'weight_map': not a sharded checkpoint's index (a truncated download?)")
+        out = {str(k): folder / str(v) for k, v in weight_map.items()}
+        missing = sorted({f.name for f in out.values() if not f.is_file()})
+        if missing:
+            raise ValueError(f"{index} names shard(s) {missing[:4]} that are not in {folder} (a partial download?)")
+        return out
+    single = folder / "model.safetensors"
+    if single.is_file():
+        with safe_open(str(single), "pt") as f:
+            return {k: single for k in f.keys()}
+    found = sorted(p.name for p in folder.iterdir() if p.suffix in WEIGHT_SUFFIXES)
+    raise ValueError(f"{folder} holds no model.safetensors or model.safetensors.index.json"
+                     + (f" (found {found[:4]}: load_int8 reads safetensors only; save_pretrained writes them)" if found else ""))
+
+
+def safetensors_largest_bytes(folder: str | Path) -> int:
+    """Return the bytes of a safetensors checkpoint's largest tensor, read from the files' headers only."""
+    from safetensors import safe_open
+
+    largest = 0
+    for file in sorted(set(safetensors_map(folder).values())):
+        with safe_open(str(file), "pt") as f:
+            for key in f.keys():
+                sl = f.get_slice(key)
+                numel = math.prod(sl.get_shape())
+                largest = max(largest, numel * _DTYPE_BYTES.get(SAFETENSORS_DTYPES.get(sl.get_dtype(), torch.float32), 4))
+    return largest
+
+
+@functools.lru_cache(maxsize=1)
+def _malloc_trim() -> Any:
+    import ctypes
+    import ctypes.util
+
+    try:
+        name = ctypes.util.find_library("c")
+        return getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
+    except OSError:  # not glibc: nothing to hand back this way
+        return None
+
+
+def release_freed_host_memory() -> None:
+    """Hand freed heap memory back to the system (glibc's `malloc_trim`; nothing elsewhere).
+
+    glibc keeps freed blocks resident between live ones: quantizing tensor after tensor on the CPU left the
+    fp32 transients' holes between the int8 weights, about 1 GB more RSS than the int8 model at 1B parameters."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+def _read_tensor(file: Path, key: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """Return one tensor of a safetensors file, checked: its name, shape and dtype; memory-mapped (the caller
+    copies it and drops it: the file is open only as long as the tensor lives, so the host holds one tensor)."""
+    from safetensors import safe_open
+
+    with safe_open(str(file), "pt") as f:
+        if key not in f.keys():
+            raise ValueError(f"{file.name} has no tensor {key!r}, though the checkpoint's index names it there")
+        sl = f.get_slice(key)
+        dtype, got = sl.get_dtype(), tuple(sl.get_shape())
+        if dtype not in SAFETENSORS_DTYPES:
+            raise ValueError(f"{file.name}: tensor {key!r} is {dtype}; load_int8 reads {sorted(SAFETENSORS_DTYPES)} "
+                             "(a checkpoint quantized already? load it with from_pretrained)")
+        if got != shape:
+            raise ValueError(f"{file.name}: tensor {key!r} has shape {got}, the model's config needs {shape} "
+                             "(a config.json from another model?)")
+        return f.get_tensor(key)
+
+
+def load_int8(id_or_path: str | os.PathLike[str], *, dtype: torch.dtype | None = None, device: str | torch.device = "auto",
+              group_size: int | None = None) -> nn.Module:
+    """Load a causal LM's safetensors checkpoint as int8 weights, tensor by tensor, within little host RAM.
+
+    The model is built on the meta device from the config (no memory), its Linear and Embedding layers
+    replaced by int8 ones (`int8train.quantize_model_int8`), then each weight is read from the
+    memory-mapped shards one tensor at a time, moved to `device` and quantized there; the file is
+    closed before the next tensor, so the host holds about one tensor (an 8B model's largest, its
+    embedding, is 1.05 GB in bf16), never a shard or the model. The result is what
+    `Recipe(weight_dtype='int8', precision=...).build` trains (it keeps the loaded int8 weights).
+    Your files are only read. Measured on a 2-core CPU (benchmarks/int8_load.py): a random Llama-3.2-1B
+    in bf16 (2.47 GB, 5 shards) loaded with 1.41 GB of added host RAM at peak, 1.27 GB of it the int8
+    model itself; from_pretrained and then quantizing took 3.90 GB.
+
+    Args:
+        id_or_path: a folder written by `save_pretrained` (config.json and safetensors files), or a
+            Hugging Face id (its config and safetensors files are downloaded first).
+        dtype: the 16-bit dtype the int8 weights are dequantized to and the norms are kept in
+            (default: fp16 on a GPU without native bf16, like a T4; bf16 elsewhere).
+        device: 'auto' (CUDA if present), 'cpu' or 'cuda'.
+        group_size: values of a row per fp32 scale (default `int8train.GROUP_SIZE`, 128).
+
+    Raises:
+        ValueError: no safetensors checkpoint, a tensor missing, of another shape than the config
+            says, or of a dtype other than fp32, fp16 or bf16 (each named with its file).
+
+    Example:
+        >>> model = cm.load_int8("meta-llama/Llama-3.1-8B", dtype=torch.float16)
+        >>> model, opt = cm.Recipe(weight_dtype="int8", optimizer="adalomo", precision="fp16").build(model)
+    """
+    import warnings
+
+    import transformers
+    from accelerate import init_empty_weights
+
+    from colab_memopt.int8train import GROUP_SIZE, Int8Embedding, Int8Linear, quantize_int8, quantize_model_int8
+
+    dev = pick_device(device)
+    if dtype is None:
+        dtype = torch.float16 if dev.type == "cuda" and not bf16_native(dev) else torch.bfloat16
+    if dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"dtype must be torch.float16 or torch.bfloat16 (what int8 weights dequantize to), got {dtype!r}")
+    group_size = GROUP_SIZE if group_size is None else group_size
+    folder = checkpoint_folder(id_or_path)
+    files = safetensors_map(folder)
+    config = transformers.AutoConfig.from_pretrained(folder)
+    with init_empty_weights(include_buffers=False):  # parameters on meta; buffers (rotary tables) computed
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.tie_weights()  # under init_empty_weights from_config leaves a tied head untied
+    quantize_model_int8(model, group_size=group_size, compute_dtype=dtype)  # on meta: the layout only
+    int8_by_key: dict[str, Any] = {}  # checkpoint key -> the int8 weight its layer holds
+    users: dict[int, list[nn.Module]] = {}
+    for name, m in model.named_modules():
+        if isinstance(m, (Int8Linear, Int8Embedding)):
+            int8_by_key[f"{name}.weight" if name else "weight"] = m.shared
+            users.setdefault(id(m.shared), []).append(m)
+    int8_params = {id(w.qweight) for w in int8_by_key.values()} | {id(w.scale) for w in int8_by_key.values()}
+    float_by_key: dict[str, nn.Parameter] = {}
+    slots: dict[int, list[tuple[nn.Module, str]]] = {}  # a parameter -> every (module, attribute) holding it
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in int8_params:
+            continue
+        float_by_key[name] = p
+        mod_name, _, attr = name.rpartition(".")
+        slots.setdefault(id(p), []).append((model.get_submodule(mod_name), attr))
+    filled: set[int] = set()
+    with torch.no_grad():
+        for key, file in files.items():
+            if key in int8_by_key:
+                shared = int8_by_key[key]
+                if id(shared) in filled:
+                    continue
+                t = _read_tensor(file, key, tuple(shared.qweight.shape))
+                q, scale = quantize_int8(t.to(dev), group_size)  # (out, in) int8, (out, in / group) fp32
+                del t
+                shared.qweight = nn.Parameter(q, requires_grad=False)
+                shared.scale = nn.Parameter(scale, requires_grad=False)
+                for m in users[id(shared)]:
+                    m.qweight, m.scale = shared.qweight, shared.scale
+                filled.add(id(shared))
+                if dev.type == "cpu":  # the int8 weights accumulate here: do not let the transients' holes stay
+                    release_freed_host_memory()
+            elif key in float_by_key:
+                p = float_by_key[key]
+                if id(p) in filled:
+                    continue
+                t = _read_tensor(file, key, tuple(p.shape))
+                new = nn.Parameter(t.to(dev, dtype, copy=True), requires_grad=p.requires_grad)  # a copy: the file closes
+                del t
+                for m, attr in slots[id(p)]:
+                    m._parameters[attr] = new
+                filled.add(id(p))
+    missing = sorted([k for k, w in int8_by_key.items() if id(w) not in filled]
+                     + [k for k, p in float_by_key.items() if id(p) not in filled])
+    if missing:
+        raise ValueError(f"the checkpoint in {folder} has no tensor {missing[0]!r}"
+                         + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+                         + ", which the model's config needs: a partial download, or a config.json from another model?")
+    unused = sorted(set(files) - set(int8_by_key) - set(float_by_key))
+    if unused:
+        warnings.warn(f"load_int8 left {len(unused)} tensor(s) of the checkpoint unread, which the model does not have: "
+                      f"{unused[:4]}", stacklevel=2)
+    model.to(dev)  # the buffers; the weights are there already
+    model.eval()
+    return model
 
 
 def save_random_model(model: Any, folder: str | Path, *, max_shard_size: str | int = "2GB") -> Path:

@@ -1457,11 +1457,12 @@ def plan_offload_split(model_factory: Any, batch: int, *, seq_len: int, recipe: 
 
 
 def _load_costs(spec: Any, recipe: Recipe, target: Target) -> list[Cost]:
-    """Return the host RAM of loading a checkpoint (a hub id, or a folder with weights), by `loading.load_model`'s path."""
+    """Return the host RAM of loading a checkpoint (a hub id, or a folder with weights), by `loading.load_model`'s path;
+    with int8 weights by `loading.load_int8`'s, for our names too (their published checkpoints are 16 GB at 8B)."""
     from colab_memopt.loading import has_weights, load_host_bytes
     from colab_memopt.presets import BF16_TARGETS
 
-    if not has_weights(spec):
+    if not has_weights(spec) and not (recipe.weight_dtype == "int8" and spec.config is not None):
         return []
     load = load_host_bytes(spec, recipe, "cuda" if target.cuda else "cpu", native_bf16=target.name in BF16_TARGETS)
     return [Cost("loading weights", load.host_bytes,

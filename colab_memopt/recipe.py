@@ -504,7 +504,12 @@ class Recipe:
             raise ValueError(f"this {type(model).__name__}'s blocks already stream from host memory (a recipe with "
                              "layer_offload_active was built on it): build on a fresh model, or end streaming first "
                              "with opt.streamer.materialize() (opt: the optimizer that build returned)")
-        if int8_weights(model):  # a recipe with weight_dtype='int8' was built on it: its layers are int8 already
+        loaded_int8 = int8_weights(model)
+        if loaded_int8 and all(w.optimizer is None for w in loaded_int8):  # loaded as int8 (loading.load_int8)
+            if self.weight_dtype != "int8":
+                raise ValueError(f"this {type(model).__name__} holds int8 weights (load_int8 loaded it so): build it "
+                                 f"with weight_dtype='int8', got weight_dtype={self.weight_dtype!r}")
+        elif loaded_int8:  # a recipe with weight_dtype='int8' was built on it: its layers are int8 already
             raise ValueError(f"this {type(model).__name__} is already built with weight_dtype='int8' (its linear and "
                              "embedding layers hold int8 weights): build on a fresh model, or keep training with the "
                              "optimizer that first build returned")
@@ -562,8 +567,8 @@ class Recipe:
                     block.attn.attention = self.attention
                 block.attn.window = self.attention_window
         prepare_model(model, self.precision)
-        if self.weight_dtype == "int8":  # int8 weights, dequantized per layer (after the 16-bit cast)
-            quantize_model_int8(model)
+        if self.weight_dtype == "int8" and not int8_weights(model):  # int8 weights, dequantized per layer (after
+            quantize_model_int8(model)  # the 16-bit cast); a model from load_int8 holds them already
         if self.base_dtype is not None:  # the frozen base in fp16/bf16, before quantization and adapters
             device = next((t.device for t in model.parameters()), torch.device("cpu"))
             if device.type == "cuda":
