@@ -13,6 +13,12 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# uv installs requirements.txt's pins from its cache in seconds, where pip took about 2.5 minutes on every fresh
+# clone (it downloads each wheel again). uv does not read pip's configuration: the find-links pip has (the
+# PIP_FIND_LINKS variable and `pip config`, where the CI machine keeps its CPU build of torch) are passed to it.
+# Should uv fail, pip installs the same pins.
+UV_VERSION := 0.13.9
+UV := $(VENV)/bin/uv
 # This machine's pip config names local indexes that may not exist; pip warns once per package.
 PIP_NOISE := is ignored: it is neither a file nor a directory
 # DeepSpeed and torch compile extensions on first use (cpu_adam: about 45 s); keep them between runs
@@ -27,8 +33,12 @@ install: $(STAMP)
 
 $(STAMP): requirements.txt pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements.txt 2>&1 | { grep -v "$(PIP_NOISE)" || true; }
-	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps -e . 2>&1 | { grep -v "$(PIP_NOISE)" || true; }
+	$(PY) -m pip install --quiet --disable-pip-version-check uv==$(UV_VERSION) 2>&1 | { grep -v "$(PIP_NOISE)" || true; } || true
+	links="$${PIP_FIND_LINKS:-} $$($(PY) -m pip config get global.find-links 2>/dev/null || true)"; \
+	$(UV) pip install --python $(PY) --quiet $$(for l in $$links; do printf -- '--find-links %s ' "$$l"; done) -r requirements.txt -e . \
+	|| { echo "uv could not install the environment: installing it with pip instead (slower)"; \
+	     $(PY) -m pip install --quiet --disable-pip-version-check -r requirements.txt 2>&1 | { grep -v "$(PIP_NOISE)" || true; } && \
+	     $(PY) -m pip install --quiet --disable-pip-version-check --no-deps -e . 2>&1 | { grep -v "$(PIP_NOISE)" || true; }; }
 	$(PY) -c "import colab_memopt, torch, papermill, nbval; print('installed: torch', torch.__version__)"
 	@touch $(STAMP)
 
@@ -39,23 +49,26 @@ run: $(STAMP)
 readme: $(STAMP)
 	$(PY) -m colab_memopt.rollup --results build/results.json --claims build/claims.md --readme README.md
 
-# Unit tests and static notebook checks; then every notebook executed once by nbval, on copies papermill
-# prepared with the CI parameters (timed against each notebook's budget); then each notebook's results.
-# Both stages run on two workers (pytest-xdist): CI has 2 cores; --dist loadfile keeps a notebook's cells in one kernel.
+# One pytest session on two workers (pytest-xdist; CI has 2 cores): unit tests, static notebook checks, and every
+# notebook executed once by nbval on the copies papermill prepared with the CI parameters (each timed against its
+# budget); then each notebook's results. One session keeps both workers busy to the end: the notebooks go first,
+# the long ones with the short unit tests beside them. --dist loadscope keeps a notebook's cells in one kernel
+# (a scope is a file or a class) and --no-loadscope-reorder keeps this order.
 # One thread per worker: two workers whose torch each runs an OpenMP thread per core oversubscribe the two cores,
 # and the notebooks ran 3.5x slower (06, 13, 14 and 16 on two workers: 191 s with torch's default threads, 54 s with one).
-XDIST := -n 2
+XDIST := -n 2 --dist loadscope --no-loadscope-reorder
 WORKER_THREADS := OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
-# The tests that hold plans against real CPU Trainer runs measure in a pytest process of their own: in the whole
-# suite an earlier test leaves process state that makes a real Trainer step hold more (not yet identified).
+# The tests that hold plans against real CPU Trainer runs come first, each the first work of its worker process:
+# an earlier test in the same process leaves state that makes a real Trainer step hold more (not yet identified).
 MEASURED_TESTS := tests/test_trainer_models.py tests/test_trainer_hostile.py
+# The notebook-marked tests read what the nbval run recorded; they live in these two files.
+NOTEBOOK_RESULT_TESTS := tests/test_notebooks.py tests/test_widgets_and_project.py
 test: $(STAMP)
-	$(WORKER_THREADS) $(PY) -m pytest tests -m "not notebook and not browser" -q $(XDIST) $(addprefix --ignore=,$(MEASURED_TESTS))
-	$(WORKER_THREADS) $(PY) -m pytest $(MEASURED_TESTS) -q $(XDIST)
 	rm -rf build/ci_notebooks build/results build/notebook_seconds.json
 	$(PY) -m colab_memopt.runner --prepare-only build/ci_notebooks
-	$(WORKER_THREADS) PYTHONPATH=tests$(if $(PYTHONPATH),:$(PYTHONPATH)) $(PY) -m pytest -q -p nbval_budget -p no:cacheprovider --nbval-lax --nbval-current-env $(XDIST) --dist loadfile build/ci_notebooks
-	$(PY) -m pytest tests -m notebook -q
+	$(WORKER_THREADS) PYTHONPATH=tests$(if $(PYTHONPATH),:$(PYTHONPATH)) $(PY) -m pytest -q -p nbval_budget -p no:cacheprovider \
+		--nbval-lax --nbval-current-env $(XDIST) -m "not notebook and not browser" $(addprefix --run-first=,$(MEASURED_TESTS)) build/ci_notebooks tests
+	$(PY) -m pytest $(NOTEBOOK_RESULT_TESTS) -m notebook -q -p no:cacheprovider
 	$(BROWSER_TEST_IF_AVAILABLE)
 
 test-unit: $(STAMP)

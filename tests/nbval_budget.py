@@ -3,6 +3,10 @@
 `make test` executes every notebook once, with nbval, on copies that papermill prepared with the CI
 parameters of tests/notebook_parameters.yaml. This plugin sums the time of each notebook's cells,
 writes build/notebook_seconds.json, and fails the run when a notebook exceeds its `budget_seconds`.
+
+It also orders the session's items for two workers (`--dist loadscope --no-loadscope-reorder`): the files named
+by `--run-first` first (each becomes the first work of a worker process), then the notebooks, the largest budget
+first, then everything else in collection order.
 """
 
 from __future__ import annotations
@@ -18,6 +22,27 @@ from colab_memopt.runner import CPU_PARAMS_FILE, REPO_ROOT, load_cpu_parameters
 SECONDS_FILE = Path(os.environ.get("NBVAL_BUDGET_SECONDS_FILE", REPO_ROOT / "build" / "notebook_seconds.json"))
 PARAMS_FILE = Path(os.environ.get("NBVAL_BUDGET_PARAMS_FILE", CPU_PARAMS_FILE))
 _seconds: dict[str, float] = defaultdict(float)
+
+
+def pytest_addoption(parser):  # noqa: ANN001 - pytest hook
+    parser.addoption("--run-first", action="append", default=[], metavar="PATH",
+                     help="a test file whose items run before all others (repeatable)")
+
+
+def pytest_collection_modifyitems(session, config, items):  # noqa: ANN001 - pytest hook
+    first = [Path(p).resolve() for p in config.getoption("run_first")]
+    budgets = load_cpu_parameters(PARAMS_FILE)
+
+    def key(pair):
+        index, item = pair
+        path = Path(str(item.path)).resolve()
+        if path in first:
+            return (0, first.index(path), index)
+        if path.suffix == ".ipynb":
+            return (1, -float(budgets.get(path.stem, {}).get("budget_seconds", 0)), index)
+        return (2, 0, index)
+
+    items[:] = [item for _, item in sorted(enumerate(items), key=key)]
 
 
 def pytest_runtest_logreport(report):  # noqa: ANN001 - pytest hook

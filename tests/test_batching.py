@@ -36,8 +36,9 @@ def test_search_finds_the_true_boundary(corpus):
     model, opt = _model()
     cm.make_train_step(model, opt, corpus, batch_size=1, seq_len=SEQ)()  # optimizer state exists
     limit = 3 * 2**20
-    truth = max(b for b in range(1, 40) if _fits(model, opt, corpus, b, limit))
-    assert not _fits(model, opt, corpus, truth + 1, limit)
+    # A step's memory grows with the batch: the true boundary is the batch before the first one that does not fit.
+    truth = next(b for b in range(1, 40) if not _fits(model, opt, corpus, b, limit)) - 1
+    assert truth >= 2, truth
     result = cm.find_max_batch_size(lambda b: cm.make_train_step(model, opt, corpus, batch_size=b, seq_len=SEQ),
                                     start=2, limit_bytes=limit, track=(model, opt), device="cpu")
     assert result.max_batch_size == truth

@@ -15,14 +15,6 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 
-def _pins(*names: str) -> list[str]:
-    """Return requirements.txt's pinned lines for these packages (torch==2.13.0 installs from local disk)."""
-    lines = [line.strip() for line in (REPO / "requirements.txt").read_text().splitlines()]
-    pins = [line for line in lines if line.split("==")[0] in names]
-    assert len(pins) == len(names), f"requirements.txt lacks a pin among {names}: {pins}"
-    return pins
-
-
 def _clean_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
     env["PIP_DISABLE_PIP_VERSION_CHECK"] = "1"
@@ -49,22 +41,23 @@ def test_wheel_ships_every_module_and_the_default_cost_table(wheel):
 
 def test_recommend_works_from_the_installed_wheel_outside_the_repo(wheel, tmp_path):
     # A fresh venv away from the repository: only what the wheel carries is importable from colab_memopt.
-    # --system-site-packages reuses a torch the base interpreter has (a GPU machine's); what is missing is
-    # installed at requirements.txt's pins (torch==2.13.0 installs from local disk on the CI machine).
+    # Its dependencies (torch, transformers, ...) are this environment's, reached through a path line in a
+    # .pth file: a path added that way is not a site directory, so this environment's own .pth files (the
+    # editable install's finder, which would import the checkout) do not run in the fresh venv.
     env_dir = tmp_path / "venv"
-    venv.create(env_dir, with_pip=True, system_site_packages=True)
+    venv.create(env_dir, with_pip=False, system_site_packages=False)
     py = str(env_dir / "bin" / "python")
-    probe = "import importlib.util as u; print(' '.join(m for m in ('torch', 'transformers', 'numpy', 'psutil', 'yaml') if u.find_spec(m) is None))"
-    missing = subprocess.run([py, "-c", probe], env=_clean_env(), capture_output=True, text=True, check=True).stdout.split()
-    pins = _pins(*[{"yaml": "pyyaml"}.get(m, m) for m in missing if m != "psutil"]) + (["psutil"] if "psutil" in missing else [])
-    if pins:
-        install = subprocess.run([py, "-m", "pip", "install", "-q", *pins], env=_clean_env(), capture_output=True, text=True)
-        assert install.returncode == 0, install.stderr[-3000:]
-    install = subprocess.run([py, "-m", "pip", "install", "-q", "--no-deps", str(wheel)], env=_clean_env(),
-                             capture_output=True, text=True)
+    site = Path(subprocess.run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                               env=_clean_env(), capture_output=True, text=True, check=True).stdout.strip())
+    ours = [p for p in sys.path if p.endswith("site-packages") and Path(p).is_dir()]
+    assert ours, sys.path
+    (site / "_test_dependencies.pth").write_text("\n".join(ours) + "\n")
+    install = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site), str(wheel)],
+                             env=_clean_env(), capture_output=True, text=True)
     assert install.returncode == 0, install.stderr[-3000:]
-    code = ("import colab_memopt as cm; "
-            "assert str(cm.__file__).startswith(__import__('sys').prefix), cm.__file__; "
+    code = ("import colab_memopt as cm, sys; "
+            "assert str(cm.__file__).startswith(sys.prefix), cm.__file__; "
+            "assert not any('__editable__' in type(f).__module__ for f in sys.meta_path), sys.meta_path; "
             "r = cm.recommend('smollm2-135m', 1, seq_len=256); print(r.recipe); print('OK')")
     run = subprocess.run([py, "-c", code], cwd=tmp_path, env=_clean_env(), capture_output=True, text=True, timeout=300)
     assert run.returncode == 0 and run.stdout.strip().endswith("OK"), run.stderr[-3000:]
