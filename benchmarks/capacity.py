@@ -112,7 +112,7 @@ def _candidate_rows(seq: int, tgt, gaps: dict[str, dict], ft_gaps: dict[str, dic
                      "scaled_base": bases[cand],
                      "need_bytes": deepest.need_bytes if deepest else None,
                      "recipe": deepest.recipe_name if deepest else None, "optimizer": optimizer,
-                     "loss_gap_pct": gap, "loss_gap_source": source}
+                     "loss_gap_pct": gap, "loss_gap_source": source, "planned_by": "analytic"}
     def largest(items):
         return max(items, key=lambda kv: (kv[1]["largest_scaled_params"], -(kv[1]["need_bytes"] or 0)), default=None)
 
@@ -133,6 +133,9 @@ def _candidate_rows(seq: int, tgt, gaps: dict[str, dict], ft_gaps: dict[str, dic
                                                      target=tgt, headroom=0.10, max_layers=128)
         if cand in done:
             entry["traced"] = {"checkpointing": "full", **done[cand]}
+    if not trace_scaled:
+        for entry in (winner, winner["within_gap"]):
+            entry["note"] = "not traced (--no-trace-scaled): the depth is the analytic estimate's"
     return out, winner
 
 
@@ -374,7 +377,8 @@ def main(argv: list[str] | None = None) -> int:
     out = {
         "target": tgt.name, "device_bytes": tgt.device_bytes, "host_bytes": tgt.host_bytes, "headroom": 0.10,
         "method": ("analytic estimate (estimate.training_step_bytes) + CUDA context, leanest candidate recipe of recommend(); "
-                   "full fine-tuning: the largest named model and the winners' depths confirmed by the planner's trace"),
+                   "full fine-tuning: the largest named model confirmed by the planner's trace"
+                   + ("" if args.no_trace_scaled else ", and the winners' depths")),
         "planned_on": f"cpu ({torch.get_num_threads()} threads)", "seconds": seconds,
         "full_candidates": {**capacity.FULL_CANDIDATES, **capacity.INT8_CANDIDATES},
         "loss_gap_source": (f"benchmarks/results/optimizer_quality.json: validation loss % above fp32 AdamW after the same "
