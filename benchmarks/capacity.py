@@ -164,7 +164,7 @@ def _traced_named(fit: capacity.Fit, tgt) -> dict:
         return {"planned_by": "analytic", "need_bytes": fit.need_bytes, "limit_bytes": fit.limit_bytes, "fits": fit.fits,
                 "note": f"not traced: {type(exc).__name__}: {' '.join(str(exc).split())[:200]}", "plan_seconds": None}
     return {"planned_by": p.method, "need_bytes": p.device_need_bytes, "limit_bytes": p.device_limit_bytes,
-            "fits": p.fits_device, "host_need_bytes": p.host_need_bytes, "peak_bytes": p.peak_bytes,
+            "fits": p.fits_device, "host_need_bytes": p.host_need_bytes, "fits_host": p.fits_host, "peak_bytes": p.peak_bytes,
             "plan_seconds": round(p.seconds, 1)}
 
 
@@ -361,6 +361,8 @@ def main(argv: list[str] | None = None) -> int:
                 if mode == "full" and "traced" in row["winner"]:  # planned by trace where traceable
                     traced = row["winner"]["traced"]
                     row["target_met_by_trace"] = traced["planned_by"] == "trace" and traced["params"] >= goal
+                elif mode == "full" and traced_named and traced_named["planned_by"] == "trace":  # the named model's trace
+                    row["target_met_by_trace"] = named.params >= goal
                 if not row["target_met"]:
                     # The base shape deepened to the target size: what it needs and what dominates.
                     base = SCALE_BASE[mode]
@@ -400,9 +402,12 @@ def main(argv: list[str] | None = None) -> int:
                      + ("not measured" if gap is None else f"{gap:+.2f}%"))
         if "target_params" in r:
             line += f"  target >= {r['target_params'] / 1e9:.0f}B: " + ("met" if r["target_met"] else "NOT met")
-            if "target_met_by_trace" in r:
+            if "target_met_by_trace" in r and "traced" in r["winner"]:
                 t = r["winner"]["traced"]
                 line += (f"; traced (winner, full checkpointing): {t['params'] / 1e9:.2f}B, "
+                         + ("met" if r["target_met_by_trace"] else "NOT met"))
+            elif "target_met_by_trace" in r:
+                line += (f"; traced ({r['largest_named_model']}): {r['largest_named_params'] / 1e9:.2f}B, "
                          + ("met" if r["target_met_by_trace"] else "NOT met"))
             if not r["target_met"]:
                 a = r["at_target"]

@@ -106,6 +106,7 @@ def test_capacity_json_names_llama_3_1_8b_for_full_fine_tuning_at_2048_tokens_by
     row = rows[2048]
     assert row["largest_named_params"] >= 8_030_261_248, row["largest_named_model"]  # Llama-3.1-8B's parameters, or more
     assert row["largest_named_planned_by"] == "trace" and row["largest_named_traced"]["fits"]
+    assert row["target_met_by_trace"] is True  # the 4B target at 2,048 tokens, met by the traced 8B plan
     assert row["largest_named_traced"]["need_bytes"] <= row["largest_named_traced"]["limit_bytes"]
     assert "weight_dtype=int8" in row["largest_named_recipe"]
     # the loss gap is the measured one, from the benchmark's file, with its source
