@@ -10,9 +10,14 @@ fallback path; a trace of an 8B model takes tens of seconds here), plus the targ
 Full fine-tuning also considers the recipes of `capacity.FULL_CANDIDATES` (GaLore 8-bit per
 layer, APOLLO, APOLLO-Mini, torchao's 8-bit and 4-bit AdamW, BAdam, each with every precision and
 checkpointing option it allows; and 16-bit weights without a master copy: AdamW with Kahan-compensated
-updates, LOMO, AdaLomo); its rows list the largest model each candidate fits
+updates, LOMO, AdaLomo) and 8-bit weights (`capacity.INT8_CANDIDATES`: AdaLomo or LOMO with int8 weights,
+16-bit compute, scaled on Llama-3.1-8B's width); its rows list the largest model each candidate fits
 (`candidates`) and which one wins, with the candidate optimizer's loss gap to fp32 AdamW measured by
-benchmarks/optimizer_quality.py on this CPU (benchmarks/results/optimizer_quality.json).
+benchmarks/optimizer_quality.py on this CPU (benchmarks/results/optimizer_quality.json: from scratch, and
+for 8-bit weights fine-tuned from a trained checkpoint, key 'finetune'). The named models for full
+fine-tuning try 8-bit weights where no recipe with 16-bit weights fits (as `recommend` does), and the
+largest named one is confirmed by the planner's trace (`planner.plan(method='trace')`), stepping down a
+model while the trace says it does not fit.
 Writes colab_memopt/results/capacity.json (package data: notebook 16 reads it from an installed package too)
 and prints the table last.
 Targets: full fine-tuning of >= 2B parameters at 512 tokens; QLoRA of >= 8B at 2048 tokens;
@@ -37,6 +42,7 @@ from colab_memopt.planner import get_target
 OUT = Path(__file__).resolve().parent.parent / "colab_memopt" / "results" / "capacity.json"  # shipped in the wheel
 MODELS = ["smollm2-135m", "smollm2-360m", "qwen2.5-0.5b", "llama-3.2-1b", "qwen2.5-1.5b", "smollm2-1.7b", "llama-3.2-3b", "llama-3.1-8b"]
 SCALE_BASE = {"full": "llama-3.2-1b", "lora": "llama-3.1-8b", "qlora": "llama-3.1-8b"}
+INT8_SCALE_BASE = "llama-3.1-8b"  # 8-bit weights: at Llama-3.2-1B's width the depth would run past any real model
 TARGETS = {("full", 512): 2e9, ("full", 2048): 4e9, ("qlora", 2048): 8e9}
 QUALITY = Path(__file__).resolve().parent / "results" / "optimizer_quality.json"
 QUALITY_GAP_PCT = 3.0  # the capacity recipe should end within 3% of fp32 AdamW's loss
@@ -53,22 +59,60 @@ def _loss_gaps(path: Path = QUALITY) -> dict[str, dict]:
     return {r["optimizer"]: {"loss_gap_pct": r["loss_gap_pct"], "val_loss": r["val_loss"], **meta} for r in data["rows"]}
 
 
-def _candidate_rows(seq: int, tgt, gaps: dict[str, dict]) -> tuple[dict, dict]:
+def _finetune_gaps(path: Path = QUALITY) -> dict[str, dict]:
+    """Return method -> its fine-tuning row (from a trained checkpoint) of optimizer_quality.json's 'finetune'."""
+    from colab_memopt.fileio import read_json
+
+    if not path.exists():
+        return {}
+    ft = read_json(path).get("finetune") or {}
+    return {r["method"]: {"loss_gap_pct": r["loss_gap_pct"], "val_loss": r["val_loss"], "best_lr": r["best_lr"],
+                          "model": ft.get("model"), "steps": ft.get("steps")}
+            for r in ft.get("rows", []) if r.get("start") == "checkpoint"}
+
+
+GAP_FROM_SCRATCH = "optimizer_quality.json rows: from scratch"
+GAP_FINETUNE = "optimizer_quality.json finetune: from a trained checkpoint, each method at its best learning rate"
+
+
+def _gap(cand: str, recipe, gaps: dict[str, dict], ft_gaps: dict[str, dict]) -> tuple[float | None, str | None]:
+    """Return (loss gap % to fp32 AdamW, where it was measured) of a candidate, or (None, None) if not measured.
+
+    8-bit weights: the fine-tuning row of the candidate's own name (their only measurement); the others: the
+    from-scratch row of the candidate's name (16-bit weights), else of its optimizer (fp32 weights)."""
+    weight_dtype = getattr(recipe, "weight_dtype", None) if recipe is not None else None
+    if cand in capacity.INT8_CANDIDATES or weight_dtype == "int8":
+        name = cand if cand in capacity.INT8_CANDIDATES else next(
+            (n for n, f in capacity.INT8_CANDIDATES.items() if f["optimizer"] == recipe.optimizer), cand)
+        row = ft_gaps.get(name)
+        return (row["loss_gap_pct"], GAP_FINETUNE) if row else (None, None)
+    optimizer = recipe.optimizer if recipe is not None else ""
+    if not cand and recipe is not None and recipe.precision in ("fp16", "bf16"):  # a named fit: its 16-bit candidate
+        cand = next((n for n, f in capacity.FULL_CANDIDATES.items() if f.get("precision") == capacity.PURE16
+                     and f["optimizer"] == optimizer and f.get("update_rounding", recipe.update_rounding) == recipe.update_rounding), "")
+    row = gaps.get(cand, gaps.get(optimizer, {}))
+    return (row["loss_gap_pct"], GAP_FROM_SCRATCH) if row else (None, None)
+
+
+def _candidate_rows(seq: int, tgt, gaps: dict[str, dict], ft_gaps: dict[str, dict], *,
+                    trace_scaled: bool = True) -> tuple[dict, dict]:
     """Return (per full fine-tuning candidate: the largest scaled model it fits, the winner) at `seq` tokens."""
     out = {}
     recipes = {}
-    for cand in ("recommend", *capacity.FULL_CANDIDATES):
-        deepest, _ = capacity.largest_scaled(SCALE_BASE["full"], mode="full", seq_len=seq, target=tgt, max_layers=128,
+    bases = {}
+    for cand in ("recommend", *capacity.FULL_CANDIDATES, *capacity.INT8_CANDIDATES):
+        bases[cand] = INT8_SCALE_BASE if cand in capacity.INT8_CANDIDATES else SCALE_BASE["full"]
+        deepest, _ = capacity.largest_scaled(bases[cand], mode="full", seq_len=seq, target=tgt, max_layers=128,
                                              candidates=cand)
         optimizer = deepest.recipe.optimizer if deepest else None
         recipes[cand] = deepest.recipe if deepest else None
-        # a candidate measured under its own name (16-bit weights), else its optimizer's fp32 row
-        gap = gaps.get(cand, gaps.get(optimizer or "", {})).get("loss_gap_pct")
+        gap, source = _gap(cand, deepest.recipe if deepest else None, gaps, ft_gaps)
         out[cand] = {"largest_scaled_params": deepest.params if deepest else 0,
                      "largest_scaled_layers": int(deepest.model.rsplit("-", 1)[1][:-1]) if deepest else 0,
+                     "scaled_base": bases[cand],
                      "need_bytes": deepest.need_bytes if deepest else None,
                      "recipe": deepest.recipe_name if deepest else None, "optimizer": optimizer,
-                     "loss_gap_pct": gap}
+                     "loss_gap_pct": gap, "loss_gap_source": source, "planned_by": "analytic"}
     def largest(items):
         return max(items, key=lambda kv: (kv[1]["largest_scaled_params"], -(kv[1]["need_bytes"] or 0)), default=None)
 
@@ -80,13 +124,48 @@ def _candidate_rows(seq: int, tgt, gaps: dict[str, dict]) -> tuple[dict, dict]:
     # The analytic screen is optimistic for some recipes (it under-counts the 16-bit optimizers' transients, and
     # under autocast the checkpointed blocks' fp32 inputs): the winner and the best within the loss gap are traced
     # on fake tensors, fully checkpointed (the leanest activations), depth by depth to the traced boundary.
-    for entry in (winner, winner["within_gap"]):
-        recipe = recipes.get(entry.get("candidate"))
-        if recipe is not None:
-            traced = capacity.largest_scaled_for(SCALE_BASE["full"], recipe.with_(checkpointing="full"), seq_len=seq,
-                                                 target=tgt, headroom=0.10, max_layers=128)
-            entry["traced"] = {"checkpointing": "full", **traced}
+    done: dict[str, dict] = {}  # the winner is often also the best within the gap: traced once
+    for entry in (winner, winner["within_gap"]) if trace_scaled else ():
+        cand = entry.get("candidate")
+        recipe = recipes.get(cand)
+        if recipe is not None and cand not in done:
+            done[cand] = capacity.largest_scaled_for(bases[cand], recipe.with_(checkpointing="full"), seq_len=seq,
+                                                     target=tgt, headroom=0.10, max_layers=128)
+        if cand in done:
+            entry["traced"] = {"checkpointing": "full", **done[cand]}
+    if not trace_scaled:
+        for entry in (winner, winner["within_gap"]):
+            entry["note"] = "not traced (--no-trace-scaled): the depth is the analytic estimate's"
     return out, winner
+
+
+def _named_fit(model: str, mode: str, seq: int, tgt, ft_gaps: dict[str, dict]) -> capacity.Fit:
+    """Return the leanest fit of a named model; for full fine-tuning where none with 16-bit weights fits, the
+    8-bit-weight candidate that fits with the smallest measured loss gap (else the leanest of them)."""
+    f = capacity.best_fit(model, mode=mode, seq_len=seq, target=tgt)
+    if mode != "full" or f.fits:
+        return f
+    int8 = [(cand, capacity.best_fit(model, mode=mode, seq_len=seq, target=tgt, candidates=cand))
+            for cand in capacity.INT8_CANDIDATES]
+    fitting = [(ft_gaps.get(cand, {}).get("loss_gap_pct", float("inf")), g.need_bytes, g) for cand, g in int8 if g.fits]
+    if fitting:
+        return min(fitting, key=lambda t: t[:2])[2]
+    return min([f, *(g for _, g in int8)], key=lambda g: g.need_bytes)
+
+
+def _traced_named(fit: capacity.Fit, tgt) -> dict:
+    """Return the planner's trace of a named fit (batch 1, the fit's recipe, 10% headroom): need, fits, seconds."""
+    from colab_memopt.planner import plan
+
+    try:
+        p = plan(fit.model, 1, seq_len=fit.seq_len, recipe=fit.recipe, target=tgt, headroom=0.10, find_max_batch=False,
+                 method="trace")
+    except Exception as exc:  # noqa: BLE001 - a step the planner cannot trace keeps its analytic answer, saying why
+        return {"planned_by": "analytic", "need_bytes": fit.need_bytes, "limit_bytes": fit.limit_bytes, "fits": fit.fits,
+                "note": f"not traced: {type(exc).__name__}: {' '.join(str(exc).split())[:200]}", "plan_seconds": None}
+    return {"planned_by": p.method, "need_bytes": p.device_need_bytes, "limit_bytes": p.device_limit_bytes,
+            "fits": p.fits_device, "host_need_bytes": p.host_need_bytes, "fits_host": p.fits_host, "peak_bytes": p.peak_bytes,
+            "plan_seconds": round(p.seconds, 1)}
 
 
 def _why(fit: capacity.Fit) -> str:
@@ -217,6 +296,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--int8-only", action="store_true",
                         help="only plan the 8-bit-weight rows by trace and add them to the JSON as 'int8_weights'")
     parser.add_argument("--no-scaled", action="store_true", help="with --int8-only: skip the deepest-model search")
+    parser.add_argument("--no-trace-scaled", action="store_true",
+                        help="full fine-tuning: leave the deepest scaled models analytic (the named ones are still traced)")
     args = parser.parse_args(argv)
     warnings.simplefilter("ignore")
     start = time.perf_counter()
@@ -227,18 +308,32 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     models = sorted(MODELS, key=capacity.model_params)
     gaps = _loss_gaps()
+    ft_gaps = _finetune_gaps()
     rows = []
     for mode in args.modes:
         for seq in args.seq:
             named = None
             first_miss = None
+            fits: list[capacity.Fit] = []
             for m in models:
-                f = capacity.best_fit(m, mode=mode, seq_len=seq, target=tgt)
+                f = _named_fit(m, mode, seq, tgt, ft_gaps)
                 if f.fits:
                     named = f
+                    fits.append(f)
                 else:
                     first_miss = f
                     break
+            traced_named = None
+            if mode == "full":  # the largest named model by trace: step down while the trace says it does not fit
+                while fits:
+                    traced_named = _traced_named(fits[-1], tgt)
+                    print(f"  full {seq}: {fits[-1].model} by trace: {format_bytes(traced_named['need_bytes'])} of "
+                          f"{format_bytes(traced_named['limit_bytes'])} ({traced_named['plan_seconds']} s)", flush=True)
+                    if traced_named["fits"]:
+                        break
+                    first_miss = fits.pop()
+                    traced_named = None
+                named = fits[-1] if fits else None
             deepest, too_deep = capacity.largest_scaled(SCALE_BASE[mode], mode=mode, seq_len=seq, target=tgt, max_layers=128)
             best_params = max(named.params if named else 0, deepest.params if deepest else 0)
             row = {
@@ -253,9 +348,12 @@ def main(argv: list[str] | None = None) -> int:
                 "largest_params": best_params,
             }
             if mode == "full":
-                row["candidates"], row["winner"] = _candidate_rows(seq, tgt, gaps)
-                named_gap = gaps.get(named.recipe.optimizer if named else "", {}).get("loss_gap_pct")
+                row["candidates"], row["winner"] = _candidate_rows(seq, tgt, gaps, ft_gaps, trace_scaled=not args.no_trace_scaled)
+                named_gap, named_source = _gap("", named.recipe, gaps, ft_gaps) if named else (None, None)
                 row["largest_named_loss_gap_pct"] = named_gap
+                row["largest_named_loss_gap_source"] = named_source
+                row["largest_named_planned_by"] = traced_named["planned_by"] if traced_named else "analytic"
+                row["largest_named_traced"] = traced_named
             goal = TARGETS.get((mode, seq))
             if goal is not None:
                 row["target_params"] = goal
@@ -263,6 +361,8 @@ def main(argv: list[str] | None = None) -> int:
                 if mode == "full" and "traced" in row["winner"]:  # planned by trace where traceable
                     traced = row["winner"]["traced"]
                     row["target_met_by_trace"] = traced["planned_by"] == "trace" and traced["params"] >= goal
+                elif mode == "full" and traced_named and traced_named["planned_by"] == "trace":  # the named model's trace
+                    row["target_met_by_trace"] = named.params >= goal
                 if not row["target_met"]:
                     # The base shape deepened to the target size: what it needs and what dominates.
                     base = SCALE_BASE[mode]
@@ -278,11 +378,15 @@ def main(argv: list[str] | None = None) -> int:
     seconds = time.perf_counter() - start
     out = {
         "target": tgt.name, "device_bytes": tgt.device_bytes, "host_bytes": tgt.host_bytes, "headroom": 0.10,
-        "method": "analytic estimate (estimate.training_step_bytes) + CUDA context, leanest candidate recipe of recommend()",
+        "method": ("analytic estimate (estimate.training_step_bytes) + CUDA context, leanest candidate recipe of recommend(); "
+                   "full fine-tuning: the largest named model confirmed by the planner's trace"
+                   + ("" if args.no_trace_scaled else ", and the winners' depths")),
         "planned_on": f"cpu ({torch.get_num_threads()} threads)", "seconds": seconds,
-        "full_candidates": {k: v for k, v in capacity.FULL_CANDIDATES.items()},
+        "full_candidates": {**capacity.FULL_CANDIDATES, **capacity.INT8_CANDIDATES},
         "loss_gap_source": (f"benchmarks/results/optimizer_quality.json: validation loss % above fp32 AdamW after the same "
-                            f"steps on the reference model on the CPU" if gaps else "not measured (run benchmarks/optimizer_quality.py)"),
+                            f"steps on the reference model on the CPU (each candidate's loss_gap_source says which run: "
+                            f"from scratch, or fine-tuned from a trained checkpoint)"
+                            if gaps else "not measured (run benchmarks/optimizer_quality.py)"),
         "rows": rows,
     }
     write_json(args.out, out)
@@ -291,11 +395,19 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         line = (f"  {r['mode']:6s} {r['seq_len']:5d}: {r['largest_params'] / 1e9:5.2f}B "
                 f"(named: {r['largest_named_model'] or '-'}; {r['scaled_base']} shape: {r['largest_scaled_layers']} layers)")
+        if r.get("largest_named_traced"):
+            t, gap = r["largest_named_traced"], r["largest_named_loss_gap_pct"]
+            line += (f"\n           {r['largest_named_model']} by trace: {format_bytes(t['need_bytes'])} of "
+                     f"{format_bytes(t['limit_bytes'])} ({r['largest_named_recipe']}); loss gap "
+                     + ("not measured" if gap is None else f"{gap:+.2f}%"))
         if "target_params" in r:
             line += f"  target >= {r['target_params'] / 1e9:.0f}B: " + ("met" if r["target_met"] else "NOT met")
-            if "target_met_by_trace" in r:
+            if "target_met_by_trace" in r and "traced" in r["winner"]:
                 t = r["winner"]["traced"]
                 line += (f"; traced (winner, full checkpointing): {t['params'] / 1e9:.2f}B, "
+                         + ("met" if r["target_met_by_trace"] else "NOT met"))
+            elif "target_met_by_trace" in r:
+                line += (f"; traced ({r['largest_named_model']}): {r['largest_named_params'] / 1e9:.2f}B, "
                          + ("met" if r["target_met_by_trace"] else "NOT met"))
             if not r["target_met"]:
                 a = r["at_target"]

@@ -19,7 +19,7 @@ from colab_memopt import architectures, estimate
 from colab_memopt.planner import get_target
 from colab_memopt.presets import MODES, PRESETS, preset_fields
 from colab_memopt.recipe import Recipe
-from colab_memopt.recommender import FULL_CANDIDATES, PURE16, full_candidates  # noqa: F401 - re-exported
+from colab_memopt.recommender import FULL_CANDIDATES, INT8_CANDIDATES, PURE16, full_candidates  # noqa: F401 - re-exported
 from colab_memopt.recommender import LONG_CONTEXT_TILE_TOKENS, long_context_recipe  # noqa: F401 - re-exported
 
 
@@ -106,18 +106,20 @@ def best_fit(name: str, *, mode: str, seq_len: int, batch: int = 1, target: Any 
     """Return the leanest candidate recipe for a model: the best chance to fit.
 
     `candidates`: 'all' (`recommend.candidate_recipes`, and for full fine-tuning `full_candidates` too),
-    'recommend' (only `recommend`'s), or a name of `FULL_CANDIDATES` (only that one's recipes).
+    'recommend' (only `recommend`'s), or a name of `FULL_CANDIDATES` or `INT8_CANDIDATES` (only that one's
+    recipes; 'all' leaves out 8-bit weights, which `recommend` offers only when nothing else fits).
     """
     from colab_memopt.recommender import candidate_recipes
 
     tgt = get_target(target)
-    if candidates not in ("all", "recommend") and candidates not in FULL_CANDIDATES:
-        raise ValueError(f"candidates must be 'all', 'recommend' or one of {list(FULL_CANDIDATES)}, got {candidates!r}")
+    named = {**FULL_CANDIDATES, **INT8_CANDIDATES}
+    if candidates not in ("all", "recommend") and candidates not in named:
+        raise ValueError(f"candidates must be 'all', 'recommend' or one of {list(named)}, got {candidates!r}")
     recipes: list[Recipe] = []
     if candidates in ("all", "recommend"):
         recipes += candidate_recipes(batch, target=tgt, mode=mode, model=base_name(name))
     if mode == "full" and candidates != "recommend":
-        pick = FULL_CANDIDATES if candidates == "all" else {candidates: FULL_CANDIDATES[candidates]}
+        pick = FULL_CANDIDATES if candidates == "all" else {candidates: named[candidates]}
         recipes += [r for _, r in full_candidates(target=tgt, model=base_name(name), extra=pick)]
     if not recipes:
         raise ValueError(f"no candidate recipe for mode {mode!r} and candidates {candidates!r}")

@@ -432,10 +432,14 @@ class Int8Optimizer(torch.optim.Optimizer):
     def _finite(self, grad: torch.Tensor) -> bool:
         """fp16 only (one device sync): False, and the step marked, when `grad` holds an inf or NaN.
 
-        One fp32 sum, no copy of the gradient (an inf or NaN makes it inf or NaN; fp16 values cannot overflow it)."""
+        One fp32 sum, no copy of the gradient (an inf or NaN makes it inf or NaN; fp16 values cannot overflow it).
+        Fake tensors (the planner's trace) have no values: the same sum is computed and the update taken."""
+        from torch._subclasses.fake_tensor import is_fake
+
         if self.loss_scale == 1.0:
             return True
-        if bool(torch.isfinite(grad.sum(dtype=torch.float32))):
+        finite = torch.isfinite(grad.sum(dtype=torch.float32))
+        if is_fake(finite) or bool(finite):
             return True
         self.found_inf = True
         return False

@@ -90,6 +90,32 @@ def test_best_fit_picks_among_the_candidates_asked_for():
         capacity.best_fit("llama-3.2-1b", candidates="lomo", **kwargs)
 
 
+def test_best_fit_takes_the_8bit_weight_candidates_by_name():
+    # 'all' leaves them out (recommend offers 8-bit weights only when nothing else fits): the benchmark names them
+    int8 = capacity.best_fit("llama-3.1-8b", mode="full", seq_len=2048, candidates="AdaLomo, int8 weights")
+    assert int8.fits and int8.recipe.weight_dtype == "int8" and int8.recipe.optimizer == "adalomo"
+    assert int8.recipe.precision == "fp16"  # a T4: no native bf16
+
+
+def test_capacity_json_names_llama_3_1_8b_for_full_fine_tuning_at_2048_tokens_by_trace():
+    import json
+    from importlib.resources import files
+
+    table = json.loads((files("colab_memopt") / "results" / "capacity.json").read_text())
+    rows = {r["seq_len"]: r for r in table["rows"] if r["mode"] == "full"}
+    row = rows[2048]
+    assert row["largest_named_params"] >= 8_030_261_248, row["largest_named_model"]  # Llama-3.1-8B's parameters, or more
+    assert row["largest_named_planned_by"] == "trace" and row["largest_named_traced"]["fits"]
+    assert row["target_met_by_trace"] is True  # the 4B target at 2,048 tokens, met by the traced 8B plan
+    assert row["largest_named_traced"]["need_bytes"] <= row["largest_named_traced"]["limit_bytes"]
+    assert "weight_dtype=int8" in row["largest_named_recipe"]
+    # the loss gap is the measured one, from the benchmark's file, with its source
+    assert row["largest_named_loss_gap_pct"] is not None and "finetune" in row["largest_named_loss_gap_source"]
+    assert set(capacity.INT8_CANDIDATES) <= set(row["candidates"]) and set(capacity.INT8_CANDIDATES) <= set(table["full_candidates"])
+    for seq in (512, 2048):  # both lengths name their largest model with its loss gap
+        assert rows[seq]["largest_named_model"] and "largest_named_loss_gap_pct" in rows[seq]
+
+
 def test_longest_sequence_is_the_boundary_of_the_planned_fit():
     """The longest multiple of step_tokens whose plan fits; the next one up does not."""
     import warnings

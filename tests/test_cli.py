@@ -137,3 +137,14 @@ def test_probe3_row_226_plan_with_the_automatic_loss_chunk_answers_in_seconds(ca
     assert code == 0 and time.perf_counter() - start < 60, err
     answer = json.loads(out)
     assert answer["max_batch"] >= 2 and any("the largest batch searched" in w for w in answer["warnings"])
+
+
+def test_issue36_int8_full_fine_tune_plans_by_trace_from_the_cli(capsys):
+    # the Llama-3.1-8B command of issue 36 at small scale: fp16 int8 weights fell back to the analytic estimate
+    # (the overflow check read a value the fake tensors do not have)
+    code, out, err = _run(["plan", "--model", "tiny", "--batch", "1", "--seq", "32", "--target", "t4", "--no-max-batch",
+                           "--recipe", "weight_dtype=int8", "optimizer=adalomo", "precision=fp16", "checkpointing=full",
+                           "--verbose"], capsys)
+    assert code == 0, err
+    assert "method: trace;" in out and "verdict: FITS" in out, out
+    assert "could not trace" not in out + err
