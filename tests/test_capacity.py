@@ -179,3 +179,26 @@ def test_a_length_the_device_fits_but_host_ram_does_not_is_limited_by_host_ram_a
     assert one.host_need_bytes <= int(target["host_bytes"] * 0.95) < one.first_miss["host_need_bytes"]
     assert two.max_seq_len == 64 and two.recipe["checkpoint_interval"] == 2, (two.max_seq_len, two.recipe)
     assert two.offloaded_checkpoint_bytes == copies // 2
+    from colab_memopt.capacity import ContextReport
+
+    said = str(ContextReport("tiny", "little-ram", {"full": one}, {}))
+    assert "full fine-tuning: 32 tokens" in said and "next limit: host RAM at 40" in said, said
+
+
+def test_context_json_gives_llama_8b_qlora_49152_tokens_by_trace_within_colab_host_ram():
+    """The shipped long-context table (benchmarks/context.py): issue 36's target, traced, host RAM counted."""
+    import json
+    from importlib.resources import files
+
+    context = json.loads((files("colab_memopt") / "results" / "context.json").read_text())
+    best = context["best"]["llama-3.1-8b/qlora"]
+    assert best["max_seq_len"] >= 49152 and best["method"] == "trace", best
+    assert best["recipe"]["attention"] == "sdpa_repeated_kv"  # a T4 runs the O(T) kernel only with K/V repeated
+    assert best["host_need_bytes"] <= context["target"]["host_bytes"] * (1 - context["target"]["headroom"]) < 12.7e9
+    assert best["device_need_bytes"] <= context["target"]["device_bytes"] * (1 - context["target"]["headroom"])
+    target = next(t for t in context["targets"] if (t["model"], t["mode"]) == ("llama-3.1-8b", "qlora"))
+    assert target["met"] and target["method"] == "trace"
+    # rows of grouped-query models planned with the O(T) kernel (before the T4's kernel was modelled) are not best
+    rows = {(r["model"], r["mode"], r["recipe_name"]): r for r in context["rows"]}
+    for key, b in context["best"].items():
+        assert not rows[(*key.split("/"), b["recipe_name"])].get("stale"), key
