@@ -26,6 +26,12 @@ adapters; LoRA rank 16 on the family's projections, QLoRA with an nf4 base):
   not fit the host (`longest_sequence(split_checkpoints=True)`, `planner.offload_split`; the row's
   `offload_keep_blocks`). These rows search in steps of 4,096 tokens from the targets up (each 8B plan takes
   minutes on 2 shared cores), and say what limits the next step (`limited_by`, `breakdown`).
+- long-context-round (every mode): `capacity.long_context_recipe`, what `python -m colab_memopt context` plans: as
+  the tiled rows, with each Llama-style RMSNorm by tiles (`Recipe.norm_tile_tokens`: its 16-bit input and a scale
+  per token saved, not an fp32 copy), grouped-query K/V repeated before SDPA (`attention='sdpa_repeated_kv'`: a T4
+  runs the O(T) kernel only so), and where the host cannot hold one checkpoint per block, one per 2, 4, ... blocks
+  (`checkpoint_interval`, two-level offload). Rows say `attention_rule`; grouped-query rows without it were planned
+  with the O(T) kernel for calls a T4 runs with math: kept, marked `stale`, and left out of `best` and `targets`.
 `--tiled-block` measures (not plans) one checkpointed Llama-shaped block's forward and backward on the CPU,
 its MLP untiled and tiled (`tiling.measure_tiled_block`): the peak saved and the time it costs.
 Each plan is cached in build/context_cache.json, so an interrupted run resumes. Writes
