@@ -26,6 +26,12 @@ adapters; LoRA rank 16 on the family's projections, QLoRA with an nf4 base):
   not fit the host (`longest_sequence(split_checkpoints=True)`, `planner.offload_split`; the row's
   `offload_keep_blocks`). These rows search in steps of 4,096 tokens from the targets up (each 8B plan takes
   minutes on 2 shared cores), and say what limits the next step (`limited_by`, `breakdown`).
+- long-context-round (every mode): `capacity.long_context_recipe`, what `python -m colab_memopt context` plans: as
+  the tiled rows, with each Llama-style RMSNorm by tiles (`Recipe.norm_tile_tokens`: its 16-bit input and a scale
+  per token saved, not an fp32 copy), grouped-query K/V repeated before SDPA (`attention='sdpa_repeated_kv'`: a T4
+  runs the O(T) kernel only so), and where the host cannot hold one checkpoint per block, one per 2, 4, ... blocks
+  (`checkpoint_interval`, two-level offload). Rows say `attention_rule`; grouped-query rows without it were planned
+  with the O(T) kernel for calls a T4 runs with math: kept, marked `stale`, and left out of `best` and `targets`.
 `--tiled-block` measures (not plans) one checkpointed Llama-shaped block's forward and backward on the CPU,
 its MLP untiled and tiled (`tiling.measure_tiled_block`): the peak saved and the time it costs.
 Each plan is cached in build/context_cache.json, so an interrupted run resumes. Writes
@@ -57,6 +63,7 @@ from colab_memopt.measure import format_bytes
 from colab_memopt.planner import get_target
 from colab_memopt.presets import mixed_precision, mode_fields
 from colab_memopt.recipe import Recipe
+from colab_memopt.recommender import long_context_recipe
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "colab_memopt" / "results" / "context.json"  # shipped in the wheel (pyproject package-data)
@@ -83,10 +90,18 @@ RECIPES["offload-split+chunked-loss+fp16-base+tiled-mlp"] = dict(
     RECIPES["offload+chunked-loss+fp16-base"], mlp_tile_tokens=MLP_TILE_TOKENS)
 RECIPES["offload-split+chunked-loss+in-backward+tiled-mlp"] = dict(
     RECIPES["offload+chunked-loss+in-backward"], mlp_tile_tokens=MLP_TILE_TOKENS)
+# The longest-context round (`capacity.long_context_recipe`, what `python -m colab_memopt context` plans): as the
+# tiled row above, with each Llama-style RMSNorm by tiles (norm_tile_tokens), grouped-query K/V repeated before SDPA
+# (a T4 runs the O(T) kernel only so), and where the host cannot hold one checkpoint per block, one per 2, 4, ...
+# blocks (checkpoint_interval, two-level offload). Each row's `recipe` holds what it used.
+ROUND = "long-context-round"
+RECIPES[ROUND] = dict(RECIPES["offload-split+chunked-loss+fp16-base+tiled-mlp"], norm_tile_tokens=MLP_TILE_TOKENS,
+                      attention="sdpa_repeated_kv (grouped-query models)",
+                      checkpoint_interval="1, else 2, 4, ... where the host cannot hold one copy per block")
 RECIPE_MODES = {"offload+chunked-loss+in-backward": ("full",), "offload+chunked-loss+fp16-base": ("lora", "qlora"),
                 "offload-split+chunked-loss+fp16-base+tiled-mlp": ("lora", "qlora"),
                 "offload-split+chunked-loss+in-backward+tiled-mlp": ("full",)}
-SPLIT_RECIPES = {"offload-split+chunked-loss+fp16-base+tiled-mlp", "offload-split+chunked-loss+in-backward+tiled-mlp"}
+SPLIT_RECIPES = {"offload-split+chunked-loss+fp16-base+tiled-mlp", "offload-split+chunked-loss+in-backward+tiled-mlp", ROUND}
 TARGETS = {("llama-3.1-8b", "qlora"): (49152, 65536), ("llama-3.2-1b", "full"): (32768, None)}
 STEP_TOKENS = 1024
 SPLIT_STEP_TOKENS = 4096  # the tiled-MLP rows: a coarse step, from the target up
@@ -95,6 +110,10 @@ SPLIT_STEP_TOKENS = 4096  # the tiled-MLP rows: a coarse step, from the target u
 TILED_BLOCK = dict(hidden_size=256, intermediate_size=896, num_attention_heads=8, num_key_value_heads=2,
                    tokens=2048, tile_tokens=256)
 STACK = "import torch, transformers, peft, bitsandbytes, colab_memopt"
+# Rows planned since the planner runs each SDPA call with the kernel the T4 picks (`attention.TargetAttention`: a
+# grouped-query call without a mask runs math, T x T scores) carry this; older rows of grouped-query models were
+# planned with the O(T) kernel, which a T4 runs only with K/V repeated: they are kept, marked stale, out of `best`.
+ATTENTION_RULE = "t4 kernel per call"
 
 
 def fresh_process_rss() -> int:
@@ -105,6 +124,8 @@ def fresh_process_rss() -> int:
 
 
 def recipe_for(mode: str, model: str, name: str, target: str = "t4") -> Recipe:
+    if name == ROUND:
+        return long_context_recipe(model, mode, target)
     optimizer = "adamw8bit" if mode == "full" else "adamw"
     return Recipe.from_dict({"precision": mixed_precision(target), "optimizer": optimizer, **RECIPES[name],
                              **mode_fields(mode, model)})  # the recipe's own precision and optimizer win
@@ -159,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
                                            step_tokens=SPLIT_STEP_TOKENS if split else STEP_TOKENS,
                                            host_base_bytes=base_rss, max_plans=args.max_plans,
                                            split_checkpoints=split, guess_tokens=guess)
-                    row = {"recipe_name": name, **res.to_dict(), "host_base_bytes": base_rss}
+                    row = {"recipe_name": name, **res.to_dict(), "host_base_bytes": base_rss, "attention_rule": ATTENTION_RULE}
                     need = TARGETS.get((model, mode), (None,))[0]
                     if earlier and need and row["max_seq_len"] < need and (earlier.get("first_miss") or {}).get("seq_len") == need:
                         # the earlier search's plan at the target: what stops the target, traced
@@ -181,9 +202,18 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _grouped_query(model: str) -> bool:
+    cfg = ARCHITECTURES[model].config
+    return cfg.get("num_key_value_heads", cfg.get("num_attention_heads")) != cfg.get("num_attention_heads")
+
+
 def _write(out: str, rows: list[dict], tgt, base_rss: int, start: float, not_planned: list[str]) -> None:
     best: dict[str, dict] = {}
     for r in rows:
+        if r.get("attention_rule") != ATTENTION_RULE and _grouped_query(r["model"]):
+            r["stale"] = ("planned with SDPA's O(T) kernel for grouped-query attention, which a T4 runs only with K/V "
+                          "repeated (attention='sdpa_repeated_kv'): shorter in truth; not in best")
+            continue
         k = f"{r['model']}/{r['mode']}"
         if "max_seq_len" in r and (k not in best or r["max_seq_len"] > best[k]["max_seq_len"]):
             best[k] = {"max_seq_len": r["max_seq_len"], "recipe_name": r["recipe_name"], "recipe": r["recipe"],

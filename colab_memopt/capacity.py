@@ -325,9 +325,12 @@ def longest_sequence(model: str, recipe: Recipe | None = None, *, mode: str = ""
     x `step_tokens` until the verdict changes, then bisects (`planner._verified_max_batch`): each probe is
     one `plan` (a trace on fake tensors where the recipe traces). `host_base_bytes` replaces the planner's
     "this process" line (this Python process's RSS) by a fixed figure, e.g. a fresh process's.
-    `split_checkpoints` (recipe with checkpointing='offload'): a length also fits when some blocks' checkpoints
-    kept on the device make both memories fit (`planner.offload_split`, decided from the all-offloaded plan);
-    the answer's length is planned again with that split, and `offload_keep_blocks` says it.
+    `split_checkpoints` (recipe with checkpointing='offload'): at a length where the host cannot hold one copy
+    per block (the analytic host RAM, exact for the copies), one copy per 2, 4, ... blocks goes there instead
+    (`checkpoint_interval`: two-level offload, each block checkpointed again on the device); with one per block,
+    a length also fits when some blocks' checkpoints kept on the device make both memories fit
+    (`planner.offload_split`, decided from the all-offloaded plan); the answer's length is planned again with
+    that split, and `offload_keep_blocks` says it. The answer's `recipe` holds the interval and the split.
 
     `recipe=None` runs the longest-context round of `mode` ('full', 'lora' or 'qlora'): `long_context_recipe`
     with the checkpoints split where the host is short (`split_checkpoints=True`).
@@ -369,11 +372,11 @@ def longest_sequence(model: str, recipe: Recipe | None = None, *, mode: str = ""
         recipe = recipe.with_(offload_keep_blocks=0)
         n_blocks = estimate._dims(_meta_model(model))["layers"]
 
-    def plan_at(units: int, rec: Recipe) -> Any:
+    def plan_at(units: int, rec: Recipe, how: str = method) -> Any:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             p = plan(model, batch, seq_len=units * step_tokens, recipe=rec, target=tgt, headroom=headroom,
-                     find_max_batch=False, method=method)
+                     find_max_batch=False, method=how)
         if host_base_bytes is not None:
             p.host_costs = [c for c in p.host_costs if c.name != "this process"]
             from colab_memopt.planner import Cost
@@ -381,16 +384,31 @@ def longest_sequence(model: str, recipe: Recipe | None = None, *, mode: str = ""
             p.host_costs.insert(0, Cost("base process", host_base_bytes, "given (host_base_bytes)"))
         return p
 
+    def recipe_at(units: int) -> Recipe:
+        """The recipe planned at a length: with split checkpoints, one host copy per block while the host holds
+        them (by the analytic host RAM, exact for the copies), else per 2, 4, ... blocks (two-level offload)."""
+        if not split:
+            return recipe
+        k = 1
+        while k < n_blocks:
+            if plan_at(units, recipe.with_(checkpoint_interval=k), "analytic").fits_host:
+                break
+            k = min(2 * k, n_blocks)
+        return recipe.with_(checkpoint_interval=k)
+
     def planned(units: int) -> Any:
         if units not in plans:
-            plans[units] = plan_at(units, recipe)
+            plans[units] = plan_at(units, recipe_at(units))
         return plans[units]
+
+    def split_of(p: Any) -> int | None:  # a split of one checkpoint per block; two-level copies are not split
+        return offload_split(p, n_blocks) if p.recipe.get("checkpoint_interval", 1) == 1 else None
 
     def fits(units: int) -> bool:
         if units > top:
             return False
         p = planned(units)
-        return p.fits or (split and offload_split(p, n_blocks) is not None)
+        return p.fits or (split and split_of(p) is not None)
 
     if guess_tokens is None:  # the analytic answer: a cheap first guess
         lo, hi = 0, top + 1
@@ -408,9 +426,11 @@ def longest_sequence(model: str, recipe: Recipe | None = None, *, mode: str = ""
     best = plans.get(units)
     keep = None
     if split and best is not None:
-        keep = offload_split(best, n_blocks) if not best.fits else 0
+        recipe = Recipe.from_dict(best.recipe)  # the answer's own recipe (its checkpoint_interval)
+        keep = (split_of(best) or 0) if not best.fits else 0
         if keep:  # the answer planned with its split: its own figures, not the bound it was chosen by
-            best = plan_at(units, recipe.with_(offload_keep_blocks=keep))
+            recipe = recipe.with_(offload_keep_blocks=keep)
+            best = plan_at(units, recipe)
             if not best.fits:
                 converged = False
     miss_units = min((u for u in plans if u > units), default=units + 1)  # the nearest length planned above
@@ -419,7 +439,8 @@ def longest_sequence(model: str, recipe: Recipe | None = None, *, mode: str = ""
     if miss is not None:
         first_miss = {"seq_len": miss_units * step_tokens, "device_need_bytes": miss.device_need_bytes,
                       "host_need_bytes": miss.host_need_bytes, "fits_device": miss.fits_device, "fits_host": miss.fits_host}
-        limited_by, breakdown = limit_breakdown(miss, n_blocks if split else None)
+        one_per_block = split and miss.recipe.get("checkpoint_interval", 1) == 1
+        limited_by, breakdown = limit_breakdown(miss, n_blocks if one_per_block else None)
     elif units >= top:
         first_miss = {"seq_len": None, "why": f"the search's cap of {limit} tokens (the model's maximum or max_tokens)"}
         limited_by = "the sequence cap"

@@ -17,7 +17,10 @@ and `remove_checkpointing` restores them. Policies (notebook 03):
   pointwise ops (LayerNorm, GELU, adds).
 - 'offload': checkpoint every block as 'full' does, and keep each block's input (one tokens x hidden
   tensor) in host memory instead of on the device: `CheckpointOffloader`, read its figures with
-  `checkpoint_offloader(model)` after a step.
+  `checkpoint_offloader(model)` after a step. With `interval` k > 1, one input per segment of k blocks
+  goes to the host (1/k of the host RAM), and backward recomputes the segment with each of its blocks
+  checkpointed on the device (two-level checkpointing: k - 1 more block inputs on the device, one more
+  forward per block).
 """
 
 from __future__ import annotations
@@ -398,7 +401,8 @@ def apply_checkpointing(model: nn.Module, policy: str, interval: int = 1, *, kee
         model: any module with a stack of repeated blocks (see `find_block_stacks`).
         policy: one of POLICIES.
         interval: for 'every_n', checkpoint blocks interval-1, 2*interval-1, ...; for 'segments',
-            recompute `interval` consecutive blocks from one stored input.
+            recompute `interval` consecutive blocks from one stored input.; for 'offload', one host copy per
+            `interval` blocks, each block checkpointed again inside its segment.
         keep_blocks: for 'offload', how many blocks (the last ones, which backward reaches first) keep
             their input on the device as 'full' does; the others' inputs go to host memory. The split that
             uses both memories (`planner.offload_split` chooses it for a target).
@@ -411,6 +415,9 @@ def apply_checkpointing(model: nn.Module, policy: str, interval: int = 1, *, kee
         raise ValueError(f"keep_blocks must be an integer >= 0, got {keep_blocks!r}")
     if keep_blocks and policy != "offload":
         raise ValueError(f"keep_blocks={keep_blocks} applies to policy 'offload' only, got policy {policy!r}")
+    if keep_blocks and interval > 1:
+        raise ValueError(f"keep_blocks={keep_blocks} splits one checkpoint per block between device and host: use "
+                         f"interval=1 with it, or keep_blocks=0 with interval={interval}")
     if policy == "none":  # also fine on a model without repeated blocks
         if any(isinstance(m, nn.ModuleList) for m in model.modules()) or hasattr(model, "blocks"):
             with contextlib.suppress(ValueError):
@@ -467,6 +474,10 @@ def _apply_to_stack(blocks: nn.ModuleList, policy: str, interval: int, offloader
             for block in segment[1:]:
                 block.forward = _passthrough(is_tuple)
         return
+    if policy == "offload" and interval > 1:
+        setattr(blocks, _OFFLOADER, offloader)
+        _offload_segments(blocks, interval, offloader, first_kept)
+        return
     if policy == "offload":
         setattr(blocks, _OFFLOADER, offloader)
         for i, block in enumerate(blocks):
@@ -477,6 +488,45 @@ def _apply_to_stack(blocks: nn.ModuleList, policy: str, interval: int, offloader
     for i, block in enumerate(blocks):
         if i in chosen:
             block.forward = _checkpointed(getattr(block, _ORIGINAL), selective=policy == "selective")
+
+
+def _offload_segments(blocks: nn.ModuleList, interval: int, offloader: CheckpointOffloader | None,
+                      first_kept: int) -> None:
+    """'offload' with `interval` > 1: one host copy per segment of `interval` blocks, each block checkpointed inside.
+
+    Backward recomputes a segment from its input (loaded back from the host) with every block in it checkpointed
+    again, so the device holds the segment's block inputs (interval - 1 more than 'offload') and one block's
+    activations at a time, and the host one input per segment (1/interval of 'offload'). Every block runs its forward
+    three times instead of two. Blocks must take the hidden states first and hand on only them ('segments' too).
+    """
+    is_tuple = [False]
+    for start in range(0, len(blocks), interval):
+        segment = list(blocks[start : start + interval])
+        inner = [_checkpointed(getattr(b, _ORIGINAL), selective=False) for b in segment]
+
+        def run_segment(hidden: torch.Tensor, *args: Any, _inner: list[Callable[..., Any]] = inner, **kwargs: Any) -> Any:
+            out: Any = hidden
+            for forward in _inner:
+                out = forward(_hidden(out), *args, **kwargs)
+            return out
+
+        outer = (_offloaded(run_segment, offloader) if offloader is not None and start < first_kept
+                 else _checkpointed(run_segment, selective=False))
+
+        def first_forward(*args: Any, _run: Callable[..., Any] = outer, _block: nn.Module = segment[0],
+                          **kwargs: Any) -> Any:
+            out = _run(*args, **kwargs)
+            is_tuple[0] = isinstance(out, tuple)
+            if is_tuple[0] and any(isinstance(t, torch.Tensor) for t in out[1:]):
+                raise ValueError(
+                    f"checkpointing 'offload' with checkpoint_interval > 1 runs a segment's blocks with the first one's "
+                    f"arguments, but {type(_block).__name__} hands {len(out)} values on to the next block: use "
+                    "checkpoint_interval=1")
+            return out
+
+        segment[0].forward = first_forward
+        for block in segment[1:]:
+            block.forward = _passthrough(is_tuple)
 
 
 def remove_checkpointing(model: nn.Module) -> nn.Module:

@@ -413,7 +413,9 @@ def training_step_bytes(model: torch.nn.Module, batch: int, seq: int, recipe: An
                      - head_logit_values(model) * micro * seq * d["vocab"] * value_bytes) // max(1, d["layers"])
         kept = d["layers"] // max(1, getattr(recipe, "checkpoint_interval", 1)) if policy == "every_n" else d["layers"]
         # 'offload' keeps the inputs in host RAM: on the device, the one recomputed and the one loaded ahead.
-        on_device = min(2, kept) if policy == "offload" else kept
+        # With checkpoint_interval N, a segment's N - 1 inner block inputs too, while backward recomputes it.
+        inner = min(max(1, getattr(recipe, "checkpoint_interval", 1)), d["layers"]) - 1
+        on_device = min(2, kept) + inner if policy == "offload" else kept
         recomputed = per_block
         kept_bytes = on_device * micro * seq * d["hidden"] * value_bytes
         if policy == "selective":  # each block keeps its matmul and attention outputs too, and recomputes the rest

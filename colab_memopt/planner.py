@@ -1388,21 +1388,24 @@ def offloaded_checkpoint_bytes(model: nn.Module, batch: int, seq_len: int, recip
     """Return the host RAM of `recipe`'s offloaded checkpoints by rule: one (micro-batch x seq x hidden)
     input per block (0 unless checkpointing="offload"); a traced plan counts the traced bytes instead. The inputs are the residual
     stream, fp32 under autocast (fp32 weights and norms; so too after peft's prepare_model_for_kbit_training),
-    2 bytes only with pure 'bf16' weights. `pinned` (a CUDA target): each input is a pinned host copy, which
+    2 bytes with pure 16-bit weights or a 16-bit frozen base (`Recipe.base_dtype`). `pinned` (a CUDA target): each input is a pinned host copy, which
     torch's caching host allocator rounds up to a power of two (`offload.pinned_bytes`); the offloader stores
     it in pieces of power-of-two bytes (`offload.power_of_two_pieces`), so the rounding adds nothing.
-    Blocks kept on the device (`Recipe.offload_keep_blocks`) hold no host bytes."""
+    Blocks kept on the device (`Recipe.offload_keep_blocks`) hold no host bytes; with checkpoint_interval N, one
+    input per N blocks."""
     from colab_memopt.offload import pinned_bytes, power_of_two_pieces
 
     if recipe.checkpointing != "offload":
         return 0
     dims = estimate._dims(model)
     micro = -(-batch // recipe.accumulation_steps)
-    width = 2 if recipe.precision == "bf16" else 4
+    # a 16-bit frozen base (base_dtype) under autocast makes the residual stream 16-bit too
+    width = 2 if recipe.precision in ("bf16", "fp16") or recipe.base_dtype is not None else 4
     one = micro * seq_len * dims["hidden"] * width
     # stored in pieces of power-of-two bytes (offload.power_of_two_pieces), which the pinned allocator takes unrounded
     per_block = sum(pinned_bytes(n * width) for n in power_of_two_pieces(one // width)) if pinned else one
-    return max(0, dims["layers"] - recipe.offload_keep_blocks) * per_block
+    stored = -(-dims["layers"] // recipe.checkpoint_interval)  # one input per segment of checkpoint_interval blocks
+    return max(0, stored - recipe.offload_keep_blocks) * per_block
 
 
 _PINNED_NOTE = ("; each a pinned copy stored in pieces of power-of-two bytes, which torch's caching host allocator "

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from colab_memopt import zero
+from colab_memopt.attention import REPEATED_KV_ATTENTION, repeat_kv_for_sdpa
 from colab_memopt.checkpointing import POLICIES, apply_checkpointing, find_block_stacks, find_blocks
 from colab_memopt.compression import MODES as COMPRESSION_MODES
 from colab_memopt.compression import check_compressible, compress_activations
@@ -36,7 +37,7 @@ from colab_memopt.precision import (
     prepare_model,
 )
 from colab_memopt.rounding import UpdateRounding, check_update_rounding
-from colab_memopt.tiling import apply_tiled_mlp, check_tile_tokens, find_mlps
+from colab_memopt.tiling import apply_tiled_mlp, apply_tiled_norm, check_tile_tokens, find_mlps, find_rmsnorms
 from colab_memopt.int8train import INT8_RULES, check_weight_dtype, int8_weights, make_int8_optimizer, quantize_model_int8
 from colab_memopt.quantization import (
     DEFAULT_LORA_TARGETS,
@@ -84,6 +85,7 @@ FIELD_BACKENDS: dict[str, tuple[str, ...]] = {
     "offload_param": ("deepspeed",),
     "loss_chunk_tokens": ("torch", "deepspeed"),  # installed on the module before the engine wraps it
     "mlp_tile_tokens": ("torch", "deepspeed"),  # installed on the module before the engine wraps it
+    "norm_tile_tokens": ("torch", "deepspeed"),  # installed on the module before the engine wraps it
     "offload_keep_blocks": ("torch",),  # a split of checkpointing='offload', which DeepSpeed does not apply
     "weight_dtype": ("torch",),  # int8train's own in-backward update: validate refuses DeepSpeed by name first
 }
@@ -109,7 +111,9 @@ class Recipe:
         compression_checkpointing: also checkpoint each block, its saved input compressed (notebook 08).
         attention: None keeps the model's attention; 'sdpa', 'naive' or 'semiseparable' (notebook 13:
             causal semiseparable sequence mixing, parameter-free so it swaps in place) sets it
-            (reference model only).
+            (reference model only); 'sdpa_repeated_kv' (a transformers model) repeats grouped-query
+            keys and values before SDPA (`attention.repeat_kv_for_sdpa`), so a T4 runs the O(T)
+            memory-efficient kernel instead of math's T x T scores.
         precision: 'fp32', 'fp16-autocast' (with GradScaler), 'bf16-autocast', 'bf16' (pure bf16
             weights, gradients and optimizer state) or 'fp16' (pure fp16 weights and gradients, dynamic
             loss scaling; notebook 16) for the steps that compute gradients.
@@ -122,7 +126,8 @@ class Recipe:
             'bf16-autocast'; None follows `precision` (see `forward_precision`).
         checkpointing: 'none', 'full', 'every_n', 'segments', 'selective' or 'offload' ('full' with each
             block's input kept in host memory; see `checkpointing`).
-        checkpoint_interval: N for 'every_n' (every N-th block) and 'segments' (N blocks per segment).
+        checkpoint_interval: N for 'every_n' (every N-th block) and 'segments' (N blocks per segment); with
+            'offload', one host copy per N blocks, each block checkpointed again inside (host RAM / N).
         accumulation_steps: micro-batches per optimizer step; the step's `batch_size` stays the
             effective batch.
         attention_window: sliding-window attention in tokens (reference model only); None: full causal.
@@ -134,6 +139,9 @@ class Recipe:
         mlp_tile_tokens: None runs each block's MLP on all tokens at once; an integer runs it by tiles of that
             many tokens, each recomputed in backward, so one tile's intermediate activations live at a time
             (`tiling.apply_tiled_mlp`, notebook 17).
+        norm_tile_tokens: None keeps transformers' RMSNorm; an integer runs each Llama-style RMSNorm by tiles of
+            that many tokens, saving only its 16-bit input and one fp32 scale per token (`tiling.apply_tiled_norm`;
+            Liger's and Unsloth's fused RMSNorm save the same), not an fp32 copy of its input.
         offload_keep_blocks: under checkpointing='offload', how many blocks (the last ones, which backward
             reaches first) keep their input on the device; the others' inputs wait in host RAM. 0 offloads all.
     """
@@ -184,6 +192,8 @@ class Recipe:
     loss_chunk_tokens: int | str | None = None
     # each block's MLP by sequence tiles; under 'offload', how many blocks' inputs stay on the device
     mlp_tile_tokens: int | None = None
+    # each Llama-style RMSNorm by tiles of tokens, saving its 16-bit input and one scale per token (`tiling`)
+    norm_tile_tokens: int | None = None
     offload_keep_blocks: int = 0
     # -- 16_full_finetuning_on_a_t4: None keeps the weights as `precision` says; 'int8' stores every
     # Linear and Embedding weight as int8 with fp32 group scales, updated inside backward with stochastic rounding
@@ -251,9 +261,10 @@ class Recipe:
             )
         if not isinstance(self.compression_checkpointing, bool):
             raise ValueError(f"recipe.compression_checkpointing must be True or False, got {self.compression_checkpointing!r}")
-        if self.attention not in (None, "sdpa", "naive", "semiseparable"):
+        if self.attention not in (None, "sdpa", "naive", "semiseparable", REPEATED_KV_ATTENTION):
             raise ValueError(
-                f"recipe.attention must be None, 'sdpa', 'naive' or 'semiseparable', got {self.attention!r}"
+                f"recipe.attention must be None, 'sdpa', 'naive', 'semiseparable' or {REPEATED_KV_ATTENTION!r}, "
+                f"got {self.attention!r}"
             )
         if self.phase_offload is not None and self.phase_offload not in OFFLOAD_STRATEGIES:
             raise ValueError(
@@ -305,9 +316,13 @@ class Recipe:
         if c is not None and c != "auto" and (isinstance(c, bool) or not isinstance(c, int) or c < 1):
             raise ValueError(f"recipe.loss_chunk_tokens must be None or an integer >= 1 (tokens per chunk), or 'auto', got {c!r}")
         check_tile_tokens(self.mlp_tile_tokens, name="recipe.mlp_tile_tokens")
+        check_tile_tokens(self.norm_tile_tokens, name="recipe.norm_tile_tokens")
         k = self.offload_keep_blocks
         if isinstance(k, bool) or not isinstance(k, int) or k < 0:
             raise ValueError(f"recipe.offload_keep_blocks must be an integer >= 0 (blocks), got {k!r}")
+        if k and self.checkpointing == "offload" and ci > 1:
+            raise ValueError(f"recipe.offload_keep_blocks={k} splits one checkpoint per block between device and host: "
+                             f"use checkpoint_interval=1 with it, or offload_keep_blocks=0 (got checkpoint_interval={ci})")
         if k and self.checkpointing != "offload":
             raise ValueError(f"recipe.offload_keep_blocks={k} splits the checkpoints of checkpointing='offload' between "
                              f"device and host: set checkpointing='offload' (got {self.checkpointing!r}) or leave it 0")
@@ -515,7 +530,13 @@ class Recipe:
                              "optimizer that first build returned")
         if self.uses_deepspeed:  # DeepSpeed wraps any module
             return
-        if (self.attention is not None or self.attention_window is not None) and not hasattr(model, "blocks"):
+        if self.attention == REPEATED_KV_ATTENTION:
+            from transformers import PreTrainedModel
+
+            if not isinstance(model, PreTrainedModel):
+                raise ValueError(f"recipe.attention={REPEATED_KV_ATTENTION!r} applies to a transformers model, got "
+                                 f"{type(model).__name__}; leave it None")
+        elif (self.attention is not None or self.attention_window is not None) and not hasattr(model, "blocks"):
             raise ValueError("recipe.attention and attention_window apply to the reference model only; leave them None")
         if self.quantization is not None and self.quantization_phase == "all":
             check_quantizable(model)
@@ -540,6 +561,8 @@ class Recipe:
                 check_head_not_adapted(model, self.lora_targets)
         if self.mlp_tile_tokens is not None:
             find_mlps(model)
+        if self.norm_tile_tokens is not None:
+            find_rmsnorms(model)
 
     def build(self, model: nn.Module) -> tuple[nn.Module, torch.optim.Optimizer]:
         """Apply the recipe's model-side techniques and return (model, optimizer).
@@ -560,8 +583,11 @@ class Recipe:
         if self.uses_deepspeed:
             apply_chunked_loss(model, self.loss_chunk_tokens)
             apply_tiled_mlp(model, self.mlp_tile_tokens)
+            apply_tiled_norm(model, self.norm_tile_tokens)
             return zero.initialize(model, self)
-        if self.attention is not None or self.attention_window is not None:
+        if self.attention == REPEATED_KV_ATTENTION:  # grouped-query K/V repeated: SDPA's O(T) kernel on a T4
+            repeat_kv_for_sdpa(model)
+        elif self.attention is not None or self.attention_window is not None:
             for block in model.blocks:
                 if self.attention is not None:
                     block.attn.attention = self.attention
@@ -586,6 +612,7 @@ class Recipe:
             compress_activations(model, self.activation_compression, checkpoint_blocks=self.compression_checkpointing)
         apply_chunked_loss(model, self.loss_chunk_tokens)  # after LoRA: the head must still be a plain Linear
         apply_tiled_mlp(model, self.mlp_tile_tokens)  # after LoRA: the adapters sit inside the MLP
+        apply_tiled_norm(model, self.norm_tile_tokens)
         apply_checkpointing(model, self.checkpointing, self.checkpoint_interval, keep_blocks=self.offload_keep_blocks)
         mode = self.rounding_mode
         if self.layer_offload_active:

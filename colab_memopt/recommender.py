@@ -536,19 +536,47 @@ def long_context_recipe(model: str | None, mode: str, target: Any = "t4") -> Rec
 
     Every block checkpointed with its input in host RAM (`checkpointing='offload'`; `longest_sequence` splits
     the checkpoints between device and host where the host is short), the loss by chunks of 128 tokens, each
-    MLP by tiles of `LONG_CONTEXT_TILE_TOKENS`. LoRA and QLoRA: AdamW on the adapters, the frozen base in the
+    MLP by tiles of `LONG_CONTEXT_TILE_TOKENS`; a Llama-style RMSNorm (Llama, Qwen2, Mistral, SmolLM) by tiles too,
+    saving its 16-bit input and one scale per token (`norm_tile_tokens`); a grouped-query model on a target below
+    sm_80 (a T4) with its keys and values repeated before SDPA (`attention='sdpa_repeated_kv'`), so the O(T)
+    memory-efficient kernel runs, not math's T x T scores. LoRA and QLoRA: AdamW on the adapters, the frozen base in the
     target's 16-bit autocast dtype. Full fine-tuning: 8-bit AdamW stepping each parameter inside backward (no
     full set of gradients held), in fp32 on a T4 (an in-backward step cannot run under fp16's GradScaler),
     under bf16 autocast where bf16 is native.
     """
-    precision = mixed_precision(get_target(target))
+    tgt = get_target(target)
+    precision = mixed_precision(tgt)
     fields: dict[str, Any] = dict(checkpointing="offload", loss_chunk_tokens=DEFAULT_CHUNK_TOKENS,
                                   mlp_tile_tokens=LONG_CONTEXT_TILE_TOKENS)
+    fields.update(_long_context_model_fields(model, tgt))
     if mode == "full":
         fields.update(optimizer="adamw8bit_in_backward", precision="fp32" if precision == "fp16-autocast" else precision)
     else:
         fields.update(optimizer="adamw", precision=precision, base_dtype=BASE_FOR_PRECISION[precision])
     return Recipe.from_dict({**fields, **mode_fields(mode, model)})
+
+
+LONG_CONTEXT_NORM_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "phi3")  # transformers' Llama-style RMSNorm
+
+
+def _long_context_model_fields(model: str | None, tgt: Target) -> dict[str, Any]:
+    """Return the longest-context round's fields that depend on the architecture: the norm by tiles (Llama-style
+    RMSNorm families) and K/V repeated before SDPA (grouped-query attention on a CUDA target below sm_80)."""
+    if model is None:
+        return {}
+    from colab_memopt.architectures import resolve_model
+
+    spec = resolve_model(model)
+    out: dict[str, Any] = {}
+    if spec.family in LONG_CONTEXT_NORM_FAMILIES:
+        out["norm_tile_tokens"] = LONG_CONTEXT_TILE_TOKENS
+    config = spec.config
+    config = config.get_text_config() if callable(getattr(config, "get_text_config", None)) else config
+    heads, kv = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
+    below_sm80 = tgt.cuda and tgt.compute_capability is not None and tuple(tgt.compute_capability) < (8, 0)
+    if below_sm80 and isinstance(heads, int) and isinstance(kv, int) and kv < heads:
+        out["attention"] = "sdpa_repeated_kv"
+    return out
 
 
 def _longest_context_round(factory: Any, arch: str | None, batch: int, seq_len: int, mode: str, tgt: Target,

@@ -54,7 +54,8 @@ from torch.utils.checkpoint import checkpoint
 
 from colab_memopt.checkpointing import find_blocks
 
-__all__ = ["MLP_NAMES", "apply_tiled_mlp", "check_tile_tokens", "find_mlps", "remove_tiled_mlp", "tiled"]
+__all__ = ["MLP_NAMES", "apply_tiled_mlp", "apply_tiled_norm", "check_tile_tokens", "find_mlps", "find_rmsnorms",
+           "remove_tiled_mlp", "remove_tiled_norm", "tiled", "tiled_rms_norm"]
 
 MLP_NAMES = ("mlp", "feed_forward", "ffn")  # the MLP's attribute name in a block (transformers and the reference model)
 _ORIGINAL = "_cm_untiled_forward"
@@ -151,6 +152,122 @@ def remove_tiled_mlp(model: nn.Module) -> nn.Module:
                     mlp.__dict__.pop("forward", None)
                 else:
                     mlp.forward = original
+    return model
+
+
+# -- the RMSNorm by tiles: its 16-bit input and one scale per token saved, nothing in fp32 ----------------------
+
+_NORM_ORIGINAL = "_cm_untiled_norm_forward"
+
+
+class _TiledRMSNorm(torch.autograd.Function):
+    """y = weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype), computed in fp32 by tiles of tokens.
+
+    Saves x (the norm's input, which the residual stream keeps alive anyway), the weight and one fp32 scale
+    per token; backward recomputes the normalised tile from them. transformers' Llama-style RMSNorm runs the
+    same arithmetic as separate autograd ops, which save an fp32 copy of the input (4 bytes per value, twice
+    a 16-bit input) and, in backward, hold several fp32 tokens x hidden tensors at once.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float, tile: int) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])  # (tokens, hidden)
+        out = torch.empty(flat.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+        rstd = torch.empty(flat.shape[0], 1, dtype=torch.float32, device=x.device)  # (tokens, 1)
+        for start in range(0, flat.shape[0], tile):
+            xf = flat[start:start + tile].float()
+            r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+            rstd[start:start + tile] = r
+            out[start:start + tile] = weight * (xf * r).to(x.dtype)
+        ctx.save_for_backward(x, weight, rstd)
+        ctx.tile = tile
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        x, weight, rstd = ctx.saved_tensors
+        tile = ctx.tile
+        flat, g = x.reshape(-1, x.shape[-1]), grad.reshape(-1, grad.shape[-1])
+        grad_x = torch.empty_like(flat)
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if ctx.needs_input_grad[1] else None
+        w = weight.float()
+        for start in range(0, flat.shape[0], tile):
+            r = rstd[start:start + tile]
+            xhat = flat[start:start + tile].float() * r
+            gt = g[start:start + tile].float()
+            gy = gt * w  # the gradient of the normalised tile
+            grad_x[start:start + tile] = r * (gy - xhat * (gy * xhat).mean(-1, keepdim=True))
+            if grad_w is not None:
+                grad_w += (gt * xhat.to(x.dtype).float()).sum(0)
+        return (grad_x.view_as(x), grad_w.to(weight.dtype) if grad_w is not None else None, None, None)
+
+
+def tiled_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, tile_tokens: int) -> torch.Tensor:
+    """Return transformers' Llama-style RMSNorm of `x` computed by tiles of `tile_tokens` tokens (`_TiledRMSNorm`)."""
+    check_tile_tokens(tile_tokens, "norm_tile_tokens")
+    if not torch.is_grad_enabled() or not (x.requires_grad or weight.requires_grad):
+        return _TiledRMSNorm.forward(_NoCtx(), x, weight, eps, tile_tokens)
+    return _TiledRMSNorm.apply(x, weight, eps, tile_tokens)
+
+
+class _NoCtx:
+    """A stand-in autograd context for `_TiledRMSNorm.forward` run without gradients."""
+
+    def save_for_backward(self, *tensors: torch.Tensor) -> None:
+        pass
+
+
+def find_rmsnorms(model: nn.Module) -> list[nn.Module]:
+    """Return the model's Llama-style RMSNorms: transformers modules named ...RMSNorm with a `weight` and a
+    `variance_epsilon` that compute `weight * normalised.to(input dtype)` (Llama, Mistral, Qwen2, Qwen3, Phi-3,
+    SmolLM). Gemma's (1 + weight, all in fp32) are not of that form and are left out.
+
+    Raises ValueError when the model has none (the reference model and GPT-2 use LayerNorm).
+    """
+    norms = [m for m in model.modules() if type(m).__name__.endswith("RMSNorm") and "Gemma" not in type(m).__name__
+             and isinstance(getattr(m, "weight", None), torch.Tensor) and hasattr(m, "variance_epsilon")]
+    if not norms:
+        raise ValueError(f"norm_tile_tokens: {type(model).__name__} has no Llama-style RMSNorm (a module named "
+                         "...RMSNorm with weight and variance_epsilon; Llama, Mistral, Qwen2, SmolLM have them); leave "
+                         "norm_tile_tokens=None")
+    return norms
+
+
+def apply_tiled_norm(model: nn.Module, tile_tokens: int | None) -> nn.Module:
+    """Run every Llama-style RMSNorm of the model by tiles of `tile_tokens` tokens (`tiled_rms_norm`), in place.
+
+    Each norm then saves only its 16-bit input and one fp32 scale per token for backward, where transformers'
+    norm saves an fp32 copy of its input (Llama-3.1-8B at 49,152 tokens: 805 MB per norm, two per block) and
+    holds fp32 tokens x hidden temporaries in backward. Liger Kernel's and Unsloth's fused RMSNorm kernels save
+    the same two tensors; this is plain PyTorch, so it runs on a T4, on the CPU and under the planner's fake
+    tensors. `tile_tokens=None` removes it. Returns the model.
+
+    Example:
+        >>> apply_tiled_norm(model, 4096)  # or Recipe(norm_tile_tokens=4096)
+    """
+    check_tile_tokens(tile_tokens, "norm_tile_tokens")
+    if tile_tokens is None:
+        return remove_tiled_norm(model)
+    for norm in find_rmsnorms(model):
+        setattr(norm, _NORM_ORIGINAL, norm.__dict__.get(_NORM_ORIGINAL, norm.forward))
+
+        def forward(hidden_states: torch.Tensor, _norm: nn.Module = norm) -> torch.Tensor:
+            return tiled_rms_norm(hidden_states, _norm.weight, _norm.variance_epsilon, tile_tokens)
+
+        norm.forward = forward
+    return model
+
+
+def remove_tiled_norm(model: nn.Module) -> nn.Module:
+    """Undo `apply_tiled_norm`; return the model (a no-op on a model without it)."""
+    for m in model.modules():
+        original = m.__dict__.pop(_NORM_ORIGINAL, None)
+        if original is None:
+            continue
+        if getattr(original, "__func__", None) is type(m).forward:
+            m.__dict__.pop("forward", None)
+        else:
+            m.forward = original
     return model
 
 

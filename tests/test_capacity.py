@@ -178,3 +178,53 @@ def test_probe3_context_cli_answers_for_the_tiny_model(capsys):
     assert code == 0 and "full fine-tuning: 64 tokens" in out and "max_length=64" in out, out
     assert main(["context", "--model", "tiny", "--mode", "full", "--method", "analytic", "--verbose"]) == 0
     assert "searched in steps of 8" in capsys.readouterr().out  # the search's note: behind --verbose
+
+
+def test_a_length_the_device_fits_but_host_ram_does_not_is_limited_by_host_ram_and_two_level_offload_goes_on():
+    """Offloaded checkpoints count against host RAM: past what the host holds the search says 'host RAM', not
+    'fits'; with split checkpoints one host copy per 2 blocks (checkpoint_interval=2) takes it further."""
+    import warnings
+
+    from colab_memopt.capacity import longest_sequence
+    from colab_memopt.planner import plan
+
+    recipe = Recipe(checkpointing="offload", loss_chunk_tokens=8)
+    big = {"name": "big", "device_bytes": 2**34, "host_bytes": 2**40, "cuda": False}
+    at_64 = plan("tiny", 1, seq_len=64, recipe=recipe, target=big, find_max_batch=False, method="analytic")
+    copies = sum(c.bytes for c in at_64.host_costs if c.name == "offloaded checkpoints")  # bytes at 64 tokens
+    data = sum(c.bytes for c in at_64.host_costs if c.name == "data pipeline")
+    target = {**big, "name": "little-ram", "host_bytes": int((0.6 * copies + data) / 0.95)}  # 38 tokens' copies
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        one = longest_sequence("tiny", recipe, target=target, step_tokens=8, guess_tokens=8, host_base_bytes=0,
+                               method="analytic")
+        two = longest_sequence("tiny", recipe, target=target, step_tokens=8, guess_tokens=8, host_base_bytes=0,
+                               split_checkpoints=True, method="analytic")
+    assert one.max_seq_len == 32 and one.limited_by == "host RAM", (one.max_seq_len, one.limited_by)
+    assert one.first_miss["fits_device"] and not one.first_miss["fits_host"]
+    assert one.host_need_bytes <= int(target["host_bytes"] * 0.95) < one.first_miss["host_need_bytes"]
+    assert two.max_seq_len == 64 and two.recipe["checkpoint_interval"] == 2, (two.max_seq_len, two.recipe)
+    assert two.offloaded_checkpoint_bytes == copies // 2
+    from colab_memopt.capacity import ContextReport
+
+    said = str(ContextReport("tiny", "little-ram", {"full": one}, {}))
+    assert "full fine-tuning: 32 tokens" in said and "next limit: host RAM at 40" in said, said
+
+
+def test_context_json_gives_llama_8b_qlora_49152_tokens_by_trace_within_colab_host_ram():
+    """The shipped long-context table (benchmarks/context.py): issue 36's target, traced, host RAM counted."""
+    import json
+    from importlib.resources import files
+
+    context = json.loads((files("colab_memopt") / "results" / "context.json").read_text())
+    best = context["best"]["llama-3.1-8b/qlora"]
+    assert best["max_seq_len"] >= 49152 and best["method"] == "trace", best
+    assert best["recipe"]["attention"] == "sdpa_repeated_kv"  # a T4 runs the O(T) kernel only with K/V repeated
+    assert best["host_need_bytes"] <= context["target"]["host_bytes"] * (1 - context["target"]["headroom"]) < 12.7e9
+    assert best["device_need_bytes"] <= context["target"]["device_bytes"] * (1 - context["target"]["headroom"])
+    target = next(t for t in context["targets"] if (t["model"], t["mode"]) == ("llama-3.1-8b", "qlora"))
+    assert target["met"] and target["method"] == "trace"
+    # rows of grouped-query models planned with the O(T) kernel (before the T4's kernel was modelled) are not best
+    rows = {(r["model"], r["mode"], r["recipe_name"]): r for r in context["rows"]}
+    for key, b in context["best"].items():
+        assert not rows[(*key.split("/"), b["recipe_name"])].get("stale"), key

@@ -156,6 +156,30 @@ def test_offload_is_exact_and_frees_the_block_inputs_on_a_transformers_llama():
     _offload_vs_full(lambda: transformers.LlamaForCausalLM(cfg), lambda: x, n, B * T * h * 4)
 
 
+def test_offload_by_segments_halves_the_host_copies_and_keeps_gradients():
+    """checkpointing='offload' with interval 2 (two-level): one host copy per 2 blocks, the same gradients."""
+    transformers = pytest.importorskip("transformers")
+    n, B, T, h = 6, 2, 64, 64
+    cfg = transformers.LlamaConfig(hidden_size=h, intermediate_size=128, num_hidden_layers=n, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=256, max_position_embeddings=T)
+    x = torch.randint(0, 256, (B, T), generator=torch.Generator().manual_seed(0))
+    out = {}
+    for interval in (1, 2):
+        torch.manual_seed(0)
+        model = transformers.LlamaForCausalLM(cfg)
+        ck.apply_checkpointing(model, "offload", interval)
+        model(x, labels=x).loss.backward()
+        off = ck.checkpoint_offloader(model)
+        out[interval] = ([p.grad.clone() for p in model.parameters()], off.peak_host_bytes, off.stats.to_host)
+    for a, b in zip(out[2][0], out[1][0]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)  # the same operations on the same values
+    input_bytes = B * T * h * 4
+    assert out[1][1] == n * input_bytes and out[2][1] == n // 2 * input_bytes
+    assert out[2][2] == n // 2
+    with pytest.raises(ValueError, match="keep_blocks=1 splits one checkpoint per block"):
+        ck.apply_checkpointing(transformers.LlamaForCausalLM(cfg), "offload", 2, keep_blocks=1)
+
+
 def test_offload_is_removable_and_switches_back(corpus):
     model = cm.build_model("tiny", n_layer=2)
     ck.apply_checkpointing(model, "offload")
@@ -246,7 +270,8 @@ def test_every_stack_of_an_encoder_decoder_is_checkpointed(policy, dtype):
         return loss.item(), [p.grad.float() / scale for p in model.parameters()]
 
     want_loss, want = grads(copy.deepcopy(reference))
-    model = apply_checkpointing(copy.deepcopy(reference), policy, 2)
+    # (interval 2 for 'every_n'; 'offload' with an interval > 1 is two-level, which T5's blocks refuse: see below)
+    model = apply_checkpointing(copy.deepcopy(reference), policy, 2 if policy == "every_n" else 1)
     patched = ["forward" in b.__dict__ for s in find_block_stacks(model) for b in s]
     assert patched == ([False, True, False, False, True] if policy == "every_n" else [True] * 5)
     got_loss, got = grads(model)
@@ -256,6 +281,9 @@ def test_every_stack_of_an_encoder_decoder_is_checkpointed(policy, dtype):
     assert all(torch.allclose(a, b, rtol=tol, atol=tol) for a, b in zip(want, got))
     if policy == "offload":  # one offloader for both stacks: every block's input went to the host
         assert checkpoint_offloader(model).stats.to_host == 5
+        two_level = apply_checkpointing(copy.deepcopy(reference), policy, 2)
+        with pytest.raises(ValueError, match="T5Block hands 3 values on to the next block: use checkpoint_interval=1"):
+            grads(two_level)
 
 
 def test_segments_refuse_blocks_that_hand_on_more_than_their_hidden_states():

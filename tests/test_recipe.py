@@ -190,12 +190,26 @@ FIELD_SAMPLES = {
     "loss_chunk_tokens": ({"loss_chunk_tokens": 8}, lambda m, o, r: m.loss_chunk_tokens == 8),
     "mlp_tile_tokens": ({"mlp_tile_tokens": 8},
                         lambda m, o, r: all(getattr(mlp, cm.tiling._TILE, None) == 8 for mlp in cm.tiling.find_mlps(m))),
+    "norm_tile_tokens": ({"norm_tile_tokens": 8},
+                         lambda m, o, r: all(cm.tiling._NORM_ORIGINAL in n.__dict__ for n in cm.tiling.find_rmsnorms(m))),
     "weight_dtype": ({"weight_dtype": "int8", "optimizer": "lomo", "precision": "bf16"},
                      lambda m, o, r: any(type(x).__name__ == "Int8Linear" for x in m.modules())),
     "offload_keep_blocks": ({"checkpointing": "offload", "offload_keep_blocks": 1},
                             lambda m, o, r: all(_blocks_patched(m)) and cm.checkpointing.checkpoint_offloader(m) is not None),
 }
 SELECTORS = {"zero_stage", "offload_optimizer", "offload_param"}
+
+
+def _tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
+
+
+# fields that apply to a transformers model only (the reference model has LayerNorm): built and planned on a tiny Llama
+FIELD_MODELS = {"norm_tile_tokens": _tiny_llama}
 
 
 def _step(model, opt, recipe):
@@ -239,22 +253,24 @@ def test_build_applies_every_field_plan_counts_or_both_refuse_it(name, backend, 
             cm.Recipe(**values)
         return
     recipe = cm.Recipe(**values)
-    plan = cm.plan("tiny", 2, seq_len=16, recipe=values, method="analytic", find_max_batch=False)
+    build = FIELD_MODELS.get(name, lambda: cm.build_model("tiny"))
+    plan = cm.plan(FIELD_MODELS.get(name, "tiny"), 2, seq_len=16, recipe=values, method="analytic", find_max_batch=False)
     assert plan.recipe[name] == values[name]
     if backend == "deepspeed":  # the engine itself: tests/test_zero.py::test_zero_engine_applies_the_recipe_and_measure_step_reads_its_buffers
         seen = {}
         monkeypatch.setattr(zero, "initialize", lambda model, rec: seen.update(model=model, recipe=rec) or (model, None))
-        recipe.build(cm.build_model("tiny"))
+        recipe.build(build())
         assert seen["recipe"] is recipe
         config = zero.deepspeed_config(recipe)["zero_optimization"]
         checks = {"zero_stage": config["stage"] == recipe.zero_stage,
                   "offload_optimizer": "offload_optimizer" in config, "offload_param": "offload_param" in config,
                   "loss_chunk_tokens": getattr(seen["model"], "loss_chunk_tokens", None) == 8,
                   "lr": recipe.lr == 0.0125, "eval_precision": recipe.forward_precision() == "bf16-autocast",
-                  "mlp_tile_tokens": all(getattr(mlp, cm.tiling._TILE, None) == 8 for mlp in cm.tiling.find_mlps(seen["model"]))}
+                  "mlp_tile_tokens": all(getattr(mlp, cm.tiling._TILE, None) == 8 for mlp in cm.tiling.find_mlps(seen["model"])),
+                  "norm_tile_tokens": name == "norm_tile_tokens" and FIELD_SAMPLES[name][1](seen["model"], None, recipe)}
         assert checks[name], name
         return
-    model, opt = recipe.build(cm.build_model("tiny"))
+    model, opt = recipe.build(build())
     assert applied(model, opt, recipe), f"Recipe.build did not apply {name}={values[name]!r}"
 
 
