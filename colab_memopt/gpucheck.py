@@ -70,6 +70,7 @@ NEEDED = {
     "ipywidgets": "ipywidgets", "lomo_optim": "lomo-optim", "galore_torch": "galore-torch",
     "apollo_torch": "apollo-torch", "torchao": "torchao", "badam": "badam", "optimi": "torch-optimi",
     "trl": "trl", "datasets": "datasets", "accelerate": "accelerate", "safetensors": "safetensors",
+    "huggingface_hub": "huggingface-hub",
     "tokenizers": "tokenizers", "packaging": "packaging", "IPython": "ipython", "nbclient": "nbclient",
 }
 NO_CUDA = 2
