@@ -23,7 +23,7 @@ import torch
 
 import colab_memopt as cm
 from colab_memopt.evaluation import generate
-from test_recipe import FIELD_SAMPLES, SELECTORS
+from test_recipe import FIELD_MODELS, FIELD_SAMPLES, SELECTORS
 
 RECIPES = {name: values for name, (values, _) in sorted(FIELD_SAMPLES.items())
            if not values.keys() & SELECTORS and name != "optimizer_state_offload"}
@@ -58,7 +58,8 @@ def check(name: str) -> None:
     corpus = cm.load_corpus()
     torch.manual_seed(0)
     recipe = cm.Recipe(**RECIPES[name])
-    model, opt = recipe.build(cm.build_model("tiny"))
+    new_model = FIELD_MODELS.get(name, lambda: cm.build_model("tiny"))  # a field for Llama's RMSNorm: a tiny Llama
+    model, opt = recipe.build(new_model())
     before = _snapshot(model)
     cm.make_train_step(model, opt, corpus, batch_size=BATCH, seq_len=SEQ, recipe=recipe)()
     trained = _snapshot(model)
@@ -76,7 +77,11 @@ def check(name: str) -> None:
         loaded = torch.load(buffer, weights_only=False)
         assert _same({k: v for k, v in loaded.items() if isinstance(v, torch.Tensor)}, now), "saved != the model's"
         assert _same(_snapshot(model), trained), "saved, the model's weights are not the trained ones"
-        fresh, _ = recipe.build(cm.build_model("tiny", seed=1))  # other initial weights, built the same way
+        other = new_model()
+        with torch.no_grad():  # other initial weights, built the same way
+            for p in other.parameters():
+                p.add_(1.0)
+        fresh, _ = recipe.build(other)
         fresh.load_state_dict(loaded)
         assert _same(_snapshot(fresh, frozen_4bit=True), now), "a fresh model loaded from the saved state differs"
         assert evaluate(fresh) == evaluate(model), "the loaded model evaluates differently"
