@@ -457,22 +457,10 @@ def _apply_to_stack(blocks: nn.ModuleList, policy: str, interval: int, offloader
         for start in range(0, len(blocks), interval):
             segment = list(blocks[start : start + interval])
             forwards = [getattr(b, _ORIGINAL) for b in segment]
-            first = _segment_forward(forwards)
-
-            def first_forward(hidden: Any, *args: Any, _run: Callable[..., Any] = first, _block: nn.Module = segment[0],
-                              **kwargs: Any) -> Any:
-                out = _run(hidden, *args, **kwargs)
-                is_tuple[0] = isinstance(out, tuple)
-                if is_tuple[0] and any(isinstance(t, torch.Tensor) for t in out[1:]):
-                    raise ValueError(
-                        f"checkpointing 'segments' runs a segment's blocks with the first one's arguments, but "
-                        f"{type(_block).__name__} hands {len(out)} values on to the next block (T5 passes its position "
-                        "biases so): use checkpointing 'full', 'every_n' or 'selective'")
-                return out
-
-            segment[0].forward = first_forward
-            for block in segment[1:]:
-                block.forward = _passthrough(is_tuple)
+            _install_segment(segment, _segment_forward(forwards), is_tuple,
+                             "checkpointing 'segments' runs a segment's blocks with the first one's arguments, but {block} "
+                             "hands {n} values on to the next block (T5 passes its position biases so): use checkpointing "
+                             "'full', 'every_n' or 'selective'")
         return
     if policy == "offload" and interval > 1:
         setattr(blocks, _OFFLOADER, offloader)
@@ -512,21 +500,27 @@ def _offload_segments(blocks: nn.ModuleList, interval: int, offloader: Checkpoin
 
         outer = (_offloaded(run_segment, offloader) if offloader is not None and start < first_kept
                  else _checkpointed(run_segment, selective=False))
+        _install_segment(segment, outer, is_tuple,
+                         "checkpointing 'offload' with checkpoint_interval > 1 runs a segment's blocks with the first "
+                         "one's arguments, but {block} hands {n} values on to the next block: use checkpoint_interval=1")
 
-        def first_forward(*args: Any, _run: Callable[..., Any] = outer, _block: nn.Module = segment[0],
-                          **kwargs: Any) -> Any:
-            out = _run(*args, **kwargs)
-            is_tuple[0] = isinstance(out, tuple)
-            if is_tuple[0] and any(isinstance(t, torch.Tensor) for t in out[1:]):
-                raise ValueError(
-                    f"checkpointing 'offload' with checkpoint_interval > 1 runs a segment's blocks with the first one's "
-                    f"arguments, but {type(_block).__name__} hands {len(out)} values on to the next block: use "
-                    "checkpoint_interval=1")
-            return out
 
-        segment[0].forward = first_forward
-        for block in segment[1:]:
-            block.forward = _passthrough(is_tuple)
+def _install_segment(segment: list[nn.Module], run: Callable[..., Any], is_tuple: list[bool], refusal: str) -> None:
+    """Run the whole segment from its first block's forward (`run`); the other blocks pass their input through.
+
+    A block that hands on more than its hidden states (T5's position biases) is refused with `refusal`, formatted
+    with the block's class name and the number of values it returns.
+    """
+    def first_forward(*args: Any, **kwargs: Any) -> Any:
+        out = run(*args, **kwargs)
+        is_tuple[0] = isinstance(out, tuple)
+        if is_tuple[0] and any(isinstance(t, torch.Tensor) for t in out[1:]):
+            raise ValueError(refusal.format(block=type(segment[0]).__name__, n=len(out)))
+        return out
+
+    segment[0].forward = first_forward
+    for block in segment[1:]:
+        block.forward = _passthrough(is_tuple)
 
 
 def remove_checkpointing(model: nn.Module) -> nn.Module:
