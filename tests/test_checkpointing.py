@@ -147,12 +147,17 @@ def test_offload_is_exact_and_frees_the_block_inputs_on_the_reference_model(corp
     assert offload.peak_bytes <= full.peak_bytes
 
 
+def _llama_case(transformers, n: int, B: int, T: int, h: int):
+    """A small Llama config (n blocks, hidden h, grouped-query heads) and a batch of B x T tokens for it."""
+    cfg = transformers.LlamaConfig(hidden_size=h, intermediate_size=128, num_hidden_layers=n, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=256, max_position_embeddings=T)
+    return cfg, torch.randint(0, 256, (B, T), generator=torch.Generator().manual_seed(0))
+
+
 def test_offload_is_exact_and_frees_the_block_inputs_on_a_transformers_llama():
     transformers = pytest.importorskip("transformers")
     n, B, T, h = 6, 2, 64, 64
-    cfg = transformers.LlamaConfig(hidden_size=h, intermediate_size=128, num_hidden_layers=n, num_attention_heads=4,
-                                   num_key_value_heads=2, vocab_size=256, max_position_embeddings=T)
-    x = torch.randint(0, 256, (B, T), generator=torch.Generator().manual_seed(0))
+    cfg, x = _llama_case(transformers, n, B, T, h)
     _offload_vs_full(lambda: transformers.LlamaForCausalLM(cfg), lambda: x, n, B * T * h * 4)
 
 
@@ -160,9 +165,7 @@ def test_offload_by_segments_halves_the_host_copies_and_keeps_gradients():
     """checkpointing='offload' with interval 2 (two-level): one host copy per 2 blocks, the same gradients."""
     transformers = pytest.importorskip("transformers")
     n, B, T, h = 6, 2, 64, 64
-    cfg = transformers.LlamaConfig(hidden_size=h, intermediate_size=128, num_hidden_layers=n, num_attention_heads=4,
-                                   num_key_value_heads=2, vocab_size=256, max_position_embeddings=T)
-    x = torch.randint(0, 256, (B, T), generator=torch.Generator().manual_seed(0))
+    cfg, x = _llama_case(transformers, n, B, T, h)
     out = {}
     for interval in (1, 2):
         torch.manual_seed(0)
