@@ -1,3 +1,4 @@
+import gc
 import importlib.util
 import os
 import re
@@ -6,6 +7,14 @@ import pytest
 import torch
 
 os.environ.setdefault("MPLBACKEND", "Agg")
+
+
+def pytest_collection_finish(session):
+    """Take what collection built (every module the tests import: torch, transformers, peft, this package) out of the
+    cyclic collector's reach. measure_step's full gc.collect() then scans only what the tests themselves make: in a
+    worker holding all those modules it took about 0.3 s a call, and tests/test_planner.py ran in 106 s instead of 136."""
+    gc.collect()
+    gc.freeze()
 
 
 @pytest.fixture(scope="session")
