@@ -32,10 +32,10 @@ export TORCH_EXTENSIONS_DIR ?= $(HOME)/.cache/torch_extensions/colab-memopt-$(DS
 DS_SOURCE_DATE := 2000-01-01 00:00:00 UTC
 export MPLBACKEND ?= Agg
 # Bytecode: where PYTHONDONTWRITEBYTECODE=1 is set (as on this project's CI machine), Python reads .pyc files but never
-# writes them, and every process (each notebook's kernel, each worker, each command a test runs) compiled torch,
-# transformers and this package from source again: 'import colab_memopt' took 7.5 s instead of 3.1 s. The install
-# compiles the environment (uv --compile-bytecode; pip does it by default) and each run compiles this package first.
-COMPILE_PACKAGE := $(PY) -m compileall -q colab_memopt
+# writes them, and every process (each notebook's kernel, each test worker, each command a test runs) compiled torch,
+# transformers and this package from source again: 'import colab_memopt' took 7.5 s instead of 3.1 s. This Makefile's
+# commands write them, as Python does by default: into .venv and this checkout's __pycache__ folders (git ignores them).
+unexport PYTHONDONTWRITEBYTECODE
 export PYTHONUNBUFFERED := 1
 
 .PHONY: install run readme test test-unit test-notebooks test-browser browser-deps lab clean test-gpu gpu-wheels
@@ -46,7 +46,7 @@ $(STAMP): requirements.txt pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check uv==$(UV_VERSION) 2>&1 | { grep -v "$(PIP_NOISE)" || true; } || true
 	links="$${PIP_FIND_LINKS:-} $$($(PY) -m pip config get global.find-links 2>/dev/null || true)"; \
-	$(UV) pip install --python $(PY) --quiet --compile-bytecode $$(for l in $$links; do printf -- '--find-links %s ' "$$l"; done) -r requirements.txt -e . \
+	$(UV) pip install --python $(PY) --quiet $$(for l in $$links; do printf -- '--find-links %s ' "$$l"; done) -r requirements.txt -e . \
 	|| { echo "uv could not install the environment: installing it with pip instead (slower)"; \
 	     $(PY) -m pip install --quiet --disable-pip-version-check -r requirements.txt 2>&1 | { grep -v "$(PIP_NOISE)" || true; } && \
 	     $(PY) -m pip install --quiet --disable-pip-version-check --no-deps -e . 2>&1 | { grep -v "$(PIP_NOISE)" || true; }; }
@@ -55,7 +55,6 @@ $(STAMP): requirements.txt pyproject.toml
 	@touch $(STAMP)
 
 run: $(STAMP)
-	$(COMPILE_PACKAGE)
 	$(PY) -m colab_memopt.runner --out build
 
 # Rewrites README.md's notebook index (committed) from the last full `make run`; run it on purpose.
@@ -78,7 +77,6 @@ MEASURED_TESTS := tests/test_trainer_models.py tests/test_trainer_hostile.py
 NOTEBOOK_RESULT_TESTS := tests/test_notebooks.py tests/test_widgets_and_project.py
 test: $(STAMP)
 	rm -rf build/ci_notebooks build/results build/notebook_seconds.json
-	$(COMPILE_PACKAGE)
 	$(PY) -m colab_memopt.runner --prepare-only build/ci_notebooks
 	$(WORKER_THREADS) PYTHONPATH=tests$(if $(PYTHONPATH),:$(PYTHONPATH)) $(PY) -m pytest -q -p nbval_budget -p no:cacheprovider \
 		--nbval-lax --nbval-current-env $(XDIST) -m "not notebook and not browser" $(addprefix --run-first=,$(MEASURED_TESTS)) build/ci_notebooks tests
@@ -86,14 +84,12 @@ test: $(STAMP)
 	$(BROWSER_TEST_IF_AVAILABLE)
 
 test-unit: $(STAMP)
-	$(COMPILE_PACKAGE)
 	$(PY) -m pytest tests -m "not notebook and not browser" -q $(addprefix --ignore=,$(MEASURED_TESTS))
 	$(PY) -m pytest $(MEASURED_TESTS) -q
 
 # make test-notebooks NOTEBOOKS="10 13": only those (stems, number prefixes or paths); all by default.
 test-notebooks: $(STAMP)
 	rm -rf build/ci_notebooks build/results build/notebook_seconds.json
-	$(COMPILE_PACKAGE)
 	$(PY) -m colab_memopt.runner --prepare-only build/ci_notebooks $(NOTEBOOKS)
 	PYTHONPATH=tests$(if $(PYTHONPATH),:$(PYTHONPATH)) $(PY) -m pytest -q -p nbval_budget -p no:cacheprovider --nbval-lax --nbval-current-env build/ci_notebooks
 	CM_NOTEBOOKS="$(NOTEBOOKS)" $(PY) -m pytest tests -m notebook -q

@@ -87,16 +87,20 @@ def test_too_big_does_not_fit_and_says_why():
 def test_lora_model_has_no_frozen_gradients_or_state():
     from peft import LoraConfig, get_peft_model
 
-    def lora():
-        base = ARCHITECTURES["smollm2-135m"].build()
-        return get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    def lora():  # a real transformers architecture: Llama's modules, two layers
+        return get_peft_model(_tiny_llama(), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         lora_plan = planner.plan(lora, 1, seq_len=64, find_max_batch=False)
-        full_plan = planner.plan("smollm2-135m", 1, seq_len=64, find_max_batch=False)
+        full_plan = planner.plan(_tiny_llama, 1, seq_len=64, find_max_batch=False)
     assert lora_plan.method == "trace", lora_plan.warnings
-    assert lora_plan.by_category["optimizer_state"] < 0.01 * full_plan.by_category["optimizer_state"]
+    adapters = [p for p in lora().parameters() if p.requires_grad]
+    n = sum(p.numel() for p in adapters)
+    # AdamW's state of the adapters only: two fp32 moments and a step per adapter tensor, each of the three rounded up
+    # to the T4 allocator's 512 bytes; the frozen base has none
+    assert 8 * n <= lora_plan.by_category["optimizer_state"] <= 8 * n + 3 * 512 * len(adapters)
+    assert lora_plan.by_category["optimizer_state"] < 0.05 * full_plan.by_category["optimizer_state"]
     assert lora_plan.peak_bytes < full_plan.peak_bytes
 
 
