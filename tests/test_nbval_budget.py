@@ -12,30 +12,39 @@ nbformat = pytest.importorskip("nbformat")  # absent on a lent GPU machine witho
 TESTS = Path(__file__).resolve().parent
 
 
-def _run(tmp_path, budget):
-    nb = nbformat.v4.new_notebook()
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-    nb.cells = [nbformat.v4.new_code_cell("import time\ntime.sleep(0.5)")]
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """One nbval run of two notebooks: 98_within (budget 120 s) and 99_over (budget 0.1 s), each sleeping 0.5 s."""
+    tmp_path = tmp_path_factory.mktemp("nbval_budget")
     (tmp_path / "nbs").mkdir()
-    nbformat.write(nb, tmp_path / "nbs" / "99_demo.ipynb")
-    (tmp_path / "params.yaml").write_text(f"99_demo:\n  budget_seconds: {budget}\n")
+    for name in ("98_within", "99_over"):
+        nb = nbformat.v4.new_notebook()
+        nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+        nb.cells = [nbformat.v4.new_code_cell("import time\ntime.sleep(0.5)")]
+        nbformat.write(nb, tmp_path / "nbs" / f"{name}.ipynb")
+    (tmp_path / "params.yaml").write_text("98_within:\n  budget_seconds: 120\n99_over:\n  budget_seconds: 0.1\n")
     env = {**os.environ, "PYTHONPATH": str(TESTS), "NBVAL_BUDGET_PARAMS_FILE": str(tmp_path / "params.yaml"),
            "NBVAL_BUDGET_SECONDS_FILE": str(tmp_path / "seconds.json")}
-    return subprocess.run(
+    result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "nbval_budget", "-p", "no:cacheprovider", "--nbval-lax",
          "--nbval-current-env", str(tmp_path / "nbs")],
         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300,
     )
+    return result, tmp_path
 
 
-def test_over_budget_fails(tmp_path):
-    result = _run(tmp_path, 0.1)
+def _line(result, name):
+    return next(line for line in result.stdout.splitlines() if line.strip().startswith(name))
+
+
+def test_over_budget_fails(run):
+    result, tmp_path = run
     assert result.returncode == 1, result.stdout + result.stderr
-    assert "OVER BUDGET" in result.stdout
+    assert "OVER BUDGET" in _line(result, "99_over")
     assert (tmp_path / "seconds.json").exists()
 
 
-def test_within_budget_passes(tmp_path):
-    result = _run(tmp_path, 120)
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "99_demo" in result.stdout and "OVER BUDGET" not in result.stdout
+def test_within_budget_passes(run):
+    result, _ = run
+    assert "OVER BUDGET" not in _line(result, "98_within"), result.stdout
+    assert "2 passed" in result.stdout, result.stdout  # both notebooks' cells ran; only the budget failed the run
