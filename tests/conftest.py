@@ -17,8 +17,9 @@ _PRELOAD = ("transformers", "transformers.models.llama.modeling_llama", "transfo
 def pytest_collection_finish(session):
     """Take every module the tests load (torch, transformers, peft, TRL, this package) out of the cyclic collector's
     reach. measure_step's full gc.collect() then scans only what the tests themselves make: with those modules loaded
-    it took 0.24 s a call (17 s of tests/test_planner.py's 198 s), frozen 0.002 s."""
-    for name in _PRELOAD:
+    it took 0.24 s a call (17 s of tests/test_planner.py's 198 s), frozen 0.002 s. A short session (one file, the
+    notebook-record checks) skips the preload: it would spend more importing than it saves."""
+    for name in _PRELOAD if len(session.items) >= 200 else ():
         try:
             importlib.import_module(name)
         except Exception:  # noqa: BLE001 - only a speed-up: a test that needs an absent package says so itself
