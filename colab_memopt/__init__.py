@@ -11,84 +11,75 @@ The modules form five layers, bottom to top (core, blocks, recipe, planning, too
 `colab_memopt.layers`.
 """
 
-from colab_memopt import (
-    accumulation,
-    attention,
-    batching,
-    checkpointing,
-    compression,
-    estimate,
-    monitor,
-    oom,
-    optimizers,
-    phases,
-    precision,
-    quantization,
-    structured,
-)
-from colab_memopt import offload, zero
-from colab_memopt import loss
-from colab_memopt.data import TextCorpus, load_corpus
-from colab_memopt.env import (
-    COLAB_HOST_RAM_BYTES,
-    T4_USABLE_BYTES,
-    autocast_dtype,
-    bf16_native,
-    cap_device_memory,
-    in_colab,
-    pick_device,
-    preflight,
-)
-from colab_memopt.batching import OOMNotRecovered, find_max_batch_size, train_with_oom_recovery
-from colab_memopt.measure import (
-    Comparison,
-    LiveMemory,
-    MemoryBudget,
-    MemoryReport,
-    HostPeak,
-    compare,
-    format_bytes,
-    host_memory,
-    measure_step,
-    time_interleaved,
-)
-from colab_memopt.planner import Plan, Target, plan
-# 15_fit_the_biggest_model: presets, technique costs, the recommender, capacity
-from colab_memopt import capacity, costs, presets
-from colab_memopt.recommender import NoRecipeFits, Recommendation, recommend
-from colab_memopt.recipe import Recipe
-# 18_your_own_model: any causal LM by id or folder, loading without a host-RAM spike, the doctor
-from colab_memopt import architectures, loading
-from colab_memopt.architectures import resolve_model
-from colab_memopt.doctor import Checkup, Finding, doctor
-from colab_memopt.loading import LoadedModel, load_int8, load_model
-from colab_memopt.models import MODEL_SIZES, GPT, GPTConfig, build_model, count_parameters, get_config
-from colab_memopt.monitor import MemoryMonitor, MemoryProfiler
-from colab_memopt.oom import diagnose
-from colab_memopt.report import Claim, record
-from colab_memopt.evaluation import evaluate
-from colab_memopt.optimizers import make_optimizer
-# 17_long_context: the MLP by sequence tiles; the longest trainable sequence per mode
-from colab_memopt import tiling
-from colab_memopt.capacity import longest_context, longest_sequence
-from colab_memopt.train import make_eval_step, make_train_step, train, train_step
-# 19_your_trainer_on_a_free_t4: a Hugging Face Trainer / TRL SFTTrainer planned, fitted and guarded as it is
-from colab_memopt.trainer import fit_trainer, plan_trainer
-from colab_memopt.chat import MergeCost, merge_cost, to_messages
+from __future__ import annotations
+
+import importlib
+import sys
+import types
 
 __version__ = "0.1.0"
 
+# Where each public name is defined. Names and submodules are imported on first use (PEP 562), so `import
+# colab_memopt` imports none of them: a process that needs one module (a training rank, `python -m
+# colab_memopt.gpucheck`) does not load torch's memory tracker and the other modules (about 1.5 s a process on 2
+# cores). `MemoryGuardCallback` is a transformers `TrainerCallback`: importing the package never imports transformers.
+_DEFINED_IN = {name: module for module, names in {
+    "data": ("TextCorpus", "load_corpus"),
+    "env": ("COLAB_HOST_RAM_BYTES", "T4_USABLE_BYTES", "autocast_dtype", "bf16_native", "cap_device_memory", "in_colab",
+            "pick_device", "preflight"),
+    "batching": ("OOMNotRecovered", "find_max_batch_size", "train_with_oom_recovery"),
+    "measure": ("Comparison", "LiveMemory", "MemoryBudget", "MemoryReport", "HostPeak", "compare", "format_bytes",
+                "host_memory", "measure_step", "time_interleaved"),
+    "planner": ("Plan", "Target", "plan"),
+    "recommender": ("NoRecipeFits", "Recommendation", "recommend"),
+    "recipe": ("Recipe",),
+    "architectures": ("resolve_model",),
+    "doctor": ("Checkup", "Finding", "doctor"),
+    "loading": ("LoadedModel", "load_int8", "load_model"),
+    "models": ("MODEL_SIZES", "GPT", "GPTConfig", "build_model", "count_parameters", "get_config"),
+    "monitor": ("MemoryMonitor", "MemoryProfiler"),
+    "oom": ("diagnose",),
+    "report": ("Claim", "record"),
+    "evaluation": ("evaluate",),
+    "optimizers": ("make_optimizer",),
+    "capacity": ("longest_context", "longest_sequence"),
+    "train": ("make_eval_step", "make_train_step", "train", "train_step"),
+    "trainer": ("fit_trainer", "plan_trainer"),
+    "chat": ("MergeCost", "merge_cost", "to_messages"),
+    "guard": ("MemoryGuardCallback",),
+}.items() for name in names}
+
 
 def __getattr__(name: str) -> object:
-    """Import `MemoryGuardCallback` (a transformers `TrainerCallback` subclass) and its module `guard` on first use:
-    importing the package does not import transformers."""
-    if name in ("MemoryGuardCallback", "guard"):
-        import importlib
-
-        guard = importlib.import_module("colab_memopt.guard")  # sets the package's `guard` attribute too
-        globals()["MemoryGuardCallback"] = guard.MemoryGuardCallback  # once imported, an ordinary attribute
-        return guard if name == "guard" else guard.MemoryGuardCallback
+    """Import a public name's module, or a submodule (`cm.planner`), on first use."""
+    if name in _DEFINED_IN:
+        value = getattr(importlib.import_module(f"colab_memopt.{_DEFINED_IN[name]}"), name)
+        globals()[name] = value  # once imported, an ordinary attribute
+        return value
+    if not name.startswith("__"):
+        try:
+            return importlib.import_module(f"colab_memopt.{name}")  # which sets the package's attribute too
+        except ModuleNotFoundError as exc:
+            if exc.name != f"colab_memopt.{name}":
+                raise
     raise AttributeError(f"module 'colab_memopt' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_DEFINED_IN) | set(__all__))
+
+
+class _Package(types.ModuleType):
+    """The package module: importing a submodule whose name is also a public function (`colab_memopt.train`,
+    `colab_memopt.doctor`) leaves `cm.train` and `cm.doctor` the functions, as they always were."""
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if (name in _DEFINED_IN and isinstance(value, types.ModuleType) and value.__name__ == f"{__name__}.{name}"):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
 
 __all__ = [
     "COLAB_HOST_RAM_BYTES",
