@@ -36,6 +36,7 @@ from torch import nn
 
 from colab_memopt import env, estimate
 from colab_memopt.architectures import resolve_model
+from colab_memopt.isolation import isolated
 from colab_memopt.measure import format_bytes, host_memory
 from colab_memopt.planner import TARGETS, Target, describe_estimate_error, get_target, plan
 from colab_memopt.recipe import Recipe
@@ -265,7 +266,8 @@ def _probe_step(model: nn.Module, recipe: Recipe | None, seq_len: int) -> str | 
     params = list(model.parameters())
     device = params[0].device
     vocab = int(getattr(getattr(model, "config", None), "vocab_size", 256))
-    x = torch.randint(0, vocab, (1, seq_len), device=device, generator=None)
+    generator = torch.Generator(device=device).manual_seed(0)  # not the run's RNG
+    x = torch.randint(0, vocab, (1, seq_len), device=device, generator=generator)
     precision = recipe.precision if recipe is not None and recipe.precision != "bf16" else "fp32"
     was_training = model.training
     model.train()
@@ -454,6 +456,7 @@ def check_deepspeed_ops(recipe: Recipe, cuda: bool) -> Finding | None:
     )
 
 
+@isolated
 def doctor(
     model: Any,
     optimizer: torch.optim.Optimizer | None = None,

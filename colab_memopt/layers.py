@@ -30,7 +30,7 @@ class Layer:
 
 LAYERS: tuple[Layer, ...] = (
     Layer("core", "measure memory: the one way every number is taken",
-          ("fileio", "tracker", "env", "measure", "report", "ranks", "wording")),
+          ("fileio", "isolation", "tracker", "env", "measure", "report", "ranks", "wording")),
     Layer("blocks", "the model, the data and the techniques, one module each, each usable alone",
           ("models", "architectures", "data", "evaluation", "attention", "structured", "precision",
            "checkpointing", "accumulation", "lowstate", "optimizers", "rounding", "lomo", "quantization", "compression",

@@ -34,6 +34,7 @@ from colab_memopt import estimate
 from colab_memopt.attention import traced_attention
 from colab_memopt.checkpointing import checkpoint_offloader
 from colab_memopt.env import COLAB_HOST_RAM_BYTES, T4_USABLE_BYTES, GiB
+from colab_memopt.isolation import isolated
 from colab_memopt.measure import format_bytes, host_memory
 from colab_memopt.recipe import Recipe
 from colab_memopt.tracker import _CUDA_MIN_BLOCK, PHASES, TensorTracker
@@ -129,17 +130,17 @@ def cublas_workspace_bytes(compute_capability: tuple[int, int] | None, config: s
 
     torch allocates it through the caching allocator (so `max_memory_allocated` includes it), once
     per (cuBLAS handle, stream). `config` is a `CUBLAS_WORKSPACE_CONFIG` value (':SIZE_KiB:COUNT' pairs,
-    e.g. ':4096:8'); None reads the environment, else torch's default for the capability.
+    e.g. ':4096:8'); None or '': torch's default for the capability. A plan never reads this machine's environment
+    (it plans the target's run, which may be on another machine): pass the run's own value where it sets one.
 
     Example:
         >>> cublas_workspace_bytes((7, 5))[0]   # a T4: 8,519,680 bytes
     """
-    config = os.environ.get("CUBLAS_WORKSPACE_CONFIG") if config is None else config
     if config:
         pairs = re.findall(r":(\d+):(\d+)", config)
         if not pairs or "".join(f":{a}:{b}" for a, b in pairs) != config.strip():
             raise ValueError(f"CUBLAS_WORKSPACE_CONFIG must be ':SIZE_KiB:COUNT' pairs such as ':4096:8', got {config!r}")
-        return sum(int(a) * 1024 * int(b) for a, b in pairs), f"CUBLAS_WORKSPACE_CONFIG={config} (set in the environment)"
+        return sum(int(a) * 1024 * int(b) for a, b in pairs), f"CUBLAS_WORKSPACE_CONFIG={config} (as given)"
     if compute_capability is not None and tuple(compute_capability) == (9, 0):  # `major == 9 && minor == 0` there
         return _CUBLAS_DEFAULT_SM90, "torch's default cuBLAS workspace on sm_90 (32 MiB, CublasHandlePool.cpp)"
     return _CUBLAS_DEFAULT_BELOW_SM90, ("torch's default cuBLAS workspace below sm_90 (':4096:2:16:8' = 8,519,680 B, "
@@ -153,8 +154,8 @@ _CUBLAS_SOURCE = "https://github.com/pytorch/pytorch/blob/main/aten/src/ATen/cud
 def cublaslt_workspace_bytes(config: str | None = None, unified: str | None = None) -> tuple[int, str]:
     """Return (bytes, source) of the cuBLASLt workspace torch allocates per (handle, stream) on CUDA.
 
-    `config` is a `CUBLASLT_WORKSPACE_SIZE` value in KiB (None reads the environment; default 1024 KiB);
-    `unified` a `TORCH_CUBLASLT_UNIFIED_WORKSPACE` value (None reads the environment): when it is '1'/'true',
+    `config` is a `CUBLASLT_WORKSPACE_SIZE` value in KiB (None or '': torch's default, 1024 KiB; a plan never reads
+    this machine's environment); `unified` a `TORCH_CUBLASLT_UNIFIED_WORKSPACE` value: when it is '1'/'true',
     cuBLASLt calls share the cuBLAS workspace and allocate nothing of their own (0 bytes). torch allocates it
     through the caching allocator on the first cuBLASLt matmul of a thread (`getCUDABlasLtWorkspace`):
     `addmm` with a bias, every `nn.Linear` with one, goes there.
@@ -163,14 +164,12 @@ def cublaslt_workspace_bytes(config: str | None = None, unified: str | None = No
         >>> cublaslt_workspace_bytes("", "")[0]   # 1 MiB
         1048576
     """
-    config = os.environ.get("CUBLASLT_WORKSPACE_SIZE") if config is None else config
-    unified = os.environ.get("TORCH_CUBLASLT_UNIFIED_WORKSPACE") if unified is None else unified
     if unified and unified.strip().lower() in ("1", "true", "on", "yes", "y"):
         return 0, f"TORCH_CUBLASLT_UNIFIED_WORKSPACE={unified}: cuBLASLt shares the cuBLAS workspace ({_CUBLAS_SOURCE})"
     if config:
         if not config.strip().isdigit():
             raise ValueError(f"CUBLASLT_WORKSPACE_SIZE must be a size in KiB such as '1024', got {config!r}")
-        return int(config) * 1024, f"CUBLASLT_WORKSPACE_SIZE={config} KiB (set in the environment)"
+        return int(config) * 1024, f"CUBLASLT_WORKSPACE_SIZE={config} KiB (as given)"
     return _CUBLASLT_DEFAULT_KIB * 1024, (f"torch's default cuBLASLt workspace (1024 KiB, parseCUDABlasLtWorkspaceSize; "
                                           f"a separate one unless TORCH_CUBLASLT_UNIFIED_WORKSPACE=1: {_CUBLAS_SOURCE})")
 
@@ -184,8 +183,9 @@ def cuda_workspace_costs(compute_capability: tuple[int, int] | None) -> list[Cos
     forward (and the optimizer) on the caller's, backward on the autograd engine's device thread, so it
     holds two cuBLAS workspaces; the forward's biased Linears (`addmm` through cuBLASLt) add a cuBLASLt
     workspace. All are allocated through the caching allocator at the first step and kept: inside
-    `max_memory_allocated`, outside a later step's foreign-corrected peak. Sizes follow the environment
-    (`CUBLAS_WORKSPACE_CONFIG`, `CUBLASLT_WORKSPACE_SIZE`, `TORCH_CUBLASLT_UNIFIED_WORKSPACE`).
+    `max_memory_allocated`, outside a later step's foreign-corrected peak. Sizes are torch's defaults for the
+    capability: a plan does not read this machine's `CUBLAS_WORKSPACE_CONFIG` and the like (`cublas_workspace_bytes`
+    and `cublaslt_workspace_bytes` take a run's own values).
     """
     workspace, source = cublas_workspace_bytes(compute_capability)
     lt, lt_source = cublaslt_workspace_bytes()
@@ -1508,6 +1508,7 @@ def _plan_auto_chunk(model_factory: Any, batch: int, *, seq_len: int | None, rec
     return base
 
 
+@isolated
 def plan(
     model_factory: Callable[[], nn.Module] | str | Any,
     batch: int,

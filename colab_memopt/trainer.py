@@ -48,6 +48,7 @@ from colab_memopt.planner import (
     math_attention_warning,
 )
 from colab_memopt.hfconfig import OPTIM_TO_RECIPE, check_optim, trainer_recipe
+from colab_memopt.isolation import isolated, trainer_kept
 from colab_memopt.recipe import Recipe
 from colab_memopt.tracker import PHASES, TensorTracker
 
@@ -555,6 +556,7 @@ def _quiet_datasets() -> Iterator[None]:
             datasets.enable_progress_bars()
 
 
+@isolated
 def plan_trainer(
     trainer: Any,
     *,
@@ -653,7 +655,7 @@ def plan_trainer(
     half = torch.bfloat16 if tgt.cuda and args.fp16 else None
     # the planner's own Trainer builds its accelerator from these settings: in accelerate's process-wide state,
     # which is put back as it was afterwards
-    with _accelerate_state_kept(fresh=real_trainer is None):
+    with _accelerate_state_kept(fresh=real_trainer is None), trainer_kept(real_trainer):
         holder, mode = real_trainer, _new_mode()
         if holder is None:
             built = _buildable(args)
@@ -1302,6 +1304,7 @@ def _saves_no_more(idx: tuple[int, ...], than: tuple[int, ...], dims: list[tuple
     return all(a <= b if ordered else a == b for a, b, (_, ordered) in zip(idx, than, dims))
 
 
+@isolated
 def fit_trainer(
     trainer: Any,
     *,
