@@ -55,11 +55,11 @@ $(STAMP): requirements.txt pyproject.toml
 	@touch $(STAMP)
 
 run: $(STAMP)
-	$(PY) -m colab_memopt.runner --out build
+	$(PY) -m colab_memopt.tooling.runner --out build
 
 # Rewrites README.md's notebook index (committed) from the last full `make run`; run it on purpose.
 readme: $(STAMP)
-	$(PY) -m colab_memopt.rollup --results build/results.json --claims build/claims.md --readme README.md
+	$(PY) -m colab_memopt.tooling.rollup --results build/results.json --claims build/claims.md --readme README.md
 
 # One pytest session on two workers (pytest-xdist; CI has 2 cores): unit tests, static notebook checks, and every
 # notebook executed once by nbval on the copies papermill prepared with the CI parameters (each timed against its
@@ -77,7 +77,7 @@ MEASURED_TESTS := tests/test_trainer_models.py tests/test_trainer_hostile.py
 NOTEBOOK_RESULT_TESTS := tests/test_notebooks.py tests/test_widgets_and_project.py
 test: $(STAMP)
 	rm -rf build/ci_notebooks build/results build/notebook_seconds.json
-	$(PY) -m colab_memopt.runner --prepare-only build/ci_notebooks
+	$(PY) -m colab_memopt.tooling.runner --prepare-only build/ci_notebooks
 	$(WORKER_THREADS) PYTHONPATH=tests$(if $(PYTHONPATH),:$(PYTHONPATH)) $(PY) -m pytest -q -p nbval_budget -p no:cacheprovider \
 		--nbval-lax --nbval-current-env $(XDIST) -m "not notebook and not browser" $(addprefix --run-first=,$(MEASURED_TESTS)) build/ci_notebooks tests
 	$(PY) -m pytest $(NOTEBOOK_RESULT_TESTS) -m notebook -q -p no:cacheprovider
@@ -90,13 +90,13 @@ test-unit: $(STAMP)
 # make test-notebooks NOTEBOOKS="10 13": only those (stems, number prefixes or paths); all by default.
 test-notebooks: $(STAMP)
 	rm -rf build/ci_notebooks build/results build/notebook_seconds.json
-	$(PY) -m colab_memopt.runner --prepare-only build/ci_notebooks $(NOTEBOOKS)
+	$(PY) -m colab_memopt.tooling.runner --prepare-only build/ci_notebooks $(NOTEBOOKS)
 	PYTHONPATH=tests$(if $(PYTHONPATH),:$(PYTHONPATH)) $(PY) -m pytest -q -p nbval_budget -p no:cacheprovider --nbval-lax --nbval-current-env build/ci_notebooks
 	CM_NOTEBOOKS="$(NOTEBOOKS)" $(PY) -m pytest tests -m notebook -q
 
 # make test-gpu [WHEELHOUSE=dir] [CM_EMULATE=t4|none] [GPU_PYTHON=python3]: unit tests, tests/gpu, every
 # notebook with its Colab defaults under its budget (tests/notebook_parameters_t4.yaml; README.md untouched),
-# the planner-accuracy grid and the technique costs on CUDA; writes build/gpu/ (colab_memopt/gpucheck.py).
+# the planner-accuracy grid and the technique costs on CUDA; writes build/gpu/ (colab_memopt/tooling/gpucheck.py).
 # It uses the Python that has CUDA torch (this repo's .venv if present, else python3) and installs what
 # that one lacks, from PyPI or from WHEELHOUSE. Without CUDA it stops before running anything, in one line.
 # On a lent GPU machine (no network, one call of 10 minutes): `python -m colab_memopt.gpucheck plan` prints the
@@ -114,11 +114,11 @@ test-gpu:
 
 # make gpu-wheels [WHEELHOUSE_DIR=build/wheelhouse]: download (here, with a network) exactly the wheels a lent GPU machine
 # lacks for its Python 3.12 (manylinux x86_64; DeepSpeed as an sdist with setuptools and wheel), split into parts of at
-# most 60 MiB (colab_memopt/wheelhouse.py); part1 holds every wheel, DeepSpeed's sdist a part of its own. The one call
+# most 60 MiB (colab_memopt/tooling/wheelhouse.py); part1 holds every wheel, DeepSpeed's sdist a part of its own. The one call
 # on a lent machine carries part1 with the checkout (under 64 MiB): `python -m colab_memopt.gpucheck plan`.
 WHEELHOUSE_DIR ?= build/wheelhouse
 gpu-wheels: $(STAMP)
-	$(PY) -m colab_memopt.wheelhouse --dest $(WHEELHOUSE_DIR)
+	$(PY) -m colab_memopt.tooling.wheelhouse --dest $(WHEELHOUSE_DIR)
 
 # The widget panels in a real browser. Debian's chromium (apt, needs root, as in CI) and the Python
 # playwright package from requirements-browser.txt; Playwright's browser download is not used.

@@ -18,7 +18,7 @@ for 8-bit weights fine-tuned from a trained checkpoint, key 'finetune'). The nam
 fine-tuning try 8-bit weights where no recipe with 16-bit weights fits (as `recommend` does), and the
 largest named one is confirmed by the planner's trace (`planner.plan(method='trace')`), stepping down a
 model while the trace says it does not fit.
-Writes colab_memopt/results/capacity.json (package data: notebook 16 reads it from an installed package too)
+Writes colab_memopt/planning/results/capacity.json (package data: notebook 16 reads it from an installed package too)
 and prints the table last.
 Targets: full fine-tuning of >= 2B parameters at 512 tokens; QLoRA of >= 8B at 2048 tokens;
 full fine-tuning of >= 4B at 2048 tokens (with 16-bit weights or almost no optimizer state).
@@ -35,11 +35,11 @@ from pathlib import Path
 import torch
 
 from colab_memopt import capacity
-from colab_memopt.fileio import write_json
-from colab_memopt.measure import format_bytes
-from colab_memopt.planner import get_target
+from colab_memopt.core.fileio import write_json
+from colab_memopt.core.measure import format_bytes
+from colab_memopt.planning.planner import get_target
 
-OUT = Path(__file__).resolve().parent.parent / "colab_memopt" / "results" / "capacity.json"  # shipped in the wheel
+OUT = Path(__file__).resolve().parent.parent / "colab_memopt" / "planning" / "results" / "capacity.json"  # shipped in the wheel
 MODELS = ["smollm2-135m", "smollm2-360m", "qwen2.5-0.5b", "llama-3.2-1b", "qwen2.5-1.5b", "smollm2-1.7b", "llama-3.2-3b", "llama-3.1-8b"]
 SCALE_BASE = {"full": "llama-3.2-1b", "lora": "llama-3.1-8b", "qlora": "llama-3.1-8b"}
 INT8_SCALE_BASE = "llama-3.1-8b"  # 8-bit weights: at Llama-3.2-1B's width the depth would run past any real model
@@ -50,7 +50,7 @@ QUALITY_GAP_PCT = 3.0  # the capacity recipe should end within 3% of fp32 AdamW'
 
 def _loss_gaps(path: Path = QUALITY) -> dict[str, dict]:
     """Return optimizer -> its row of benchmarks/optimizer_quality.json (empty if not run)."""
-    from colab_memopt.fileio import read_json
+    from colab_memopt.core.fileio import read_json
 
     if not path.exists():
         return {}
@@ -61,7 +61,7 @@ def _loss_gaps(path: Path = QUALITY) -> dict[str, dict]:
 
 def _finetune_gaps(path: Path = QUALITY) -> dict[str, dict]:
     """Return method -> its fine-tuning row (from a trained checkpoint) of optimizer_quality.json's 'finetune'."""
-    from colab_memopt.fileio import read_json
+    from colab_memopt.core.fileio import read_json
 
     if not path.exists():
         return {}
@@ -155,7 +155,7 @@ def _named_fit(model: str, mode: str, seq: int, tgt, ft_gaps: dict[str, dict]) -
 
 def _traced_named(fit: capacity.Fit, tgt) -> dict:
     """Return the planner's trace of a named fit (batch 1, the fit's recipe, 10% headroom): need, fits, seconds."""
-    from colab_memopt.planner import plan
+    from colab_memopt.planning.planner import plan
 
     try:
         p = plan(fit.model, 1, seq_len=fit.seq_len, recipe=fit.recipe, target=tgt, headroom=0.10, find_max_batch=False,
@@ -203,7 +203,7 @@ def _int8_model(spec):
 
 
 def _plan_row(name: str, model, seq: int, recipe, tgt, headroom: float) -> dict:
-    from colab_memopt.planner import plan
+    from colab_memopt.planning.planner import plan
 
     from colab_memopt import architectures
 
@@ -221,8 +221,8 @@ def _plan_row(name: str, model, seq: int, recipe, tgt, headroom: float) -> dict:
 def int8_rows(tgt, headroom: float = 0.10, out: str = str(OUT), scaled: bool = True) -> dict:
     """Plan full fine-tuning with 8-bit weights (`INT8_RECIPE`) by trace: the named models, and the deepest
     Llama-3.1-8B-shaped model at 512 and 2,048 tokens; add them to capacity.json under 'int8_weights'."""
-    from colab_memopt.fileio import read_json
-    from colab_memopt.recipe import Recipe
+    from colab_memopt.core.fileio import read_json
+    from colab_memopt.training.recipe import Recipe
 
     start = time.perf_counter()
     recipe = Recipe.from_dict(INT8_RECIPE)

@@ -3,7 +3,7 @@
     python benchmarks/chunked_loss.py [--rounds 7]
 
 Writes benchmarks/results/chunked_loss.json and prints a table. One step is the loss's forward and
-backward, `colab_memopt.loss.make_loss_step` with chunk_tokens None (plain
+backward, `colab_memopt.techniques.loss.make_loss_step` with chunk_tokens None (plain
 `F.cross_entropy(F.linear(h, w).float(), y)`) or a number of tokens per chunk. For each step:
 - peak_over_inputs_bytes: the peak minus the inputs (hidden, weight, labels): the logits, their
   softmax and gradient, and the input gradients while they are live;
@@ -18,7 +18,7 @@ Parts:
    moderate size on this CPU (each round's times kept: the machine is shared and they vary);
    `picked_chunk_tokens` is the smallest chunk whose fastest round is within 5% of the fastest chunk's
    (closer timings changed order between reruns on this shared machine),
-   and `colab_memopt.loss.DEFAULT_CHUNK_TOKENS` is set from it (a test checks they agree).
+   and `colab_memopt.techniques.loss.DEFAULT_CHUNK_TOKENS` is set from it (a test checks they agree).
 3. large: traced at Llama-3.2-1B's head (vocabulary 128,256, hidden 2048) and 16,384 tokens, where
    the plain loss would need about 24 GiB: trainable head, frozen head (LoRA/QLoRA), fp16 autocast
    (whose fp16 copy of the (V, H) weight, made by the plain path too, counts as transient in both).
@@ -48,9 +48,9 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from colab_memopt.loss import DEFAULT_CHUNK_TOKENS, chunked_cross_entropy, make_loss_step
-from colab_memopt.measure import format_bytes, measure_step, time_interleaved
-from colab_memopt.tracker import TensorTracker
+from colab_memopt.techniques.loss import DEFAULT_CHUNK_TOKENS, chunked_cross_entropy, make_loss_step
+from colab_memopt.core.measure import format_bytes, measure_step, time_interleaved
+from colab_memopt.core.tracker import TensorTracker
 
 OUT = Path(__file__).resolve().parent / "results" / "chunked_loss.json"
 

@@ -35,7 +35,7 @@ adapters; LoRA rank 16 on the family's projections, QLoRA with an nf4 base):
 `--tiled-block` measures (not plans) one checkpointed Llama-shaped block's forward and backward on the CPU,
 its MLP untiled and tiled (`tiling.measure_tiled_block`): the peak saved and the time it costs.
 Each plan is cached in build/context_cache.json, so an interrupted run resumes. Writes
-colab_memopt/results/context.json after every row (package data: notebook 17 reads it from an installed
+colab_memopt/planning/results/context.json after every row (package data: notebook 17 reads it from an installed
 package too) and prints the table last.
 Targets: Llama-3.1-8B QLoRA >= 49,152 tokens (stretch 65,536); Llama-3.2-1B full >= 32,768.
 """
@@ -55,18 +55,18 @@ from pathlib import Path
 import torch
 
 from colab_memopt import __version__ as cm_version
-from colab_memopt.architectures import ARCHITECTURES
-from colab_memopt.capacity import longest_sequence
-from colab_memopt.fileio import write_json
-from colab_memopt.loss import DEFAULT_CHUNK_TOKENS
-from colab_memopt.measure import format_bytes
-from colab_memopt.planner import get_target
-from colab_memopt.presets import mixed_precision, mode_fields
-from colab_memopt.recipe import Recipe
-from colab_memopt.recommender import long_context_recipe
+from colab_memopt.techniques.architectures import ARCHITECTURES
+from colab_memopt.planning.capacity import longest_sequence
+from colab_memopt.core.fileio import write_json
+from colab_memopt.techniques.loss import DEFAULT_CHUNK_TOKENS
+from colab_memopt.core.measure import format_bytes
+from colab_memopt.planning.planner import get_target
+from colab_memopt.training.presets import mixed_precision, mode_fields
+from colab_memopt.training.recipe import Recipe
+from colab_memopt.planning.recommender import long_context_recipe
 
 ROOT = Path(__file__).resolve().parent.parent
-OUT = ROOT / "colab_memopt" / "results" / "context.json"  # shipped in the wheel (pyproject package-data)
+OUT = ROOT / "colab_memopt" / "planning" / "results" / "context.json"  # shipped in the wheel (pyproject package-data)
 CACHE = ROOT / "build" / "context_cache.json"
 # The targets first, then the rest, smallest first.
 MODELS = ["llama-3.1-8b", "llama-3.2-1b", "smollm2-135m", "smollm2-360m", "qwen2.5-0.5b", "gpt2", "qwen2.5-1.5b",
@@ -118,7 +118,7 @@ ATTENTION_RULE = "t4 kernel per call"
 
 def fresh_process_rss() -> int:
     """Return the RSS (bytes) of a fresh Python process that has imported the training stack."""
-    code = f"{STACK}\nfrom colab_memopt.measure import host_memory\nprint(host_memory().rss_bytes)"
+    code = f"{STACK}\nfrom colab_memopt.core.measure import host_memory\nprint(host_memory().rss_bytes)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=os.environ.copy())
     return int(out.stdout.strip().splitlines()[-1])
 
@@ -251,7 +251,7 @@ def _tiled_block(out: str) -> int:
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-    from colab_memopt.tiling import measure_tiled_block
+    from colab_memopt.techniques.tiling import measure_tiled_block
 
     dims = {k: v for k, v in TILED_BLOCK.items() if k not in ("tokens", "tile_tokens")}
     config = LlamaConfig(**dims, attn_implementation="sdpa")

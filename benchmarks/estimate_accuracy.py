@@ -23,12 +23,12 @@ warnings.filterwarnings("ignore")
 
 import torch  # noqa: E402
 
-from colab_memopt.architectures import small_config  # noqa: E402
-from colab_memopt.fileio import write_json  # noqa: E402
-from colab_memopt.planner import plan  # noqa: E402
+from colab_memopt.techniques.architectures import small_config  # noqa: E402
+from colab_memopt.core.fileio import write_json  # noqa: E402
+from colab_memopt.planning.planner import plan  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "results" / "estimate_accuracy.json"
-BAND = ROOT / "colab_memopt" / "estimate_band.json"
+BAND = ROOT / "colab_memopt" / "planning" / "estimate_band.json"
 FAMILIES = ("llama", "qwen2", "mistral", "phi3", "gemma2", "gpt_neox")
 RECIPES = {"fp32": {}, "checkpoint-full": {"checkpointing": "full"}, "checkpoint-selective": {"checkpointing": "selective"},
            "lora-8": {"lora_rank": 8}, "bf16-autocast": {"precision": "bf16-autocast"}}

@@ -47,8 +47,8 @@ import json, re, sys, time
 from pathlib import Path
 import torch, transformers, accelerate, safetensors
 import colab_memopt as cm
-from colab_memopt.architectures import small_config
-from colab_memopt.int8train import int8_state_bytes, int8_weights, quantize_model_int8
+from colab_memopt.techniques.architectures import small_config
+from colab_memopt.techniques.int8train import int8_state_bytes, int8_weights, quantize_model_int8
 folder = sys.argv[1]
 with torch.device("meta"):
     transformers.AutoModelForCausalLM.from_config(small_config("llama"))
@@ -74,7 +74,7 @@ def _write_checkpoint(model: str, folder: Path) -> dict:
     """Write a random bf16 checkpoint of `model`'s architecture with save_pretrained in 500 MB shards."""
     import transformers
 
-    from colab_memopt.architectures import resolve_model
+    from colab_memopt.techniques.architectures import resolve_model
 
     config = resolve_model(model).config
     with torch.device("meta"):
@@ -110,9 +110,9 @@ def main() -> None:
     import transformers
 
     import colab_memopt as cm
-    from colab_memopt.architectures import resolve_model, small_config
-    from colab_memopt.loading import load_host_bytes, safetensors_largest_bytes
-    from colab_memopt.planner import get_target
+    from colab_memopt.techniques.architectures import resolve_model, small_config
+    from colab_memopt.training.loading import load_host_bytes, safetensors_largest_bytes
+    from colab_memopt.planning.planner import get_target
 
     limit = int(args.limit_gb * 1e9)
     recipe = cm.Recipe(**RECIPE)

@@ -3,7 +3,7 @@
     python benchmarks/optimizer_quality.py [--size small] [--steps 50] [--batch 8] [--seq 128]
 
 Each optimizer of `OPTIMIZERS_COMPARED` trains the reference model (same seed, same initial weights,
-same batches of the real-text corpus of `colab_memopt.data`, the recipe's default learning rate) for
+same batches of the real-text corpus of `colab_memopt.techniques.data`, the recipe's default learning rate) for
 the same number of steps on this CPU, in fp32; then the validation loss (`evaluation.evaluate`, the same
 batches for all). `loss_gap_pct` is the % above fp32 AdamW's validation loss. Also measured, after the
 last step: the optimizer-state bytes the memory tracker sees (`measure.measure_step`) against
@@ -27,9 +27,9 @@ import torch
 
 import colab_memopt as cm
 from colab_memopt import estimate
-from colab_memopt.fileio import write_json
-from colab_memopt.lowstate import PROJECTED
-from colab_memopt.recommender import FULL_CANDIDATES, PURE16
+from colab_memopt.core.fileio import write_json
+from colab_memopt.techniques.lowstate import PROJECTED
+from colab_memopt.planning.recommender import FULL_CANDIDATES, PURE16
 
 OUT = Path(__file__).resolve().parent / "results" / "optimizer_quality.json"
 BASELINE = "adamw"
@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pretrain-steps", type=int, default=300)
     args = parser.parse_args(argv)
     if args.finetune_only:
-        from colab_memopt.fileio import read_json
+        from colab_memopt.core.fileio import read_json
 
         warnings.simplefilter("ignore")
         data = read_json(args.out) if Path(args.out).exists() else {}

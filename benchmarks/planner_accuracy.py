@@ -44,7 +44,7 @@ import torch
 
 import colab_memopt as cm
 from colab_memopt import env, planner
-from colab_memopt.fileio import write_json
+from colab_memopt.core.fileio import write_json
 
 OUT = Path(__file__).resolve().parent / "results" / "planner_accuracy.json"
 CUDA_REL_PCT, CUDA_ABS_BYTES, CUDA_SMALL_BYTES = 5.0, 2**20, 64 * 2**20
@@ -107,7 +107,7 @@ GRIDS = {"qlora": [(QLORA, "single-tensor")], "full": [(GRID, "single-tensor")],
 PLAN_1B = """
 import re, time, warnings
 warnings.simplefilter("ignore")
-from colab_memopt.planner import plan
+from colab_memopt.planning.planner import plan
 start = time.perf_counter()
 p = plan("1b", 1, seq_len=2048, target="t4")
 seconds = time.perf_counter() - start
@@ -216,8 +216,8 @@ def _passes(row: dict, cuda: bool) -> bool:
 
 def architecture_grid(grid: dict, device: torch.device, corpus: cm.TextCorpus, target: object) -> list[dict]:
     """Return one row per (family, batch, seq_len, recipe): the trace against the measured step."""
-    from colab_memopt.architectures import resolve_model, small_config
-    from colab_memopt.presets import LORA_TARGETS_BY_FAMILY
+    from colab_memopt.techniques.architectures import resolve_model, small_config
+    from colab_memopt.training.presets import LORA_TARGETS_BY_FAMILY
 
     rows = []
     for family, batch, seq_len, fields in itertools.product(*grid.values()):

@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from colab_memopt.fileio import write_json
+from colab_memopt.core.fileio import write_json
 
 REPO = Path(__file__).resolve().parent.parent
 OUT = REPO / "benchmarks" / "results" / "recommend_speed.json"

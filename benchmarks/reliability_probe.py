@@ -41,8 +41,8 @@ warnings.filterwarnings("ignore")
 import torch  # noqa: E402
 
 import colab_memopt as cm  # noqa: E402
-from colab_memopt.__main__ import main as cli  # noqa: E402
-from colab_memopt.fileio import write_json  # noqa: E402
+from colab_memopt.tooling.cli import main as cli  # noqa: E402
+from colab_memopt.core.fileio import write_json  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "results" / "reliability_probe.json"
 OUT2 = ROOT / "benchmarks" / "results" / "reliability_probe_2.json"
@@ -257,8 +257,8 @@ def api_rows() -> None:
     GROUP = "API"
     from torch import nn
 
-    from colab_memopt.planner import plan
-    from colab_memopt.recommender import NoRecipeFits, recommend
+    from colab_memopt.planning.planner import plan
+    from colab_memopt.planning.recommender import NoRecipeFits, recommend
 
     for b in (0, 2.0, "2"):
         err(60, f"plan('tiny', {b!r})", lambda b=b: plan("tiny", b, seq_len=16), r"batch must be an integer >= 1, got")
@@ -500,7 +500,7 @@ def _batch_rows(corpus) -> None:
 
 
 def _recovery_rows(corpus) -> None:
-    from colab_memopt.monitor import MemoryMonitor
+    from colab_memopt.planning.monitor import MemoryMonitor
 
     samples = corpus.batch(60, 16, generator=torch.Generator().manual_seed(0))
 
@@ -746,13 +746,13 @@ def _record_rows(scratch: Path) -> None:
     _concurrency_rows()
 
 
-REC = ("import sys, colab_memopt as cm; from colab_memopt.measure import MemoryReport as R\n"
+REC = ("import sys, colab_memopt as cm; from colab_memopt.core.measure import MemoryReport as R\n"
        "for i in range(int(sys.argv[3])):\n"
        "    cm.record(sys.argv[1], baseline=R(100, {}, {}, {}, {}, {}, 0.1, 'cpu', 'x'), metrics={'pad': 'x' * int(sys.argv[2])}, results_dir=sys.argv[4])\n")
 
 
 def _concurrency_rows() -> None:
-    from colab_memopt.report import merge_results
+    from colab_memopt.core.report import merge_results
 
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     d = tempfile.mkdtemp()
@@ -850,7 +850,7 @@ def _scratch() -> Path:
 
 def _config_folder(name: str, **changes) -> Path:
     """A folder holding a small llama config.json with `changes` applied (None deletes a key)."""
-    from colab_memopt.architectures import small_config
+    from colab_memopt.techniques.architectures import small_config
 
     folder = _scratch() / name
     folder.mkdir(parents=True, exist_ok=True)
@@ -907,7 +907,7 @@ def _strict_json(text: str):
 
 
 def _costs_file(name: str, drop_class: bool = False, ratios: dict | None = None, cls: str = "t4") -> Path:
-    d = json.loads((ROOT / "colab_memopt" / "technique_costs.json").read_text())
+    d = json.loads((ROOT / "colab_memopt" / "planning" / "technique_costs.json").read_text())
     d["device_class"] = cls
     if drop_class:
         d.pop("device_class")
@@ -929,7 +929,7 @@ def costs_rows(fast: bool = True) -> None:
              r"unknown technique name\(s\) \['checkpoint_full', 'fp16_autocast'\]")
 
     def strict_stdout():
-        from colab_memopt.__main__ import _finite
+        from colab_memopt.tooling.cli import _finite
         return _strict_json(json.dumps(_finite({"expected_slowdown": float("inf"), "x": [float("nan"), 1.0]}), allow_nan=False))
     ok(290, "--json with a non-finite figure is strict JSON", strict_stdout, lambda d: d == {"expected_slowdown": None, "x": [None, 1.0]})
     if not fast:  # a fresh process: what a user's JSON parser reads
@@ -944,7 +944,7 @@ def _merged_ok() -> dict:
 
 
 def _rollup(row: int, label: str, merged, readme_text: str | None = None, readme: Path | None = None, names: str = "") -> None:
-    """`python -m colab_memopt.rollup` on `merged`: exit 2, one stderr line naming `names`, the README unchanged."""
+    """`python -m colab_memopt.tooling.rollup` on `merged`: exit 2, one stderr line naming `names`, the README unchanged."""
     from colab_memopt import rollup
 
     d = Path(tempfile.mkdtemp(dir=_scratch()))
@@ -988,7 +988,7 @@ def readme_rows(fast: bool = True) -> None:
                                                     "saving_pct": "50"}), names=f"{first}.*saving_pct")
     _rollup(259, "notebooks a list", {"device": "cpu", "notebooks": []}, names="'notebooks' must map")
     _rollup(262, "a README without the index markers", _merged_ok(), readme_text="# readme\n", names="no notebook index markers")
-    from colab_memopt.rollup import INDEX_END, INDEX_START
+    from colab_memopt.tooling.rollup import INDEX_END, INDEX_START
     _rollup(263, "the end marker before the start marker", _merged_ok(), readme_text=f"x\n{INDEX_END}\ny\n{INDEX_START}\n", names="end marker")
     _rollup(264, "--readme naming a missing file", _merged_ok(), readme=_scratch() / "no_such_README.md", names="does not exist")
 
@@ -1054,7 +1054,7 @@ def runner_rows(fast: bool = True) -> None:
 def fault2_rows(fast: bool = True) -> None:
     global GROUP
     GROUP = "faults"
-    from colab_memopt.fileio import STALE_PARTIAL_SECONDS, write_json as wj
+    from colab_memopt.core.fileio import STALE_PARTIAL_SECONDS, write_json as wj
 
     def swept():
         d = _scratch() / "results_partial"
@@ -1073,8 +1073,8 @@ def _weights_folder(name: str, **save_kw) -> Path:
     """A folder with a small llama's config.json and random weights (save_pretrained)."""
     import shutil
 
-    from colab_memopt.architectures import small_config
-    from colab_memopt.loading import save_random_model
+    from colab_memopt.techniques.architectures import small_config
+    from colab_memopt.training.loading import save_random_model
 
     base = _scratch() / "_weights"
     if not (base / "config.json").exists():
@@ -1090,7 +1090,7 @@ def load_rows(fast: bool = True) -> None:
     global GROUP
     GROUP = "load"
     from colab_memopt import loading
-    from colab_memopt.architectures import small_config
+    from colab_memopt.techniques.architectures import small_config
 
     def corrupt(row, name, content):
         folder = _weights_folder(f"w{row}")
@@ -1159,7 +1159,7 @@ class _PlainTokenizer:
 def corpus_rows(fast: bool = True) -> None:
     global GROUP
     GROUP = "corpus"
-    from colab_memopt.data import load_corpus
+    from colab_memopt.techniques.data import load_corpus
 
     binary = _scratch() / "random.bin"
     binary.write_bytes(os.urandom(20000))
@@ -1213,7 +1213,7 @@ def corpus_rows(fast: bool = True) -> None:
 def api2_rows(fast: bool = True) -> None:
     global GROUP
     GROUP = "api"
-    from colab_memopt.monitor import MemoryProfiler
+    from colab_memopt.planning.monitor import MemoryProfiler
 
     model = cm.build_model("tiny")
     for row, kw, names in ((291, dict(capacity_bytes=float("nan")), "capacity_bytes must be a finite number of bytes, got nan"),
@@ -1234,9 +1234,9 @@ def cli2_rows(fast: bool = True) -> None:
     cli_case(119, "plan --model tiny --batch 2 --seq 32 --recipe optimizer=adam_mini precision=fp16 --json", 0)
 
     def no_fit_message():  # the message's numbers come from the leanest planned candidate, never "short by 0 B"
-        from colab_memopt.recommender import Candidate, _no_fit_message
-        from colab_memopt.costs import Slowdown
-        from colab_memopt.planner import get_target
+        from colab_memopt.planning.recommender import Candidate, _no_fit_message
+        from colab_memopt.planning.costs import Slowdown
+        from colab_memopt.planning.planner import get_target
         planned = cm.plan("tiny", 2, seq_len=32, method="analytic", target={"device_bytes": 2**20, "host_bytes": 2**33})
         slow = Slowdown(1.0, {}, [], "cpu")
         screened = Candidate("screened-only", cm.Recipe(), slow, 1000, 2**19)
@@ -1271,7 +1271,7 @@ def recipe2_rows(fast: bool = True) -> None:
 def slow2_rows(fast: bool = True) -> None:
     global GROUP
     GROUP = "slow"
-    from colab_memopt.architectures import small_config
+    from colab_memopt.techniques.architectures import small_config
 
     folder = _scratch() / "huge"
     small_config("llama", hidden_size=16384, intermediate_size=53248, num_hidden_layers=300, num_attention_heads=128,
@@ -1291,7 +1291,7 @@ def lomo_then_zero_rows(fast: bool = True) -> None:
         def env_after_lomo():
             import torch.distributed as dist
             from colab_memopt import zero
-            from colab_memopt.lomo import _ensure_process_group
+            from colab_memopt.techniques.lomo import _ensure_process_group
             saved = {k: os.environ.pop(k, None) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
             try:
                 _ensure_process_group()

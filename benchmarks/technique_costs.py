@@ -18,8 +18,8 @@ import argparse
 import sys
 import time
 
-from colab_memopt.costs import COSTS_FILES, measure_technique_costs
-from colab_memopt.fileio import write_json
+from colab_memopt.planning.costs import COSTS_FILES, measure_technique_costs
+from colab_memopt.core.fileio import write_json
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--out", default=None, help="the JSON to write (default: the package data file of the device's class)")
     args = parser.parse_args(argv)
-    from colab_memopt.env import apply_emulation
+    from colab_memopt.core.env import apply_emulation
 
     apply_emulation(args.device)  # CM_EMULATE=t4 (make test-gpu on a bigger GPU): the T4's code paths, labelled
     start = time.perf_counter()

@@ -4,7 +4,7 @@
 
 Three transformers families (Llama, Qwen2, Mistral; small random configs, nothing downloaded), LoRA rank 4
 with dropout 0.05, gradient checkpointing, four optims (`adamw_torch`, `adamw_torch_fused`, `adamw_8bit`,
-`adafactor`): 12 real Trainer runs of two steps, each planned first by `colab_memopt.trainer.plan_trainer`
+`adafactor`): 12 real Trainer runs of two steps, each planned first by `colab_memopt.planning.trainer.plan_trainer`
 and then measured by `MemoryProfiler`'s callback. The bar is 1% of the measured peak. `make test` runs four
 of these cases (tests/test_trainer.py, which also holds the models and the Trainer this script builds).
 """

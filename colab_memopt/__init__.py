@@ -5,15 +5,21 @@
     report = cm.measure_step(cm.make_train_step(model, opt, cm.load_corpus(), batch_size=8, seq_len=64),
                              model=model, optimizer=opt)
 
-Plots and widgets live in `colab_memopt.plots` and `colab_memopt.widgets` (they import matplotlib
-and ipywidgets, which the core does not need). Importing the package changes no global state.
-The modules form five layers, bottom to top (core, blocks, recipe, planning, tooling): see
-`colab_memopt.layers`.
+Plots and widgets live in `colab_memopt.tooling.plots` and `colab_memopt.tooling.widgets` (they import
+matplotlib and ipywidgets, which the core does not need). Importing the package changes no global state.
+
+The modules live in one folder per layer, bottom to top: `core/` (measuring), `techniques/` (the model, the
+data and one module per technique), `training/` (the recipe and the step), `planning/` (what fits, and what went
+wrong) and `tooling/` (the command line, the notebooks' runner, plots, panels, the GPU check); each folder's
+`__init__` says what it holds and what it may import (`colab_memopt.tooling.layers`). Every module is also reachable
+as `cm.<module>` (`cm.checkpointing`, `cm.planner`), wherever its folder.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.abc
+import importlib.util
 import sys
 import types
 
@@ -43,25 +49,37 @@ _DEFINED_IN = {name: module for module, names in {
     "evaluation": ("evaluate",),
     "optimizers": ("make_optimizer",),
     "capacity": ("longest_context", "longest_sequence"),
-    "train": ("make_eval_step", "make_train_step", "train", "train_step"),
+    "train": ("make_eval_step", "make_train_step", "run_steps", "train", "train_step"),
     "trainer": ("fit_trainer", "plan_trainer"),
     "chat": ("MergeCost", "merge_cost", "to_messages"),
     "guard": ("MemoryGuardCallback",),
 }.items() for name in names}
 
 
+# The layers' folders, bottom to top (colab_memopt.tooling.layers reads them; tests/test_layers.py enforces them).
+LAYER_FOLDERS = ("core", "techniques", "training", "planning", "tooling")
+
+
+def _module_path(name: str) -> str | None:
+    """Return 'colab_memopt.<folder>.<name>' for a module stem in one of the layers' folders, else None."""
+    for folder in LAYER_FOLDERS:
+        if importlib.util.find_spec(f"{__name__}.{folder}.{name}") is not None:
+            return f"{__name__}.{folder}.{name}"
+    return None
+
+
 def __getattr__(name: str) -> object:
-    """Import a public name's module, or a submodule (`cm.planner`), on first use."""
+    """Import a public name's module, or a module by its stem (`cm.planner`, `cm.checkpointing`), on first use."""
     if name in _DEFINED_IN:
-        value = getattr(importlib.import_module(f"colab_memopt.{_DEFINED_IN[name]}"), name)
+        value = getattr(importlib.import_module(_module_path(_DEFINED_IN[name]) or ""), name)
         globals()[name] = value  # once imported, an ordinary attribute
         return value
-    if not name.startswith("__"):
-        try:
-            return importlib.import_module(f"colab_memopt.{name}")  # which sets the package's attribute too
-        except ModuleNotFoundError as exc:
-            if exc.name != f"colab_memopt.{name}":
-                raise
+    if name in LAYER_FOLDERS:
+        return importlib.import_module(f"{__name__}.{name}")
+    if not name.startswith("__") and name.isidentifier() and (path := _module_path(name)) is not None:
+        module = importlib.import_module(path)
+        globals()[name] = module
+        return module
     raise AttributeError(f"module 'colab_memopt' has no attribute {name!r}")
 
 
@@ -69,17 +87,21 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_DEFINED_IN) | set(__all__))
 
 
-class _Package(types.ModuleType):
-    """The package module: importing a submodule whose name is also a public function (`colab_memopt.train`,
-    `colab_memopt.doctor`) leaves `cm.train` and `cm.doctor` the functions, as they always were."""
+class _EntryPoint(importlib.abc.MetaPathFinder):
+    """`python -m colab_memopt.gpucheck` runs `colab_memopt.tooling.gpucheck`: the GPU check's command stays where the
+    GPU machines' instructions name it, while its code lives with the other tools."""
 
-    def __setattr__(self, name: str, value: object) -> None:
-        if (name in _DEFINED_IN and isinstance(value, types.ModuleType) and value.__name__ == f"{__name__}.{name}"):
-            return
-        super().__setattr__(name, value)
+    ALIASES = {f"{__name__}.gpucheck": f"{__name__}.tooling.gpucheck"}
+
+    def find_spec(self, fullname: str, path: object = None, target: object = None) -> object:
+        if fullname not in self.ALIASES:
+            return None
+        real = importlib.util.find_spec(self.ALIASES[fullname])
+        return importlib.util.spec_from_file_location(fullname, real.origin) if real is not None else None
 
 
-sys.modules[__name__].__class__ = _Package
+if not any(isinstance(f, _EntryPoint) or type(f).__name__ == "_EntryPoint" for f in sys.meta_path):
+    sys.meta_path.append(_EntryPoint())
 
 __all__ = [
     "COLAB_HOST_RAM_BYTES",
@@ -130,6 +152,7 @@ __all__ = [
     "make_eval_step",
     "make_optimizer",
     "make_train_step",
+    "run_steps",
     "monitor",
     "offload",
     "oom",

@@ -51,7 +51,7 @@ def _seed():
     torch.manual_seed(0)
 
 
-# make test-gpu on a lent machine runs with only the packages one wheelhouse part carries (colab_memopt.gpucheck):
+# make test-gpu on a lent machine runs with only the packages one wheelhouse part carries (colab_memopt.tooling.gpucheck):
 # a test that fails only because an optional package is absent there is skipped, naming it. Where the package is
 # installed (CI, this repository's .venv) nothing changes: the test passes or fails as it is.
 _NEEDS = re.compile(r"needs ([\w\-]+)(?:, ([\w\-]+))*(?:/([\w\-]+))*|pip install ([\w\-]+)")
@@ -59,7 +59,7 @@ _NEEDS = re.compile(r"needs ([\w\-]+)(?:, ([\w\-]+))*(?:/([\w\-]+))*|pip install
 
 def _absent_package(exc: BaseException) -> str | None:
     """Return the optional package whose absence caused `exc`, if that is why (else None)."""
-    from colab_memopt.gpucheck import NEEDED
+    from colab_memopt.tooling.gpucheck import NEEDED
 
     if isinstance(exc, ModuleNotFoundError) and exc.name:
         top = exc.name.split(".")[0]

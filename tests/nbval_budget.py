@@ -16,7 +16,7 @@ import os
 from collections import defaultdict
 from pathlib import Path
 
-from colab_memopt.runner import CPU_PARAMS_FILE, REPO_ROOT, load_cpu_parameters
+from colab_memopt.tooling.runner import CPU_PARAMS_FILE, REPO_ROOT, load_cpu_parameters
 
 # Both can be pointed elsewhere by the plugin's own test.
 SECONDS_FILE = Path(os.environ.get("NBVAL_BUDGET_SECONDS_FILE", REPO_ROOT / "build" / "notebook_seconds.json"))

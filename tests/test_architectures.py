@@ -13,8 +13,8 @@ import torch
 
 import colab_memopt as cm
 from colab_memopt import architectures, planner
-from colab_memopt.__main__ import main as cli
-from colab_memopt.architectures import SMALL_FAMILIES, resolve_model, small_config
+from colab_memopt.tooling.cli import main as cli
+from colab_memopt.techniques.architectures import SMALL_FAMILIES, resolve_model, small_config
 
 CPU_TARGET = {"name": "cpu-test", "device_bytes": 2**30, "host_bytes": 64 * 2**30, "cuda": False}
 ROOT = Path(__file__).resolve().parent.parent

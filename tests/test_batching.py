@@ -3,7 +3,7 @@ import torch
 
 import colab_memopt as cm
 from colab_memopt import batching, estimate
-from colab_memopt.monitor import MemoryMonitor
+from colab_memopt.planning.monitor import MemoryMonitor
 
 SEQ = 16
 

@@ -1,7 +1,7 @@
 import pytest
 
 from colab_memopt import capacity
-from colab_memopt.recipe import Recipe
+from colab_memopt.training.recipe import Recipe
 
 
 def test_params_and_scaled_models():
@@ -40,7 +40,7 @@ def test_largest_scaled_brackets_the_limit():
 
 def test_largest_scaled_for_one_recipe_is_the_traced_boundary():
     from colab_memopt import planner
-    from colab_memopt.recipe import Recipe
+    from colab_memopt.training.recipe import Recipe
 
     target = {"name": "small", "device_bytes": 320 * 2**20, "host_bytes": 64 * 2**30, "cuda": False}
     recipe = Recipe(precision="bf16", optimizer="lomo", checkpointing="full")
@@ -98,10 +98,7 @@ def test_best_fit_takes_the_8bit_weight_candidates_by_name():
 
 
 def test_capacity_json_names_llama_3_1_8b_for_full_fine_tuning_at_2048_tokens_by_trace():
-    import json
-    from importlib.resources import files
-
-    table = json.loads((files("colab_memopt") / "results" / "capacity.json").read_text())
+    table = cm.capacity.shipped_table("capacity")
     rows = {r["seq_len"]: r for r in table["rows"] if r["mode"] == "full"}
     row = rows[2048]
     assert row["largest_named_params"] >= 8_030_261_248, row["largest_named_model"]  # Llama-3.1-8B's parameters, or more
@@ -121,8 +118,8 @@ def test_longest_sequence_is_the_boundary_of_the_planned_fit():
     import warnings
 
     from colab_memopt import Recipe
-    from colab_memopt.capacity import longest_sequence
-    from colab_memopt.planner import plan
+    from colab_memopt.planning.capacity import longest_sequence
+    from colab_memopt.planning.planner import plan
 
     recipe = Recipe(loss_chunk_tokens=8)
     at_32 = plan("tiny", 1, seq_len=32, recipe=recipe, target={"device_bytes": 2**30, "host_bytes": 2**40, "cuda": False},
@@ -141,7 +138,7 @@ def test_longest_sequence_is_the_boundary_of_the_planned_fit():
 
 def test_probe3_rows_198_201_a_step_above_the_cap_searches_below_it_and_max_plans_is_checked():
     # `context --model tiny` (default step 1024, cap 64 tokens) answered "nothing fits at 1024 tokens" and exit 1
-    from colab_memopt.capacity import longest_context, longest_sequence
+    from colab_memopt.planning.capacity import longest_context, longest_sequence
 
     recipe = Recipe(loss_chunk_tokens=8)
     target = {"name": "big", "device_bytes": 2**34, "host_bytes": 2**40, "cuda": False}
@@ -164,14 +161,14 @@ def test_probe3_rows_198_201_a_step_above_the_cap_searches_below_it_and_max_plan
     (["--step", "0"], "--step must be an integer >= 1 (tokens), got 0"),
 ])
 def test_probe3_context_cli_refuses_bad_search_bounds_by_flag(argv, says, capsys):
-    from colab_memopt.__main__ import main
+    from colab_memopt.tooling.cli import main
 
     assert main(["context", "--model", "tiny", *argv]) == 2
     assert says in capsys.readouterr().err
 
 
 def test_probe3_context_cli_answers_for_the_tiny_model(capsys):
-    from colab_memopt.__main__ import main
+    from colab_memopt.tooling.cli import main
 
     code = main(["context", "--model", "tiny", "--mode", "full", "--method", "analytic"])
     out = capsys.readouterr().out
@@ -185,8 +182,8 @@ def test_a_length_the_device_fits_but_host_ram_does_not_is_limited_by_host_ram_a
     'fits'; with split checkpoints one host copy per 2 blocks (checkpoint_interval=2) takes it further."""
     import warnings
 
-    from colab_memopt.capacity import longest_sequence
-    from colab_memopt.planner import plan
+    from colab_memopt.planning.capacity import longest_sequence
+    from colab_memopt.planning.planner import plan
 
     recipe = Recipe(checkpointing="offload", loss_chunk_tokens=8)
     big = {"name": "big", "device_bytes": 2**34, "host_bytes": 2**40, "cuda": False}
@@ -205,7 +202,7 @@ def test_a_length_the_device_fits_but_host_ram_does_not_is_limited_by_host_ram_a
     assert one.host_need_bytes <= int(target["host_bytes"] * 0.95) < one.first_miss["host_need_bytes"]
     assert two.max_seq_len == 64 and two.recipe["checkpoint_interval"] == 2, (two.max_seq_len, two.recipe)
     assert two.offloaded_checkpoint_bytes == copies // 2
-    from colab_memopt.capacity import ContextReport
+    from colab_memopt.planning.capacity import ContextReport
 
     said = str(ContextReport("tiny", "little-ram", {"full": one}, {}))
     assert "full fine-tuning: 32 tokens" in said and "next limit: host RAM at 40" in said, said
@@ -213,10 +210,7 @@ def test_a_length_the_device_fits_but_host_ram_does_not_is_limited_by_host_ram_a
 
 def test_context_json_gives_llama_8b_qlora_49152_tokens_by_trace_within_colab_host_ram():
     """The shipped long-context table (benchmarks/context.py): issue 36's target, traced, host RAM counted."""
-    import json
-    from importlib.resources import files
-
-    context = json.loads((files("colab_memopt") / "results" / "context.json").read_text())
+    context = cm.capacity.shipped_table("context")
     best = context["best"]["llama-3.1-8b/qlora"]
     assert best["max_seq_len"] >= 49152 and best["method"] == "trace", best
     assert best["recipe"]["attention"] == "sdpa_repeated_kv"  # a T4 runs the O(T) kernel only with K/V repeated

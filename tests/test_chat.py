@@ -1,4 +1,4 @@
-"""colab_memopt.chat: dataset records as TRL's `messages`, and what merging a LoRA adapter costs."""
+"""colab_memopt.planning.chat: dataset records as TRL's `messages`, and what merging a LoRA adapter costs."""
 
 import sys
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import colab_memopt as cm
-from colab_memopt.chat import merge_cost, to_messages
+from colab_memopt.planning.chat import merge_cost, to_messages
 
 
 def test_alpaca_records_become_a_user_and_an_assistant_turn():
@@ -82,7 +82,7 @@ def test_merge_cost_bounds_a_real_merge_on_the_cpu():
     weights plus one layer's update (peft upcasts it to fp32 there), as merge_cost says, and no more."""
     from peft import LoraConfig, get_peft_model
 
-    from colab_memopt.tracker import LiveBytesMode
+    from colab_memopt.core.tracker import LiveBytesMode
 
     config, model = _tiny_llama()
     model = model.to(torch.float16)

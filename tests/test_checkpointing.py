@@ -259,7 +259,7 @@ def _tiny_t5():
 def test_every_stack_of_an_encoder_decoder_is_checkpointed(policy, dtype):
     import copy
 
-    from colab_memopt.checkpointing import apply_checkpointing, checkpoint_offloader, find_block_stacks
+    from colab_memopt.techniques.checkpointing import apply_checkpointing, checkpoint_offloader, find_block_stacks
 
     reference = _tiny_t5().to(dtype)
     stacks = find_block_stacks(reference)
@@ -290,7 +290,7 @@ def test_every_stack_of_an_encoder_decoder_is_checkpointed(policy, dtype):
 
 
 def test_segments_refuse_blocks_that_hand_on_more_than_their_hidden_states():
-    from colab_memopt.checkpointing import apply_checkpointing
+    from colab_memopt.techniques.checkpointing import apply_checkpointing
 
     model = apply_checkpointing(_tiny_t5(), "segments", 2)
     x = torch.randint(0, 64, (2, 12))

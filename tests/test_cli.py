@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from colab_memopt.__main__ import main
+from colab_memopt.tooling.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
 

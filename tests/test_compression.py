@@ -2,7 +2,7 @@ import pytest
 import torch
 
 import colab_memopt as cm
-from colab_memopt.compression import compress_activations, int8_saved_tensors, no_compression, pack_int8, unpack_int8
+from colab_memopt.techniques.compression import compress_activations, int8_saved_tensors, no_compression, pack_int8, unpack_int8
 
 
 def _grads(model, x):

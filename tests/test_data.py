@@ -7,7 +7,7 @@ import colab_memopt as cm
 
 
 def test_corpus_is_real_deterministic_text(corpus):
-    from colab_memopt.data import _stdlib_corpus
+    from colab_memopt.techniques.data import _stdlib_corpus
 
     again = _stdlib_corpus.__wrapped__()
     assert torch.equal(corpus.train, again.train) and torch.equal(corpus.val, again.val)

@@ -11,11 +11,11 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 import colab_memopt as cm
-from colab_memopt.doctor import CODES, QLORA_MIN_SAVING, deepspeed_ops, doctor
+from colab_memopt.planning.doctor import CODES, QLORA_MIN_SAVING, deepspeed_ops, doctor
 from colab_memopt import env, loading
-from colab_memopt.__main__ import main as cli
-from colab_memopt.architectures import small_config
-from colab_memopt.quantization import add_lora
+from colab_memopt.tooling.cli import main as cli
+from colab_memopt.techniques.architectures import small_config
+from colab_memopt.techniques.quantization import add_lora
 
 CPU_BIG = {"name": "cpu-big", "device_bytes": 64 * 2**30, "host_bytes": 256 * 2**30, "cuda": False}
 LLAMA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

@@ -2,7 +2,7 @@ import pytest
 
 import colab_memopt as cm
 from colab_memopt import estimate
-from colab_memopt.planner import MATH_ATTENTION_LINE
+from colab_memopt.planning.planner import MATH_ATTENTION_LINE
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "naive"])
@@ -60,7 +60,7 @@ def test_precision_and_attention_formulas():
     with pytest.raises(ValueError, match="precision must be one of"):
         est.precision_state_bytes_per_param("fp8")
 def test_training_step_bytes_honours_quantization_lora_and_checkpointing():
-    from colab_memopt.quantization import add_lora, linear_weight_bytes
+    from colab_memopt.techniques.quantization import add_lora, linear_weight_bytes
 
     full = estimate.training_step_bytes(cm.build_model("tiny", device="meta"), 2, 32, cm.Recipe())
     qlora = cm.Recipe(quantization="bnb_int8", lora_rank=4)
@@ -79,8 +79,8 @@ def test_training_step_bytes_honours_quantization_lora_and_checkpointing():
 def test_the_analytic_estimate_follows_the_trace_of_transformers_families_at_long_sequence(family, recipe):
     # Before: -47% (autocast keeps fp32 norms and the residual stream), -87% (Gemma-2's eager scores), -28%
     # (phi3's fused gate_up_proj read as an ungated MLP); benchmarks/estimate_accuracy.py has the whole grid.
-    from colab_memopt.architectures import small_config
-    from colab_memopt.planner import plan
+    from colab_memopt.techniques.architectures import small_config
+    from colab_memopt.planning.planner import plan
 
     config = small_config(family)
     analytic = plan(config, 2, seq_len=512, recipe=recipe, method="analytic", find_max_batch=False, target=O_T_TARGET)
@@ -92,8 +92,8 @@ def test_the_analytic_estimate_follows_the_trace_of_transformers_families_at_lon
 def test_the_analytic_estimate_says_what_it_leaves_out_for_grouped_query_attention_on_a_t4():
     # On a T4 (sm_75) transformers' grouped-query call without a mask runs SDPA's math kernel: the trace counts its
     # T x T scores, the analytic estimate does not yet; it says so and names the two ways out.
-    from colab_memopt.architectures import small_config
-    from colab_memopt.planner import plan
+    from colab_memopt.techniques.architectures import small_config
+    from colab_memopt.planning.planner import plan
 
     analytic = plan(small_config("llama"), 2, seq_len=512, method="analytic", find_max_batch=False, target="t4")
     traced = plan(small_config("llama"), 2, seq_len=512, method="trace", find_max_batch=False, target="t4")
@@ -105,8 +105,8 @@ def _selective_model(family, recipe):
     """Return (model as `recipe.build` makes it, a meta copy for the estimate, the recipe with the family's targets)."""
     import torch
 
-    from colab_memopt.architectures import resolve_model, small_config
-    from colab_memopt.presets import with_family_lora_targets
+    from colab_memopt.techniques.architectures import resolve_model, small_config
+    from colab_memopt.training.presets import with_family_lora_targets
 
     spec = resolve_model("small" if family == "gpt" else small_config(family))
     recipe = with_family_lora_targets(recipe, spec.family)
@@ -128,7 +128,7 @@ def test_selective_saved_bytes_are_the_outputs_selective_checkpointing_saves(fam
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from colab_memopt.checkpointing import _SAVE_OPS, find_block_stacks
+    from colab_memopt.techniques.checkpointing import _SAVE_OPS, find_block_stacks
 
     model, meta, recipe = _selective_model(family, cm.Recipe(checkpointing="selective", **fields))
 
@@ -169,8 +169,8 @@ def test_selective_saved_bytes_are_the_outputs_selective_checkpointing_saves(fam
                                             ({"lora_rank": 8, "precision": "fp16-autocast"}, 0.16)],
                          ids=["fp32", "lora-fp32", "fp16-autocast", "lora-fp16-autocast"])
 def test_the_analytic_estimate_of_selective_checkpointing_follows_the_trace(model, batch, seq, fields, within):
-    from colab_memopt.architectures import small_config
-    from colab_memopt.planner import plan
+    from colab_memopt.techniques.architectures import small_config
+    from colab_memopt.planning.planner import plan
 
     config = small_config(model) if model == "llama" else model
     recipe = {"checkpointing": "selective", **fields}

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import colab_memopt as cm
-from colab_memopt.evaluation import generate
+from colab_memopt.techniques.evaluation import generate
 
 
 @pytest.fixture(scope="module")

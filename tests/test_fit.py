@@ -128,7 +128,7 @@ def test_a_failed_fit_prints_the_smallest_need_and_what_to_do_next_and_apply_ref
     assert "note: smallest need reached:" in text and "note: next: a smaller model" in text, text
     assert any(n.startswith("smallest need reached") for n in fit.notes)
     assert fit.notes[0].startswith("stopped after max_plans=3 plans")
-    from colab_memopt.measure import format_bytes
+    from colab_memopt.core.measure import format_bytes
 
     assert format_bytes(smallest) in text
     assert all(len(line) <= 120 for line in text.splitlines()), text

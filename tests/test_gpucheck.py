@@ -1,4 +1,4 @@
-"""make test-gpu on a machine without CUDA (this one), and the pieces of colab_memopt.gpucheck a CPU can run."""
+"""make test-gpu on a machine without CUDA (this one), and the pieces of colab_memopt.tooling.gpucheck a CPU can run."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from colab_memopt import gpucheck
-from colab_memopt.runner import notebook_paths
+from colab_memopt.tooling.runner import notebook_paths
 
 REPO = Path(__file__).resolve().parent.parent
 needs_no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
@@ -29,7 +29,7 @@ def test_make_test_gpu_refuses_in_one_line_with_status_2():
 
 @needs_no_cuda
 def test_gpucheck_itself_refuses_in_one_line_with_status_2(tmp_path):
-    run = subprocess.run([sys.executable, "-m", "colab_memopt.gpucheck", "--out", str(tmp_path / "gpu")], cwd=REPO,
+    run = subprocess.run([sys.executable, "-m", "colab_memopt.tooling.gpucheck", "--out", str(tmp_path / "gpu")], cwd=REPO,
                          capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert run.returncode == 2 and run.stdout == ""
     lines = run.stderr.strip().splitlines()
@@ -88,7 +88,7 @@ def test_steps_time_out_fail_and_are_written(tmp_path):
 
 def test_the_costs_step_writes_the_table_of_the_class_the_run_stands_for():
     # an H100 emulating a T4 measures the t4 table (labelled so); the package reads it by that name
-    from colab_memopt.costs import COSTS_FILES
+    from colab_memopt.planning.costs import COSTS_FILES
 
     assert gpucheck.costs_class("t4", (9, 0)) == "t4" and gpucheck.costs_class("none", (7, 5)) == "t4"
     assert gpucheck.costs_class("none", (8, 0)) == "ampere+"
@@ -295,7 +295,7 @@ def test_the_one_call_command_fits_the_device_tool_and_parses():
     command = gpucheck.one_call_command()
     assert len(command) <= gpucheck.COMMAND_LIMIT_CHARS == 2000
     words = shlex.split(command)
-    assert words[:4] == ["PYTHONUNBUFFERED=1", "python3", "-m", "colab_memopt.gpucheck"]
+    assert words[:4] == ["PYTHONUNBUFFERED=1", "python3", "-m", "colab_memopt.tooling.gpucheck"]
     args = gpucheck.build_parser().parse_args(words[4:])
     settings = gpucheck.load_t4_settings()
     assert args.parallel == settings.workers and args.budget_seconds == settings.deadline_seconds

@@ -5,7 +5,7 @@ import torch
 
 import colab_memopt as cm
 from colab_memopt import planner
-from colab_memopt.int8train import (
+from colab_memopt.techniques.int8train import (
     Int8Embedding,
     Int8Linear,
     dequantize_int8,

@@ -22,7 +22,7 @@ from transformers import TrainerCallback, TrainingArguments  # noqa: E402
 from trl import SFTConfig  # noqa: E402
 
 import colab_memopt as cm  # noqa: E402
-from colab_memopt.isolation import neutral_process_state, throwaway_scaler, trainer_kept  # noqa: E402
+from colab_memopt.core.isolation import neutral_process_state, throwaway_scaler, trainer_kept  # noqa: E402
 
 
 def _scaled_sft(**changes):

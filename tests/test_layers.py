@@ -1,4 +1,5 @@
-"""The package's layers (colab_memopt.layers): no import cycle, no import from a lower layer to a higher one."""
+"""The package's layers: one folder each (colab_memopt.tooling.layers), no import cycle, no import from a lower
+layer to a higher one, and nothing at the top of the package but the facade, the command line's entry and the folders."""
 
 from __future__ import annotations
 
@@ -8,43 +9,59 @@ from pathlib import Path
 
 import pytest
 
-from colab_memopt.layers import FACADE, LAYERS, Layer, layer_of
+import colab_memopt
+from colab_memopt.tooling.layers import ENTRY, FACADE, LAYERS, Layer, layer_of, read_layers
 
 PACKAGE_DIR = Path(__file__).resolve().parent.parent / "colab_memopt"
 CONTRIBUTING = PACKAGE_DIR.parent / "CONTRIBUTING.md"  # the module table, for contributors
 
 
+def _module_files(package_dir: Path) -> dict[str, Path]:
+    """Return module stem -> file: the top's files (the facade, the entry) and every layer folder's modules."""
+    files = {p.stem: p for p in package_dir.glob("*.py")}
+    for folder in sorted(p for p in package_dir.iterdir() if p.is_dir() and (p / "__init__.py").is_file()):
+        for path in folder.glob("*.py"):
+            if path.stem != "__init__":
+                assert path.stem not in files, f"two modules named {path.stem}: {files[path.stem]} and {path}"
+                files[path.stem] = path
+    return files
+
+
 def import_graph(package_dir: Path) -> dict[str, set[str]]:
     """Return module -> the package's modules it imports, reading every import statement of every file.
 
-    Function-level imports and `if TYPE_CHECKING:` imports count too: a lazy import is still a
-    dependency, and a cycle through one is still a cycle. `from pkg import name` where `name` is not a
-    module is an import of the facade (`__init__`).
+    Modules are named by their stems (unique across the folders). Function-level imports and `if TYPE_CHECKING:`
+    imports count too: a lazy import is still a dependency, and a cycle through one is still a cycle. `from pkg
+    import name` where `name` is not a module is an import of the facade (`__init__`); `from pkg.folder import name`
+    imports the module `name`.
     """
     package = package_dir.name
-    modules = {p.stem for p in package_dir.glob("*.py")}
-    graph: dict[str, set[str]] = {m: set() for m in modules}
-    for module in modules:
-        tree = ast.parse((package_dir / f"{module}.py").read_text(), filename=f"{module}.py")
+    files = _module_files(package_dir)
+    folders = {p.name for p in package_dir.iterdir() if p.is_dir()}
+    graph: dict[str, set[str]] = {m: set() for m in files}
+    for module, path in files.items():
+        tree = ast.parse(path.read_text(), filename=str(path))
         for node in ast.walk(tree):
             targets: list[str] = []
             if isinstance(node, ast.Import):
                 for alias in node.names:
                     parts = alias.name.split(".")
                     if parts[0] == package:
-                        targets.append(parts[1] if len(parts) > 1 else FACADE)
+                        parts = parts[2:] if len(parts) > 2 and parts[1] in folders else parts[1:]
+                        targets.append(parts[0] if parts else FACADE)
             elif isinstance(node, ast.ImportFrom):
-                if node.level:  # relative: from . import x / from .x import y
-                    base = (node.module or "").split(".")[0]
-                    parts = [package] + ([base] if base else [])
-                else:
-                    parts = (node.module or "").split(".")
+                assert not node.level, f"{path}: use absolute imports (from {package}.<folder>.<module> import ...)"
+                parts = (node.module or "").split(".")
                 if parts[0] != package:
                     continue
+                if len(parts) > 1 and parts[1] in folders:
+                    parts = [package] + parts[2:]
                 if len(parts) > 1:
                     targets.append(parts[1])
                 else:
-                    targets += [a.name if a.name in modules else FACADE for a in node.names]
+                    names = [a.name for a in node.names]
+                    in_folder = (node.module or "").count(".") == 1
+                    targets += [n if (in_folder or n in files) and n in files else FACADE for n in names]
             graph[module].update(t for t in targets if t != module)
     return graph
 
@@ -90,10 +107,10 @@ def upward_imports(graph: dict[str, set[str]], layers: tuple[Layer, ...], facade
     Importing the facade counts as importing the top: only the facade itself may gather every layer.
     """
     rank = {m: i for i, layer in enumerate(layers) for m in layer.modules}
-    rank[facade] = len(layers)
+    rank[facade] = rank[ENTRY] = len(layers)
     out = []
     for a in sorted(graph):
-        if a == facade:
+        if a in (facade, ENTRY):
             continue
         for b in sorted(graph[a]):
             if rank.get(b, -1) > rank[a]:
@@ -105,15 +122,42 @@ def upward_imports(graph: dict[str, set[str]], layers: tuple[Layer, ...], facade
 GRAPH = import_graph(PACKAGE_DIR)
 
 
+def test_the_package_top_holds_the_facade_the_entry_and_one_folder_per_layer():
+    top = sorted(p.name for p in PACKAGE_DIR.iterdir() if p.name != "__pycache__")
+    assert top == sorted(["__init__.py", "__main__.py", *colab_memopt.LAYER_FOLDERS]), top
+    assert [layer.name for layer in LAYERS] == list(colab_memopt.LAYER_FOLDERS)
+    for layer in LAYERS:
+        init = PACKAGE_DIR / layer.name / "__init__.py"
+        tree = ast.parse(init.read_text())
+        doc = ast.get_docstring(tree) or ""
+        assert layer.purpose and "Holds:" in doc and "May import:" in doc, f"{init}: say what it holds and may import"
+        assert all(isinstance(n, ast.Expr) for n in tree.body), f"{init} runs code: keep it a docstring (lazy imports)"
+
+
 def test_every_module_is_in_exactly_one_layer():
     declared = [m for layer in LAYERS for m in layer.modules]
     assert len(declared) == len(set(declared)), f"declared twice: {sorted(m for m in declared if declared.count(m) > 1)}"
-    present = set(GRAPH) - {FACADE}
-    assert present - set(declared) == set(), "modules in no layer: add them to colab_memopt.layers.LAYERS"
-    assert set(declared) - present == set(), "layers name modules that do not exist"
-    assert layer_of("measure") == 0 and layer_of("__main__") == len(LAYERS) - 1
+    present = set(GRAPH) - {FACADE, ENTRY}
+    assert present == set(declared)
+    assert layer_of("measure") == 0 and layer_of("cli") == len(LAYERS) - 1
     with pytest.raises(KeyError, match="'nope' is in no layer"):
         layer_of("nope")
+
+
+def test_a_module_may_import_only_what_its_folder_says():
+    """Each folder's docstring names the layers it may import; the graph keeps to them."""
+    allowed = {}
+    for index, layer in enumerate(LAYERS):
+        doc = ast.get_docstring(ast.parse((PACKAGE_DIR / layer.name / "__init__.py").read_text())) or ""
+        said = doc.split("May import:", 1)[1]
+        below = {other.name for other in LAYERS[:index]}
+        allowed[layer.name] = below if "every layer below" in said else {
+            other.name for other in LAYERS if f"colab_memopt.{other.name}" in said}
+        allowed[layer.name].add(layer.name)
+    rank = {m: layer.name for layer in LAYERS for m in layer.modules}
+    bad = [f"{a} ({rank[a]}) -> {b} ({rank[b]})" for a in GRAPH if a in rank for b in GRAPH[a]
+           if b in rank and rank[b] not in allowed[rank[a]]]
+    assert bad == []
 
 
 def test_the_package_has_no_import_cycle():
@@ -128,16 +172,18 @@ def _package(tmp_path: Path, files: dict[str, str]) -> Path:
     pkg = tmp_path / "colab_memopt"
     pkg.mkdir()
     for name, text in files.items():
+        (pkg / name).parent.mkdir(parents=True, exist_ok=True)
         (pkg / name).write_text(text)
     return pkg
 
 
 def test_a_planted_cycle_is_found_even_through_a_function_level_import(tmp_path):
     pkg = _package(tmp_path, {
-        "__init__.py": "from colab_memopt import a\n",
-        "a.py": "from colab_memopt.b import g\n\ndef f():\n    return g()\n",
-        "b.py": "def g():\n    from colab_memopt import a\n    return a\n",
-        "c.py": "from colab_memopt import a\n",
+        "__init__.py": "from colab_memopt.x import a\n",
+        "x/__init__.py": "",
+        "x/a.py": "from colab_memopt.x.b import g\n\ndef f():\n    return g()\n",
+        "x/b.py": "def g():\n    from colab_memopt.x import a\n    return a\n",
+        "x/c.py": "import colab_memopt.x.a\n",
     })
     graph = import_graph(pkg)
     assert graph["a"] == {"b"} and graph["b"] == {"a"} and graph["c"] == {"a"}
@@ -146,12 +192,15 @@ def test_a_planted_cycle_is_found_even_through_a_function_level_import(tmp_path)
 
 def test_a_planted_upward_import_and_a_facade_import_are_found(tmp_path):
     pkg = _package(tmp_path, {
-        "__init__.py": "from colab_memopt.low import x\nfrom colab_memopt.high import y\n",
-        "low.py": "x = 1\n\ndef f():\n    from colab_memopt.high import y\n    return y\n",
-        "high.py": "from colab_memopt.low import x\ny = x\n",
-        "other.py": "import colab_memopt as cm\n",
+        "__init__.py": "from colab_memopt.bottom.low import x\nfrom colab_memopt.top.high import y\n",
+        "bottom/__init__.py": '"""The bottom."""\n',
+        "bottom/low.py": "x = 1\n\ndef f():\n    from colab_memopt.top.high import y\n    return y\n",
+        "top/__init__.py": '"""The top."""\n',
+        "top/high.py": "from colab_memopt.bottom.low import x\ny = x\n",
+        "bottom/other.py": "import colab_memopt as cm\n",
     })
-    layers = (Layer("bottom", "", ("low", "other")), Layer("top", "", ("high",)))
+    layers = read_layers(pkg, ("bottom", "top"))
+    assert layers == (Layer("bottom", "The bottom.", ("low", "other")), Layer("top", "The top.", ("high",)))
     graph = import_graph(pkg)
     assert import_cycles(graph) == [["high", "low"]]
     assert upward_imports(graph, layers) == ["low (bottom) -> high (top)", "other (bottom) -> __init__ (the facade)"]
@@ -170,4 +219,4 @@ def test_the_readme_module_table_follows_the_layers():
         order += [layer_of(n) for n in names]
     declared = [m for layer in LAYERS for m in layer.modules]
     assert sorted(seen) == sorted(declared), f"missing: {sorted(set(declared) - set(seen))}, twice: {sorted(n for n in seen if seen.count(n) > 1)}"
-    assert order == sorted(order), "CONTRIBUTING.md module rows are not in layer order (colab_memopt.layers.LAYERS)"
+    assert order == sorted(order), "CONTRIBUTING.md module rows are not in layer order (colab_memopt.tooling.layers.LAYERS)"

@@ -21,9 +21,9 @@ import transformers
 
 import colab_memopt as cm
 from colab_memopt import loading, planner
-from colab_memopt.architectures import resolve_model, small_config
-from colab_memopt.doctor import check_host_load
-from colab_memopt.int8train import Int8Optimizer, int8_weight_bytes, int8_weights, quantize_model_int8
+from colab_memopt.techniques.architectures import resolve_model, small_config
+from colab_memopt.planning.doctor import check_host_load
+from colab_memopt.techniques.int8train import Int8Optimizer, int8_weight_bytes, int8_weights, quantize_model_int8
 
 # About 24M parameters in many small tensors: 46 MB in bf16 in 40 MB shards, the largest tensor (an MLP matrix) 0.34 MiB,
 # so that a shard held whole (or the model) shows well above one tensor and the allocator's noise.

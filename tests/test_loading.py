@@ -14,7 +14,7 @@ import torch
 
 import colab_memopt as cm
 from colab_memopt import loading
-from colab_memopt.architectures import small_config
+from colab_memopt.techniques.architectures import small_config
 
 ROOT = Path(__file__).resolve().parent.parent
 # About 26M parameters: 100 MiB of fp32 weights, well above the noise of a process's RSS.
@@ -45,7 +45,7 @@ def test_load_model_needs_less_host_ram_than_the_classic_load(saved):
     """)
     classic = _run(f"""
         import json, torch, transformers
-        from colab_memopt.measure import HostPeak
+        from colab_memopt.core.measure import HostPeak
         from safetensors.torch import load_file
         with HostPeak() as host:
             config = transformers.AutoConfig.from_pretrained({str(saved)!r})

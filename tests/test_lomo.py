@@ -9,7 +9,7 @@ import torch
 
 import colab_memopt as cm
 from colab_memopt import estimate
-from colab_memopt.lomo import fused_step, is_fused_backward, lomo_state, make_lomo
+from colab_memopt.techniques.lomo import fused_step, is_fused_backward, lomo_state, make_lomo
 
 pytest.importorskip("lomo_optim")
 

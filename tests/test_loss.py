@@ -14,10 +14,10 @@ import torch.nn.functional as F
 import colab_memopt as cm
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from colab_memopt.loss import DEFAULT_CHUNK_TOKENS, causal_lm_loss, chunked_cross_entropy, make_loss_step
-from colab_memopt.measure import measure_step
-from colab_memopt.models import build_model
-from colab_memopt.tracker import TensorTracker
+from colab_memopt.techniques.loss import DEFAULT_CHUNK_TOKENS, causal_lm_loss, chunked_cross_entropy, make_loss_step
+from colab_memopt.core.measure import measure_step
+from colab_memopt.techniques.models import build_model
+from colab_memopt.core.tracker import TensorTracker
 
 RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "chunked_loss.json"
 
@@ -435,7 +435,7 @@ def test_recipe_loss_chunk_tokens_is_validated_and_refused_where_it_cannot_apply
 def test_chunked_loss_reaches_through_a_peft_model_wrapper():
     from peft import LoraConfig, get_peft_model
 
-    from colab_memopt.loss import apply_chunked_loss
+    from colab_memopt.techniques.loss import apply_chunked_loss
 
     ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(2))
     config = LoraConfig(r=2, target_modules=["q_proj"], lora_dropout=0.0)
@@ -453,7 +453,7 @@ def test_chunked_loss_reaches_through_a_peft_model_wrapper():
 def _small(family, **kw):
     import transformers
 
-    from colab_memopt.architectures import small_config
+    from colab_memopt.techniques.architectures import small_config
 
     return transformers.AutoModelForCausalLM.from_config(small_config(family, **kw))
 

@@ -9,7 +9,7 @@ import torch
 
 import colab_memopt as cm
 from colab_memopt import estimate, lowstate
-from colab_memopt.optimizers import OPTIMIZERS
+from colab_memopt.techniques.optimizers import OPTIMIZERS
 
 warnings.filterwarnings("ignore", message=".*kernels.*")
 

@@ -5,7 +5,7 @@ import torch
 
 import colab_memopt as cm
 from colab_memopt import estimate, measure
-from colab_memopt.tracker import LiveBytesMode
+from colab_memopt.core.tracker import LiveBytesMode
 
 
 def test_measure_step_matches_analytic_counts(tiny):
@@ -177,7 +177,7 @@ def test_plots_draw(tiny):
 def test_time_interleaved_returns_the_fastest_run_per_step():
     import time as _time
 
-    from colab_memopt.measure import time_interleaved
+    from colab_memopt.core.measure import time_interleaved
 
     calls = []
     times = time_interleaved({"fast": lambda: calls.append("f"), "slow": lambda: _time.sleep(0.01)}, rounds=3, device="cpu")
@@ -263,7 +263,7 @@ def test_optimizer_state_is_exactly_what_the_optimizer_keeps(name):
 
 def test_fp16_measurement_warms_up_until_the_grad_scaler_applies_an_update():
     """A GradScaler skips its first updates while it calibrates; the measured step must contain an update."""
-    from colab_memopt.train import train_step
+    from colab_memopt.training.train import train_step
 
     model = cm.build_model("tiny")
     opt = cm.make_optimizer("adamw", model.parameters())

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 import colab_memopt as cm
-from colab_memopt.models import GPTConfig
+from colab_memopt.techniques.models import GPTConfig
 
 
 @pytest.mark.parametrize("size", sorted(cm.MODEL_SIZES))

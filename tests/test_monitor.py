@@ -2,7 +2,7 @@ import pytest
 import torch
 
 import colab_memopt as cm
-from colab_memopt.monitor import (
+from colab_memopt.planning.monitor import (
     NOT_APPLICABLE,
     PROFILES,
     MemoryMonitor,

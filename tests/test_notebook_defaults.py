@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import colab_memopt as cm
-from colab_memopt.runner import NOTEBOOK_DIR
+from colab_memopt.tooling.runner import NOTEBOOK_DIR
 
 NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("[0-9][0-9]_*.ipynb"))
 

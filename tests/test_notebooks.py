@@ -16,8 +16,8 @@ import pytest
 nbformat = pytest.importorskip("nbformat")  # absent on a lent GPU machine without the notebook wheels
 
 from colab_memopt import project
-from colab_memopt.project import colab_url, install_command, notebook_extras
-from colab_memopt.runner import CPU_PARAMS_FILE, NOTEBOOK_DIR, load_cpu_parameters, notebook_paths
+from colab_memopt.tooling.project import colab_url, install_command, notebook_extras
+from colab_memopt.tooling.runner import CPU_PARAMS_FILE, NOTEBOOK_DIR, load_cpu_parameters, notebook_paths
 
 REPO = NOTEBOOK_DIR.parent
 NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
@@ -178,7 +178,7 @@ def test_notebook_follows_the_standard(path):
         "committed notebooks carry no outputs, so nbval has nothing to compare a checked cell with: assert instead"
     )
     for banned in ("max_memory_allocated", "reset_peak_memory_stats", 'to("cuda")', "to('cuda')", "if CI"):
-        assert banned not in code, f"{banned!r}: measure through colab_memopt.measure, pick devices with device='auto'"
+        assert banned not in code, f"{banned!r}: measure through colab_memopt.core.measure, pick devices with device='auto'"
 
 
 @pytest.mark.notebook
@@ -204,13 +204,13 @@ def test_notebook_ran_within_budget_and_recorded(path):
 
 
 def test_generated_parts_of_every_notebook_are_up_to_date():
-    """Badge, install command, T4 runtime request and Next links all come from colab_memopt/project.py."""
+    """Badge, install command, T4 runtime request and Next links all come from colab_memopt/tooling/project.py."""
     notebooks = {p.stem: json.loads(p.read_text(encoding="utf-8")) for p in NOTEBOOKS}
     titles = {stem: project.notebook_title("".join(nb["cells"][0]["source"])) for stem, nb in notebooks.items()}
     stale = [stem for stem, nb in notebooks.items() if project.sync_notebook(nb, stem, titles) != nb]
-    assert not stale, f"run `python -m colab_memopt.project sync`: out of date in {stale}"
+    assert not stale, f"run `python -m colab_memopt.tooling.project sync`: out of date in {stale}"
     readme = (NOTEBOOK_DIR / "README.md").read_text(encoding="utf-8")
-    assert project.course_markdown(titles) in readme, "run `python -m colab_memopt.project sync`: notebooks/README.md's course list"
+    assert project.course_markdown(titles) in readme, "run `python -m colab_memopt.tooling.project sync`: notebooks/README.md's course list"
     for stem, nb in notebooks.items():
         assert nb["metadata"]["colab"]["gpuType"] == "T4" and nb["metadata"]["accelerator"] == "GPU", stem
         assert project.COLAB_RUNTIME_LINE in "".join(nb["cells"][0]["source"]), stem
@@ -232,7 +232,7 @@ def test_no_internal_references_in_notebooks_readmes_or_the_package():
     texts = {p.relative_to(REPO).as_posix(): p.read_text(encoding="utf-8") for p in NOTEBOOKS}
     texts.update({name: (REPO / name).read_text(encoding="utf-8") for name in ("README.md", "CONTRIBUTING.md", "notebooks/README.md")})
     # the package: everything it can print (claims, plans, advice) and every docstring and comment
-    texts.update({p.relative_to(REPO).as_posix(): p.read_text(encoding="utf-8") for p in sorted((REPO / "colab_memopt").glob("*.py"))})
+    texts.update({p.relative_to(REPO).as_posix(): p.read_text(encoding="utf-8") for p in sorted((REPO / "colab_memopt").rglob("*.py"))})
     found = {name: sorted(set(m.group(0) for m in INTERNAL_REFERENCE.finditer(text))) for name, text in texts.items()}
     found = {name: hits for name, hits in found.items() if hits}
     assert not found, f"internal references a reader cannot look up: {found}"
@@ -371,3 +371,23 @@ def test_panel_shows_what_was_computed_above_instead_of_rerunning_it(path):
     call = code[code.index("widgets.panel("):]
     call = call[:call.index("\npanel")]
     assert "\n    shown=" in call, f"{path.name}: pass widgets.panel(..., shown=...) the result computed above for the defaults"
+
+
+def test_links_to_this_repository_resolve_to_files_that_exist():
+    """Every link into this repository (a GitHub blob/tree link, or a relative link in a README) names a file or folder
+    that exists: a moved module breaks no link."""
+    texts = {p.relative_to(REPO).as_posix(): p.read_text(encoding="utf-8") for p in NOTEBOOKS}
+    texts.update({name: (REPO / name).read_text(encoding="utf-8") for name in ("README.md", "CONTRIBUTING.md", "notebooks/README.md")})
+    blob = re.compile(r"github\.com/colab-memopt/colab-memopt/(?:blob|tree)/main/([^\s)\"'#\\]+)")
+    relative = re.compile(r"\]\((?!https?:|#|mailto:)([^)\s#]+)")
+    missing = []
+    for name, text in texts.items():
+        base = (REPO / name).parent
+        for target in blob.findall(text):
+            if not (REPO / target).exists():
+                missing.append(f"{name}: {target}")
+        if name.endswith(".md"):
+            for target in relative.findall(text):
+                if not (base / target).exists():
+                    missing.append(f"{name}: {target}")
+    assert not missing, missing

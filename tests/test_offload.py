@@ -143,7 +143,7 @@ def test_layer_streaming_estimate():
 def test_transfer_stats_settle_adds_asynchronous_copy_times():
     # Review B5: asynchronous CUDA copies are timed by events, settled when the statistics are read.
     # Simulated with stand-in events (no GPU here): 2.5 ms to the device, 1 ms to the host.
-    from colab_memopt.offload import TransferStats
+    from colab_memopt.techniques.offload import TransferStats
 
     class Event:
         def __init__(self, ms):

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 import colab_memopt as cm
-from colab_memopt.oom import classify, diagnose, parse_oom_message
+from colab_memopt.planning.oom import classify, diagnose, parse_oom_message
 
 CUDA_MSG = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 14.74 GiB of which "
             "1.10 GiB is free. Of the allocated memory 11.20 GiB is allocated by PyTorch, and 300.00 MiB is "

@@ -6,8 +6,8 @@ import torch
 
 import colab_memopt as cm
 from colab_memopt import estimate
-from colab_memopt.optimizers import AdamMini, Lion, OptimizerInBackward, adam_mini_blocks
-from colab_memopt.optimizers import OPTIMIZERS
+from colab_memopt.techniques.optimizers import AdamMini, Lion, OptimizerInBackward, adam_mini_blocks
+from colab_memopt.techniques.optimizers import OPTIMIZERS
 
 warnings.filterwarnings("ignore", message=".*kernels.*")
 

@@ -12,8 +12,8 @@ import pytest
 
 import colab_memopt as cm
 from colab_memopt import planner
-from colab_memopt.__main__ import main
-from colab_memopt.trainer import TrainerFit
+from colab_memopt.tooling.cli import main
+from colab_memopt.planning.trainer import TrainerFit
 
 WIDTH = 100  # characters per line of a printout (the Done-when allows 120; the house style says 100)
 # Words that belong to the maintainers, never to a printout: make targets, CI, test hints, the planner's own
@@ -227,7 +227,7 @@ def test_a_memory_report_without_categories_prints_no_empty_parentheses():
 
 @pytest.mark.parametrize("text, width", [("a " * 80, 100), ("x" * 150, 100), ("a; b " * 40, 60)])
 def test_wording_wrap_and_warning_lines_keep_to_the_width(text, width):
-    from colab_memopt.wording import call_lines, short, warning_lines, wrap
+    from colab_memopt.core.wording import call_lines, short, warning_lines, wrap
 
     assert all(len(line) <= width for line in wrap(text, width=width))
     assert all(len(line) <= width for line in warning_lines([text], width=width))

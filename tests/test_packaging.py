@@ -30,12 +30,12 @@ def wheel(tmp_path_factory) -> Path:
     return path
 
 
-def test_wheel_ships_every_module_and_the_default_cost_table(wheel):
+def test_wheel_ships_every_module_and_the_data_files_the_package_reads(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
-    assert "colab_memopt/technique_costs.json" in names
-    shipped = {f"colab_memopt/{n}" for files in _notebook_reads().values() for n in files}  # what notebooks read
-    assert shipped and shipped <= names, f"read by notebooks, missing from the wheel: {sorted(shipped - names)}"
-    modules = {f"colab_memopt/{p.name}" for p in (REPO / "colab_memopt").glob("*.py")}
+    shipped = {f"colab_memopt/{n}" for n in _package_data_files()}  # what the package's readers open
+    assert "colab_memopt/planning/technique_costs.json" in shipped
+    assert shipped <= names, f"read by the package, missing from the wheel: {sorted(shipped - names)}"
+    modules = {p.relative_to(REPO).as_posix() for p in (REPO / "colab_memopt").rglob("*.py") if "__pycache__" not in p.parts}
     assert modules <= names, f"missing from the wheel: {sorted(modules - names)}"
 
 
@@ -70,50 +70,50 @@ def test_transformers_floor_takes_the_dtype_argument():
     text = (REPO / "pyproject.toml").read_text()
     floors = re.findall(r'"transformers>=([0-9.]+)"', text)
     assert floors and all(tuple(int(x) for x in f.split(".")) >= (4, 56) for f in floors), floors
-    uses = [p.name for p in (REPO / "colab_memopt").glob("*.py") if re.search(r"from_(pretrained|config)\([^)]*\bdtype=", p.read_text())]
+    uses = [p.name for p in (REPO / "colab_memopt").rglob("*.py") if re.search(r"from_(pretrained|config)\([^)]*\bdtype=", p.read_text())]
     assert uses  # the reason for the floor; drop the floor's comment with the last use
 
 
-# How a notebook reads a file of the installed package: importlib.resources, or a path beside a module's __file__.
-_PACKAGE_READS = (
-    re.compile(r"""files\(\s*["']colab_memopt["']\s*\)((?:\s*/\s*["'][^"']+["'])+)"""),
-    re.compile(r"""__file__\s*\)\s*\.with_name\(\s*["']([^"']+)["']\s*\)"""),
-)
 # A path out of the installed package (a checkout's benchmarks/ or tests/): missing on Colab.
 _CHECKOUT_PATH = re.compile(r"""__file__\s*\)(?:\.resolve\(\))?\.parent\.parent|["']benchmarks["']\s*/|benchmarks/results/""")
+# How a notebook would read a package file itself (it reads them through the package: cm.capacity.shipped_table,
+# cm.chat.SAMPLE_CHATS), which breaks when a file moves.
+_OWN_READ = re.compile(r"""files\(\s*["']colab_memopt|cm\.__file__|colab_memopt\.__file__""")
 
 
-def _package_data_globs() -> list[str]:
-    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
-    config = tomllib.loads((REPO / "pyproject.toml").read_text())
-    return config["tool"]["setuptools"]["package-data"]["colab_memopt"]
+def _package_data_files() -> list[str]:
+    """Return the data files (relative to colab_memopt/) the package's own readers open."""
+    from colab_memopt.planning import capacity, chat, costs, planner
+
+    pkg = REPO / "colab_memopt"
+    paths = [chat.SAMPLE_CHATS, costs.COSTS_FILE, pkg / "planning" / "estimate_band.json",
+             *(capacity.RESULTS_DIR / f"{name}.json" for name in ("capacity", "context"))]
+    assert Path(planner.__file__).with_name("estimate_band.json") == paths[2]
+    return [p.resolve().relative_to(pkg.resolve()).as_posix() for p in paths]
 
 
-def _notebook_reads() -> dict[str, list[str]]:
-    """Return notebook name -> the package files its code cells read (paths relative to colab_memopt/)."""
-    import nbformat
-
-    reads: dict[str, list[str]] = {}
-    for path in sorted((REPO / "notebooks").glob("[0-9][0-9]_*.ipynb")):
-        code = "\n".join(c.source for c in nbformat.read(path, as_version=4).cells if c.cell_type == "code")
-        found = ["/".join(re.findall(r"""["']([^"']+)["']""", m.group(1))) for m in _PACKAGE_READS[0].finditer(code)]
-        found += [m.group(1) for m in _PACKAGE_READS[1].finditer(code)]
-        if found:
-            reads[path.name] = found
-    return reads
-
-
-def test_package_data_covers_every_file_the_notebooks_read():
-    """What a notebook reads at run time ships in the wheel: a package file matched by a package-data glob."""
+def test_package_data_covers_every_file_the_package_reads():
+    """What the package reads at run time (notebooks 15-19 through it) ships in the wheel: a package-data glob."""
     import fnmatch
 
-    globs = _package_data_globs()
-    reads = _notebook_reads()
-    assert {"16_full_finetuning_on_a_t4.ipynb", "17_long_context.ipynb", "19_your_trainer_on_a_free_t4.ipynb"} <= set(reads), reads
-    for notebook, files in reads.items():
-        for name in files:
-            assert (REPO / "colab_memopt" / name).is_file(), f"{notebook} reads colab_memopt/{name}, which does not exist"
-            assert any(fnmatch.fnmatch(name, g) for g in globs), f"{notebook} reads colab_memopt/{name}: no package-data glob {globs} ships it"
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    data = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    for name in _package_data_files():
+        assert (REPO / "colab_memopt" / name).is_file(), f"colab_memopt/{name} does not exist"
+        folder, _, file = name.rpartition("/")
+        package = "colab_memopt." + folder.split("/")[0]
+        relative = name.split("/", 1)[1]
+        assert any(fnmatch.fnmatch(relative, g) for g in data.get(package, [])), f"no package-data glob ships {name}"
+
+
+def test_notebooks_read_package_files_through_the_package():
+    import nbformat
+
+    for path in sorted((REPO / "notebooks").glob("[0-9][0-9]_*.ipynb")):
+        for cell in nbformat.read(path, as_version=4).cells:
+            if cell.cell_type == "code":
+                hit = _OWN_READ.search(cell.source)
+                assert hit is None, f"{path.name} opens a package file by its path: {cell.source[:80]!r}"
 
 
 def test_notebooks_read_no_path_only_a_checkout_has():

@@ -7,9 +7,9 @@ import torch
 
 import colab_memopt as cm
 from colab_memopt import planner
-from colab_memopt.__main__ import main as cli
-from colab_memopt.architectures import ARCHITECTURES, model_names
-from colab_memopt.lowstate import LOW_STATE_OPTIMIZERS
+from colab_memopt.tooling.cli import main as cli
+from colab_memopt.techniques.architectures import ARCHITECTURES, model_names
+from colab_memopt.techniques.lowstate import LOW_STATE_OPTIMIZERS
 
 CPU_TARGET = {"name": "cpu-test", "device_bytes": 2**30, "host_bytes": 64 * 2**30, "cuda": False}
 
@@ -278,7 +278,7 @@ def test_the_4bit_stand_in_holds_what_a_real_linear4bit_holds(scheme, shape):
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    from colab_memopt.quantization import _bnb_linear, _quant_state_tensors
+    from colab_memopt.techniques.quantization import _bnb_linear, _quant_state_tensors
 
     out_f, in_f = shape
     with warnings.catch_warnings():
@@ -301,7 +301,7 @@ def test_the_4bit_stand_in_holds_what_a_real_linear4bit_holds(scheme, shape):
 # bitsandbytes' 8-bit base (LLM.int8) is traced through planner.traced_linear8bit. On the CPU, in training,
 # bitsandbytes dequantizes each 8-bit weight to the input's dtype in forward and again in backward.
 def _real_int8_scale_bytes(model):
-    from colab_memopt.quantization import _quant_state_tensors
+    from colab_memopt.techniques.quantization import _quant_state_tensors
 
     return sum(t.numel() * t.element_size() for m in model.modules() if type(m).__name__ == "Linear8bitLt"
                for t in _quant_state_tensors(m.weight, m))
@@ -335,7 +335,7 @@ def test_the_8bit_stand_in_holds_what_a_real_linear8bitlt_holds(shape, bias):
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    from colab_memopt.quantization import _bnb_linear
+    from colab_memopt.techniques.quantization import _bnb_linear
 
     out_f, in_f = shape
     with warnings.catch_warnings():
@@ -770,7 +770,7 @@ def test_qlora_plan_lines_only_where_cuda_runs_a_4bit_base():
 
 
 def test_qlora_from_a_checkpoint_is_quantized_per_tensor_while_loading(monkeypatch):
-    import colab_memopt.loading as loading
+    import colab_memopt.training.loading as loading
 
     monkeypatch.setattr(loading, "has_weights", lambda spec: True)  # as for a hub id: transformers quantizes on load
     p = planner.plan("small", 2, seq_len=64, recipe={"quantization": "nf4", "lora_rank": 4}, target="t4", find_max_batch=False)

@@ -1,7 +1,7 @@
 import pytest
 
-from colab_memopt.presets import MODES, PRESETS, RENAMED, mixed_precision, mode_fields, preset_fields, preset_names
-from colab_memopt.recipe import Recipe
+from colab_memopt.training.presets import MODES, PRESETS, RENAMED, mixed_precision, mode_fields, preset_fields, preset_names
+from colab_memopt.training.recipe import Recipe
 
 
 def test_every_preset_builds_a_valid_recipe_per_mode():
@@ -69,7 +69,7 @@ def test_probe_rows_79_80_an_unknown_target_or_model_is_named():
 
 
 def test_preset_target_names_are_the_planners():
-    from colab_memopt.planner import TARGETS
-    from colab_memopt.presets import TARGET_NAMES
+    from colab_memopt.planning.planner import TARGETS
+    from colab_memopt.training.presets import TARGET_NAMES
 
     assert sorted(TARGET_NAMES) == sorted(TARGETS)

@@ -6,7 +6,7 @@ from torch import nn
 
 import colab_memopt as cm
 from colab_memopt import estimate
-from colab_memopt.quantization import (
+from colab_memopt.techniques.quantization import (
     Int8Linear, add_lora, dequantize_int8, linear_weight_bytes, quantization_error, quantize_int8, quantize_model,
 )
 
@@ -150,7 +150,7 @@ def test_quantize_model_finds_linear_layers_by_what_they_are():
     from transformers import GPT2Config, GPT2LMHeadModel
     from transformers.pytorch_utils import Conv1D
 
-    from colab_memopt.quantization import Int8Linear, kept_in_high_precision, linear_layers, quantize_model
+    from colab_memopt.techniques.quantization import Int8Linear, kept_in_high_precision, linear_layers, quantize_model
 
     class FamilyLinear(nn.Linear):  # a transformers family that subclasses nn.Linear under its own name
         pass
@@ -178,7 +178,7 @@ def test_quantize_model_works_on_an_encoder_decoder_model_with_qlora():
     """T5 keeps 'wo' in fp32 (transformers' _keep_in_fp32_modules): quantizing it broke the forward (a dtype error)."""
     from transformers import T5Config, T5ForConditionalGeneration
 
-    from colab_memopt.quantization import add_lora, kept_in_high_precision, quantize_model
+    from colab_memopt.techniques.quantization import add_lora, kept_in_high_precision, quantize_model
 
     t5 = T5ForConditionalGeneration(T5Config(vocab_size=128, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
                                              decoder_start_token_id=0))
@@ -196,7 +196,7 @@ def test_quantize_model_works_on_an_encoder_decoder_model_with_qlora():
 def test_quantize_model_refusal_names_the_model_and_what_was_kept():
     from torch import nn
 
-    from colab_memopt.quantization import quantize_model
+    from colab_memopt.techniques.quantization import quantize_model
 
     with pytest.raises(ValueError, match=r"no linear layer to quantize in Sequential .*kept in high precision: \['0'\]"):
         quantize_model(nn.Sequential(nn.Linear(4, 4)), "int8_channel", skip=("0",))

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 import colab_memopt as cm
-from colab_memopt.train import train_step
+from colab_memopt.training.train import train_step
 
 
 def test_default_recipe_builds_adamw():
@@ -62,7 +62,7 @@ def test_compression_survives_the_default_checkpointing_policy(corpus):
 
 
 def test_checkpointing_removal_restores_the_forward_it_replaced():
-    from colab_memopt.checkpointing import apply_checkpointing, remove_checkpointing
+    from colab_memopt.techniques.checkpointing import apply_checkpointing, remove_checkpointing
 
     model = cm.build_model("tiny")
     marker = model.blocks[0].forward
@@ -121,8 +121,8 @@ def test_lora_base_dtype_is_validated(fields, says):
 
 
 def test_update_rounding_is_built_and_refused_for_fp32_weights():
-    from colab_memopt.recipe import Recipe
-    from colab_memopt.rounding import UpdateRounding
+    from colab_memopt.training.recipe import Recipe
+    from colab_memopt.techniques.rounding import UpdateRounding
 
     with pytest.raises(ValueError, match="update_rounding='kahan' rounds updates into 16-bit weights"):
         Recipe(update_rounding="kahan")
@@ -220,7 +220,7 @@ def test_every_field_has_a_backend_row_and_a_sample():
     # A new Recipe field must say which backends apply it (recipe.FIELD_BACKENDS) and how this test sees it.
     from dataclasses import fields
 
-    from colab_memopt.recipe import BACKENDS, FIELD_BACKENDS
+    from colab_memopt.training.recipe import BACKENDS, FIELD_BACKENDS
 
     names = {f.name for f in fields(cm.Recipe)}
     assert set(FIELD_BACKENDS) == names, f"rows missing: {sorted(names - set(FIELD_BACKENDS))}, stale: {sorted(set(FIELD_BACKENDS) - names)}"
@@ -232,7 +232,7 @@ def test_every_field_has_a_backend_row_and_a_sample():
 @pytest.mark.parametrize("name", sorted(FIELD_SAMPLES))
 def test_build_applies_every_field_plan_counts_or_both_refuse_it(name, backend, monkeypatch):
     from colab_memopt import zero
-    from colab_memopt.recipe import FIELD_BACKENDS
+    from colab_memopt.training.recipe import FIELD_BACKENDS
 
     values, applied = FIELD_SAMPLES[name]
     if backend == "deepspeed" and not values.keys() & SELECTORS:
@@ -298,7 +298,7 @@ def test_probe3_row_221_offload_keep_blocks_beyond_the_blocks_is_refused_before_
 
 
 def test_probe3_rows_403_409_recipe_settings_names_every_field_it_cannot_say():
-    from colab_memopt.hfconfig import recipe_settings
+    from colab_memopt.planning.hfconfig import recipe_settings
 
     # weight_dtype, mlp_tile_tokens and optimizer_rank were dropped with an empty not_expressible
     cases = {
@@ -327,7 +327,7 @@ def test_probe3_rows_403_409_recipe_settings_names_every_field_it_cannot_say():
 
 
 def test_probe3_row_409_recipe_settings_notes_an_effective_batch_the_trainer_cannot_split():
-    from colab_memopt.hfconfig import recipe_settings
+    from colab_memopt.planning.hfconfig import recipe_settings
 
     out = recipe_settings(cm.Recipe(accumulation_steps=2), 3, 64)
     args = out["training_args"]

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import colab_memopt as cm
-from colab_memopt.evaluation import generate
+from colab_memopt.techniques.evaluation import generate
 from test_recipe import FIELD_MODELS, FIELD_SAMPLES, SELECTORS
 
 RECIPES = {name: values for name, (values, _) in sorted(FIELD_SAMPLES.items())

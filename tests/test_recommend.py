@@ -3,10 +3,10 @@ import warnings
 
 import pytest
 
-from colab_memopt.__main__ import main
-from colab_memopt.costs import TECHNIQUES, TechniqueCosts
-from colab_memopt.models import build_model
-from colab_memopt.recommender import CANDIDATE_AXES, NoRecipeFits, candidate_recipes, recommend
+from colab_memopt.tooling.cli import main
+from colab_memopt.planning.costs import TECHNIQUES, TechniqueCosts
+from colab_memopt.techniques.models import build_model
+from colab_memopt.planning.recommender import CANDIDATE_AXES, NoRecipeFits, candidate_recipes, recommend
 
 # Made-up ratios for the logic tests (the committed, measured ones are used by the CLI test).
 COSTS = TechniqueCosts(ratios={k: 1.0 + 0.1 * i for i, k in enumerate(TECHNIQUES)}, device="test", model="tiny", batch=1, seq_len=8)
@@ -122,7 +122,7 @@ def _tiny():
 
 def test_probe_row_122_a_factory_past_its_sequence_length_is_refused_as_plan_refuses_it():
     # was: 'fp32 AdamW (baseline)', fits, the reason only in rec.plan.warnings
-    from colab_memopt.planner import plan
+    from colab_memopt.planning.planner import plan
 
     with pytest.raises(ValueError) as by_plan:
         plan(_tiny, 1, seq_len=100)
@@ -232,7 +232,7 @@ def test_the_t4_recommendation_uses_the_t4_table_and_says_which_rows_are_priors(
 
 
 def test_a_cpu_measurement_is_never_applied_to_a_cuda_target_and_fp32_can_be_asked_for():
-    from colab_memopt.costs import load_technique_costs
+    from colab_memopt.planning.costs import load_technique_costs
 
     with pytest.raises(ValueError, match=r"measured on a 'cpu' device .* target 't4' is of class 't4'"):
         recommend("smollm2-135m", 1, seq_len=128, target="t4", costs=load_technique_costs(), method="analytic")
@@ -269,7 +269,7 @@ def _least_need(cands):
 
 def test_long_context_candidates_come_in_when_no_plain_one_fits():
     from colab_memopt import estimate
-    from colab_memopt.planner import shape_model
+    from colab_memopt.planning.planner import shape_model
 
     long = candidate_recipes(1, long_context=True)
     assert long and all(r.checkpointing == "offload" or r.loss_chunk_tokens for r in long)
@@ -291,9 +291,9 @@ def test_long_context_candidates_come_in_when_no_plain_one_fits():
 def test_offloaded_checkpoints_over_the_host_ram_do_not_fit():
     from dataclasses import replace
 
-    from colab_memopt.costs import expected_slowdown
-    from colab_memopt.planner import Target, offloaded_checkpoint_bytes, plan
-    from colab_memopt.recommender import Candidate
+    from colab_memopt.planning.costs import expected_slowdown
+    from colab_memopt.planning.planner import Target, offloaded_checkpoint_bytes, plan
+    from colab_memopt.planning.recommender import Candidate
 
     offload = [r for r in candidate_recipes(1, long_context=True) if r.checkpointing == "offload"][0]
     with warnings.catch_warnings():
@@ -313,7 +313,7 @@ def test_offloaded_checkpoints_over_the_host_ram_do_not_fit():
 def test_full_fine_tuning_by_name_tries_the_lean_full_candidates_and_auto_goes_to_lora():
     # a 3B model does not fully fine-tune on a T4 with fp32 master weights; full fine-tuning asked for by
     # name tries 16-bit weights / LOMO / GaLore / ...; 'auto' passes over full fine-tuning to LoRA, as the guides do.
-    from colab_memopt.recommender import FULL_CANDIDATES, full_candidates
+    from colab_memopt.planning.recommender import FULL_CANDIDATES, full_candidates
 
     full = recommend("llama-3.2-3b", 1, seq_len=512, target="t4", mode="full", method="analytic")
     lean = {r for _, r in full_candidates(target="t4", model="llama-3.2-3b")}
@@ -328,8 +328,8 @@ def test_full_fine_tuning_by_name_tries_the_lean_full_candidates_and_auto_goes_t
 
 
 def test_finetune_lr_follows_the_mode_ten_times_apart():
-    from colab_memopt.recipe import Recipe
-    from colab_memopt.recommender import finetune_lr
+    from colab_memopt.training.recipe import Recipe
+    from colab_memopt.planning.recommender import finetune_lr
 
     full, lora, qlora = Recipe(precision="fp16-autocast"), Recipe(lora_rank=16), Recipe(lora_rank=16, quantization="nf4")
     assert finetune_lr(full) == 2e-5 and finetune_lr(lora) == finetune_lr(qlora) == 2e-4

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import colab_memopt as cm
-from colab_memopt.report import VERDICTS, merge_results, summary_table
+from colab_memopt.core.report import VERDICTS, merge_results, summary_table
 
 
 def _report(peak, seconds, label="x"):
@@ -59,7 +59,7 @@ def test_a_claim_without_a_measurement_gets_no_holds_or_does_not_hold(verdict):
 
 
 def test_bf16_matmul_check_measures_nothing_off_cuda():
-    from colab_memopt.precision import bf16_matmul_check
+    from colab_memopt.techniques.precision import bf16_matmul_check
 
     got = bf16_matmul_check("cpu")
     assert got["measured"] is False and "not CUDA" in got["why"]

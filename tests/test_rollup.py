@@ -2,9 +2,9 @@ import re
 
 import pytest
 
-from colab_memopt.project import colab_url
-from colab_memopt.rollup import INDEX_END, INDEX_START, claims_markdown, index_markdown, measured_effect, notebook_title, update_readme
-from colab_memopt.runner import NOTEBOOK_DIR
+from colab_memopt.tooling.project import colab_url
+from colab_memopt.tooling.rollup import INDEX_END, INDEX_START, claims_markdown, index_markdown, measured_effect, notebook_title, update_readme
+from colab_memopt.tooling.runner import NOTEBOOK_DIR
 
 README = NOTEBOOK_DIR.parent / "README.md"
 NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("[0-9][0-9]_*.ipynb"))
@@ -76,7 +76,7 @@ def test_generated_index_matches_the_notebooks():
 
 
 def test_runner_names_notebooks_by_stem_prefix_or_path():
-    from colab_memopt.runner import notebook_paths
+    from colab_memopt.tooling.runner import notebook_paths
 
     by_stem = notebook_paths(["10_deepspeed_zero"])
     assert [p.stem for p in by_stem] == ["10_deepspeed_zero"]
@@ -89,8 +89,8 @@ def test_runner_names_notebooks_by_stem_prefix_or_path():
 def test_readme_refresh_refuses_partial_results_and_leaves_the_readme(tmp_path, capsys):
     import json
 
-    from colab_memopt.rollup import main as rollup_main
-    from colab_memopt.rollup import missing_notebooks
+    from colab_memopt.tooling.rollup import main as rollup_main
+    from colab_memopt.tooling.rollup import missing_notebooks
 
     readme = tmp_path / "README.md"
     readme.write_text(f"a\n{INDEX_START}\nSTALE ROW\n{INDEX_END}\nb")
@@ -111,7 +111,7 @@ def test_make_run_writes_under_its_build_folder_only(tmp_path, monkeypatch):
     """The runner (make run) writes results, claims and executed notebooks under --out; never README.md."""
     import json
 
-    import colab_memopt.runner as runner
+    import colab_memopt.tooling.runner as runner
 
     readme_before = README.read_text()
     stems = ["02_mixed_precision"]
@@ -135,7 +135,7 @@ def test_make_run_writes_under_its_build_folder_only(tmp_path, monkeypatch):
 def test_runner_never_waits_on_a_cell_forever(tmp_path, monkeypatch):
     import papermill
 
-    import colab_memopt.runner as runner
+    import colab_memopt.tooling.runner as runner
 
     seen = {}
     monkeypatch.setattr(papermill, "execute_notebook", lambda *a, **kw: seen.update(kw))
@@ -154,7 +154,7 @@ def test_runner_reruns_a_notebook_once_after_a_cell_timeout(failures, exit_code,
 
     from nbclient.exceptions import CellTimeoutError
 
-    import colab_memopt.runner as runner
+    import colab_memopt.tooling.runner as runner
 
     stem = "08_activation_compression"
     calls = []
@@ -197,8 +197,8 @@ def test_runner_outside_a_checkout_says_so_in_one_line(tmp_path, capsys, monkeyp
 
 def test_readme_first_screen_is_for_a_learner():
     """'Start here' within the first 40 lines, with the generated badges of the whole Start here part."""
-    from colab_memopt.project import FIRST_SCREEN
-    from colab_memopt.rollup import START_HERE_END, START_HERE_START, start_here_markdown
+    from colab_memopt.tooling.project import FIRST_SCREEN
+    from colab_memopt.tooling.rollup import START_HERE_END, START_HERE_START, start_here_markdown
 
     text = README.read_text()
     assert "## Start here" in "\n".join(text.splitlines()[:40])
@@ -222,8 +222,8 @@ def test_one_course_path_everywhere_with_19_on_it():
     """The README's Start here list and index, notebooks/README.md and the Next links give one path, 19 on it."""
     import json
 
-    from colab_memopt.project import COURSE, COURSE_ORDER, FIRST_SCREEN, next_notebook
-    from colab_memopt.rollup import START_HERE_END, START_HERE_START
+    from colab_memopt.tooling.project import COURSE, COURSE_ORDER, FIRST_SCREEN, next_notebook
+    from colab_memopt.tooling.rollup import START_HERE_END, START_HERE_START
 
     path = list(COURSE[0][1])
     assert COURSE[0][0] == "Start here" and list(FIRST_SCREEN) == path
@@ -244,7 +244,7 @@ def test_one_course_path_everywhere_with_19_on_it():
 
 
 def test_the_readme_says_once_where_the_path_leaves_the_numbers():
-    from colab_memopt.project import FIRST_SCREEN, order_note
+    from colab_memopt.tooling.project import FIRST_SCREEN, order_note
 
     assert order_note(("00_a", "01_b", "02_c")) == ""
     assert "this path goes from 01 to 03 and from 03 to 02;" in order_note(("00_a", "01_b", "03_c", "02_d"))
@@ -254,8 +254,8 @@ def test_the_readme_says_once_where_the_path_leaves_the_numbers():
 
 def test_readme_index_says_what_each_notebook_teaches_and_figures_only_from_a_t4():
     """A CPU run's toy figures, a CI target's name and an emulating GPU's figures never reach the index."""
-    from colab_memopt.project import TEACHES, teaches
-    from colab_memopt.rollup import measured_on_t4
+    from colab_memopt.tooling.project import TEACHES, teaches
+    from colab_memopt.tooling.rollup import measured_on_t4
 
     assert sorted(TEACHES) == [p.stem for p in NOTEBOOKS]
     assert all(0 < len(line) <= 100 and line == line.strip() for line in TEACHES.values())

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from colab_memopt.rounding import DynamicLossScaler, UpdateRounding, stochastic_round
+from colab_memopt.techniques.rounding import DynamicLossScaler, UpdateRounding, stochastic_round
 
 
 def _regression(dtype: torch.dtype, steps: int, make_opt, *, seed: int = 0) -> tuple[torch.Tensor, list[float]]:

@@ -5,7 +5,7 @@ import torch
 
 import colab_memopt as cm
 from colab_memopt import estimate, structured as st
-from colab_memopt.offload import OffloadManager
+from colab_memopt.techniques.offload import OffloadManager
 
 
 def _tridiag_plus_rank(n, r, seed=0):

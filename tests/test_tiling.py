@@ -7,8 +7,8 @@ import torch
 
 import colab_memopt as cm
 from colab_memopt import planner
-from colab_memopt.checkpointing import checkpoint_offloader
-from colab_memopt.tiling import apply_tiled_mlp, find_mlps, remove_tiled_mlp
+from colab_memopt.techniques.checkpointing import checkpoint_offloader
+from colab_memopt.techniques.tiling import apply_tiled_mlp, find_mlps, remove_tiled_mlp
 from test_planner import _plan_and_measure  # plan and measure one recipe through the same step (tests/ is on sys.path)
 
 CPU_TARGET = {"name": "cpu-test", "device_bytes": 2**30, "host_bytes": 64 * 2**30, "cuda": False}
@@ -171,7 +171,7 @@ def test_longest_sequence_splits_the_checkpoints_when_the_host_is_short():
 
 
 def test_context_command_answers_per_mode(capsys):
-    from colab_memopt.__main__ import main
+    from colab_memopt.tooling.cli import main
 
     assert main(["context", "--model", "tiny", "--mode", "full", "--step", "32", "--max-plans", "3", "--json"]) == 0
     import json
@@ -184,7 +184,7 @@ def test_context_command_answers_per_mode(capsys):
 
 
 def test_auto_loss_chunk_is_chosen_from_the_memory_left():
-    from colab_memopt.loss import DEFAULT_CHUNK_TOKENS, auto_chunk_tokens
+    from colab_memopt.techniques.loss import DEFAULT_CHUNK_TOKENS, auto_chunk_tokens
 
     assert auto_chunk_tokens(0, 128256, 4096, 49152) == DEFAULT_CHUNK_TOKENS
     # 529,288 bytes per chunk token at Llama-3's vocabulary (one fp32 logits row, traced)
@@ -202,7 +202,7 @@ def test_auto_loss_chunk_is_chosen_from_the_memory_left():
 
 def test_tiled_norm_keeps_the_gradients_and_saves_only_its_16_bit_input_and_a_scale_per_token():
     """transformers' RMSNorm saves an fp32 copy of a 16-bit input; the tiled norm its input and one fp32 scale."""
-    from colab_memopt.tiling import apply_tiled_norm, find_rmsnorms, remove_tiled_norm
+    from colab_memopt.techniques.tiling import apply_tiled_norm, find_rmsnorms, remove_tiled_norm
 
     x = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(0))
     plain, tiled = _tiny_llama(), _tiny_llama()

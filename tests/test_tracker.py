@@ -3,7 +3,7 @@
 import torch
 from torch import nn
 
-from colab_memopt.tracker import CATEGORIES, LiveBytesMode, TensorTracker
+from colab_memopt.core.tracker import CATEGORIES, LiveBytesMode, TensorTracker
 
 
 def test_private_names_we_use_exist():

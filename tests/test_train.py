@@ -1,7 +1,7 @@
 import pytest
 
 import colab_memopt as cm
-from colab_memopt.train import run_steps
+from colab_memopt.training.train import run_steps
 
 
 def test_run_steps_returns_every_loss_and_prints_the_mean_since_the_last_line():

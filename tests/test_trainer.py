@@ -221,7 +221,7 @@ output_dir: {out}
 def test_cli_plans_a_trl_yaml_config(tmp_path, capsys):
     import json
 
-    from colab_memopt.__main__ import main
+    from colab_memopt.tooling.cli import main
 
     Qwen2Config(**DIMS).save_pretrained(tmp_path / "model")
     config = tmp_path / "sft.yaml"

@@ -19,7 +19,7 @@ from trl import SFTConfig  # noqa: E402
 
 import colab_memopt as cm  # noqa: E402
 from colab_memopt import trainer as tr  # noqa: E402
-from colab_memopt.__main__ import main  # noqa: E402
+from colab_memopt.tooling.cli import main  # noqa: E402
 
 CFG = dict(vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
            num_key_value_heads=2)

@@ -27,7 +27,7 @@ from trl import SFTConfig, SFTTrainer  # noqa: E402
 
 import colab_memopt as cm  # noqa: E402
 from colab_memopt import trainer as tr  # noqa: E402
-from colab_memopt.hfconfig import save_example_chat_model  # noqa: E402
+from colab_memopt.planning.hfconfig import save_example_chat_model  # noqa: E402
 
 SEQ = 64
 
@@ -238,7 +238,7 @@ def test_a_trainer_whose_model_lives_on_cuda_is_planned_on_cpu_fakes(bf16_folder
 def test_cli_plans_the_dtype_given_with_training_args(bf16_folder, tmp_path, capsys):
     import json
 
-    from colab_memopt.__main__ import main
+    from colab_memopt.tooling.cli import main
 
     config = tmp_path / "sft.yaml"
     config.write_text(f"model_name_or_path: {bf16_folder}\nmax_length: 16\nper_device_train_batch_size: 1\n"

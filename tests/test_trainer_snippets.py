@@ -149,7 +149,7 @@ def _build_trainers(namespace: dict, checkpoint: str, name: str) -> None:
 def _check_fp16_trainable(trainer, name: str) -> None:
     """Under fp16=True the trainer's trainable weights are fp32 (the GradScaler cannot unscale bf16 or fp16 ones on a
     GPU: TRL's bf16 cast of a 4-bit model's LoRA weights, trl#4901), unless MemoryGuardCallback casts them."""
-    from colab_memopt.guard import MemoryGuardCallback, half_trainable
+    from colab_memopt.planning.guard import MemoryGuardCallback, half_trainable
 
     if not trainer.args.fp16 or any(isinstance(c, MemoryGuardCallback) for c in trainer.callback_handler.callbacks):
         return

@@ -1,11 +1,11 @@
-"""make gpu-wheels (colab_memopt.wheelhouse): what a lent GPU machine lacks, and its split into carries; no download here."""
+"""make gpu-wheels (colab_memopt.tooling.wheelhouse): what a lent GPU machine lacks, and its split into carries; no download here."""
 
 from __future__ import annotations
 
 import pytest
 
 from colab_memopt import wheelhouse
-from colab_memopt.gpucheck import NEEDED
+from colab_memopt.tooling.gpucheck import NEEDED
 
 MiB = 2**20
 
@@ -64,7 +64,7 @@ def test_sdist_groups_come_last_in_parts_of_their_own_so_part1_holds_every_wheel
     assert [p.packages for p in wheelhouse.split(groups, sizes, 60 * MiB)] == [["bnb", "trl", "deepspeed"]]
     assert parts[1].files == ["deepspeed", "setuptools", "pydantic"] and parts[1].bytes == 4 * MiB
     # make gpu-wheels writes part1 where the one call's carry names it
-    from colab_memopt.gpucheck import CARRY
+    from colab_memopt.tooling.gpucheck import CARRY
 
     assert wheelhouse.REPO_ROOT / CARRY == wheelhouse.REPO_ROOT / "build" / "wheelhouse" / parts[0].name
     assert "WHEELHOUSE_DIR ?= build/wheelhouse" in (wheelhouse.REPO_ROOT / "Makefile").read_text()

@@ -122,7 +122,7 @@ HEADLESS_FAILURES = {
 def test_a_failing_panel_fails_the_headless_run(kind, tmp_path):
     # Before the panel raised again, both notebooks ran to their last cell and the runner recorded them as passed.
     nbformat = pytest.importorskip("nbformat")
-    from colab_memopt.runner import failure_line, run_notebook
+    from colab_memopt.tooling.runner import failure_line, run_notebook
 
     body, expected = HEADLESS_FAILURES[kind]
     nb = nbformat.v4.new_notebook()

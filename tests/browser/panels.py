@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from colab_memopt.widgets import OUTPUT_CLASS, PANEL_CLASS, RUN_CLASS
+from colab_memopt.tooling.widgets import OUTPUT_CLASS, PANEL_CLASS, RUN_CLASS
 
 CHROMIUM = Path(os.environ.get("CHROMIUM", "/usr/bin/chromium"))
 # What this closed network needs: no GPU, no sandbox (root in CI), no calls home, a fresh profile.

@@ -14,7 +14,7 @@ import re
 import nbformat
 import pytest
 
-from colab_memopt.runner import CPU_PARAMS_FILE, NOTEBOOK_DIR, REPO_ROOT, load_cpu_parameters, parameters_for, prepare_notebook
+from colab_memopt.tooling.runner import CPU_PARAMS_FILE, NOTEBOOK_DIR, REPO_ROOT, load_cpu_parameters, parameters_for, prepare_notebook
 
 import panels
 

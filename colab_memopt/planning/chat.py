@@ -1,0 +1,154 @@
+"""Chat fine-tuning's data and its way out: records to TRL's `messages`, and what merging an adapter costs.
+
+    import colab_memopt as cm
+    cm.to_messages({"instruction": "Name a colour.", "input": "", "output": "Blue."})
+    # {'messages': [{'role': 'user', 'content': 'Name a colour.'}, {'role': 'assistant', 'content': 'Blue.'}]}
+    print(cm.merge_cost("Qwen/Qwen2.5-1.5B-Instruct"))   # host RAM / GPU memory to merge a LoRA into it
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+# ShareGPT's speaker names, as the datasets that use the format write them, and the chat roles they stand for
+# 40 short chats in prompt-completion shape (JSONL), shipped with the package: notebook 19's default data.
+SAMPLE_CHATS = Path(__file__).resolve().with_name("chat_sample.jsonl")
+
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "bot": "assistant",
+                  "chatgpt": "assistant", "model": "assistant", "system": "system", "tool": "tool"}
+
+
+def to_messages(record: Mapping[str, Any], *, system: str | None = None) -> dict[str, list[dict[str, str]]]:
+    """Return one dataset record as TRL's conversational form, `{"messages": [{"role": ..., "content": ...}, ...]}`.
+
+    Accepts the forms chat datasets come in:
+    - Alpaca: `instruction`, optional `input` (appended to the instruction after a blank line), `output`;
+    - ShareGPT: `conversations` (or `messages`) as a list of `{"from": "human"|"gpt"|..., "value": ...}`;
+    - TRL's prompt-completion: `prompt` and `completion`, each a list of messages or a string;
+    - TRL's `messages` (returned as they are).
+    `system` puts a system message first where the record has none. Use it with `datasets.Dataset.map`:
+
+    Example:
+        >>> ds = ds.map(cm.to_messages, remove_columns=ds.column_names)   # then SFTTrainer(train_dataset=ds)
+    """
+    if not isinstance(record, Mapping):
+        raise TypeError(f"record must be a dict (one dataset row), got {type(record).__name__}")
+    if "instruction" in record and "output" in record:  # Alpaca
+        prompt = str(record["instruction"])
+        if record.get("input"):
+            prompt = f"{prompt}\n\n{record['input']}"
+        messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": str(record["output"])}]
+    elif "conversations" in record or ("messages" in record and _sharegpt(record["messages"])):  # ShareGPT
+        turns = record.get("conversations", record.get("messages"))
+        messages = []
+        for turn in turns:
+            speaker = str(turn.get("from", "")).lower()
+            if speaker not in SHAREGPT_ROLES:
+                raise ValueError(f"unknown ShareGPT speaker {turn.get('from')!r}: use one of {sorted(SHAREGPT_ROLES)}")
+            messages.append({"role": SHAREGPT_ROLES[speaker], "content": str(turn.get("value", ""))})
+    elif "messages" in record:  # already TRL's conversational form
+        messages = [dict(m) for m in record["messages"]]
+    elif "prompt" in record and "completion" in record:  # TRL's prompt-completion
+        messages = _as_turns(record["prompt"], "user") + _as_turns(record["completion"], "assistant")
+    else:
+        raise ValueError(f"cannot read a chat from a record with fields {sorted(record)}: expected Alpaca "
+                         "(instruction, input, output), ShareGPT (conversations of from/value), "
+                         "prompt/completion or messages")
+    if system is not None and not (messages and messages[0]["role"] == "system"):
+        messages.insert(0, {"role": "system", "content": system})
+    return {"messages": messages}
+
+
+def _sharegpt(turns: Any) -> bool:
+    return isinstance(turns, list) and bool(turns) and isinstance(turns[0], dict) and "from" in turns[0]
+
+
+def _as_turns(value: Any, role: str) -> list[dict[str, str]]:
+    if isinstance(value, str):
+        return [{"role": role, "content": value}]
+    return [dict(m) for m in value]
+
+
+@dataclass(frozen=True)
+class MergeCost:
+    """The memory that merging a LoRA adapter into its base takes (`merge_cost`): bytes, counted from the model's
+    parameters and the dtype the base is loaded in."""
+
+    parameters: int  # the base model's parameters (tied weights once)
+    dtype: torch.dtype  # the dtype the base is loaded in for the merge
+    weights_bytes: int  # the base in that dtype: what the merged model holds, and what its saved files hold
+    adapter_bytes: int  # LoRA's A and B in fp32 on every Linear but the head (peft's default dtype for them)
+    update_bytes: int  # the largest layer's update while it is added: B @ A and its scaled copy, in fp32
+    largest_layer: str  # the layer that update belongs to
+
+    @property
+    def peak_bytes(self) -> int:
+        """The peak of `merge_and_unload()`: the base's weights, the adapter and one layer's update."""
+        return self.weights_bytes + self.adapter_bytes + self.update_bytes
+
+    def __str__(self) -> str:
+        from colab_memopt.core.measure import format_bytes
+
+        name = str(self.dtype).removeprefix("torch.")
+        count = f"{self.parameters / 1e9:.2f}B" if self.parameters >= 1e8 else f"{self.parameters:,}"
+        return (f"merge in {name}: {format_bytes(self.peak_bytes)} at the peak\n"
+                f"  {format_bytes(self.weights_bytes)} of weights ({count} parameters), "
+                f"+{format_bytes(self.adapter_bytes)} adapter, +{format_bytes(self.update_bytes)} one layer's update")
+
+
+def merge_cost(model: Any, dtype: torch.dtype | str = torch.float16, *, r: int = 16) -> MergeCost:
+    """Return what merging a LoRA adapter into `model` loaded in `dtype` holds at its peak, without loading it.
+
+    `merge_and_unload()` needs the base in 16-bit (a 4-bit base cannot take the update exactly): its weights in
+    `dtype`, the adapter (fp32), and while each layer is merged that layer's update: peft computes `B @ A` and
+    its scaled copy in the adapter's dtype, then adds it to the weight. The same bytes on the CPU (host RAM) or a
+    GPU, whichever the base is loaded on; the adapter is counted on every Linear but the head (an upper bound
+    for any `target_modules`).
+
+    Args:
+        model: a Hugging Face model id or local folder, a `PretrainedConfig`, one of
+            `architectures.model_names()`, or a model (`nn.Module`, not quantized).
+        dtype: the dtype the base is loaded in for the merge: torch.float16 (a T4), torch.bfloat16 or
+            torch.float32, or their names.
+        r: the LoRA rank (`LoraConfig(r=...)`).
+
+    Example:
+        >>> cost = cm.merge_cost("Qwen/Qwen2.5-1.5B-Instruct", torch.float16)
+        >>> cost.peak_bytes <= cm.COLAB_HOST_RAM_BYTES
+    """
+    names = {"float16": torch.float16, "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+             "float32": torch.float32, "fp32": torch.float32}
+    if isinstance(dtype, str):
+        if dtype not in names:
+            raise ValueError(f"dtype must be 'float16', 'bfloat16' or 'float32', got {dtype!r}")
+        dtype = names[dtype]
+    if dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"dtype must be torch.float16, torch.bfloat16 or torch.float32, got {dtype}")
+    if isinstance(model, nn.Module):
+        net = model
+    else:
+        from colab_memopt.techniques.architectures import resolve_model
+
+        spec = resolve_model(model)
+        with torch.device("meta"):
+            net = spec.build()
+    params = {id(p): p for p in net.parameters()}  # tied weights once
+    if any(p.dtype == torch.uint8 or type(p).__name__ == "Params4bit" for p in params.values()):
+        raise ValueError("model is quantized: give its id, folder or config (the merge loads the base in 16-bit)")
+    parameters = sum(p.numel() for p in params.values())
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    head = net.get_output_embeddings() if hasattr(net, "get_output_embeddings") else None  # LoRA leaves it
+    layers = [(name, m.weight.numel()) for name, m in net.named_modules() if isinstance(m, nn.Linear) and m is not head]
+    largest_layer, largest = max(layers, key=lambda nl: nl[1], default=("", 0))
+    if not (isinstance(r, int) and r >= 1):
+        raise ValueError(f"r must be an int >= 1 (LoraConfig's rank), got {r!r}")
+    adapter_bytes = sum(r * (m.in_features + m.out_features) * 4 for name, m in net.named_modules()
+                        if isinstance(m, nn.Linear) and m is not head)  # bytes: A (r, in), B (out, r) in fp32
+    update_bytes = largest * 4 * 2  # bytes: B @ A and B @ A * scaling, both (out, in) in fp32
+    return MergeCost(parameters, dtype, parameters * itemsize, adapter_bytes, update_bytes, largest_layer)

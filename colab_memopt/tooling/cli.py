@@ -1,0 +1,311 @@
+"""Command line.
+
+    python -m colab_memopt plan --model gpt2 --batch 8 --seq 1024 --target t4 [--json]
+    python -m colab_memopt plan --model ID --training-args sft.yaml [--lora FILE] [--bnb FILE] [--dtype bfloat16] --target t4
+    python -m colab_memopt recommend --model llama-3.2-1b --seq 512 --target t4 [--mode auto] [--json]
+    python -m colab_memopt doctor --model Qwen/Qwen2.5-0.5B --recipe precision=bf16-autocast --target t4 [--json]
+
+Exit codes: 0 an answer, 1 it does not fit (plan) or no recipe fits (recommend), 2 bad input (one
+line naming the value and what is allowed), 3 an internal error (with its traceback on stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+import traceback
+import warnings
+from typing import Any, NoReturn
+
+
+def _value(text: str) -> Any:
+    for convert in (int, float):
+        try:
+            return convert(text)
+        except ValueError:
+            pass
+    return {"none": None, "true": True, "false": False}.get(text.lower(), text)
+
+
+# Fields whose value is a tuple: given as comma-separated names (lora_targets=c_attn,c_proj).
+_TUPLE_FIELDS = ("lora_targets",)
+
+
+def _recipe_fields(items: list[str]) -> dict[str, Any]:
+    fields = {}
+    for item in items:
+        if "=" not in item:
+            raise ValueError(f"--recipe takes field=value pairs, got {item!r}")
+        key, value = item.split("=", 1)
+        key, value = key.strip(), value.strip()
+        fields[key] = tuple(v.strip() for v in value.split(",") if v.strip()) if key in _TUPLE_FIELDS else _value(value)
+    return fields
+
+
+class UsageError(Exception):
+    """A command line argparse refuses (exit code 2)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises instead of printing usage and exiting, so that --json can answer with JSON."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{self.prog}: {message}")
+
+
+def _parser() -> argparse.ArgumentParser:
+    from colab_memopt.techniques.architectures import model_names
+    from colab_memopt.planning.planner import TARGETS
+
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        __version__ = version("colab-memopt")
+    except PackageNotFoundError:  # run from a checkout that was not pip-installed
+        __version__ = "(not installed)"
+    parser = _Parser(prog="python -m colab_memopt", description="colab-memopt tools. Exit codes: 0 an answer, "
+                     "1 does not fit / no recipe fits, 2 bad input, 3 an internal error.")
+    parser.add_argument("--version", action="version", version=f"colab-memopt {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{plan,recommend,doctor,context}")
+    p = sub.add_parser("plan", help="predict a training step's peak memory on a target, without a GPU")
+    p.add_argument("--model", default=None, help=f"one of: {', '.join(model_names())}; or a Hugging Face id, a local folder or a config.json "
+                   "(with --training-args, default: the file's model_name_or_path)")
+    p.add_argument("--batch", type=int, default=None, help="sequences per step (>= 1; with --training-args, from the file)")
+    p.add_argument("--seq", type=int, default=None, help="tokens per sequence (default: the model's maximum)")
+    p.add_argument("--target", default="t4", help=f"one of {', '.join(TARGETS)} (or give --device-bytes and --host-bytes)")
+    p.add_argument("--device-bytes", type=int, help="an explicit device memory size in bytes")
+    p.add_argument("--host-bytes", type=int, help="an explicit host RAM size in bytes")
+    p.add_argument("--recipe", nargs="*", default=[], metavar="FIELD=VALUE", help="recipe fields, e.g. optimizer=sgd")
+    p.add_argument("--method", default="auto", choices=["auto", "trace", "analytic"])
+    p.add_argument("--no-max-batch", action="store_true", help="skip the search for the largest batch")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--training-args", default=None, metavar="FILE",
+                   help="plan a Trainer run: a TrainingArguments / SFTConfig JSON or YAML (a TRL CLI config too)")
+    p.add_argument("--lora", nargs="+", default=None, metavar="FILE|FIELD=VALUE", help="a peft LoraConfig file or fields")
+    p.add_argument("--bnb", nargs="+", default=None, metavar="FILE|FIELD=VALUE", help="a BitsAndBytesConfig file or fields")
+    p.add_argument("--dtype", default=None, choices=["auto", "float32", "float16", "bfloat16"],
+                   help="with --training-args: the dtype you load the model in (default: as the run loads it: "
+                        "model_init_kwargs' dtype, else fp32, for TRL given the model id; the config's for a model you load)")
+
+    from colab_memopt.training.presets import MODES
+    from colab_memopt.planning.recommender import OBJECTIVES
+
+    r = sub.add_parser("recommend", help="the settings that fit a target with the shortest expected step time")
+    r.add_argument("--model", required=True, help=f"one of: {', '.join(model_names())}; or a Hugging Face id, a local folder or a config.json")
+    r.add_argument("--batch", type=int, default=1, help="effective batch (sequences per optimizer step; default 1)")
+    r.add_argument("--seq", type=int, default=None, help="tokens per sequence (default: the model's maximum)")
+    r.add_argument("--target", default="t4", help=f"one of {', '.join(TARGETS)} (or give --device-bytes and --host-bytes)")
+    r.add_argument("--device-bytes", type=int, help="an explicit device memory size in bytes")
+    r.add_argument("--host-bytes", type=int, help="an explicit host RAM size in bytes")
+    r.add_argument("--mode", default="auto", choices=["auto", *MODES], help="what is trained (auto: full, else LoRA, else QLoRA)")
+    r.add_argument("--objective", default="fastest", choices=list(OBJECTIVES))
+    r.add_argument("--headroom", type=float, default=0.10, help="fraction of device memory kept free (default 0.10)")
+    r.add_argument("--costs", default=None, help="a technique costs JSON of the target's device class (default: the "
+                   "package's table for the target's class: measured rows, published priors for the rest)")
+    r.add_argument("--no-half-precision", action="store_true",
+                   help="forbid 16-bit compute: every candidate trains in fp32 (default on CUDA: fp16 autocast on a T4, "
+                        "bf16 where native, and LoRA's frozen base in that dtype)")
+    r.add_argument("--method", default="auto", choices=["auto", "trace", "analytic"], help="planner method for the confirming plans")
+    r.add_argument("--json", action="store_true", help="print one JSON object")
+    c = sub.add_parser("context", help="the longest trainable sequence per mode on a target, and the recipe that reaches it")
+    c.add_argument("--model", required=True, help="a name, a Hugging Face id, a local folder or a config.json")
+    c.add_argument("--target", default="t4", help=f"one of {', '.join(TARGETS)} (or give --device-bytes and --host-bytes)")
+    c.add_argument("--device-bytes", type=int, help="an explicit device memory size in bytes")
+    c.add_argument("--host-bytes", type=int, help="an explicit host RAM size in bytes")
+    c.add_argument("--mode", action="append", choices=list(MODES), help="a mode to search (repeatable; default all)")
+    c.add_argument("--step", type=int, default=1024, help="the search's step in tokens (default 1024)")
+    c.add_argument("--max-plans", type=int, default=12, help="plans per mode at most (default 12)")
+    c.add_argument("--method", default="auto", choices=["auto", "trace", "analytic"])
+    c.add_argument("--json", action="store_true", help="print one JSON object")
+    d = sub.add_parser("doctor", help="the T4 pitfalls of a model and recipe, found before the first step")
+    d.add_argument("--model", required=True, help="a name, a Hugging Face id, a local folder or a config.json")
+    d.add_argument("--recipe", nargs="*", default=[], metavar="FIELD=VALUE", help="recipe fields, e.g. precision=bf16-autocast")
+    d.add_argument("--target", default="t4", help="a target name or auto (this GPU, else a T4)")
+    d.add_argument("--batch", type=int, default=1, help="sequences per step (default 1)")
+    d.add_argument("--seq", type=int, default=None, help="tokens per sequence (default: min(512, the model's maximum))")
+    d.add_argument("--method", default="auto", choices=["auto", "trace", "analytic"])
+    d.add_argument("--json", action="store_true", help="print one JSON object")
+    for command in (p, r, c, d):
+        command.add_argument("--verbose", action="store_true",
+                             help="print every figure with its source and derivation, and let the libraries' own "
+                                  "notes and warnings through to stderr (default: the answer, short)")
+    return parser
+
+
+@contextlib.contextmanager
+def _quiet(verbose: bool):
+    """Hide third-party notes (torchao's missing CUDA libraries, bitsandbytes' kernels note, transformers'
+    config and loss-type notes, torch's deprecation lines): logging below ERROR and Python warnings."""
+    import logging
+
+    if verbose:
+        yield
+        return
+    previous = logging.root.manager.disable
+    logging.disable(logging.WARNING)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        logging.disable(previous)
+
+
+def _target(args: argparse.Namespace) -> Any:
+    if args.device_bytes is not None or args.host_bytes is not None:
+        if args.device_bytes is None or args.host_bytes is None:
+            raise ValueError("--device-bytes and --host-bytes go together")
+        return {"name": "custom", "device_bytes": args.device_bytes, "host_bytes": args.host_bytes}
+    return args.target
+
+
+def _recommend(args: argparse.Namespace) -> tuple[int, Any]:
+    from colab_memopt.planning.costs import load_technique_costs
+    from colab_memopt.planning.recommender import recommend
+
+    result = recommend(
+        args.model, args.batch, seq_len=args.seq, target=_target(args), objective=args.objective, mode=args.mode,
+        headroom=args.headroom, costs=None if args.costs is None else load_technique_costs(args.costs), method=args.method,
+        half_precision=not args.no_half_precision,
+    )
+    return 0, result
+
+
+def _file_or_fields(items: list[str] | None) -> Any:
+    from colab_memopt.planning.hfconfig import inline_fields
+
+    if items is None:
+        return None
+    return items[0] if len(items) == 1 and "=" not in items[0] else inline_fields(items)
+
+
+def _plan_trainer(args: argparse.Namespace) -> tuple[int, Any]:
+    from colab_memopt.planning.hfconfig import read_training_config
+    from colab_memopt.planning.trainer import plan_trainer
+
+    if args.batch is not None or args.recipe:
+        raise ValueError("--training-args gives the batch and the settings: leave --batch and --recipe out")
+    if args.method == "analytic":
+        raise ValueError("--method analytic: a --training-args run is planned by tracing its Trainer's step; "
+                         "leave --method out (or give --method trace)")
+    cfg = read_training_config(args.training_args, lora=_file_or_fields(args.lora), bnb=_file_or_fields(args.bnb))
+    model = args.model or cfg.model
+    if model is None:
+        raise ValueError("--training-args: give --model (the file names no model_name_or_path)")
+    if args.seq is None and getattr(cfg.args, "max_length", None) is None:
+        raise ValueError("--training-args: the file sets no max_length: give --seq (tokens per sequence)")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = plan_trainer(cfg.args, model=model, lora=cfg.lora, bnb=cfg.bnb, target=_target(args), seq_len=args.seq,
+                              find_max_batch=not args.no_max_batch, dtype=args.dtype)
+    result.warnings += [f"read, no effect on memory: {k}" for k in cfg.ignored] + cfg.notes
+    return (0 if result.fits else 1), result
+
+
+def _plan(args: argparse.Namespace) -> tuple[int, Any]:
+    from colab_memopt.planning.planner import plan
+
+    if args.training_args is not None:
+        return _plan_trainer(args)
+    if args.lora is not None or args.bnb is not None:
+        raise ValueError("--lora and --bnb go with --training-args (for a Recipe, use --recipe lora_rank=16 quantization=nf4)")
+    if args.dtype is not None:
+        raise ValueError("--dtype goes with --training-args (for a Recipe's frozen base, use --recipe base_dtype=fp16)")
+    if args.model is None or args.batch is None:
+        raise ValueError("plan needs --model and --batch (or --training-args FILE)")
+    target: Any = _target(args)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # fallbacks are reported in the plan's own warnings
+        result = plan(
+            args.model, args.batch, seq_len=args.seq, recipe=_recipe_fields(args.recipe), target=target,
+            method=args.method, find_max_batch=not args.no_max_batch,
+        )
+    return (0 if result.fits else 1), result
+
+
+def _context(args: argparse.Namespace) -> tuple[int, Any]:
+    from colab_memopt.planning.capacity import check_max_plans, longest_context
+
+    check_max_plans(args.max_plans, "--max-plans")
+    if args.step < 1:
+        raise ValueError(f"--step must be an integer >= 1 (tokens), got {args.step}")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = longest_context(args.model, target=_target(args), modes=tuple(args.mode or ()) or ("full", "lora", "qlora"),
+                                 step_tokens=args.step, max_plans=args.max_plans, method=args.method)
+    return (0 if any(r.max_seq_len for r in result.results.values()) else 1), result
+
+
+def _doctor(args: argparse.Namespace) -> tuple[int, Any]:
+    from colab_memopt.planning.doctor import doctor
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = doctor(args.model, recipe=_recipe_fields(args.recipe), target=args.target, batch=args.batch,
+                        seq_len=args.seq, method=args.method)
+    return (0 if result.ok else 1), result
+
+
+def _finite(value: Any) -> Any:
+    """Return `value` with every non-finite float as None: --json prints strict JSON (no Infinity, no NaN)."""
+    import math
+
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the command line; return the exit code (0 an answer, 1 does not fit, 2 bad input, 3 internal error).
+
+    With --json, stdout holds exactly one JSON object, an error too ({"error": ..., "exit_code": ...});
+    whatever the libraries print while planning (DeepSpeed's accelerator line, ...) goes to stderr.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    with _quiet("--verbose" in argv):  # importing the planner imports torchao, bitsandbytes, transformers
+        from colab_memopt.planning.recommender import NoRecipeFits
+
+    as_json = "--json" in argv
+    stdout = sys.stdout
+
+    def answer(code: int, message: str) -> int:
+        from colab_memopt.core.wording import wrap
+
+        # bad input (2), a bug (3) or --json: one line. No recipe fits (1): each mode's reason a paragraph of lines
+        # of at most 100 characters
+        text = message if code != 1 or as_json else "\n".join(line for part in message.split(" | ") for line in wrap(part, rest="  "))
+        print(text, file=sys.stderr)
+        if as_json:
+            print(json.dumps({"error": message.removeprefix("error: "), "exit_code": code}), file=stdout)
+        return code
+
+    try:
+        with _quiet("--verbose" in argv):  # the parser imports the planner, which imports the libraries
+            args = _parser().parse_args(argv)
+    except UsageError as exc:
+        return answer(2, f"error: {exc} (see --help)")
+    try:
+        with contextlib.redirect_stdout(sys.stderr), _quiet(getattr(args, "verbose", False)):  # the answer alone on stdout
+            code, result = {"recommend": _recommend, "doctor": _doctor, "context": _context}.get(args.command, _plan)(args)
+    except NoRecipeFits as exc:
+        return answer(1, f"no recipe fits: {exc}")
+    except (ValueError, TypeError, OSError) as exc:  # the user's input: one line naming the value
+        message = str(exc).strip() or type(exc).__name__
+        return answer(2, f"error: {message}")
+    except Exception as exc:  # noqa: BLE001 - a bug, not the input: say so, with the traceback on stderr
+        traceback.print_exc()
+        return answer(3, f"internal error ({type(exc).__name__}: {exc}); please report it with the command line")
+    verbose = getattr(args, "verbose", False) and hasattr(result, "explain")
+    text = result.explain() if verbose else result  # the sources and derivations behind each figure
+    print(json.dumps(_finite(result.to_dict()), indent=2, allow_nan=False) if as_json else text, file=stdout)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

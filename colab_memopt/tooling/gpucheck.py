@@ -1,0 +1,1059 @@
+"""`make test-gpu`: everything this project claims about CUDA, checked in one command on any CUDA GPU.
+
+    python -m colab_memopt.gpucheck [--out build/gpu] [--wheelhouse DIR [--pip-target DIR]] [--only STEP ...]
+                                    [--part K/N] [--notebooks 00 05 ...] [--budget-seconds S] [--skip STEP ...]
+                                    [--parallel N] [--archive FILE]
+    python -m colab_memopt.gpucheck plan      # the one call that covers tests/gpu, the grid and every notebook
+
+Where torch sees no CUDA GPU it prints one line and exits 2. Otherwise, with `CM_EMULATE=t4` (the
+default on any GPU that is not a T4; `CM_EMULATE=none` turns it off) every process it starts caps the
+caching allocator to the T4's usable bytes less its context and takes the T4's code paths
+(`env.apply_emulation`), and every result is labelled "<gpu> emulating t4". The steps:
+
+0. preflight (every call): the GPU, versions, and measurements in a fresh process (this GPU's own CUDA
+   context outside the allocator, the cuBLAS workspace the first matmul allocates, the workspaces a biased
+   Linear's backward adds: the autograd thread's cuBLAS one and cuBLASLt's, `is_bf16_supported`): env.json;
+1. install: what the machine lacks (`NEEDED`), each failure reported, from PyPI or, without a network,
+   from `make gpu-wheels`' folder (`--wheelhouse`, `WHEELHOUSE=dir` in make: one pip call, one package at
+   a time if that fails);
+2. the unit tests (`--part K/N`: one of N parts), then `tests/gpu` (what only CUDA shows);
+3. every notebook with its Colab defaults (papermill, a fresh kernel each, README.md untouched), each
+   under its budget from tests/notebook_parameters_t4.yaml, which changes only what a machine without a
+   network needs (18 and 19 train a small random model of a family) and names what a notebook requires
+   (10: DeepSpeed; where absent it is "not run: <reason>", never passed);
+4. the planner-accuracy grid on CUDA (benchmarks/planner_accuracy.py --grid cuda);
+5. the technique costs at a size where a T4 is compute-bound (gpt2-small, 4 x 512), for the device class the run
+   stands for (`costs_class`: 't4' on a T4 or under T4 emulation, 'ampere+' on sm_80+), labelled with the GPU and
+   its emulation: technique_costs_t4.json or technique_costs_ampere.json, the name of the package data file the
+   recommender reads for that class (copy it into colab_memopt/ to replace the published priors).
+It writes build/gpu/{env.json, results.json, planner_accuracy.json, technique_costs_<class>.json, claims.md}
+and prints a summary table last; the exit status is 1 if any step failed. `--only` runs some steps (a slice);
+each step's result is merged into results.json as soon as it ends, so slices run in separate calls add up. Timings of an emulated run
+are this GPU's, not a T4's.
+
+`--parallel N` (the one call on a lent GPU machine, `plan` prints it): after the install, gpu-tests, planner,
+costs and the notebooks run in N slices side by side, each process capped to a T4's memory by the emulation,
+packed by the estimates in tests/notebook_parameters_t4.yaml (lent_run); a slice that is done takes work
+not started from the others. `--budget-seconds` is the one deadline: what is still running then is killed with
+every process it started and recorded "not finished", what has not started too (never passed). `--archive`
+writes the out folder as one .tar.gz, rewritten as results come and at the end, so a call killed early
+still returns what finished.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+BUDGETS_FILE = REPO_ROOT / "tests" / "notebook_parameters_t4.yaml"
+T4_DEVICE_LIMIT_BYTES = int(14.74 * 2**30)  # what a Colab T4 shows PyTorch (env.T4_USABLE_BYTES)
+ASSUMED_T4_CONTEXT_BYTES = int(0.75 * 2**30)  # env.ASSUMED_T4_CONTEXT_BYTES (this module imports no torch)
+STEPS = ("install", "unit", "gpu-tests", "notebooks", "planner", "costs")
+# import name -> pip name: every package the tests, the notebooks and the benchmarks import besides torch (the
+# lent GPU machines' image has torch, transformers, peft, accelerate, matplotlib, pytest and more:
+# wheelhouse.IMAGE_PACKAGES). Those marked optional in tests skip where absent (tests/conftest.py).
+NEEDED = {
+    "yaml": "pyyaml", "psutil": "psutil", "numpy": "numpy", "pytest": "pytest", "matplotlib": "matplotlib",
+    "transformers": "transformers", "peft": "peft", "bitsandbytes": "bitsandbytes", "deepspeed": "deepspeed",
+    "papermill": "papermill", "nbval": "nbval", "nbformat": "nbformat", "ipykernel": "ipykernel",
+    "ipywidgets": "ipywidgets", "lomo_optim": "lomo-optim", "galore_torch": "galore-torch",
+    "apollo_torch": "apollo-torch", "torchao": "torchao", "badam": "badam", "optimi": "torch-optimi",
+    "trl": "trl", "datasets": "datasets", "accelerate": "accelerate", "safetensors": "safetensors",
+    "huggingface_hub": "huggingface-hub",
+    "tokenizers": "tokenizers", "packaging": "packaging", "IPython": "ipython", "nbclient": "nbclient",
+}
+NO_CUDA = 2
+
+
+@dataclass
+class StepResult:
+    """One step of the run: passed, failed or skipped, how long, and what it found."""
+
+    step: str
+    status: str
+    seconds: float
+    detail: str = ""
+    data: dict[str, Any] = field(default_factory=dict)
+
+
+def cuda_or_exit() -> None:
+    """Return if torch sees a CUDA GPU; otherwise print one line saying why and exit with status 2."""
+    why = None
+    try:
+        import torch
+    except ImportError:
+        why = f"torch is not installed for {sys.executable}"
+    else:
+        if not torch.cuda.is_available():
+            why = f"torch {torch.__version__} sees no CUDA GPU (torch.cuda.is_available() is False)"
+    if why:
+        print(f"make test-gpu needs a CUDA GPU: {why}; nothing was run.", file=sys.stderr)
+        sys.exit(NO_CUDA)
+
+
+def emulation_for(gpu_name: str, requested: str | None) -> str:
+    """Return what to emulate: `requested` (CM_EMULATE) if set, else 't4' on any GPU that is not a T4."""
+    if requested is not None and requested.strip():
+        value = requested.strip().lower()
+        if value not in ("t4", "none"):
+            raise ValueError(f"CM_EMULATE must be 't4' or 'none', got {requested!r}")
+        return value
+    return "none" if "T4" in gpu_name.upper().replace("-", " ").split() else "t4"
+
+
+def child_env(emulate: str) -> dict[str, str]:
+    """Return the environment of every process the run starts: the repository importable, the emulation,
+    the T4's default cuBLAS workspace under emulation, no allocator settings (as on Colab)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTORCH_CUDA_ALLOC_CONF"}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), *filter(None, [env.get("PYTHONPATH")])])
+    env["CM_EMULATE"] = emulate
+    env.setdefault("MPLBACKEND", "Agg")
+    env.setdefault("HF_HUB_OFFLINE", "1")  # no notebook needs the hub (tests/notebook_parameters_t4.yaml): fail at once
+    if emulate == "t4":
+        env.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:2:16:8")  # sm_75's default size
+    return env
+
+
+def costs_class(emulate: str, capability: tuple[int, int]) -> str:
+    """Return the device class the technique costs of this run stand for: 't4' when emulating one or below sm_80."""
+    return "t4" if emulate == "t4" or tuple(capability) < (8, 0) else "ampere+"
+
+
+def costs_file_name(emulate: str, capability: tuple[int, int]) -> str:
+    """Return the file the costs step writes: the package data name of its class (technique_costs_t4.json, ...)."""
+    from colab_memopt.planning.costs import COSTS_FILES
+
+    return COSTS_FILES[costs_class(emulate, capability)].name
+
+
+NOTEBOOK_KEYS = ("budget_seconds", "lent_seconds", "parameters", "requires")
+LENT_STEPS = ("gpu-tests", "planner", "costs")  # steps that can run as one slice's item beside the notebooks
+
+
+@dataclass
+class T4Settings:
+    """tests/notebook_parameters_t4.yaml: budgets, the one-call run's estimates, and the few parameters changed."""
+
+    budgets: dict[str, int]  # notebook stem -> seconds a T4 user would accept (one after the other)
+    default_budget: int
+    total_budget: int
+    lent_seconds: dict[str, float]  # notebook stem -> estimated seconds on a lent H100 beside the other slices
+    default_lent_seconds: float
+    step_seconds: dict[str, float]  # a step of LENT_STEPS -> its estimate there
+    workers: int
+    deadline_seconds: float
+    setup_seconds: float
+    parameters: dict[str, dict[str, Any]]  # notebook stem -> parameters injected (only what a machine without hub needs)
+    requires: dict[str, list[str]]  # notebook stem -> modules it cannot run without
+
+    def notebook_seconds(self, stem: str) -> float:
+        """Return the estimated seconds of notebook `stem` in the one-call run."""
+        return self.lent_seconds.get(stem, self.default_lent_seconds)
+
+
+def load_t4_settings(path: Path = BUDGETS_FILE) -> T4Settings:
+    """Return the T4 settings file, checked: each notebook entry sets only NOTEBOOK_KEYS; raise ValueError naming a bad one."""
+    import yaml
+
+    data = yaml.safe_load(path.read_text()) or {}
+    lent = data.get("lent_run") or {}
+    steps = {str(k): float(v) for k, v in (lent.get("steps") or {}).items()}
+    if set(steps) - set(LENT_STEPS):
+        raise ValueError(f"{path}: lent_run.steps may name {list(LENT_STEPS)}, got {sorted(set(steps) - set(LENT_STEPS))}")
+    settings = T4Settings({}, int(data.get("default_budget_seconds", 600)), int(data.get("total_budget_seconds", 3600)),
+                          {}, float(lent.get("default_lent_seconds", 90)), steps, int(lent.get("workers", 5)),
+                          float(lent.get("deadline_seconds", 510)), float(lent.get("setup_seconds", 60)), {}, {})
+    for name, entry in (data.get("notebooks") or {}).items():
+        entry = entry or {}
+        if set(entry) - set(NOTEBOOK_KEYS):
+            raise ValueError(f"{path}: notebook {name!r} may set {list(NOTEBOOK_KEYS)} (Colab defaults run otherwise), "
+                             f"got {sorted(entry)}")
+        if "budget_seconds" in entry:
+            settings.budgets[name] = int(entry["budget_seconds"])
+        if "lent_seconds" in entry:
+            settings.lent_seconds[name] = float(entry["lent_seconds"])
+        params = entry.get("parameters") or {}
+        plain = (str, int, float, bool, list, dict, type(None))
+        if not isinstance(params, dict) or not all(isinstance(v, plain) for v in params.values()):
+            raise ValueError(f"{path}: notebook {name!r}'s parameters must map names to plain values, got {params!r}")
+        if params:
+            settings.parameters[name] = dict(params)
+        needs = entry.get("requires") or []
+        if not isinstance(needs, list) or not all(isinstance(m, str) for m in needs):
+            raise ValueError(f"{path}: notebook {name!r}'s requires must be a list of module names, got {needs!r}")
+        if needs:
+            settings.requires[name] = list(needs)
+    return settings
+
+
+def load_budgets(path: Path = BUDGETS_FILE) -> tuple[dict[str, int], int, int]:
+    """Return (per-notebook budget seconds, default budget, total budget) from the T4 settings file."""
+    settings = load_t4_settings(path)
+    return settings.budgets, settings.default_budget, settings.total_budget
+
+
+_PROBE = r"""
+import json, torch
+r512 = lambda t: 512 * ((t.nbytes + 511) // 512)
+torch.cuda.init()
+torch.ones(1, device="cuda").add_(1); torch.cuda.synchronize()
+free, total = torch.cuda.mem_get_info()
+context = total - free - torch.cuda.memory_reserved()
+a = torch.randn(64, 64, device="cuda"); b = torch.randn(64, 64, device="cuda")
+before = torch.cuda.memory_allocated()
+c = a @ b; torch.cuda.synchronize()
+workspace = torch.cuda.memory_allocated() - before - r512(c)
+# A biased Linear's forward (addmm: cuBLASLt) and backward (the autograd engine's device thread: its own handle)
+lin = torch.nn.Linear(64, 64, device="cuda"); x = torch.randn(8, 64, device="cuda", requires_grad=True)
+before = torch.cuda.memory_allocated()
+lin(x).sum().backward(); torch.cuda.synchronize()
+more = torch.cuda.memory_allocated() - before - sum(r512(t) for t in (x.grad, lin.weight.grad, lin.bias.grad))
+print(json.dumps({"context_bytes": int(context), "cublas_workspace_bytes": int(workspace),
+                  "step_more_workspace_bytes": int(more), "is_bf16_supported": bool(torch.cuda.is_bf16_supported())}))
+"""
+
+
+def preflight(out: Path, env: dict[str, str]) -> dict[str, Any]:
+    """Write env.json: the GPU, versions, and the context, workspace and bf16 facts measured in a fresh process."""
+    import platform
+
+    import torch
+
+    from colab_memopt.planning import planner
+
+    props = torch.cuda.get_device_properties(0)
+    versions = {}
+    for module in ("torch", "transformers", "peft", "bitsandbytes", "deepspeed", "ipywidgets", "papermill", "nbval"):
+        try:
+            versions[module] = __import__(module).__version__
+        except Exception:  # noqa: BLE001 - absent or broken: say so
+            versions[module] = None
+    probe = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, env=env, timeout=300)
+    measured = json.loads(probe.stdout.strip().splitlines()[-1]) if probe.returncode == 0 else {"error": probe.stderr[-2000:]}
+    capability = torch.cuda.get_device_capability(0)
+    planned, source = planner.cublas_workspace_bytes((7, 5) if env["CM_EMULATE"] == "t4" else capability,
+                                                     env.get("CUBLAS_WORKSPACE_CONFIG"))
+    lt, _ = planner.cublaslt_workspace_bytes(env.get("CUBLASLT_WORKSPACE_SIZE", ""), env.get("TORCH_CUBLASLT_UNIFIED_WORKSPACE", ""))
+    measured["context_note"] = f"{torch.cuda.get_device_name(0)}'s own CUDA context, not a T4's (emulation caps the allocator only)"
+    info = {
+        "gpu": torch.cuda.get_device_name(0), "capability": list(capability), "total_memory": props.total_memory,
+        "cuda": torch.version.cuda, "python": platform.python_version(), "versions": versions,
+        "emulate": env["CM_EMULATE"], "cublas_workspace_config": env.get("CUBLAS_WORKSPACE_CONFIG"),
+        "measured": measured, "planned_cublas_workspace_bytes": planned, "planned_cublas_workspace_source": source,
+        # planner.cuda_workspace_costs: the autograd thread's cuBLAS workspace and the cuBLASLt one (the probe's second figure)
+        "planned_step_more_workspace_bytes": planned + lt,
+        "measured_note": f"context_bytes and cublas_workspace_bytes are this GPU's ({torch.cuda.get_device_name(0)}), "
+                         "measured in a fresh process; under T4 emulation they are not a T4's figures",
+    }
+    (out / "env.json").write_text(json.dumps(info, indent=2) + "\n")
+    return info
+
+
+def _importable(module: str, env: dict[str, str] | None = None) -> str | None:
+    """Return None if `module` imports in a fresh interpreter (with `env`), else the error's last line."""
+    run = subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True, text=True, env=env, timeout=300)
+    return None if run.returncode == 0 else ((run.stderr.strip().splitlines() or ["exit %d" % run.returncode])[-1])[:300]
+
+
+def normalize(name: str) -> str:
+    """Return a distribution name as PEP 503 compares them: 'Torch_Optimi' -> 'torch-optimi'."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def wheelhouse_files(wheelhouse: str) -> list[Path]:
+    """Return the wheels and sdists in `wheelhouse` and its subfolders (parts of `make gpu-wheels`), one per distribution.
+
+    Raises ValueError if `wheelhouse` is not a folder, or if two files hold two versions of one distribution
+    (pip would stop at the conflict).
+    """
+
+    root = Path(wheelhouse)
+    if not root.is_dir():
+        raise ValueError(f"the wheelhouse must be a folder of wheels (make gpu-wheels), got {wheelhouse!r}")
+    found: dict[str, Path] = {}
+    for path in sorted(root.rglob("*")):
+        if not (path.name.endswith(".whl") or path.name.endswith(".tar.gz") or path.name.endswith(".zip")):
+            continue
+        name = normalize(path.name.split("-")[0])
+        if name in found and found[name].name != path.name:
+            raise ValueError(f"the wheelhouse holds two versions of {name}: {found[name].name} and {path.name}")
+        found.setdefault(name, path)
+    return sorted(found.values(), key=lambda p: (not p.name.endswith(".whl"), p.name))  # wheels before sdists
+
+
+def install_missing(wheelhouse: str | None, target: str | None = None) -> StepResult:
+    """pip-install what the steps need and this machine lacks; report each failure.
+
+    With `wheelhouse` (no network): every distribution in it (`make gpu-wheels` downloads exactly what the
+    lent machine lacks, with their dependencies) not installed yet, all in one `pip install --no-index
+    --no-deps`, or, if that fails, each by its own, to name each failure (DeepSpeed's sdist builds in
+    isolation from setuptools and wheel found in the same folders).
+    Without: each missing package from PyPI, at requirements.txt's pin. `target` installs into that folder
+    (`pip --target`, for an environment that is not writable; the steps then get it on PYTHONPATH). Then each
+    module of `NEEDED` is imported in a fresh process: a failure is the step's failure, an absent package
+    (not in this wheelhouse) is named, and the tests that need it skip (tests/conftest.py).
+    """
+    from importlib import metadata
+
+
+    start = time.perf_counter()
+    env = dict(os.environ)
+    if target:
+        Path(target).mkdir(parents=True, exist_ok=True)
+        env["PYTHONPATH"] = os.pathsep.join([str(Path(target).resolve()), *filter(None, [env.get("PYTHONPATH")])])
+    base = [sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-compile"]
+    base += ["--target", str(Path(target).resolve()), "--upgrade"] if target else []
+    missing = [m for m in NEEDED if importlib.util.find_spec(m) is None]
+    installed, failed = [], {}
+    if wheelhouse:
+        files = wheelhouse_files(wheelhouse)
+        links = sorted({str(f.parent.resolve()) for f in files})
+        todo = []
+        for path in files:
+            name = normalize(path.name.split("-")[0])
+            try:
+                metadata.version(name)
+                if not target:
+                    continue  # already installed in this environment
+            except metadata.PackageNotFoundError:
+                pass
+            if target and (Path(target) / f"{path.name.split('-')[0]}-{path.name.split('-')[1]}.dist-info").exists():
+                continue  # installed by an earlier call on this machine
+            todo.append(path)
+        offline = base + ["--no-index", "--no-deps", *[a for link in links for a in ("--find-links", link)]]
+        # all in one pip (2 s for the one-call carry); only if that fails, one at a time, to name each failure
+        if todo and subprocess.run(offline + [str(p) for p in todo], capture_output=True, text=True, env=env).returncode == 0:
+            installed, todo = [p.name for p in todo], []
+        for path in todo:
+            run = subprocess.run(offline + [str(path)], capture_output=True, text=True, env=env)
+            if run.returncode == 0:
+                installed.append(path.name)
+            else:
+                failed[path.name] = (run.stderr.strip().splitlines() or ["?"])[-1][:300]
+    else:
+        pins = _requirement_pins()
+        for module in missing:
+            pip = NEEDED[module]
+            spec = f"{pip}=={pins[normalize(pip)]}" if normalize(pip) in pins else pip
+            run = subprocess.run(base + [spec], capture_output=True, text=True, env=env)
+            if run.returncode == 0:
+                installed.append(spec)
+            else:
+                failed[spec] = (run.stderr.strip().splitlines() or ["?"])[-1][:300]
+    from concurrent.futures import ThreadPoolExecutor
+
+    broken, absent = {}, []
+    with ThreadPoolExecutor(8) as pool:  # a fresh interpreter each (transformers, trl: seconds apiece)
+        errors = dict(zip(missing, pool.map(lambda m: _importable(m, env), missing)))
+    for module in missing:
+        error = errors[module]
+        if error is None:
+            continue
+        if f"No module named '{module}'" in error and not any(normalize(re.split(r"[-=]", k)[0]) == normalize(NEEDED[module])
+                                                               for k in failed):
+            absent.append(NEEDED[module])
+        else:
+            broken[NEEDED[module]] = error
+    status = "failed" if failed or broken else "passed"
+    detail = (f"installed {len(installed)} file(s)" + (f"; FAILED {failed}" if failed else "")
+              + (f"; installed but not importable {broken}" if broken else "")
+              + (f"; absent (not in {'the wheelhouse' if wheelhouse else 'PyPI'}; their tests skip): {absent}" if absent else ""))
+    return StepResult("install", status, time.perf_counter() - start, detail,
+                      {"installed": installed, "failed": failed, "not_importable": broken, "absent": absent,
+                       "missing_before": [NEEDED[m] for m in missing], "target": target})
+
+
+def _requirement_pins(path: Path = REPO_ROOT / "requirements.txt") -> dict[str, str]:
+    """Return {normalized name: version} of requirements.txt's `name==version` lines."""
+
+    pins = {}
+    for line in path.read_text().splitlines():
+        m = re.match(r"^\s*([A-Za-z0-9_.\-]+)==([^\s;#]+)", line)
+        if m:
+            pins[normalize(m.group(1))] = m.group(2)
+    return pins
+
+
+NOT_FINISHED = "not finished"  # stopped at (or not started before) the run's deadline: never a pass
+NOT_RUN = "not run"  # left out for a reason the summary names (a module absent): not a pass either
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """Kill `proc` and every process below it (a notebook's kernel runs in a session of its own), then reap it."""
+    pids = []
+    try:
+        import psutil
+
+        pids = [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
+    except Exception:  # noqa: BLE001 - psutil absent or the process gone: its own group still goes
+        pass
+    for pid in [proc.pid, *pids]:
+        try:
+            os.kill(pid, 9)
+        except OSError:
+            pass
+    try:
+        os.killpg(proc.pid, 9)  # started with start_new_session: its group id is its pid
+    except OSError:
+        pass
+    proc.wait()
+
+
+def run_command(step: str, cmd: list[str], env: dict[str, str], timeout_s: float, log: Path, *,
+                at_deadline: bool = False) -> StepResult:
+    """Run one step's command with a time limit; its output goes to `log`.
+
+    Past the limit the command and every process it started are killed: the step failed (over its budget), or,
+    when the limit is the run's deadline (`at_deadline`), it is "not finished"."""
+    start = time.perf_counter()
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("w") as f:
+        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            code = proc.wait(timeout=max(0.0, timeout_s))
+            status, detail = ("passed" if code == 0 else "failed"), f"exit {code}"
+        except subprocess.TimeoutExpired:
+            kill_tree(proc)
+            if at_deadline:
+                status, detail = NOT_FINISHED, f"stopped at the run's deadline after {time.perf_counter() - start:.0f} s"
+            else:
+                status, detail = "failed", f"over its budget of {timeout_s:.0f} s"
+        except BaseException:  # Ctrl-C, SIGTERM: a session of its own gets no signal from the terminal, so stop it here
+            kill_tree(proc)
+            raise
+    tail = log.read_text(errors="replace").strip().splitlines()[-1:] if log.exists() else []
+    return StepResult(step, status, time.perf_counter() - start, f"{detail}; {tail[0] if tail else ''}; log {log.name}")
+
+
+def absent_requirements(settings: T4Settings, stem: str, env: dict[str, str] | None = None) -> list[str]:
+    """Return the modules notebook `stem` requires (T4 settings' `requires`) that cannot be found here."""
+    paths = [p for p in (env or {}).get("PYTHONPATH", "").split(os.pathsep) if p]
+    importlib.invalidate_caches()  # the --pip-target folder was empty when the first imports looked in it
+    missing = []
+    for module in settings.requires.get(stem, []):
+        if importlib.util.find_spec(module) is None and not any((Path(p) / module).exists() for p in paths):
+            missing.append(module)
+    return missing
+
+
+def not_run_reason(missing: list[str]) -> str:
+    """Return the detail of a notebook left out because `missing` modules are absent."""
+    why = f"not run: {', '.join(missing)} not installed"
+    return why + (" (one call carries no DeepSpeed sdist)" if "deepspeed" in missing else "")
+
+
+def notebook_command(path: Path, out: Path) -> list[str]:
+    """Return the command that executes one notebook with its T4 settings (`_notebook_child`)."""
+    return [sys.executable, "-m", "colab_memopt.tooling.gpucheck", "_notebook", str(path), "--out", str(out)]
+
+
+def notebook_verdict(result: StepResult, stem: str, out: Path, workspaces: int) -> StepResult:
+    """Hold a notebook that ran to the T4: its step peaks plus the workspaces, its reserved bytes plus a context."""
+    record = out / "results" / f"{stem}.json"
+    if result.status != "passed" or not record.exists():
+        return result
+    entry = json.loads(record.read_text())
+    peaks = [entry[k]["peak_bytes"] for k in ("baseline", "optimized") if entry.get(k)]
+    # the step peaks leave out the cuBLAS/cuBLASLt workspaces (allocated in the warm-up: foreign); the T4 holds them
+    need = max(peaks, default=0) + workspaces
+    result.data.update({"peak_bytes": max(peaks, default=0), "workspace_bytes": workspaces, "device": entry.get("device")})
+    if peaks and need > T4_DEVICE_LIMIT_BYTES:
+        result.status, result.detail = "failed", f"peak {max(peaks):,} B + workspaces {workspaces:,} B over the T4's 14.74 GiB"
+    # the process's need: the allocator's high-water mark (cached blocks included) plus a T4's
+    # context (assumed: this GPU's own context is not a T4's), held against what a T4 shows PyTorch
+    reserved = entry.get("cuda_max_reserved_bytes")
+    result.data["max_reserved_bytes"] = reserved
+    if reserved is not None and reserved + ASSUMED_T4_CONTEXT_BYTES > T4_DEVICE_LIMIT_BYTES:
+        result.status, result.detail = "failed", (
+            f"reserved {reserved:,} B + an assumed T4 context of {ASSUMED_T4_CONTEXT_BYTES:,} B is over "
+            "the T4's 14.74 GiB")
+    return result
+
+
+def _t4_workspaces() -> int:
+    from colab_memopt.planning.planner import cuda_workspace_costs
+
+    return sum(c.bytes for c in cuda_workspace_costs((7, 5)))  # a T4's: the emulation's CUBLAS_WORKSPACE_CONFIG
+
+
+def run_notebooks(out: Path, env: dict[str, str], names: list[str] | None,
+                  done: Callable[[StepResult], None] | None = None, deadline: float | None = None) -> list[StepResult]:
+    """Run each notebook with its Colab defaults in its own process, under its budget; README.md is not touched.
+
+    `done` is called with each notebook's result as soon as it is known (make test-gpu records it at once)."""
+    from colab_memopt.tooling.runner import notebook_paths
+
+    settings = load_t4_settings()
+    per, default, total = settings.budgets, settings.default_budget, settings.total_budget
+    workspaces = _t4_workspaces()
+    results, spent = [], 0.0
+    for path in notebook_paths(names):
+        budget = per.get(path.stem, default)
+        missing = absent_requirements(settings, path.stem, env)
+        if missing:
+            results.append(StepResult(f"notebook {path.stem}", NOT_RUN, 0.0, not_run_reason(missing)))
+            if done is not None:
+                done(results[-1])
+            continue
+        if spent + budget > total:
+            budget = max(0.0, total - spent)
+        why, at_deadline = f"the total budget of {total} s is spent", False
+        if deadline is not None and time.monotonic() + budget > deadline:
+            budget, why, at_deadline = max(0.0, deadline - time.monotonic()), "this call's --budget-seconds is spent", True
+        if budget <= 0:
+            status = NOT_FINISHED if at_deadline else "failed"
+            results.append(StepResult(f"notebook {path.stem}", status, 0.0, f"not started: {why}"))
+            if done is not None:
+                done(results[-1])
+            continue
+        result = run_command(f"notebook {path.stem}", notebook_command(path, out), env, budget,
+                             out / "logs" / f"{path.stem}.log", at_deadline=at_deadline)
+        spent += result.seconds
+        results.append(notebook_verdict(result, path.stem, out, workspaces))
+        if done is not None:
+            done(result)
+    return results
+
+
+def _notebook_child(path: str, out: str) -> int:
+    """Execute one notebook with its Colab defaults, but the T4 settings' parameters (a machine without hub)."""
+    from colab_memopt.tooling.runner import run_notebook
+
+    params = load_t4_settings().parameters.get(Path(path).stem, {})
+    run = run_notebook(Path(path), Path(out) / "notebooks", Path(out).resolve() / "results", params)
+    print(f"{run.name}: {run.seconds:.1f} s" + (f" with {params}" if params else ""))
+    return 0
+
+
+def summary_table(label: str, steps: list[StepResult]) -> str:
+    """Return the plain-text summary printed last: one row per step, then the verdict."""
+    rows = [("step", "status", "seconds", "detail")]
+    rows += [(s.step, s.status.upper() if s.status in ("failed", NOT_FINISHED) else s.status, f"{s.seconds:.0f}", s.detail[:90])
+             for s in steps]
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    lines = [f"make test-gpu on {label}"]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
+    lines.insert(2, "  ".join("-" * w for w in widths))
+    failed = [s.step for s in steps if s.status == "failed"]
+    unfinished = [s.step for s in steps if s.status == NOT_FINISHED]
+    left_out = [s.step for s in steps if s.status == NOT_RUN]
+    passed = len(steps) - len(failed) - len(unfinished) - len(left_out)
+    lines.append(f"{passed} of {len(steps)} steps passed" + (f"; FAILED: {', '.join(failed)}" if failed else "")
+                 + (f"; NOT FINISHED: {', '.join(unfinished)}" if unfinished else "")
+                 + (f"; not run (reason above): {', '.join(left_out)}" if left_out else ""))
+    return "\n".join(lines)
+
+
+def unit_parts(parts: int, tests_dir: Path = REPO_ROOT / "tests") -> list[list[str]]:
+    """Return the unit test files split into `parts` groups of about equal size (bytes of test code, a
+    stand-in for time), each sorted; every `tests/test_*.py` is in exactly one. make test-gpu runs one
+    group per call (`--only unit --part K/N`) so that each stays well inside a call's 10 minutes."""
+    if isinstance(parts, bool) or not isinstance(parts, int) or parts < 1:
+        raise ValueError(f"parts must be an integer >= 1, got {parts!r}")
+    files = sorted(tests_dir.glob("test_*.py"), key=lambda f: (-f.stat().st_size, f.name))
+    groups: list[list[Path]] = [[] for _ in range(parts)]
+    for f in files:
+        min(groups, key=lambda g: sum(x.stat().st_size for x in g)).append(f)
+    return [sorted(str(f.relative_to(REPO_ROOT)) for f in g) for g in groups]
+
+
+def parse_part(text: str | None) -> tuple[int, int] | None:
+    """Return (k, n) from 'K/N' (1 <= K <= N), or None for None; raise ValueError naming a bad value."""
+    if text is None:
+        return None
+    m = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", str(text))
+    if not m or not 1 <= int(m.group(1)) <= int(m.group(2)):
+        raise ValueError(f"--part must be K/N with 1 <= K <= N (e.g. 2/3), got {text!r}")
+    return int(m.group(1)), int(m.group(2))
+
+
+def write_outputs(out: Path, label: str, info: dict[str, Any], steps: list[StepResult]) -> dict[str, Any]:
+    """Merge `steps` into out/results.json (a step run again replaces its earlier result; others are kept, so
+    each slice of make test-gpu adds to what earlier calls wrote) and rewrite claims.md from every notebook
+    record so far; return the merged payload."""
+    from colab_memopt.core.report import merge_results
+    from colab_memopt.tooling.rollup import claims_markdown
+
+    path = out / "results.json"
+    old = json.loads(path.read_text()) if path.exists() else {}
+    merged_steps = {s["step"]: s for s in old.get("steps", [])}
+    for s in steps:
+        merged_steps[s.step] = asdict(s)
+    results_dir = out / "results"
+    merged = merge_results(results_dir) if results_dir.is_dir() and any(results_dir.glob("*.json")) else {"notebooks": {}}
+    payload = {"label": label, "env": info or old.get("env", {}), "steps": list(merged_steps.values()),
+               "notebooks": merged.get("notebooks", {}),
+               "failed": [s["step"] for s in merged_steps.values() if s["status"] == "failed"],
+               "not_finished": [s["step"] for s in merged_steps.values() if s["status"] == NOT_FINISHED],
+               "not_run": [s["step"] for s in merged_steps.values() if s["status"] == NOT_RUN]}
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(payload, indent=2) + "\n")
+    tmp.replace(path)  # a call stopped mid-write keeps the previous file whole
+    claims = claims_markdown(merged) if merged.get("notebooks") else "(no notebook ran)\n"
+    (out / "claims.md").write_text(f"# Claims checked on {label}\n\nTimings are this GPU's, not a T4's, where it emulates one.\n\n{claims}")
+    return payload
+
+
+# make test-gpu on a lent H100/H200 in one call: at most 10 minutes a call and 15 minutes of device time a loan (the
+# start takes 1-2 of them), 64 MiB carried with the checkout, a bare machine without a network, at most 8 files of 16 MiB
+# back through $OUT. The call carries the wheel part of `make gpu-wheels` (DeepSpeed's sdist stays out), installs it,
+# then runs tests/gpu, the planner grid and every notebook in `workers` slices side by side (tests/notebook_parameters_t4
+# .yaml: lent_run), under one deadline; everything lands in one archive in $OUT, rewritten as results come.
+ONE_CALL_STEPS = ("install", "gpu-tests", "planner", "notebooks")
+CARRY = "build/wheelhouse/part1"  # make gpu-wheels' part of wheels (wheelhouse.build puts sdists in parts of their own)
+SITE = "/tmp/site"
+ARCHIVE_NAME = "gpucheck.tar.gz"
+MiB = 2**20
+CALL_LIMIT_SECONDS = 600
+COMMAND_LIMIT_CHARS = 2000
+CARRY_LIMIT_BYTES = 64 * MiB  # the checkout and the carried paths together
+ARCHIVE_LIMIT_BYTES = 15 * MiB  # a file back from $OUT may hold 16 MiB
+MEASURED_CARRY_MIB = 56.7  # part1 on 2026-11-26 (everything the image lacks but DeepSpeed's sdist)
+
+
+@dataclass
+class Item:
+    """One piece of the one-call run: a step of LENT_STEPS or 'notebook <stem>', its estimate and its most seconds."""
+
+    name: str
+    seconds: float  # estimated, on a lent H100 emulating a T4 beside the other slices: packs the slices
+    budget: float = float("inf")  # a notebook's T4 budget: it never runs longer (the deadline cuts it first)
+
+
+def lent_items(settings: T4Settings, steps: set[str] | list[str], stems: list[str],
+               absent: Callable[[str], list[str]] = lambda stem: []) -> tuple[list[Item], list[StepResult]]:
+    """Return the items of the one-call run (`steps` of LENT_STEPS, then the notebooks `stems` if 'notebooks' is
+    among `steps`) and the notebooks left out because `absent(stem)` names modules they require."""
+    items = [Item(s, settings.step_seconds.get(s, settings.default_lent_seconds)) for s in LENT_STEPS if s in steps]
+    not_run = []
+    for stem in stems if "notebooks" in steps else []:
+        missing = absent(stem)
+        if missing:
+            not_run.append(StepResult(f"notebook {stem}", NOT_RUN, 0.0, not_run_reason(missing)))
+        else:
+            items.append(Item(f"notebook {stem}", settings.notebook_seconds(stem), settings.budgets.get(stem, settings.default_budget)))
+    return items, not_run
+
+
+def pack_slices(items: list[Item], workers: int) -> list[list[Item]]:
+    """Return `workers` slices of `items`: longest first to the slice with the fewest estimated seconds (LPT), then
+    items moved or swapped from the longest slice to the shortest while that shortens the longest; each slice longest
+    item first."""
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ValueError(f"--parallel must be an integer >= 1 (worker processes), got {workers!r}")
+    slices: list[list[Item]] = [[] for _ in range(workers)]
+
+    def load(s: list[Item]) -> float:
+        return sum(i.seconds for i in s)
+    for item in sorted(items, key=lambda i: (-i.seconds, i.name)):
+        min(slices, key=load).append(item)
+    improved = True
+    while improved:  # each change lowers the sum of squared loads: it ends
+        improved = False
+        hi, lo = max(slices, key=load), min(slices, key=load)
+        for a in hi:
+            for b in [None, *lo]:
+                delta = a.seconds - (b.seconds if b else 0.0)
+                if delta > 0 and load(lo) + delta < load(hi):
+                    hi.remove(a)
+                    lo.append(a)
+                    if b is not None:
+                        lo.remove(b)
+                        hi.append(b)
+                    improved = True
+                    break
+            if improved:
+                break
+    return [sorted(s, key=lambda i: (-i.seconds, i.name)) for s in slices]
+
+
+def run_slices(slices: list[list[Item]], run_item: Callable[[Item, float], StepResult], deadline: float,
+               done: Callable[[StepResult], None], clock: Callable[[], float] = time.monotonic) -> list[StepResult]:
+    """Run the slices side by side, one thread each, every item in its own process; return every result.
+
+    `run_item(item, seconds_left)` runs one item and must stop by the deadline (`run_command(..., at_deadline=True)`
+    kills it and says "not finished"). A slice that is done takes the last item not started of the slice with the
+    most estimated seconds left. An item not started by the deadline is "not finished" too: never passed."""
+    import threading
+    from collections import deque
+
+    lock = threading.Lock()
+    queues = [deque(s) for s in slices]
+    results: list[StepResult] = []
+
+    def take(k: int) -> Item | None:
+        with lock:
+            if queues[k]:
+                return queues[k].popleft()
+            busiest = max(queues, key=lambda q: sum(i.seconds for i in q))
+            return busiest.pop() if busiest else None
+
+    def worker(k: int) -> None:
+        while (item := take(k)) is not None:
+            left = deadline - clock()
+            start = time.perf_counter()
+            try:
+                result = (StepResult(item.name, NOT_FINISHED, 0.0, "not started before the run's deadline") if left <= 0
+                          else run_item(item, left))
+            except Exception as exc:  # noqa: BLE001 - one item's crash is its failure, not the run's
+                result = StepResult(item.name, "failed", time.perf_counter() - start, f"{type(exc).__name__}: {exc}")
+            result.data.update({"slice": k + 1, "estimate_seconds": item.seconds})
+            with lock:
+                results.append(result)
+            done(result)
+
+    threads = [threading.Thread(target=worker, args=(k,), name=f"slice-{k + 1}", daemon=True) for k in range(len(queues))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
+
+
+LEFT_OUT = "LEFT_OUT.txt"
+
+
+def write_archive(folder: Path, archive: Path, limit_bytes: int = ARCHIVE_LIMIT_BYTES) -> dict[str, list[str]]:
+    """Write `folder` as one .tar.gz at `archive` (atomically: a run killed mid-write keeps the last whole one).
+
+    Small files first (results, logs), the executed notebooks last; a file that would take the archive past
+    `limit_bytes` (counted uncompressed: the archive is never larger) is left out and named in LEFT_OUT.txt."""
+    import io
+    import tarfile
+
+    tmp = archive.with_name(archive.name + ".tmp")
+    sized = []
+    for path in folder.rglob("*"):
+        try:
+            if path.is_file() and path.name != LEFT_OUT and path.resolve() not in (archive.resolve(), tmp.resolve()):
+                sized.append((path.parent.name == "notebooks", path.stat().st_size, str(path), path))
+        except OSError:  # a temporary file renamed meanwhile
+            continue
+    files = [entry[-1] for entry in sorted(sized)]
+    archive.parent.mkdir(parents=True, exist_ok=True)
+    written, left_out, used = [], [], 4096  # the end-of-archive blocks and gzip's header
+    with tarfile.open(tmp, "w:gz") as tar:
+        for path in files:
+            try:
+                data = path.read_bytes()  # a log still being written: what it holds now
+            except OSError:
+                continue
+            cost = 512 + -(-len(data) // 512) * 512 + 64
+            if used + cost + 4096 > limit_bytes:
+                left_out.append(str(path.relative_to(folder)))
+                continue
+            info = tarfile.TarInfo(f"{folder.name}/{path.relative_to(folder)}")
+            info.size, info.mtime = len(data), int(time.time())
+            tar.addfile(info, io.BytesIO(data))
+            written.append(str(path.relative_to(folder)))
+            used += cost
+        if left_out:
+            note = ("left out to keep the archive under %d MiB:\n" % (limit_bytes // MiB) + "\n".join(left_out) + "\n").encode()
+            info = tarfile.TarInfo(f"{folder.name}/{LEFT_OUT}")
+            info.size, info.mtime = len(note), int(time.time())
+            tar.addfile(info, io.BytesIO(note))
+    tmp.replace(archive)
+    return {"written": written, "left_out": left_out}
+
+
+class Recorder:
+    """Record each result as it comes (results.json at once, the archive at most every `every_s` seconds)."""
+
+    def __init__(self, out: Path, label: str, info: dict[str, Any], archive: Path | None, every_s: float = 20.0):
+        import threading
+
+        self.out, self.label, self.info, self.archive, self.every_s = out, label, info, archive, every_s
+        self.steps: list[StepResult] = []
+        self.lock = threading.Lock()
+        self.last_archive = 0.0
+        if archive is not None:
+            self.save_archive()  # something comes back even if the call is killed at once
+
+    def __call__(self, result: StepResult) -> None:
+        with self.lock:
+            self.steps.append(result)
+            print(f"  {result.step}: {result.status} ({result.seconds:.0f} s) {result.detail[:160]}", flush=True)
+            try:
+                write_outputs(self.out, self.label, self.info, [result])  # at once: a call stopped later keeps it
+                if self.archive is not None and time.monotonic() - self.last_archive >= self.every_s:
+                    self.save_archive()
+            except Exception as exc:  # noqa: BLE001 - a record another slice is writing: the next result rewrites it
+                print(f"  (results.json not rewritten after {result.step}: {type(exc).__name__}: {exc})", flush=True)
+
+    def save_archive(self) -> None:
+        """Rewrite the archive from the out folder now."""
+        if self.archive is not None:
+            write_archive(self.out, self.archive)
+            self.last_archive = time.monotonic()
+
+    def finish(self, text: str) -> None:
+        """Write the summary (summary.txt) and the archive a last time."""
+        with self.lock:
+            (self.out / "summary.txt").write_text(text + "\n")
+            self.save_archive()
+
+
+def step_command(name: str, out: Path, label: str, emulate: str, capability: tuple[int, int]) -> tuple[list[str], Path]:
+    """Return the command and log of a step of LENT_STEPS ('gpu-tests', 'planner', 'costs')."""
+    py = sys.executable
+    if name == "gpu-tests":
+        return [py, "-m", "pytest", "tests/gpu", "-q", "-p", "no:cacheprovider", "-rs"], out / "logs" / "gpu_tests.log"
+    if name == "planner":
+        return ([py, "benchmarks/planner_accuracy.py", "--grid", "cuda", "--out", str(out / "planner_accuracy.json"),
+                 "--label", label], out / "logs" / "planner_accuracy.log")
+    if name == "costs":
+        return ([py, "benchmarks/technique_costs.py", "--model", "gpt2-small", "--batch", "4", "--seq", "512", "--rounds", "5",
+                 "--out", str(out / costs_file_name(emulate, capability))], out / "logs" / "technique_costs.log")
+    raise ValueError(f"a step run as one command is one of {list(LENT_STEPS)}, got {name!r}")
+
+
+def worker_env(env: dict[str, str], workers: int, cpus: int | None = None) -> dict[str, str]:
+    """Return the environment of each slice's processes: the CPU cores shared out (one OpenMP pool per slice)."""
+    threads = str(max(1, (cpus or os.cpu_count() or 1) // workers))
+    return {**env, "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", threads), "MKL_NUM_THREADS": env.get("MKL_NUM_THREADS", threads)}
+
+
+def one_call_command(workers: int | None = None, deadline_seconds: float | None = None) -> str:
+    """Return the one command that runs make test-gpu on a lent GPU machine (from the checkout's root, CARRY carried)."""
+    settings = load_t4_settings()
+    workers = workers or settings.workers
+    deadline = int(deadline_seconds or settings.deadline_seconds)
+    return (f"PYTHONUNBUFFERED=1 python3 -m colab_memopt.gpucheck --parallel {workers} --budget-seconds {deadline} "
+            f"--wheelhouse {CARRY} --pip-target {SITE} --only {' '.join(ONE_CALL_STEPS)} --archive $OUT/{ARCHIVE_NAME}")
+
+
+def checkout_bytes(root: Path = REPO_ROOT) -> int | None:
+    """Return the bytes of what a call sends of the checkout (tracked and untracked-not-ignored files), or None."""
+    run = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=root,
+                         capture_output=True, timeout=60)
+    if run.returncode != 0:
+        return None
+    return sum((root / n).stat().st_size for n in run.stdout.decode().split("\0") if n and (root / n).is_file())
+
+
+def folder_bytes(folder: Path) -> int | None:
+    """Return the bytes of the files under `folder`, or None if it is not there."""
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()) if folder.is_dir() else None
+
+
+def print_plan(root: Path = REPO_ROOT) -> int:
+    """Print the one call (command, carry, slices); return 1 if it cannot fit (carry, command or slices), else 0."""
+    from colab_memopt.tooling.runner import notebook_paths
+
+    settings = load_t4_settings()
+    command = one_call_command()
+    stems = [p.stem for p in notebook_paths()]
+    # what the one call leaves out: DeepSpeed is not carried
+    items, not_run = lent_items(settings, ONE_CALL_STEPS, stems,
+                                lambda stem: [m for m in settings.requires.get(stem, []) if m == "deepspeed"])
+    slices = pack_slices(items, settings.workers)
+    room = settings.deadline_seconds - settings.setup_seconds
+    tree, wheels = checkout_bytes(root), folder_bytes(root / CARRY)
+    problems = []
+    if len(command) > COMMAND_LIMIT_CHARS:
+        problems.append(f"the command has {len(command)} characters, over {COMMAND_LIMIT_CHARS}")
+    wheel_mib = wheels / MiB if wheels is not None else MEASURED_CARRY_MIB
+    total_mib = wheel_mib + (tree or 0) / MiB
+    if total_mib > CARRY_LIMIT_BYTES / MiB:
+        problems.append(f"the carry and the checkout take {total_mib:.1f} MiB, over {CARRY_LIMIT_BYTES // MiB}")
+    longest = max(sum(i.seconds for i in s) for s in slices)
+    if longest > room:
+        problems.append(f"the longest slice is estimated at {longest:.0f} s, over the {room:.0f} s the deadline leaves")
+    covered = sum(i.name.startswith("notebook") for i in items)
+    lines = [
+        "make test-gpu in one call on a lent GPU machine (nvidia-h100-x1), from the checkout's root:",
+        f"  timeout_s: {CALL_LIMIT_SECONDS}",
+        f'  carry: ["{CARRY}"]',
+        f"  command ({len(command)} of {COMMAND_LIMIT_CHARS} characters):",
+        command,
+        "",
+        f"carry: {CARRY} (make gpu-wheels: the wheels the machine lacks, no DeepSpeed sdist)",
+        "  " + (f"{wheel_mib:.1f} MiB here" if wheels is not None else f"{wheel_mib} MiB on 2026-11-26 (not built here)"),
+        f"  + the checkout: " + (f"{tree / MiB:.1f} MiB" if tree is not None else "unknown (not a git checkout)")
+        + f" = {total_mib:.1f} MiB of {CARRY_LIMIT_BYTES // MiB}",
+        f"covers: tests/gpu, the planner grid on CUDA and {covered} notebooks",
+        *[f"  {r.step}: {r.detail}" for r in not_run],
+        "  not in it: the unit tests (CI runs them) and the technique costs (`--only install costs`)",
+        f"{settings.workers} slices side by side, each process capped to a T4's memory by the emulation;",
+        f"  deadline {settings.deadline_seconds:.0f} s after the start ({settings.setup_seconds:.0f} s of it to install "
+        "and preflight),",
+        "  then the unfinished items are killed and recorded 'not finished'. Estimated seconds",
+        "  (tests/notebook_parameters_t4.yaml; estimates, not measurements), notebooks by number:",
+    ]
+    for k, s in enumerate(slices, 1):
+        short = [(i.name.removeprefix("notebook ")[:2] if i.name.startswith("notebook ") else i.name) for i in s]
+        lines.append(f"  slice {k} ({sum(i.seconds for i in s):.0f} s): "
+                     + ", ".join(f"{n} {i.seconds:.0f}" for n, i in zip(short, s)))
+    lines += [f"back: $OUT/{ARCHIVE_NAME}: build/gpu (summary.txt, results.json, env.json, logs, executed",
+              "  notebooks), rewritten as results come: a call stopped early returns what finished"]
+    print("\n".join(lines))
+    for p in problems:
+        print(f"does not fit: {p}")
+    return 1 if problems else 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Return the command line of make test-gpu (`python -m colab_memopt.gpucheck`)."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("command", nargs="?", default="all", choices=["all", "preflight", "plan", "_notebook"])
+    parser.add_argument("path", nargs="?", help=argparse.SUPPRESS)
+    parser.add_argument("--out", default=str(REPO_ROOT / "build" / "gpu"))
+    parser.add_argument("--wheelhouse", default=os.environ.get("WHEELHOUSE") or None,
+                        help="install missing packages from this folder of wheels (make gpu-wheels; its subfolders too), not from PyPI")
+    parser.add_argument("--pip-target", default=os.environ.get("CM_PIP_TARGET") or None,
+                        help="install into this folder (pip --target) and put it on the steps' PYTHONPATH")
+    parser.add_argument("--notebooks", nargs="*", default=None, help="only these notebooks (stems or number prefixes)")
+    parser.add_argument("--only", nargs="+", default=None, choices=STEPS, help="run only these steps (results merge into results.json)")
+    parser.add_argument("--part", default=None, help="the unit step's part K/N: the unit tests split into N groups (unit_parts)")
+    parser.add_argument("--skip", nargs="*", default=[], choices=STEPS, help="steps to leave out (named in the summary)")
+    parser.add_argument("--budget-seconds", type=float, default=None,
+                        help="the run's wall-clock deadline from its start: each step's limit is cut to what is left; "
+                             "with --parallel, what the deadline stops is 'not finished'")
+    parser.add_argument("--parallel", type=int, default=None, metavar="N",
+                        help="run gpu-tests, planner, costs and the notebooks in N slices side by side (after the install), "
+                             "packed by tests/notebook_parameters_t4.yaml's estimates")
+    parser.add_argument("--archive", default=None, metavar="FILE",
+                        help="write the out folder as one .tar.gz here, rewritten as results come and at the end")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.budget_seconds is not None and args.budget_seconds <= 0:
+        parser.error(f"--budget-seconds must be > 0, got {args.budget_seconds}")
+    if args.parallel is not None and args.parallel < 1:
+        parser.error(f"--parallel must be >= 1 (worker processes), got {args.parallel}")
+    deadline = None if args.budget_seconds is None else time.monotonic() + args.budget_seconds
+
+    def limit(seconds: float) -> float:
+        return seconds if deadline is None else max(1.0, min(seconds, deadline - time.monotonic()))
+    if args.command == "_notebook":
+        return _notebook_child(args.path, args.out)
+    if args.command == "plan":  # no GPU needed: print the one call that covers make test-gpu on a lent machine
+        return print_plan()
+    try:
+        part = parse_part(args.part)
+    except ValueError as err:
+        parser.error(str(err))
+    cuda_or_exit()
+    import torch
+
+    out = Path(args.out).resolve()
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    gpu = torch.cuda.get_device_name(0)
+    emulate = emulation_for(gpu, os.environ.get("CM_EMULATE"))
+    label = f"{gpu} emulating t4" if emulate == "t4" else gpu
+    env = child_env(emulate)
+    if args.pip_target:
+        site = str(Path(args.pip_target).resolve())
+        env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], site])
+        sys.path.append(site)
+    archive = Path(args.archive) if args.archive else None
+    record = Recorder(out, label, {}, archive)
+    try:
+        info = record.info = preflight(out, env)
+        print(f"make test-gpu on {label}; env.json: {json.dumps(info['measured'])}", flush=True)
+        if args.command == "preflight":
+            return 0
+        capability = tuple(torch.cuda.get_device_capability(0))
+        if args.parallel:
+            return run_parallel(args, out, label, env, emulate, capability, record, deadline)
+        py = sys.executable
+        unit_files = ["tests"] if part is None else unit_parts(part[1])[part[0] - 1]
+        unit_name = "unit" if part is None else f"unit {part[0]}/{part[1]}"
+
+        def step(name: str, seconds: float) -> StepResult:
+            cmd, log = step_command(name, out, label, emulate, capability)
+            return run_command(name, cmd, env, limit(seconds), log)
+        plan = [
+            ("install", lambda: install_missing(args.wheelhouse, args.pip_target)),
+            ("unit", lambda: run_command(unit_name, [py, "-m", "pytest", *unit_files, "-m", "not notebook and not browser", "-q",
+                                                     "-p", "no:cacheprovider", "--ignore=tests/gpu", "-rs"], env, limit(1800),
+                                         out / "logs" / f"{unit_name.replace(' ', '_').replace('/', 'of')}.log")),
+            ("gpu-tests", lambda: step("gpu-tests", 1200)),
+            ("notebooks", lambda: run_notebooks(out, env, args.notebooks, record, deadline)),
+            ("planner", lambda: step("planner", 1200)),
+            ("costs", lambda: step("costs", 1200)),
+        ]
+        for name, run in plan:
+            if args.only is not None and name not in args.only:
+                continue
+            if name in args.skip:
+                record(StepResult(name, "skipped", 0.0, "--skip"))
+                continue
+            result = run()
+            if not isinstance(result, list):
+                record(result)
+        return finish(record, out, label)
+    finally:
+        record.save_archive()
+
+
+def finish(record: Recorder, out: Path, label: str) -> int:
+    """Print the summary table last, write it and the archive; return 1 if anything failed or did not finish."""
+    text = summary_table(label, record.steps)
+    measured = [f"{s.step.removeprefix('notebook ')} {s.seconds:.0f}" for s in record.steps if "estimate_seconds" in s.data
+                and s.status in ("passed", "failed")]
+    if measured:
+        import textwrap
+
+        text += "\n" + textwrap.fill("measured seconds (for tests/notebook_parameters_t4.yaml): " + ", ".join(measured),
+                                     100, subsequent_indent="  ")
+    print()
+    print(text)
+    print(f"\nmerged into {out / 'results.json'}; {out / 'claims.md'}, {out / 'env.json'}")
+    record.finish(text)
+    return 1 if any(s.status in ("failed", NOT_FINISHED) for s in record.steps) else 0
+
+
+def run_parallel(args: argparse.Namespace, out: Path, label: str, env: dict[str, str], emulate: str,
+                 capability: tuple[int, int], record: Recorder, deadline: float | None) -> int:
+    """The install, then gpu-tests, planner, costs and the notebooks (those of `args.only`) in `args.parallel` slices."""
+    from colab_memopt.tooling.runner import notebook_paths
+
+    wanted = [s for s in (args.only or ONE_CALL_STEPS) if s not in args.skip]
+    if "install" in wanted:
+        record(install_missing(args.wheelhouse, args.pip_target))
+    if "unit" in wanted:
+        record(StepResult("unit", NOT_RUN, 0.0, "not run: the unit tests run one after the other (leave out --parallel)"))
+    settings = load_t4_settings()
+    wenv = worker_env(env, args.parallel)
+    paths = {p.stem: p for p in notebook_paths(args.notebooks)} if "notebooks" in wanted else {}
+    items, not_run = lent_items(settings, wanted, list(paths), lambda stem: absent_requirements(settings, stem, wenv))
+    for result in not_run:
+        record(result)
+    slices = pack_slices(items, args.parallel)
+    end = deadline if deadline is not None else time.monotonic() + settings.deadline_seconds
+    print(f"{len(items)} items in {args.parallel} slices, deadline in {end - time.monotonic():.0f} s:", flush=True)
+    for k, s in enumerate(slices, 1):
+        print(f"  slice {k} (~{sum(i.seconds for i in s):.0f} s): {', '.join(i.name.removeprefix('notebook ') for i in s)}",
+              flush=True)
+    workspaces = _t4_workspaces()
+
+    def run_item(item: Item, left: float) -> StepResult:
+        if item.name.startswith("notebook "):
+            stem = item.name.removeprefix("notebook ")
+            result = run_command(item.name, notebook_command(paths[stem], out), wenv, min(left, item.budget),
+                                 out / "logs" / f"{stem}.log", at_deadline=left <= item.budget)
+            return notebook_verdict(result, stem, out, workspaces)
+        cmd, log = step_command(item.name, out, label, emulate, capability)
+        return run_command(item.name, cmd, wenv, left, log, at_deadline=True)
+
+    run_slices(slices, run_item, end, record)
+    return finish(record, out, label)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,584 @@
+"""Load your own model without running out of host RAM: the dtype, device and path a recipe needs.
+
+Colab's free tier has 12.7 GB of host RAM for a 14.74 GiB T4: the classic way to load a model
+(random fp32 weights, then the whole state dict beside them, then `.to("cuda")`) needs 4 bytes per
+parameter plus the checkpoint in host RAM, and a 3B model's load runs out of host RAM: Colab kills
+and restarts the runtime before training starts, with no Python error that names memory.
+`load_model` loads through transformers' meta-device initialisation (nothing is allocated before
+the weights are read) shard by shard, straight to the device, in the dtype the recipe needs:
+
+- frozen base weights (LoRA) in fp16 on a GPU without native bf16 (a T4), bf16 where it is native;
+- trainable weights (full fine-tuning) in fp32: they are the master weights that fp16 autocast and
+  the GradScaler need (fp16 trainable weights fail with "Attempting to unscale FP16 gradients");
+- 4-bit bitsandbytes weights (nf4/fp4) for QLoRA, quantized shard by shard on the GPU
+  (`BitsAndBytesConfig`); on the CPU, after loading, with `quantization.quantize_model`;
+- peft LoRA adapters, checkpointing and the optimizer per the recipe;
+- int8 weights (`weight_dtype='int8'`, notebook 16) through `load_int8`: an 8B checkpoint is 16 GB in
+  bf16, more than Colab's RAM and a T4; `load_int8` reads one memory-mapped tensor at a time and
+  quantizes it on the device, so the host holds about one tensor (1 GB at 8B), never a shard.
+
+`load_host_bytes` gives the host RAM each path needs, for the plan and the doctor.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from colab_memopt.techniques.architectures import ModelSpec, resolve_model
+from colab_memopt.core.env import bf16_native, pick_device
+from colab_memopt.core.measure import HostPeak, format_bytes
+from colab_memopt.techniques.quantization import DEFAULT_LORA_TARGETS, add_lora, quantize_model
+from colab_memopt.training.recipe import Recipe
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+_DTYPE_BYTES = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 2}
+
+
+def _unique_params(model: nn.Module) -> int:
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+
+def _checkpoint_dtype(config: Any) -> torch.dtype:
+    values = vars(config) if config is not None else {}
+    value = values.get("dtype") or values.get("torch_dtype")  # transformers 5 says dtype, 4 torch_dtype
+    if isinstance(value, str):
+        value = getattr(torch, value, None)
+    return value if isinstance(value, torch.dtype) and value in _DTYPE_BYTES else torch.float32
+
+
+def load_dtype(recipe: Recipe, device_type: str, native_bf16: bool = False) -> torch.dtype:
+    """Return the dtype the weights are loaded in: fp32 where they train, 16-bit where they stay frozen on a GPU.
+
+    Frozen base weights (LoRA) take fp16 on a GPU without native bf16 (a T4), bf16 where it is native;
+    trained weights stay fp32 (the master copy mixed precision needs), and so does everything on the CPU.
+    """
+    if recipe.precision == "bf16":
+        return torch.bfloat16
+    if recipe.precision == "fp16":  # pure fp16 weights: load them so, not in fp32 cast later (twice the memory)
+        return torch.float16
+    if recipe.base_dtype is not None:  # the recipe names the frozen base's dtype (LoRA's base in 16-bit)
+        return torch.float16 if recipe.base_dtype == "fp16" else torch.bfloat16
+    if device_type == "cuda" and recipe.lora_rank:
+        return torch.bfloat16 if native_bf16 else torch.float16
+    return torch.float32
+
+
+@dataclass
+class LoadPlan:
+    """What loading a model's weights needs in host RAM, by the path `load_model` takes and the classic one."""
+
+    model: str
+    params: int
+    checkpoint_bytes: int  # on disk (or params x the config's dtype where the files are not here)
+    largest_shard_bytes: int
+    checkpoint_dtype: str
+    load_dtype: str
+    device: str
+    four_bit: bool
+    host_bytes: int  # load_model's path: meta-device init, shard by shard, straight to `device`
+    classic_host_bytes: int  # random fp32 init, then the whole state dict beside it, then .to(device)
+    path: str
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+    def __str__(self) -> str:
+        return (f"loading {self.model} ({self.params / 1e6:.1f}M parameters, checkpoint {format_bytes(self.checkpoint_bytes)} "
+                f"in {self.checkpoint_dtype}, largest shard {format_bytes(self.largest_shard_bytes)}) to {self.device} in "
+                f"{self.load_dtype}{' (4-bit)' if self.four_bit else ''}: host RAM {format_bytes(self.host_bytes)} by {self.path}; "
+                f"the classic load (fp32 init + state dict) would need {format_bytes(self.classic_host_bytes)}")
+
+
+def _weight_files(folder: str | None) -> list[Path]:
+    """Return a folder's weight files; a sharded checkpoint's index must find every shard it names."""
+    if folder is None:
+        return []
+    files = sorted(p for p in Path(folder).iterdir() if p.suffix in WEIGHT_SUFFIXES and p.is_file())
+    for index in sorted(Path(folder).glob("*.index.json")):
+        from colab_memopt.core.fileio import read_json
+
+        data = read_json(index)
+        weight_map = data.get("weight_map") if isinstance(data, dict) else None
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index} has no 'weight_map': not a sharded checkpoint's index (a truncated download?)")
+        missing = sorted({str(v) for v in weight_map.values()} - {p.name for p in files})
+        if missing:
+            raise ValueError(f"{index} names shard(s) {missing[:4]}{' ...' if len(missing) > 4 else ''} that are not in "
+                             f"{folder} (a partial download?): download them, or remove the index for random weights")
+    return files
+
+
+def check_weight_files(files: list[Path]) -> None:
+    """Raise ValueError naming the file if a weight file cannot be read (a truncated or corrupt download)."""
+    for path in files:
+        try:
+            if path.suffix == ".safetensors":
+                from safetensors import safe_open
+
+                with safe_open(str(path), "pt") as f:
+                    f.keys()
+            else:
+                torch.load(path, map_location="meta", weights_only=True, mmap=True)
+        except Exception as exc:  # noqa: BLE001 - safetensors' and the unpickler's own errors name nothing
+            raise ValueError(f"{path} is not a readable {path.suffix.lstrip('.')} weight file (a truncated or corrupt "
+                             f"download?): {' '.join(str(exc).split())[:200]}") from None
+
+
+def _host_room_bytes() -> int:
+    """Return the host RAM this process can still take: the machine's available RAM, or less under an address-space limit."""
+    import resource
+
+    from colab_memopt.core.env import host_memory
+
+    room = host_memory().available_bytes
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft != resource.RLIM_INFINITY:
+        import psutil
+
+        room = min(room, soft - psutil.Process().memory_info().vms)
+    return room
+
+
+def has_weights(spec: ModelSpec) -> bool:
+    """Return whether a model has a checkpoint to load: a hub id, or a local folder with weight files."""
+    return spec.source.startswith("Hugging Face config") or bool(_weight_files(spec.path))
+
+
+def load_host_bytes(model: Any, recipe: Recipe | None = None, device: str | torch.device = "cuda", *,
+                    native_bf16: bool = False) -> LoadPlan:
+    """Return the host RAM that loading `model`'s weights needs, on `load_model`'s path and the classic one.
+
+    Args:
+        model: anything `architectures.resolve_model` takes (a Hugging Face id, a folder, ...).
+        recipe: decides the load dtype and 4-bit quantization (default: full fine-tuning in fp32).
+        device: where the weights go: 'cuda' (the default: plan for the GPU even on a CPU) or 'cpu'.
+        native_bf16: whether that GPU has native bf16 (a T4 has not: frozen weights load in fp16).
+
+    The figures: the checkpoint's files on disk where they are local (else parameters x the config's
+    dtype); straight to a GPU, the host holds about one shard at a time; to the CPU, the whole model
+    in the load dtype plus the shard being read; the classic path holds fp32 random weights plus the
+    whole state dict.
+    """
+    recipe = recipe or Recipe()
+    spec = resolve_model(model)
+    if not isinstance(device, torch.device) and not (isinstance(device, str) and device.split(":")[0] in ("cpu", "cuda")):
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    dev = torch.device(device) if not isinstance(device, torch.device) else device
+    with torch.device("meta"):
+        shape = spec.build()
+    params = _unique_params(shape)
+    ckpt_dtype = _checkpoint_dtype(spec.config)
+    files = _weight_files(spec.path)
+    notes = []
+    if files:
+        sizes = [p.stat().st_size for p in files]
+        checkpoint, largest = sum(sizes), max(sizes)
+    else:
+        checkpoint = largest = params * _DTYPE_BYTES[ckpt_dtype]
+        notes.append("no weight files here: checkpoint size from the parameter count and the config's dtype, one shard assumed")
+    dtype = load_dtype(recipe, dev.type, native_bf16)
+    four_bit = recipe.quantization in ("nf4", "fp4") and recipe.quantization_phase == "all"
+    if recipe.weight_dtype == "int8":  # load_int8: one memory-mapped tensor at a time, quantized on `device`
+        if files and spec.path and any(p.suffix == ".safetensors" for p in files):
+            tensor = safetensors_largest_bytes(spec.path)
+        else:
+            tensor = max(p.numel() for p in shape.parameters()) * _DTYPE_BYTES[ckpt_dtype]  # fp32 if the config says nothing
+        from colab_memopt.techniques.int8train import CHUNK_ELEMENTS, int8_weight_bytes
+
+        values = max(p.numel() for p in shape.parameters())
+        chunk = 3 * 4 * min(CHUNK_ELEMENTS, values)  # quantize_int8's fp32 row chunk, its scaled copy, the rounded one
+        dtype = torch.int8
+        if dev.type == "cuda":
+            host = tensor + LOAD_INT8_OVERHEAD_BYTES
+            path = "cm.load_int8: one memory-mapped tensor at a time, quantized to int8 on the GPU"
+        else:
+            host = int8_weight_bytes(shape)[0] + tensor + chunk + LOAD_INT8_OVERHEAD_BYTES
+            path = "cm.load_int8: the int8 model in host RAM, one memory-mapped tensor at a time"
+        notes.append(f"largest tensor {format_bytes(tensor)} in {str(ckpt_dtype).removeprefix('torch.')}, read alone "
+                     "from its shard (the file is closed before the next one)")
+    elif dev.type == "cuda":
+        host = largest
+        path = "meta-device init, shards straight to the GPU (device_map)"
+    else:
+        host = params * _DTYPE_BYTES[dtype] + largest
+        path = "meta-device init, the model in host RAM, one shard read at a time"
+    classic = params * 4 + checkpoint
+    return LoadPlan(spec.name, params, checkpoint, largest, str(ckpt_dtype).removeprefix("torch."),
+                    str(dtype).removeprefix("torch."), str(dev), four_bit, host, classic, path, notes)
+
+
+@dataclass
+class LoadedModel:
+    """A loaded model with the recipe applied, its optimizer, and what loading took."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    recipe: Recipe
+    dtype: torch.dtype
+    device: torch.device
+    random_weights: bool
+    host_peak_bytes: int  # this process's peak RSS while loading (sampled)
+    host_added_bytes: int  # that peak less the RSS before loading
+    seconds: float
+    source: str
+    notes: list[str] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+        return (f"loaded {self.source} to {self.device} in {str(self.dtype).removeprefix('torch.')}"
+                f"{' (random weights: no checkpoint)' if self.random_weights else ''} in {self.seconds:.1f} s; "
+                f"host RAM peak {format_bytes(self.host_peak_bytes)} (+{format_bytes(self.host_added_bytes)}); "
+                f"{trainable / 1e6:.2f}M trainable parameters" + "".join(f"\n  note: {n}" for n in self.notes))
+
+
+def _bnb_config(recipe: Recipe, dtype: torch.dtype) -> Any:
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=recipe.quantization,
+                              bnb_4bit_compute_dtype=torch.float32 if dtype == torch.float32 else dtype,
+                              llm_int8_skip_modules=["lm_head"])
+
+
+def load_model(id_or_path: Any, recipe: Recipe | dict[str, Any] | None = None, device: str | torch.device = "auto") -> LoadedModel:
+    """Load a causal LM's weights without a host-RAM spike, apply the recipe, and return it with its optimizer.
+
+    Args:
+        id_or_path: a Hugging Face model id, a folder saved with `save_pretrained` (weights and
+            config.json), or anything else `architectures.resolve_model` takes (a config or one of our
+            names: random weights, said in `notes`).
+        recipe: the techniques (a `Recipe` or a dict of its fields); LoRA targets default to the
+            model family's (`presets.LORA_TARGETS_BY_FAMILY`) when the recipe keeps the reference model's.
+        device: 'auto' (CUDA if present), 'cpu' or 'cuda'.
+
+    Returns:
+        `LoadedModel`: `.model` (adapters, quantization and checkpointing applied), `.optimizer` over
+        the trainable parameters, the load dtype and the host RAM the load took (peak RSS, sampled).
+
+    Example:
+        >>> loaded = load_model("Qwen/Qwen2.5-0.5B", Recipe.preset("ckpt-every-8", mode="qlora", model="qwen2.5-0.5b"))
+        >>> step = make_train_step(loaded.model, loaded.optimizer, corpus, batch_size=4, seq_len=512, recipe=loaded.recipe)
+    """
+    if recipe is not None and not isinstance(recipe, (Recipe, dict)):
+        raise TypeError(f"recipe must be a Recipe or a dict of its fields, got {type(recipe).__name__} {recipe!r}")
+    rec = recipe if isinstance(recipe, Recipe) else Recipe.from_dict(recipe or {})
+    if rec.uses_deepspeed or rec.layer_offload_active:
+        raise ValueError("load_model applies in-process recipes; DeepSpeed (zero_stage, offload_*) and layer streaming "
+                         "build their own engines: load with load_model(..., Recipe()) and pass the model to Recipe.build")
+    dev = pick_device(device)
+    spec: ModelSpec = resolve_model(id_or_path)
+    if spec.config is None:
+        raise ValueError(f"load_model loads transformers causal LMs (an id, a folder or a config); {spec.name!r} is "
+                         "the reference model or a factory: build it and call Recipe.build")
+    if rec.lora_rank and rec.lora_targets == DEFAULT_LORA_TARGETS:
+        from colab_memopt.training.presets import mode_fields
+
+        rec = rec.with_(**{k: v for k, v in mode_fields("lora", spec.name).items() if k == "lora_targets"})
+    dtype = load_dtype(rec, dev.type, bf16_native(dev))
+    four_bit = rec.quantization in ("nf4", "fp4") and rec.quantization_phase == "all"
+    notes: list[str] = []
+    import transformers
+
+    source = spec.path or spec.name
+    weights = has_weights(spec)
+    check_weight_files(_weight_files(spec.path))
+    need = load_host_bytes(spec, rec, dev.type, native_bf16=bf16_native(dev)).host_bytes
+    room = _host_room_bytes()
+    if need > room:
+        raise MemoryError(f"loading {spec.name} to {dev} needs about {format_bytes(need)} of host RAM and this process "
+                          f"has {format_bytes(room)} left: free memory (restart the runtime), or load to 'cuda' shard by shard")
+    start = time.perf_counter()
+    with HostPeak() as host:
+        if weights and rec.weight_dtype == "int8":  # one tensor at a time to int8: an 8B model fits a T4 and Colab's RAM
+            model = load_int8(source, dtype=dtype, device=dev)
+        elif weights:
+            kwargs: dict[str, Any] = dict(dtype=dtype)
+            if dev.type == "cuda":
+                kwargs["device_map"] = {"": dev.index or 0}
+                if four_bit:
+                    kwargs["quantization_config"] = _bnb_config(rec, dtype)
+            try:
+                model = transformers.AutoModelForCausalLM.from_pretrained(source, **kwargs)
+            except (MemoryError, torch.OutOfMemoryError):
+                raise
+            except Exception as exc:  # noqa: BLE001 - the checkpoint is the user's: name it
+                raise ValueError(f"cannot load the weights in {source} ({', '.join(p.name for p in _weight_files(spec.path))}): "
+                                 f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}") from exc
+        else:
+            notes.append("no weight files: random weights from the config")
+            model = transformers.AutoModelForCausalLM.from_config(spec.config, dtype=dtype)
+        if dev.type != "cuda" or not weights:
+            model.to(dev)
+        if four_bit and not (weights and dev.type == "cuda"):
+            quantize_model(model, rec.quantization)  # bitsandbytes Linear4bit, quantized when moved to the device
+            model.to(dev)
+    if rec.lora_rank:
+        add_lora(model, rec.lora_rank, targets=rec.lora_targets)
+        for p in model.parameters():  # adapters train in fp32 (master weights) whatever the base's dtype
+            if p.requires_grad and p.dtype != torch.float32:
+                p.data = p.data.float()
+    seconds = time.perf_counter() - start
+    rest = rec.with_(quantization=None, lora_rank=0, lora_targets=DEFAULT_LORA_TARGETS, base_dtype=None)
+    model, optimizer = rest.build(model)
+    return LoadedModel(model, optimizer, rec, dtype, dev, not weights, host.peak_bytes, host.added_bytes, seconds,
+                       source, notes)
+
+
+# -- load_int8: a checkpoint straight to int8 weights, one tensor at a time (notebook 16's 8B on a T4) -----------
+
+# What load_int8 holds beside the tensor it reads: the model's module objects, the files' headers, the allocator's
+# rounding. Measured about 6 MiB on the CPU for a 32-layer llama of 291 tensors (tests/test_load_int8.py), as many
+# as Llama-3.1-8B has.
+LOAD_INT8_OVERHEAD_BYTES = 16 * 2**20
+# safetensors' dtype names load_int8 quantizes or keeps (16-bit and fp32 floats)
+SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+def checkpoint_folder(id_or_path: str | os.PathLike[str]) -> Path:
+    """Return the local folder of a checkpoint: `id_or_path` itself, or a hub id's snapshot (config and
+    safetensors files only, downloaded by `huggingface_hub.snapshot_download` or read from its cache)."""
+    text = os.fspath(id_or_path)
+    path = Path(text).expanduser()
+    if path.is_dir():
+        return path
+    if text.count("/") == 1 and not text.startswith((".", "/", "~")) and all(text.split("/")):
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(text, allow_patterns=["*.json", "*.safetensors"]))
+    raise ValueError(f"{text!r} is neither a local folder nor a Hugging Face id ('org/name'): give the folder that "
+                     "save_pretrained wrote, or the model's id")
+
+
+def safetensors_map(folder: str | Path) -> dict[str, Path]:
+    """Return {tensor name: its file} of a safetensors checkpoint: `model.safetensors.index.json`'s weight_map
+    for sharded ones, else the one `model.safetensors`. Raises ValueError naming what is missing."""
+    from safetensors import safe_open
+
+    folder = Path(folder)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        from colab_memopt.core.fileio import read_json
+
+        data = read_json(index)
+        weight_map = data.get("weight_map") if isinstance(data, dict) else None
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError(f"{index} has no 'weight_map': not a sharded checkpoint's index (a truncated download?)")
+        out = {str(k): folder / str(v) for k, v in weight_map.items()}
+        missing = sorted({f.name for f in out.values() if not f.is_file()})
+        if missing:
+            raise ValueError(f"{index} names shard(s) {missing[:4]} that are not in {folder} (a partial download?)")
+        return out
+    single = folder / "model.safetensors"
+    if single.is_file():
+        with safe_open(str(single), "pt") as f:
+            return {k: single for k in f.keys()}
+    found = sorted(p.name for p in folder.iterdir() if p.suffix in WEIGHT_SUFFIXES)
+    raise ValueError(f"{folder} holds no model.safetensors or model.safetensors.index.json"
+                     + (f" (found {found[:4]}: load_int8 reads safetensors only; save_pretrained writes them)" if found else ""))
+
+
+def safetensors_largest_bytes(folder: str | Path) -> int:
+    """Return the bytes of a safetensors checkpoint's largest tensor, read from the files' headers only."""
+    from safetensors import safe_open
+
+    largest = 0
+    for file in sorted(set(safetensors_map(folder).values())):
+        with safe_open(str(file), "pt") as f:
+            for key in f.keys():
+                sl = f.get_slice(key)
+                numel = math.prod(sl.get_shape())
+                largest = max(largest, numel * _DTYPE_BYTES.get(SAFETENSORS_DTYPES.get(sl.get_dtype(), torch.float32), 4))
+    return largest
+
+
+@functools.lru_cache(maxsize=1)
+def _malloc_trim() -> Any:
+    import ctypes
+    import ctypes.util
+
+    try:
+        name = ctypes.util.find_library("c")
+        return getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
+    except OSError:  # not glibc: nothing to hand back this way
+        return None
+
+
+def release_freed_host_memory() -> None:
+    """Hand freed heap memory back to the system (glibc's `malloc_trim`; nothing elsewhere).
+
+    glibc keeps freed blocks resident between live ones: quantizing tensor after tensor on the CPU left the
+    fp32 transients' holes between the int8 weights, about 1 GB more RSS than the int8 model at 1B parameters."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+def _read_tensor(file: Path, key: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """Return one tensor of a safetensors file, checked: its name, shape and dtype; memory-mapped (the caller
+    copies it and drops it: the file is open only as long as the tensor lives, so the host holds one tensor)."""
+    from safetensors import safe_open
+
+    with safe_open(str(file), "pt") as f:
+        if key not in f.keys():
+            raise ValueError(f"{file.name} has no tensor {key!r}, though the checkpoint's index names it there")
+        sl = f.get_slice(key)
+        dtype, got = sl.get_dtype(), tuple(sl.get_shape())
+        if dtype not in SAFETENSORS_DTYPES:
+            raise ValueError(f"{file.name}: tensor {key!r} is {dtype}; load_int8 reads {sorted(SAFETENSORS_DTYPES)} "
+                             "(a checkpoint quantized already? load it with from_pretrained)")
+        if got != shape:
+            raise ValueError(f"{file.name}: tensor {key!r} has shape {got}, the model's config needs {shape} "
+                             "(a config.json from another model?)")
+        return f.get_tensor(key)
+
+
+def load_int8(id_or_path: str | os.PathLike[str], *, dtype: torch.dtype | None = None, device: str | torch.device = "auto",
+              group_size: int | None = None) -> nn.Module:
+    """Load a causal LM's safetensors checkpoint as int8 weights, tensor by tensor, within little host RAM.
+
+    The model is built on the meta device from the config (no memory), its Linear and Embedding layers
+    replaced by int8 ones (`int8train.quantize_model_int8`), then each weight is read from the
+    memory-mapped shards one tensor at a time, moved to `device` and quantized there; the file is
+    closed before the next tensor, so the host holds about one tensor (an 8B model's largest, its
+    embedding, is 1.05 GB in bf16), never a shard or the model. The result is what
+    `Recipe(weight_dtype='int8', precision=...).build` trains (it keeps the loaded int8 weights).
+    Your files are only read. Measured on a 2-core CPU (benchmarks/int8_load.py): a random Llama-3.2-1B
+    in bf16 (2.47 GB, 5 shards) loaded with 1.41 GB of added host RAM at peak, 1.27 GB of it the int8
+    model itself; from_pretrained and then quantizing took 3.90 GB.
+
+    Args:
+        id_or_path: a folder written by `save_pretrained` (config.json and safetensors files), or a
+            Hugging Face id (its config and safetensors files are downloaded first).
+        dtype: the 16-bit dtype the int8 weights are dequantized to and the norms are kept in
+            (default: fp16 on a GPU without native bf16, like a T4; bf16 elsewhere).
+        device: 'auto' (CUDA if present), 'cpu' or 'cuda'.
+        group_size: values of a row per fp32 scale (default `int8train.GROUP_SIZE`, 128).
+
+    Raises:
+        ValueError: no safetensors checkpoint, a tensor missing, of another shape than the config
+            says, or of a dtype other than fp32, fp16 or bf16 (each named with its file).
+
+    Example:
+        >>> model = cm.load_int8("meta-llama/Llama-3.1-8B", dtype=torch.float16)
+        >>> model, opt = cm.Recipe(weight_dtype="int8", optimizer="adalomo", precision="fp16").build(model)
+    """
+    import warnings
+
+    import transformers
+    from accelerate import init_empty_weights
+
+    from colab_memopt.techniques.int8train import GROUP_SIZE, Int8Embedding, Int8Linear, quantize_int8, quantize_model_int8
+
+    dev = pick_device(device)
+    if dtype is None:
+        dtype = torch.float16 if dev.type == "cuda" and not bf16_native(dev) else torch.bfloat16
+    if dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"dtype must be torch.float16 or torch.bfloat16 (what int8 weights dequantize to), got {dtype!r}")
+    group_size = GROUP_SIZE if group_size is None else group_size
+    folder = checkpoint_folder(id_or_path)
+    files = safetensors_map(folder)
+    config = transformers.AutoConfig.from_pretrained(folder)
+    with init_empty_weights(include_buffers=False):  # parameters on meta; buffers (rotary tables) computed
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.tie_weights()  # under init_empty_weights from_config leaves a tied head untied
+    quantize_model_int8(model, group_size=group_size, compute_dtype=dtype)  # on meta: the layout only
+    int8_by_key: dict[str, Any] = {}  # checkpoint key -> the int8 weight its layer holds
+    users: dict[int, list[nn.Module]] = {}
+    for name, m in model.named_modules():
+        if isinstance(m, (Int8Linear, Int8Embedding)):
+            int8_by_key[f"{name}.weight" if name else "weight"] = m.shared
+            users.setdefault(id(m.shared), []).append(m)
+    int8_params = {id(w.qweight) for w in int8_by_key.values()} | {id(w.scale) for w in int8_by_key.values()}
+    float_by_key: dict[str, nn.Parameter] = {}
+    slots: dict[int, list[tuple[nn.Module, str]]] = {}  # a parameter -> every (module, attribute) holding it
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in int8_params:
+            continue
+        float_by_key[name] = p
+        mod_name, _, attr = name.rpartition(".")
+        slots.setdefault(id(p), []).append((model.get_submodule(mod_name), attr))
+    filled: set[int] = set()
+    with torch.no_grad():
+        for key, file in files.items():
+            if key in int8_by_key:
+                shared = int8_by_key[key]
+                if id(shared) in filled:
+                    continue
+                t = _read_tensor(file, key, tuple(shared.qweight.shape))
+                q, scale = quantize_int8(t.to(dev), group_size)  # (out, in) int8, (out, in / group) fp32
+                del t
+                shared.qweight = nn.Parameter(q, requires_grad=False)
+                shared.scale = nn.Parameter(scale, requires_grad=False)
+                for m in users[id(shared)]:
+                    m.qweight, m.scale = shared.qweight, shared.scale
+                filled.add(id(shared))
+                if dev.type == "cpu":  # the int8 weights accumulate here: do not let the transients' holes stay
+                    release_freed_host_memory()
+            elif key in float_by_key:
+                p = float_by_key[key]
+                if id(p) in filled:
+                    continue
+                t = _read_tensor(file, key, tuple(p.shape))
+                new = nn.Parameter(t.to(dev, dtype, copy=True), requires_grad=p.requires_grad)  # a copy: the file closes
+                del t
+                for m, attr in slots[id(p)]:
+                    m._parameters[attr] = new
+                filled.add(id(p))
+    missing = sorted([k for k, w in int8_by_key.items() if id(w) not in filled]
+                     + [k for k, p in float_by_key.items() if id(p) not in filled])
+    if missing:
+        raise ValueError(f"the checkpoint in {folder} has no tensor {missing[0]!r}"
+                         + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+                         + ", which the model's config needs: a partial download, or a config.json from another model?")
+    unused = sorted(set(files) - set(int8_by_key) - set(float_by_key))
+    if unused:
+        warnings.warn(f"load_int8 left {len(unused)} tensor(s) of the checkpoint unread, which the model does not have: "
+                      f"{unused[:4]}", stacklevel=2)
+    model.to(dev)  # the buffers; the weights are there already
+    model.eval()
+    return model
+
+
+def save_random_model(model: Any, folder: str | Path, *, max_shard_size: str | int = "2GB") -> Path:
+    """Save a causal LM with random weights, built from `model`'s config, to `folder` (`save_pretrained`).
+
+    For tests and CI, which have no network: `model` is a config, a family name's `small_config` or
+    anything `architectures.resolve_model` takes. Returns the folder.
+    """
+    spec = resolve_model(model)
+    if spec.config is None:
+        raise ValueError(f"save_random_model needs a transformers config, got {spec.name!r}")
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    spec.build().save_pretrained(folder, max_shard_size=max_shard_size)
+    return folder
+
+
+def save_trained(model: nn.Module, folder: str | Path, recipe: Recipe) -> list[Path]:
+    """Save what was trained: the LoRA adapters (peft's `adapter_model.safetensors` and `adapter_config.json`)
+    under a LoRA recipe, else the whole model (`save_pretrained`). Returns the files written."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    if recipe.lora_rank:
+        from peft import get_peft_model_state_dict
+        from safetensors.torch import save_file
+
+        state = {k: v.detach().to("cpu").contiguous() for k, v in get_peft_model_state_dict(model).items()}
+        if not state:
+            raise ValueError("the recipe has lora_rank > 0 but the model holds no LoRA adapters")
+        save_file(state, str(folder / "adapter_model.safetensors"))
+        config = getattr(model, "peft_config", {}).get("default")
+        if config is not None:
+            config.save_pretrained(str(folder))
+    else:
+        model.save_pretrained(folder)
+    return sorted(p for p in folder.iterdir() if p.is_file())
