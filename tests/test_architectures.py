@@ -142,3 +142,24 @@ def test_full_checkpointing_at_long_sequences_is_exact_on_a_gqa_model(corpus):
     from transformers import masking_utils
 
     assert masking_utils.find_packed_sequence_indices.__name__ == "find_packed_sequence_indices"  # restored after
+
+
+def test_built_in_names_carry_their_checkpoints_dtype_and_plan_trainer_loads_them_so():
+    """transformers 5 loads a checkpoint in its config's dtype when none is given: the built-in names carry the published
+    config.json's torch_dtype (cuda-readiness-2, R6: SmolLM2-135M's LoRA plan held fp32 weights, 514.9 MiB)."""
+    import torch
+    from peft import LoraConfig
+    from transformers import TrainingArguments
+
+    import colab_memopt as cm
+
+    for name, arch in architectures.ARCHITECTURES.items():
+        expected = torch.float32 if name == "gpt2" else torch.bfloat16  # GPT-2's config.json names no dtype
+        assert arch.hf_config().dtype == expected, name
+    args = TrainingArguments("/tmp/cm_arch_dtype", per_device_train_batch_size=1, use_cpu=True, report_to=[])
+    plan = cm.plan_trainer(args, model="smollm2-135m", lora=LoraConfig(r=8, target_modules=["q_proj", "v_proj"]),
+                           target="h100-80gb", seq_len=64)
+    n_base = 134_515_008  # SmolLM2-135M's parameters (tied head counted once)
+    lora = 30 * 8 * ((576 + 576) + (576 + 192))  # rank 8, 30 layers: q_proj 576->576, v_proj 576->192 (A and B)
+    assert plan.by_category["parameters"] >= n_base * 2
+    assert plan.by_category["parameters"] - n_base * 2 <= 4 * lora + 2**20, plan.by_category["parameters"]  # fp32 adapters

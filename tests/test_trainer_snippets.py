@@ -172,8 +172,12 @@ def _check_t4_settings(namespace: dict, code: str, name: str, *, trl_checkpointi
     for value in namespace.values():
         if isinstance(value, TrainingArguments):  # SFTConfig too
             assert not value.bf16 and not value.bf16_full_eval, f"{name}: bf16 on (a T4 has no bf16)"
-            if value.activation_checkpointing:
-                kwargs = value.activation_checkpointing_kwargs or {}
+            # transformers 5.2x names it activation_checkpointing; 5.17 (and Colab's 4.x) gradient_checkpointing
+            on = getattr(value, "activation_checkpointing", None)
+            on = value.gradient_checkpointing if on is None else on
+            if on:
+                kwargs = getattr(value, "activation_checkpointing_kwargs", None)
+                kwargs = (value.gradient_checkpointing_kwargs if kwargs is None else kwargs) or {}
                 if trl_checkpointing_default and isinstance(value, SFTConfig) and "use_reentrant" not in kwargs:
                     continue
                 assert kwargs.get("use_reentrant") is False, f"{name}: checkpointing without use_reentrant=False"

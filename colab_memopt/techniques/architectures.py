@@ -23,12 +23,14 @@ class Architecture:
     family: str  # 'llama', 'qwen2', 'gpt2'
     config: dict[str, Any]
     source: str
+    dtype: str = "float32"  # the published checkpoint's dtype (its config.json's `torch_dtype`; none there: float32)
 
     def hf_config(self) -> Any:
-        """Return the transformers config of this architecture."""
+        """Return the transformers config of this architecture, with the published checkpoint's dtype: what
+        transformers 5's `from_pretrained` loads it in when no dtype is given."""
         import transformers
 
-        return getattr(transformers, _CLASSES[self.family][0])(**self.config)
+        return getattr(transformers, _CLASSES[self.family][0])(**self.config, dtype=self.dtype)
 
     def build(self) -> nn.Module:
         """Return the model with random weights on the current default device."""
@@ -61,21 +63,21 @@ ARCHITECTURES: dict[str, Architecture] = {
         Architecture("gpt2", "gpt2", dict(n_layer=12, n_embd=768, n_head=12, vocab_size=50257, n_positions=1024),
                      "openai-community/gpt2 config.json"),
         Architecture("smollm2-135m", "llama", _llama(576, 1536, 30, 9, 3, 49152, True, 8192),
-                     "HuggingFaceTB/SmolLM2-135M config.json"),
+                     "HuggingFaceTB/SmolLM2-135M config.json", "bfloat16"),
         Architecture("smollm2-360m", "llama", _llama(960, 2560, 32, 15, 5, 49152, True, 8192),
-                     "HuggingFaceTB/SmolLM2-360M config.json"),
+                     "HuggingFaceTB/SmolLM2-360M config.json", "bfloat16"),
         Architecture("smollm2-1.7b", "llama", _llama(2048, 8192, 24, 32, 32, 49152, True, 8192),
-                     "HuggingFaceTB/SmolLM2-1.7B config.json"),
+                     "HuggingFaceTB/SmolLM2-1.7B config.json", "bfloat16"),
         Architecture("qwen2.5-0.5b", "qwen2", _llama(896, 4864, 24, 14, 2, 151936, True, 32768),
-                     "Qwen/Qwen2.5-0.5B config.json"),
+                     "Qwen/Qwen2.5-0.5B config.json", "bfloat16"),
         Architecture("qwen2.5-1.5b", "qwen2", _llama(1536, 8960, 28, 12, 2, 151936, True, 32768),
-                     "Qwen/Qwen2.5-1.5B config.json"),
+                     "Qwen/Qwen2.5-1.5B config.json", "bfloat16"),
         Architecture("llama-3.2-1b", "llama", _llama(2048, 8192, 16, 32, 8, 128256, True, 131072),
-                     "meta-llama/Llama-3.2-1B config.json"),
+                     "meta-llama/Llama-3.2-1B config.json", "bfloat16"),
         Architecture("llama-3.2-3b", "llama", _llama(3072, 8192, 28, 24, 8, 128256, True, 131072),
-                     "meta-llama/Llama-3.2-3B config.json"),
+                     "meta-llama/Llama-3.2-3B config.json", "bfloat16"),
         Architecture("llama-3.1-8b", "llama", _llama(4096, 14336, 32, 32, 8, 128256, False, 131072),
-                     "meta-llama/Llama-3.1-8B config.json"),
+                     "meta-llama/Llama-3.1-8B config.json", "bfloat16"),
     ]
 }
 
