@@ -397,3 +397,32 @@ def test_the_default_optimizer_is_picked_by_the_torch_version_as_notebooks_00_an
     default = transformers.TrainingArguments.__dataclass_fields__["optim"].default
     fused = Version(torch.__version__.split("+")[0]) >= Version("2.8")
     assert str(getattr(default, "value", default)) == ("adamw_torch_fused" if fused else "adamw_torch")
+
+
+def test_the_reentrant_note_follows_the_installed_transformers():
+    """No plan states a default the installed library does not have (newcomer-review-4 finding 5): read from what the
+    installed transformers hands torch's checkpoint, as a Trainer enables it."""
+    from transformers import TrainingArguments
+    from trl import SFTConfig
+
+    from colab_memopt.planning.hfconfig import checkpoint_use_reentrant, trainer_recipe
+
+    def note(args):
+        return [n for n in trainer_recipe(args, None, None)[1] if "use_reentrant" in n]
+
+    default = TrainingArguments("/tmp/cm_reentrant", gradient_checkpointing=True, use_cpu=True, report_to=[])
+    reentrant, source = checkpoint_use_reentrant(None)
+    assert note(default) == ([] if not reentrant else note(default))
+    import transformers
+
+    if tuple(int(x) for x in transformers.__version__.split(".")[:2]) >= (5, 0):
+        assert (reentrant, source) == (False, f"transformers {transformers.__version__}'s default")
+        assert note(default) == [] and note(SFTConfig("/tmp/cm_reentrant", use_cpu=True, report_to=[])) == []
+    given = TrainingArguments("/tmp/cm_reentrant", gradient_checkpointing=True, use_cpu=True, report_to=[],
+                              gradient_checkpointing_kwargs={"use_reentrant": True})
+    assert len(note(given)) == 1 and "as you set it" in note(given)[0] and "{'use_reentrant': False}" in note(given)[0]
+    # kwargs without use_reentrant reach torch's checkpoint as they are: its default is True
+    other = TrainingArguments("/tmp/cm_reentrant", gradient_checkpointing=True, use_cpu=True, report_to=[],
+                              gradient_checkpointing_kwargs={"preserve_rng_state": False})
+    assert checkpoint_use_reentrant({"preserve_rng_state": False})[0] is True and len(note(other)) == 1
+    assert all(len(line) <= 100 for line in note(given) + note(other))

@@ -14,6 +14,7 @@ It also translates between these settings and this project's `Recipe` both ways 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -249,6 +250,44 @@ def check_optim(optim: Any) -> str:
 
 
 # -- the Recipe a Trainer's settings amount to ---------------------------------------------------------
+@functools.lru_cache(maxsize=32)
+def _installed_checkpoint_keywords(given: tuple[tuple[str, Any], ...]) -> dict[str, Any]:
+    """Return the keywords the installed transformers hands torch's checkpoint for these settings' kwargs, as a
+    Trainer enables it (the kwargs without `every_n_layers` and `offload`, or None when nothing is left)."""
+    import torch
+    import transformers
+
+    config = transformers.LlamaConfig(hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                      num_key_value_heads=1, vocab_size=8)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config)
+    kwargs = dict(given) or None
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    func = getattr(model.model.layers[0], "_gradient_checkpointing_func", None)
+    return dict(getattr(func, "keywords", None) or {})
+
+
+def checkpoint_use_reentrant(kwargs: dict[str, Any] | None) -> tuple[bool, str]:
+    """Return (whether a Trainer with these `gradient_checkpointing_kwargs` checkpoints with use_reentrant=True, why).
+
+    Read from the installed transformers, not from its version: it enables checkpointing on a one-layer model as the
+    Trainer does and reads what it passes to `torch.utils.checkpoint.checkpoint`, which takes a missing
+    `use_reentrant` as True. transformers 5 passes False when the Trainer gives no kwargs; 4.x passed True.
+    """
+    import transformers
+
+    given = {k: v for k, v in (kwargs or {}).items() if k not in ("every_n_layers", "offload")}
+    if "use_reentrant" in given:
+        return bool(given["use_reentrant"]), "as you set it"
+    keywords = _installed_checkpoint_keywords(tuple(sorted(given.items(), key=lambda kv: kv[0])))
+    if "use_reentrant" in keywords:
+        return bool(keywords["use_reentrant"]), f"transformers {transformers.__version__}'s default"
+    return True, "torch's default"
+
+
 def trainer_recipe(args: Any, lora: Any = None, bnb: Any = None) -> tuple[Recipe, list[str]]:
     """Return (the `Recipe` closest to these Trainer / peft / bitsandbytes settings, what it cannot say).
 
@@ -276,10 +315,10 @@ def trainer_recipe(args: Any, lora: Any = None, bnb: Any = None) -> tuple[Recipe
     if args.gradient_checkpointing:
         fields["checkpointing"] = "full"
         kwargs = args.gradient_checkpointing_kwargs or {}
-        if kwargs.get("use_reentrant", True) is not False:
-            notes.append("gradient_checkpointing with use_reentrant=True (transformers' default): PyTorch recommends "
-                         "use_reentrant=False; planned as you set it")
-        other = sorted(set(kwargs) - {"use_reentrant"})
+        reentrant, source = checkpoint_use_reentrant(kwargs)
+        if reentrant:
+            notes.append(f"use_reentrant=True ({source}): set gradient_checkpointing_kwargs={{'use_reentrant': False}}")
+        other = sorted(set(kwargs) - {"use_reentrant", "every_n_layers", "offload"})
         if other:
             notes.append(f"gradient_checkpointing_kwargs {other}: planned as set")
     if getattr(args, "torch_compile", False):
