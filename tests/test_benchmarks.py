@@ -87,3 +87,20 @@ def test_optimizer_quality_keeps_the_default_ranks_share_of_the_capacity_width()
     assert oq.rank_for("apollo", 128) == 16 and oq.rank_for("apollo", 2048) == 256
     assert oq.rank_for("apollo_mini", 128) is None and oq.rank_for("adamw", 128) is None
     assert oq.BASELINE in oq.OPTIMIZERS_COMPARED
+
+
+def test_bf16_rows_are_left_out_of_a_t4_emulation_and_say_why():
+    """cuda-readiness-2, R2: a T4 plans bf16 attention as math (no bf16 kernel before sm_80), while the emulating H100
+    runs its own bf16 memory-efficient kernel: those rows measure no T4. They are left out, counted, with the reason."""
+    from unittest import mock
+
+    cuda = torch.device("cuda", 0)
+    bf16_rows = [r for r in pa._configs("cuda", torch.device("cpu")) if str(r[3].get("precision", "")).startswith("bf16")]
+    assert len(bf16_rows) == 5
+    with mock.patch.object(pa.env, "emulated_gpu", return_value="t4"):
+        assert all(pa.emulates_t4_without_bf16(cuda, r[3]) for r in bf16_rows)
+        assert not pa.emulates_t4_without_bf16(cuda, {"precision": "fp16-autocast"})
+        assert not pa.emulates_t4_without_bf16(torch.device("cpu"), {"precision": "bf16-autocast"})
+    with mock.patch.object(pa.env, "emulated_gpu", return_value=None):  # CM_EMULATE=none: the GPU as it is
+        assert not any(pa.emulates_t4_without_bf16(cuda, r[3]) for r in bf16_rows)
+    assert "no bf16" in pa.BF16_UNDER_EMULATION
