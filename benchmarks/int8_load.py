@@ -112,7 +112,7 @@ def main() -> None:
     import colab_memopt as cm
     from colab_memopt.techniques.architectures import resolve_model, small_config
     from colab_memopt.training.loading import load_host_bytes, safetensors_largest_bytes
-    from colab_memopt.planning.planner import get_target
+    from colab_memopt.planning.targets import get_target
 
     limit = int(args.limit_gb * 1e9)
     recipe = cm.Recipe(**RECIPE)

@@ -269,7 +269,7 @@ def _least_need(cands):
 
 def test_long_context_candidates_come_in_when_no_plain_one_fits():
     from colab_memopt import estimate
-    from colab_memopt.planning.planner import shape_model
+    from colab_memopt.planning.faketrace import shape_model
 
     long = candidate_recipes(1, long_context=True)
     assert long and all(r.checkpointing == "offload" or r.loss_chunk_tokens for r in long)
@@ -292,7 +292,9 @@ def test_offloaded_checkpoints_over_the_host_ram_do_not_fit():
     from dataclasses import replace
 
     from colab_memopt.planning.costs import expected_slowdown
-    from colab_memopt.planning.planner import Target, offloaded_checkpoint_bytes, plan
+    from colab_memopt.planning.planner import plan
+    from colab_memopt.planning.targets import Target
+    from colab_memopt.planning.untraced import offloaded_checkpoint_bytes
     from colab_memopt.planning.recommender import Candidate
 
     offload = [r for r in candidate_recipes(1, long_context=True) if r.checkpointing == "offload"][0]

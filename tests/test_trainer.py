@@ -27,7 +27,7 @@ from transformers import (  # noqa: E402
 from trl import SFTConfig, SFTTrainer  # noqa: E402
 
 import colab_memopt as cm  # noqa: E402
-from colab_memopt import guard as cm_guard, hfconfig, planner  # noqa: E402
+from colab_memopt import guard as cm_guard, hfconfig, untraced  # noqa: E402
 from colab_memopt import trainer as tr  # noqa: E402
 
 DIMS = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -312,9 +312,9 @@ def test_plan_trainer_plans_grouped_query_attention_as_a_t4_runs_it(flash_flag):
         torch.backends.cuda.enable_flash_sdp(was)
     scores = 4 * 4 * 512 * 512 * 4  # (B, heads, T, T) fp32: math upcasts 16-bit scores
     for plan in (t4, t4_fp16):
-        lines = [(c.bytes, c.in_step) for c in plan.device_costs if c.name == planner.MATH_ATTENTION_LINE]
+        lines = [(c.bytes, c.in_step) for c in plan.device_costs if c.name == untraced.MATH_ATTENTION_LINE]
         assert lines == [(scores, True)], plan.device_costs
-    assert not any(c.name == planner.MATH_ATTENTION_LINE for c in a100_bf16.device_costs)
+    assert not any(c.name == untraced.MATH_ATTENTION_LINE for c in a100_bf16.device_costs)
     # math holds the (B, heads, T, T) scores and softmax per layer for backward; flash on an A100 holds O(T)
     assert t4_fp16.peak_bytes > 2 * a100_bf16.peak_bytes, (t4_fp16.peak_bytes, a100_bf16.peak_bytes)
     assert t4.peak_bytes == 82_278_400, t4.peak_bytes  # 78.47 MiB (+16 MiB in-step), whatever the flag

@@ -19,7 +19,7 @@ import torch
 from colab_memopt.planning import estimate
 
 from colab_memopt.techniques import architectures
-from colab_memopt.planning.planner import get_target
+from colab_memopt.planning.targets import get_target
 from colab_memopt.training.presets import MODES, PRESETS, preset_fields
 from colab_memopt.training.recipe import Recipe
 from colab_memopt.planning.recommender import FULL_CANDIDATES, INT8_CANDIDATES, PURE16, full_candidates  # noqa: F401 - re-exported
@@ -346,7 +346,8 @@ def longest_sequence(model: str, recipe: Recipe | None = None, *, mode: str = ""
     import time
     import warnings
 
-    from colab_memopt.planning.planner import _verified_max_batch, check_headroom, plan
+    from colab_memopt.planning.planner import _verified_max_batch, plan
+    from colab_memopt.planning.targets import check_headroom
 
     if isinstance(step_tokens, bool) or not isinstance(step_tokens, int) or step_tokens < 1:
         raise ValueError(f"step_tokens must be an integer >= 1, got {step_tokens!r}")
@@ -382,7 +383,7 @@ def longest_sequence(model: str, recipe: Recipe | None = None, *, mode: str = ""
                      find_max_batch=False, method=how)
         if host_base_bytes is not None:
             p.host_costs = [c for c in p.host_costs if c.name != "this process"]
-            from colab_memopt.planning.planner import Cost
+            from colab_memopt.planning.prediction import Cost
 
             p.host_costs.insert(0, Cost("base process", host_base_bytes, "given (host_base_bytes)"))
         return p

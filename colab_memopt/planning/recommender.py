@@ -34,18 +34,11 @@ from colab_memopt.planning import estimate
 from colab_memopt.planning.costs import Slowdown, TechniqueCosts, costs_for_target, expected_slowdown, techniques_used
 from colab_memopt.techniques.loss import DEFAULT_CHUNK_TOKENS
 from colab_memopt.core.measure import format_bytes
-from colab_memopt.planning.planner import (
-    describe_estimate_error,
-    Plan,
-    Target,
-    check_headroom,
-    check_seq_len,
-    get_target,
-    max_positions,
-    offloaded_checkpoint_bytes,
-    plan,
-    shape_model,
-)
+from colab_memopt.planning.faketrace import shape_model
+from colab_memopt.planning.planner import check_seq_len, max_positions, plan
+from colab_memopt.planning.prediction import Plan, describe_estimate_error
+from colab_memopt.planning.targets import Target, check_headroom, get_target
+from colab_memopt.planning.untraced import offloaded_checkpoint_bytes
 from colab_memopt.training.presets import MODES, PRESETS, mixed_precision, mode_fields, preset_fields
 from colab_memopt.training.recipe import Recipe
 

@@ -31,22 +31,11 @@ import torch
 from torch import nn
 
 from colab_memopt.techniques.attention import traced_attention
-from colab_memopt.planning.planner import (
-    MATH_ATTENTION_LINE,
-    Cost,
-    Plan,
-    Target,
-    _fake_safe_bitsandbytes,
-    _fake_safe_module_to,
-    _fake_safe_transformers,
-    _host_costs,
-    _Trace,
-    check_headroom,
-    cublas_workspace_bytes,
-    get_target,
-    math_attention_cost,
-    math_attention_warning,
-)
+from colab_memopt.planning.faketrace import _Trace, _fake_safe_module_to, _fake_safe_transformers
+from colab_memopt.planning.prediction import Cost, Plan
+from colab_memopt.planning.quantized import _fake_safe_bitsandbytes
+from colab_memopt.planning.targets import Target, check_headroom, cublas_workspace_bytes, get_target
+from colab_memopt.planning.untraced import MATH_ATTENTION_LINE, _host_costs, math_attention_cost, math_attention_warning
 from colab_memopt.planning.hfconfig import OPTIM_TO_RECIPE, check_optim, trainer_recipe
 from colab_memopt.core.isolation import isolated, trainer_kept
 from colab_memopt.training.recipe import Recipe
@@ -469,7 +458,7 @@ def _as_loaded(net: nn.Module, bnb: Any, mode: Any, half: torch.dtype | None = N
     from transformers.utils.quantization_config import QuantizationMethod
 
     from colab_memopt.techniques import quantization
-    from colab_memopt.planning.planner import traced_linear4bit
+    from colab_memopt.planning.quantized import traced_linear4bit
     from colab_memopt.techniques.quantization import quantize_model
 
     four_bit = bool(bnb.load_in_4bit)
@@ -698,7 +687,7 @@ def plan_trainer(
                 device_costs.append(math_attention_cost(trace.hidden_bytes, tgt))
                 warn.append(math_attention_warning(tgt))
         if bnb is not None:
-            from colab_memopt.planning.planner import quantization_scale_bytes
+            from colab_memopt.planning.quantized import quantization_scale_bytes
 
             with mode:
                 scales = quantization_scale_bytes(holder.model, cuda_rounding=tgt.cuda)

@@ -230,7 +230,7 @@ def preflight(out: Path, env: dict[str, str]) -> dict[str, Any]:
 
     import torch
 
-    from colab_memopt.planning import planner
+    from colab_memopt.planning import targets
 
     props = torch.cuda.get_device_properties(0)
     versions = {}
@@ -242,16 +242,16 @@ def preflight(out: Path, env: dict[str, str]) -> dict[str, Any]:
     probe = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, env=env, timeout=300)
     measured = json.loads(probe.stdout.strip().splitlines()[-1]) if probe.returncode == 0 else {"error": probe.stderr[-2000:]}
     capability = torch.cuda.get_device_capability(0)
-    planned, source = planner.cublas_workspace_bytes((7, 5) if env["CM_EMULATE"] == "t4" else capability,
+    planned, source = targets.cublas_workspace_bytes((7, 5) if env["CM_EMULATE"] == "t4" else capability,
                                                      env.get("CUBLAS_WORKSPACE_CONFIG"))
-    lt, _ = planner.cublaslt_workspace_bytes(env.get("CUBLASLT_WORKSPACE_SIZE", ""), env.get("TORCH_CUBLASLT_UNIFIED_WORKSPACE", ""))
+    lt, _ = targets.cublaslt_workspace_bytes(env.get("CUBLASLT_WORKSPACE_SIZE", ""), env.get("TORCH_CUBLASLT_UNIFIED_WORKSPACE", ""))
     measured["context_note"] = f"{torch.cuda.get_device_name(0)}'s own CUDA context, not a T4's (emulation caps the allocator only)"
     info = {
         "gpu": torch.cuda.get_device_name(0), "capability": list(capability), "total_memory": props.total_memory,
         "cuda": torch.version.cuda, "python": platform.python_version(), "versions": versions,
         "emulate": env["CM_EMULATE"], "cublas_workspace_config": env.get("CUBLAS_WORKSPACE_CONFIG"),
         "measured": measured, "planned_cublas_workspace_bytes": planned, "planned_cublas_workspace_source": source,
-        # planner.cuda_workspace_costs: the autograd thread's cuBLAS workspace and the cuBLASLt one (the probe's second figure)
+        # untraced.cuda_workspace_costs: the autograd thread's cuBLAS workspace and the cuBLASLt one (the probe's second figure)
         "planned_step_more_workspace_bytes": planned + lt,
         "measured_note": f"context_bytes and cublas_workspace_bytes are this GPU's ({torch.cuda.get_device_name(0)}), "
                          "measured in a fresh process; under T4 emulation they are not a T4's figures",
@@ -482,7 +482,7 @@ def notebook_verdict(result: StepResult, stem: str, out: Path, workspaces: int) 
 
 
 def _t4_workspaces() -> int:
-    from colab_memopt.planning.planner import cuda_workspace_costs
+    from colab_memopt.planning.untraced import cuda_workspace_costs
 
     return sum(c.bytes for c in cuda_workspace_costs((7, 5)))  # a T4's: the emulation's CUBLAS_WORKSPACE_CONFIG
 
