@@ -13,7 +13,7 @@ import pytest
 import colab_memopt as cm
 from colab_memopt import planner, targets
 from colab_memopt.tooling.cli import main
-from colab_memopt.planning.trainer import TrainerFit
+from colab_memopt.planning.trainerfit import TrainerFit
 
 WIDTH = 100  # characters per line of a printout (the Done-when allows 120; the house style says 100)
 # Words that belong to the maintainers, never to a printout: make targets, CI, test hints, the planner's own

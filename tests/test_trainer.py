@@ -28,7 +28,7 @@ from trl import SFTConfig, SFTTrainer  # noqa: E402
 
 import colab_memopt as cm  # noqa: E402
 from colab_memopt import guard as cm_guard, hfconfig, untraced  # noqa: E402
-from colab_memopt import trainer as tr  # noqa: E402
+from colab_memopt import trainer as tr, trainerfit, trainertrace  # noqa: E402
 
 DIMS = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=128)
@@ -181,9 +181,9 @@ def test_fit_trainer_returns_changes_after_which_the_plan_fits_a_t4():
     args = sft_args("adamw_torch", per_device_train_batch_size=4, max_length=256, fp16=True,
                     gradient_checkpointing=False, gradient_checkpointing_kwargs=None)
     model = big_dims(num_hidden_layers=4)
-    fit = tr.fit_trainer(args, model=model, target="t4")
+    fit = trainerfit.fit_trainer(args, model=model, target="t4")
     assert not fit.before.fits and fit.fits, str(fit)
-    changed = tr._changed_args(args, fit.changes)
+    changed = trainertrace._changed_args(args, fit.changes)
     assert changed.per_device_train_batch_size * changed.gradient_accumulation_steps == 4  # the effective batch kept
     again = tr.plan_trainer(changed, model=model, target="t4")
     assert again.fits and again.peak_bytes == fit.after.peak_bytes
@@ -192,7 +192,7 @@ def test_fit_trainer_returns_changes_after_which_the_plan_fits_a_t4():
 
 
 def test_fit_trainer_switches_bf16_to_fp16_on_a_t4_even_when_it_fits():
-    fit = tr.fit_trainer(sft_args(bf16=True), model=Qwen2Config(**DIMS), lora=lora(), target="t4")
+    fit = trainerfit.fit_trainer(sft_args(bf16=True), model=Qwen2Config(**DIMS), lora=lora(), target="t4")
     assert fit.changes == {"bf16": False, "fp16": True} and fit.fits
 
 
