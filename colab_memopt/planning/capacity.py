@@ -22,8 +22,8 @@ from colab_memopt.techniques import architectures
 from colab_memopt.planning.targets import get_target
 from colab_memopt.training.presets import MODES, PRESETS, preset_fields
 from colab_memopt.training.recipe import Recipe
-from colab_memopt.planning.recommender import FULL_CANDIDATES, INT8_CANDIDATES, PURE16, full_candidates  # noqa: F401 - re-exported
-from colab_memopt.planning.recommender import LONG_CONTEXT_TILE_TOKENS, long_context_recipe  # noqa: F401 - re-exported
+from colab_memopt.planning.candidates import FULL_CANDIDATES, INT8_CANDIDATES, PURE16, full_candidates  # noqa: F401 - re-exported
+from colab_memopt.planning.candidates import LONG_CONTEXT_TILE_TOKENS, long_context_recipe  # noqa: F401 - re-exported
 
 
 @dataclass
@@ -112,7 +112,7 @@ def best_fit(name: str, *, mode: str, seq_len: int, batch: int = 1, target: Any 
     'recommend' (only `recommend`'s), or a name of `FULL_CANDIDATES` or `INT8_CANDIDATES` (only that one's
     recipes; 'all' leaves out 8-bit weights, which `recommend` offers only when nothing else fits).
     """
-    from colab_memopt.planning.recommender import candidate_recipes
+    from colab_memopt.planning.candidates import candidate_recipes
 
     tgt = get_target(target)
     named = {**FULL_CANDIDATES, **INT8_CANDIDATES}
