@@ -37,7 +37,7 @@ import torch
 from colab_memopt import capacity
 from colab_memopt.core.fileio import write_json
 from colab_memopt.core.measure import format_bytes
-from colab_memopt.planning.planner import get_target
+from colab_memopt.planning.targets import get_target
 
 OUT = Path(__file__).resolve().parent.parent / "colab_memopt" / "planning" / "results" / "capacity.json"  # shipped in the wheel
 MODELS = ["smollm2-135m", "smollm2-360m", "qwen2.5-0.5b", "llama-3.2-1b", "qwen2.5-1.5b", "smollm2-1.7b", "llama-3.2-3b", "llama-3.1-8b"]

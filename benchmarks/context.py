@@ -60,10 +60,10 @@ from colab_memopt.planning.capacity import longest_sequence
 from colab_memopt.core.fileio import write_json
 from colab_memopt.techniques.loss import DEFAULT_CHUNK_TOKENS
 from colab_memopt.core.measure import format_bytes
-from colab_memopt.planning.planner import get_target
+from colab_memopt.planning.targets import get_target
 from colab_memopt.training.presets import mixed_precision, mode_fields
 from colab_memopt.training.recipe import Recipe
-from colab_memopt.planning.recommender import long_context_recipe
+from colab_memopt.planning.candidates import long_context_recipe
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "colab_memopt" / "planning" / "results" / "context.json"  # shipped in the wheel (pyproject package-data)

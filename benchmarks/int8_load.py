@@ -108,7 +108,7 @@ EIGHT_B_ROWS = {"llama-3.1-8b (the published checkpoint: bfloat16)": None,
 def eight_b_rows(recipe) -> dict:
     """Return the 8B host-RAM plans of load_int8 against the classic load, per checkpoint dtype (computed, not
     measured: this machine cannot hold the 8B's classic load)."""
-    from colab_memopt.planning.planner import get_target
+    from colab_memopt.planning.targets import get_target
     from colab_memopt.techniques.architectures import resolve_model
     from colab_memopt.training.loading import load_host_bytes
 

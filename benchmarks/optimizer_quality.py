@@ -29,7 +29,7 @@ import colab_memopt as cm
 from colab_memopt import estimate
 from colab_memopt.core.fileio import write_json
 from colab_memopt.techniques.lowstate import PROJECTED
-from colab_memopt.planning.recommender import FULL_CANDIDATES, PURE16
+from colab_memopt.planning.candidates import FULL_CANDIDATES, PURE16
 
 OUT = Path(__file__).resolve().parent / "results" / "optimizer_quality.json"
 BASELINE = "adamw"

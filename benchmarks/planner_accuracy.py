@@ -7,7 +7,7 @@ measured, relative error, device, `optimizer_impl`), the time and memory of plan
 model, and the worst error, which is printed last.
 
 Each row names the optimizer implementation it planned and measured: 'single-tensor' (torch's choice
-on the CPU) or 'foreach' (torch's choice on CUDA, forced on the CPU with `planner.set_optimizer_impl`
+on the CPU) or 'foreach' (torch's choice on CUDA, forced on the CPU with `faketrace.set_optimizer_impl`
 for the measurement and traced the same way by the planner). On CUDA the implementation is torch's
 own choice and like is compared with like: the prediction is `Plan.step_peak_bytes` (the tensors at the
 peak plus the step's own transients the trace cannot see, such as 4-bit dequantization) and the
@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 
 import colab_memopt as cm
-from colab_memopt import env, planner
+from colab_memopt import env, faketrace, planner
 from colab_memopt.core.fileio import write_json
 
 OUT = Path(__file__).resolve().parent / "results" / "planner_accuracy.json"
@@ -86,8 +86,8 @@ CUDA_EXTRA = [
     ("medium", 8, 256, {"precision": "bf16-autocast"}),
     ("smollm2-135m", 1, 512, {}), ("qwen2.5-0.5b", 1, 512, {}),
 ]
-# QLoRA (4-bit bases traced through planner.traced_linear4bit, the 8-bit base, bnb_int8, through
-# planner.traced_linear8bit), on the reference sizes and two transformers families. Each row keeps the analytic
+# QLoRA (4-bit bases traced through quantized.traced_linear4bit, the 8-bit base, bnb_int8, through
+# quantized.traced_linear8bit), on the reference sizes and two transformers families. Each row keeps the analytic
 # cross-check's error. On the CPU bitsandbytes' 8-bit training path dequantizes the weight and has no outlier
 # columns; LLM.int8's outlier columns (CUDA) depend on the inputs, so bnb_int8 rows also count, on one more step
 # after the measured one, the input columns that would be outliers (a value of magnitude >= the threshold).
@@ -135,7 +135,7 @@ def measure(size: str, batch: int, seq_len: int, recipe: cm.Recipe, device: torc
     """
     model, opt = recipe.build(_factory(size, device)())
     if optimizer_impl is not None:
-        planner.set_optimizer_impl(opt, optimizer_impl)
+        faketrace.set_optimizer_impl(opt, optimizer_impl)
     step = cm.make_train_step(model, opt, corpus, batch_size=batch, seq_len=seq_len, recipe=recipe)
     report = cm.measure_step(step, model=model, optimizer=opt, repeat=1)
     if outliers is not None:

@@ -1236,7 +1236,7 @@ def cli2_rows(fast: bool = True) -> None:
     def no_fit_message():  # the message's numbers come from the leanest planned candidate, never "short by 0 B"
         from colab_memopt.planning.recommender import Candidate, _no_fit_message
         from colab_memopt.planning.costs import Slowdown
-        from colab_memopt.planning.planner import get_target
+        from colab_memopt.planning.targets import get_target
         planned = cm.plan("tiny", 2, seq_len=32, method="analytic", target={"device_bytes": 2**20, "host_bytes": 2**33})
         slow = Slowdown(1.0, {}, [], "cpu")
         screened = Candidate("screened-only", cm.Recipe(), slow, 1000, 2**19)

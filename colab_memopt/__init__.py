@@ -50,7 +50,8 @@ _DEFINED_IN = {name: module for module, names in {
     "optimizers": ("make_optimizer",),
     "capacity": ("longest_context", "longest_sequence"),
     "train": ("make_eval_step", "make_train_step", "run_steps", "train", "train_step"),
-    "trainer": ("fit_trainer", "plan_trainer"),
+    "trainer": ("plan_trainer",),
+    "trainerfit": ("fit_trainer",),
     "chat": ("MergeCost", "merge_cost", "to_messages"),
     "guard": ("MemoryGuardCallback",),
 }.items() for name in names}

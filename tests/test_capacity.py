@@ -1,5 +1,6 @@
 import pytest
 
+import colab_memopt as cm
 from colab_memopt import capacity
 from colab_memopt.training.recipe import Recipe
 

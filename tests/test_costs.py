@@ -77,7 +77,7 @@ def test_committed_costs_name_their_device():
 
 def test_each_device_class_has_its_table_and_each_gpu_row_cites_its_source():
     from colab_memopt.planning.costs import DEVICE_CLASSES, PRIORS, costs_for_class, device_class
-    from colab_memopt.planning.planner import get_target
+    from colab_memopt.planning.targets import get_target
 
     assert device_class(get_target("t4")) == "t4" and device_class(get_target("a100-80gb")) == "ampere+"
     assert device_class(get_target({"device_bytes": 1, "host_bytes": 1, "cuda": False})) == "cpu"
@@ -96,7 +96,7 @@ def test_each_device_class_has_its_table_and_each_gpu_row_cites_its_source():
 
 def test_a_measured_gpu_table_replaces_the_priors_it_measured_and_a_cpu_one_is_refused(tmp_path):
     from colab_memopt.planning.costs import costs_for_class, costs_for_target
-    from colab_memopt.planning.planner import get_target
+    from colab_memopt.planning.targets import get_target
 
     measured = _costs(**{"fp16-autocast": 0.41})
     measured.device, measured.device_class = "cuda: NVIDIA H100 emulating t4", "t4"

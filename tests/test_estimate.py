@@ -2,7 +2,7 @@ import pytest
 
 import colab_memopt as cm
 from colab_memopt import estimate
-from colab_memopt.planning.planner import MATH_ATTENTION_LINE
+from colab_memopt.planning.untraced import MATH_ATTENTION_LINE
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "naive"])

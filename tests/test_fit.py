@@ -13,7 +13,7 @@ from peft import LoraConfig  # noqa: E402
 from transformers import BitsAndBytesConfig, LlamaConfig  # noqa: E402
 from trl import SFTConfig  # noqa: E402
 
-from colab_memopt import trainer as tr  # noqa: E402
+from colab_memopt import trainer as tr, trainerfit  # noqa: E402
 
 # linear layers hold most of the weights, as in the models people fine-tune
 CFG = dict(vocab_size=256, hidden_size=512, intermediate_size=2048, num_hidden_layers=2, num_attention_heads=4,
@@ -69,7 +69,7 @@ def test_lora_fit_loads_the_base_in_fp16_first_and_apply_returns_settings_that_f
     fp16_need = need(model_id, t4, dtype="float16")
     target = between(fp16_need, fp32_need)
     args = sft()
-    fit = tr.fit_trainer(args, model=model_id, lora=lora(), target=target, headroom=0.0)
+    fit = trainerfit.fit_trainer(args, model=model_id, lora=lora(), target=target, headroom=0.0)
     assert fit.fits and not fit.before.fits, str(fit)
     assert fit.changes == {"bf16": False, "fp16": True, "model_init_kwargs": {"dtype": "float16"}}, fit.changes
     assert len(fit.tried) == 1  # one plan after yours
@@ -85,7 +85,7 @@ def test_lora_fit_loads_the_base_in_fp16_first_and_apply_returns_settings_that_f
                                 bf16=True, report_to=[])
     hf_needs = [tr.plan_trainer(hf_args, model=model_id, lora=lora(), target=small_t4(2**40), headroom=0.0, seq_len=256,
                                 bf16=False, fp16=True, dtype=d).device_need_bytes for d in ("float16", None)]
-    hf_fit = tr.fit_trainer(hf_args, model=model_id, lora=lora(), target=between(*hf_needs), headroom=0.0, seq_len=256)
+    hf_fit = trainerfit.fit_trainer(hf_args, model=model_id, lora=lora(), target=between(*hf_needs), headroom=0.0, seq_len=256)
     hf_fitted = hf_fit.apply(hf_args)
     assert hf_fit.fits and hf_fit.changes == {"bf16": False, "fp16": True} and hf_fit.dtype == torch.float16
     assert hf_fitted.model_init_kwargs == {"dtype": torch.float16} and hf_fitted.dtype == torch.float16
@@ -103,7 +103,7 @@ def test_lora_fit_takes_a_4bit_base_where_the_fp16_base_does_not_fit(model_id):
                       gradient_checkpointing=True)
     target = between(qlora_need, fp16_need)
     args = sft(per_device_train_batch_size=1, gradient_checkpointing=True)
-    fit = tr.fit_trainer(args, model=model_id, lora=lora(), target=target, headroom=0.0)
+    fit = trainerfit.fit_trainer(args, model=model_id, lora=lora(), target=target, headroom=0.0)
     assert fit.fits, str(fit)
     assert fit.bnb is not None and fit.bnb.load_in_4bit and fit.bnb.bnb_4bit_quant_type == "nf4"
     assert fit.bnb.bnb_4bit_compute_dtype == torch.float16 and fit.dtype == torch.float16  # the rest in fp16
@@ -121,7 +121,7 @@ def test_lora_fit_takes_a_4bit_base_where_the_fp16_base_does_not_fit(model_id):
 
 def test_a_failed_fit_prints_the_smallest_need_and_what_to_do_next_and_apply_refuses(model_id):
     target = small_t4(2**20)
-    fit = tr.fit_trainer(sft(), model=model_id, lora=lora(), target=target, max_plans=3)
+    fit = trainerfit.fit_trainer(sft(), model=model_id, lora=lora(), target=target, max_plans=3)
     assert not fit.fits and len(fit.tried) == 3
     text = str(fit)
     smallest = min(n for _, n, _ in fit.tried)
@@ -139,8 +139,8 @@ def test_a_failed_fit_prints_the_smallest_need_and_what_to_do_next_and_apply_ref
 def test_no_optimizer_swap_for_lora_but_for_full_fine_tuning(model_id):
     tgt = tr._target(small_t4(2**30))
     args = sft(optim="adamw_torch")
-    lora_sets = tr._candidates(args, tgt, lora=lora(), loaded=torch.float32, sft_model_id=True)
-    full_sets = tr._candidates(args, tgt, loaded=torch.float32, sft_model_id=True)
+    lora_sets = trainerfit._candidates(args, tgt, lora=lora(), loaded=torch.float32, sft_model_id=True)
+    full_sets = trainerfit._candidates(args, tgt, loaded=torch.float32, sft_model_id=True)
     assert not any("optim" in c for c in lora_sets) and any("optim" in c for c in full_sets)
     assert any("model_init_kwargs" in c for c in lora_sets)
     assert not any("model_init_kwargs" in c for c in full_sets)  # fp16 weights cannot be trained under the scaler
@@ -185,7 +185,7 @@ def test_batch_changes_are_predicted_from_two_plans_and_the_fit_confirmed():
              for b in (1, 2)}
     target = small_t4(plans[1] + 2**10)
     assert plans[2] > 1.05 * target["device_bytes"], plans  # beyond the prediction's 5% margin
-    fit = tr.fit_trainer(args, model=model, target=target, headroom=0.0, seq_len=256)
+    fit = trainerfit.fit_trainer(args, model=model, target=target, headroom=0.0, seq_len=256)
     assert fit.fits and fit.changes == {"per_device_train_batch_size": 1, "gradient_accumulation_steps": 16}, str(fit)
     assert [c["per_device_train_batch_size"] for c, _, _ in fit.tried] == [8, 4, 1] and fit.predicted == 1
     assert fit.after.device_need_bytes == plans[1]

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from colab_memopt import gpucheck
+from colab_memopt import gpucheck, gpuplan, gpurecord
 from colab_memopt.tooling.runner import notebook_paths
 
 REPO = Path(__file__).resolve().parent.parent
@@ -57,15 +57,15 @@ def test_child_env_emulates_and_leaves_the_allocator_as_on_colab(monkeypatch):
 
 
 def test_t4_budgets_name_real_notebooks_and_override_no_parameter():
-    per, default, total = gpucheck.load_budgets()
+    per, default, total = gpuplan.load_budgets()
     stems = {p.stem for p in notebook_paths()}
     assert set(per) <= stems, set(per) - stems
     assert 0 < default <= total and all(0 < b <= total for b in per.values())
 
 
 def test_summary_names_failed_steps_last():
-    steps = [gpucheck.StepResult("unit", "passed", 12.0, "exit 0"), gpucheck.StepResult("notebook 05_x", "failed", 3.0, "exit 1")]
-    text = gpucheck.summary_table("NVIDIA H100 emulating t4", steps)
+    steps = [gpurecord.StepResult("unit", "passed", 12.0, "exit 0"), gpurecord.StepResult("notebook 05_x", "failed", 3.0, "exit 1")]
+    text = gpurecord.summary_table("NVIDIA H100 emulating t4", steps)
     assert text.splitlines()[0] == "make test-gpu on NVIDIA H100 emulating t4"
     assert "FAILED" in text and text.splitlines()[-1] == "1 of 2 steps passed; FAILED: notebook 05_x"
 
@@ -78,7 +78,7 @@ def test_steps_time_out_fail_and_are_written(tmp_path):
     assert ok.status == "passed" and "fine" in ok.detail
     assert slow.status == "failed" and "over its budget of 1 s" in slow.detail
     assert bad.status == "failed" and "exit 3" in bad.detail
-    gpucheck.write_outputs(tmp_path, "NVIDIA H100 emulating t4", {"gpu": "NVIDIA H100"}, [ok, slow, bad])
+    gpurecord.write_outputs(tmp_path, "NVIDIA H100 emulating t4", {"gpu": "NVIDIA H100"}, [ok, slow, bad])
     import json
 
     written = json.loads((tmp_path / "results.json").read_text())
@@ -135,11 +135,11 @@ def test_needed_covers_every_package_the_tests_and_notebooks_import():
 def test_results_merge_step_by_step_so_a_stopped_run_keeps_what_finished(tmp_path):
     import json
 
-    first = gpucheck.StepResult("unit 1/3", "failed", 5.0, "exit 1")
-    gpucheck.write_outputs(tmp_path, "H100 emulating t4", {"gpu": "H100"}, [first])
-    gpucheck.write_outputs(tmp_path, "H100 emulating t4", {}, [gpucheck.StepResult("gpu-tests", "passed", 9.0, "exit 0")])
-    again = gpucheck.StepResult("unit 1/3", "passed", 6.0, "exit 0")
-    written = gpucheck.write_outputs(tmp_path, "H100 emulating t4", {}, [again])
+    first = gpurecord.StepResult("unit 1/3", "failed", 5.0, "exit 1")
+    gpurecord.write_outputs(tmp_path, "H100 emulating t4", {"gpu": "H100"}, [first])
+    gpurecord.write_outputs(tmp_path, "H100 emulating t4", {}, [gpurecord.StepResult("gpu-tests", "passed", 9.0, "exit 0")])
+    again = gpurecord.StepResult("unit 1/3", "passed", 6.0, "exit 0")
+    written = gpurecord.write_outputs(tmp_path, "H100 emulating t4", {}, [again])
     on_disk = json.loads((tmp_path / "results.json").read_text())
     assert on_disk == written and on_disk["env"] == {"gpu": "H100"}  # a later slice keeps the first call's env
     assert [s["step"] for s in on_disk["steps"]] == ["unit 1/3", "gpu-tests"] and on_disk["failed"] == []
@@ -149,14 +149,14 @@ def test_results_merge_step_by_step_so_a_stopped_run_keeps_what_finished(tmp_pat
 def test_unit_tests_split_into_parts_that_cover_each_file_once():
     files = sorted(str(p.relative_to(REPO)) for p in (REPO / "tests").glob("test_*.py"))
     for n in (1, 3, 4):
-        parts = gpucheck.unit_parts(n)
+        parts = gpuplan.unit_parts(n)
         assert len(parts) == n and all(parts) and sorted(f for part in parts for f in part) == files
-    assert gpucheck.parse_part("2/3") == (2, 3) and gpucheck.parse_part(None) is None
+    assert gpuplan.parse_part("2/3") == (2, 3) and gpuplan.parse_part(None) is None
     for bad in ("0/3", "4/3", "two", "1/0"):
         with pytest.raises(ValueError, match="--part must be K/N"):
-            gpucheck.parse_part(bad)
+            gpuplan.parse_part(bad)
     with pytest.raises(ValueError, match="parts must be an integer >= 1"):
-        gpucheck.unit_parts(0)
+        gpuplan.unit_parts(0)
 
 
 def test_only_and_notebooks_and_part_are_options():
@@ -267,7 +267,7 @@ def test_notebooks_are_held_to_the_t4_by_reserved_bytes_plus_a_context(tmp_path,
         (tmp_path / "results").mkdir(exist_ok=True)
         (tmp_path / "results" / f"{path.stem}.json").write_text(json.dumps(
             {"device": "cuda", "baseline": report, "optimized": None, "cuda_max_reserved_bytes": reserved}))
-        return gpucheck.StepResult(step, "passed", 1.0, "exit 0")
+        return gpurecord.StepResult(step, "passed", 1.0, "exit 0")
 
     monkeypatch.setattr(gpucheck, "run_command", fake_run)
     (result,) = gpucheck.run_notebooks(tmp_path, {}, None)
@@ -292,34 +292,34 @@ def _parameters_cell(stem: str) -> dict:
 def test_the_one_call_command_fits_the_device_tool_and_parses():
     import shlex
 
-    command = gpucheck.one_call_command()
-    assert len(command) <= gpucheck.COMMAND_LIMIT_CHARS == 2000
+    command = gpuplan.one_call_command()
+    assert len(command) <= gpuplan.COMMAND_LIMIT_CHARS == 2000
     words = shlex.split(command)
-    assert words[:4] == ["PYTHONUNBUFFERED=1", "python3", "-m", "colab_memopt.tooling.gpucheck"]
+    assert words[:4] == ["PYTHONUNBUFFERED=1", "python3", "-m", "colab_memopt.gpucheck"]  # the name the lent machines are told
     args = gpucheck.build_parser().parse_args(words[4:])
-    settings = gpucheck.load_t4_settings()
+    settings = gpuplan.load_t4_settings()
     assert args.parallel == settings.workers and args.budget_seconds == settings.deadline_seconds
     assert set(args.only) == {"install", "gpu-tests", "planner", "notebooks"} and args.notebooks is None
-    assert args.wheelhouse == gpucheck.CARRY and args.pip_target == gpucheck.SITE
-    assert args.archive == f"$OUT/{gpucheck.ARCHIVE_NAME}"  # one file back, at the top of $OUT
+    assert args.wheelhouse == gpuplan.CARRY and args.pip_target == gpuplan.SITE
+    assert args.archive == f"$OUT/{gpuplan.ARCHIVE_NAME}"  # one file back, at the top of $OUT
 
 
 def test_the_plan_covers_every_notebook_gpu_tests_and_the_grid_within_the_deadline():
-    settings = gpucheck.load_t4_settings()
+    settings = gpuplan.load_t4_settings()
     stems = [p.stem for p in notebook_paths()]
-    items, not_run = gpucheck.lent_items(settings, gpucheck.ONE_CALL_STEPS, stems,
+    items, not_run = gpuplan.lent_items(settings, gpuplan.ONE_CALL_STEPS, stems,
                                          lambda stem: [m for m in settings.requires.get(stem, []) if m == "deepspeed"])
     names = {i.name for i in items}
     assert {"gpu-tests", "planner"} <= names
     assert {f"notebook {s}" for s in stems} == {n for n in names if n.startswith("notebook")} | {r.step for r in not_run}
     assert [(r.step, r.status) for r in not_run] == [("notebook 10_deepspeed_zero", "not run")]
     assert not_run[0].detail.startswith("not run: deepspeed not installed")
-    slices = gpucheck.pack_slices(items, settings.workers)
+    slices = gpuplan.pack_slices(items, settings.workers)
     assert sorted(i.name for s in slices for i in s) == sorted(names)
     # every slice's estimates fit what the deadline leaves after the install; the deadline leaves the call's
     # last minute and a half for the archive and the transfers
     assert max(sum(i.seconds for i in s) for s in slices) <= settings.deadline_seconds - settings.setup_seconds
-    assert settings.deadline_seconds + 60 <= gpucheck.CALL_LIMIT_SECONDS
+    assert settings.deadline_seconds + 60 <= gpuplan.CALL_LIMIT_SECONDS
     # every notebook's estimate is listed (none falls back to the default unnoticed)
     assert set(settings.lent_seconds) == set(stems)
 
@@ -327,31 +327,31 @@ def test_the_plan_covers_every_notebook_gpu_tests_and_the_grid_within_the_deadli
 def test_plan_prints_the_command_and_the_carry(capsys):
     assert gpucheck.main(["plan"]) == 0  # no GPU needed to print it
     printed = capsys.readouterr().out.splitlines()
-    command = gpucheck.one_call_command()
-    assert command in printed and f'  carry: ["{gpucheck.CARRY}"]' in printed
+    command = gpuplan.one_call_command()
+    assert command in printed and f'  carry: ["{gpuplan.CARRY}"]' in printed
     assert any("of 64" in line and "the checkout" in line for line in printed)
     assert any("10_deepspeed_zero: not run" in line for line in printed)
     assert all(len(line) <= 100 for line in printed if line != command), [l for l in printed if len(l) > 100]
 
 
 def test_plan_says_when_the_carry_does_not_fit(tmp_path, monkeypatch, capsys):
-    part = tmp_path / gpucheck.CARRY
+    part = tmp_path / gpuplan.CARRY
     part.mkdir(parents=True)
     (part / "big.whl").write_bytes(b"\0" * (63 * 2**20))  # with the checkout, over 64 MiB
-    monkeypatch.setattr(gpucheck, "checkout_bytes", lambda root=None: 3 * 2**20)
-    assert gpucheck.print_plan(tmp_path) == 1
+    monkeypatch.setattr(gpuplan, "checkout_bytes", lambda root=None: 3 * 2**20)
+    assert gpuplan.print_plan(tmp_path) == 1
     assert "does not fit: the carry and the checkout take 66.0 MiB, over 64" in capsys.readouterr().out
 
 
 def test_slices_are_packed_longest_first():
-    items = [gpucheck.Item(n, s) for n, s in [("a", 300), ("b", 200), ("c", 200), ("d", 100), ("e", 100)]]
-    slices = gpucheck.pack_slices(items, 2)
+    items = [gpuplan.Item(n, s) for n, s in [("a", 300), ("b", 200), ("c", 200), ("d", 100), ("e", 100)]]
+    slices = gpuplan.pack_slices(items, 2)
     assert [[i.name for i in s] for s in slices] == [["a", "d", "e"], ["b", "c"]]
     # LPT alone gives 7 s and 5 s here (3+2+2, 3+2); a swap evens them out
-    items = [gpucheck.Item(n, s) for n, s in [("a", 3), ("b", 3), ("c", 2), ("d", 2), ("e", 2)]]
-    assert sorted(sum(i.seconds for i in s) for s in gpucheck.pack_slices(items, 2)) == [6, 6]
+    items = [gpuplan.Item(n, s) for n, s in [("a", 3), ("b", 3), ("c", 2), ("d", 2), ("e", 2)]]
+    assert sorted(sum(i.seconds for i in s) for s in gpuplan.pack_slices(items, 2)) == [6, 6]
     with pytest.raises(ValueError, match="--parallel must be an integer >= 1"):
-        gpucheck.pack_slices(items, 0)
+        gpuplan.pack_slices(items, 0)
 
 
 def _pid_alive(pid: int) -> bool:
@@ -370,7 +370,7 @@ def test_the_deadline_kills_a_straggler_and_records_it_not_finished(tmp_path):
     straggler = ("import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'],"
                  f" start_new_session=True); open({str(tmp_path / 'grandchild')!r}, 'w').write(str(p.pid)); time.sleep(120)")
     commands = {"fast": "print('fine')", "slow": straggler, "after slow": "print('never')", "other": "print('also fine')"}
-    slices = [[gpucheck.Item("fast", 1), gpucheck.Item("slow", 1), gpucheck.Item("after slow", 1)], [gpucheck.Item("other", 1)]]
+    slices = [[gpuplan.Item("fast", 1), gpuplan.Item("slow", 1), gpuplan.Item("after slow", 1)], [gpuplan.Item("other", 1)]]
     seen = []
 
     def run_item(item, left):
@@ -395,23 +395,23 @@ def test_items_not_started_by_the_deadline_are_not_finished_never_passed():
     import time
 
     ran = []
-    slices = [[gpucheck.Item("a", 1), gpucheck.Item("b", 1)]]
-    results = gpucheck.run_slices(slices, lambda item, left: ran.append(item) or gpucheck.StepResult(item.name, "passed", 0),
+    slices = [[gpuplan.Item("a", 1), gpuplan.Item("b", 1)]]
+    results = gpucheck.run_slices(slices, lambda item, left: ran.append(item) or gpurecord.StepResult(item.name, "passed", 0),
                                   time.monotonic() - 1, lambda r: None)
     assert ran == [] and [(r.step, r.status) for r in results] == [("a", "not finished"), ("b", "not finished")]
     assert all(r.detail == "not started before the run's deadline" for r in results)
     # an item's crash is its own failure
-    boom = gpucheck.run_slices([[gpucheck.Item("x", 1)]], lambda item, left: 1 / 0, time.monotonic() + 60, lambda r: None)
+    boom = gpucheck.run_slices([[gpuplan.Item("x", 1)]], lambda item, left: 1 / 0, time.monotonic() + 60, lambda r: None)
     assert boom[0].status == "failed" and "ZeroDivisionError" in boom[0].detail
 
 
 def test_summary_and_exit_status_count_not_finished_as_failures_and_not_run_apart(tmp_path, capsys):
-    record = gpucheck.Recorder(tmp_path, "H100 emulating t4", {}, None)
-    record(gpucheck.StepResult("notebook 00_x", "passed", 5.0, "exit 0", {"estimate_seconds": 60}))
-    record(gpucheck.StepResult("notebook 10_x", "not run", 0.0, "not run: deepspeed not installed"))
-    assert gpucheck.finish(record, tmp_path, "H100 emulating t4") == 0  # a reason given: not a failure
-    record(gpucheck.StepResult("notebook 17_x", "not finished", 9.0, "stopped at the run's deadline after 9 s"))
-    assert gpucheck.finish(record, tmp_path, "H100 emulating t4") == 1
+    record = gpurecord.Recorder(tmp_path, "H100 emulating t4", {}, None)
+    record(gpurecord.StepResult("notebook 00_x", "passed", 5.0, "exit 0", {"estimate_seconds": 60}))
+    record(gpurecord.StepResult("notebook 10_x", "not run", 0.0, "not run: deepspeed not installed"))
+    assert gpurecord.finish(record, tmp_path, "H100 emulating t4") == 0  # a reason given: not a failure
+    record(gpurecord.StepResult("notebook 17_x", "not finished", 9.0, "stopped at the run's deadline after 9 s"))
+    assert gpurecord.finish(record, tmp_path, "H100 emulating t4") == 1
     text = (tmp_path / "summary.txt").read_text()
     assert "1 of 3 steps passed; NOT FINISHED: notebook 17_x; not run (reason above): notebook 10_x" in text
     assert "measured seconds (for tests/notebook_parameters_t4.yaml): 00_x 5" in text
@@ -431,14 +431,14 @@ def test_the_archive_holds_what_finished_when_the_call_is_killed(tmp_path):
     script = f"""
 import sys, time
 from pathlib import Path
-from colab_memopt import gpucheck
-record = gpucheck.Recorder(Path({str(out)!r}), "H100 emulating t4", {{}}, Path({str(archive)!r}), every_s=0)
+from colab_memopt import gpucheck, gpuplan, gpurecord
+record = gpurecord.Recorder(Path({str(out)!r}), "H100 emulating t4", {{}}, Path({str(archive)!r}), every_s=0)
 env = gpucheck.child_env("none")
 def run_item(item, left):
     code = "print('fine')" if item.name == "fast" else "import time; time.sleep(120)"
     return gpucheck.run_command(item.name, [sys.executable, "-c", code], env, left, Path({str(out)!r}) / "logs" / "x.log",
                                 at_deadline=True)
-gpucheck.run_slices([[gpucheck.Item("fast", 1), gpucheck.Item("slow", 1)]], run_item, time.monotonic() + 300, record)
+gpucheck.run_slices([[gpuplan.Item("fast", 1), gpuplan.Item("slow", 1)]], run_item, time.monotonic() + 300, record)
 """
     (out / "logs").mkdir(parents=True)
     proc = subprocess.Popen([sys.executable, "-c", script], env={**os.environ, "PYTHONPATH": str(REPO)})
@@ -469,7 +469,7 @@ def test_the_archive_stays_under_its_limit_results_first(tmp_path):
     (out / "results.json").write_text("{}")
     (out / "notebooks" / "17_long_context.ipynb").write_bytes(os.urandom(3 * 2**20))
     (out / "notebooks" / "00_where.ipynb").write_bytes(os.urandom(2**20))
-    written = gpucheck.write_archive(out, tmp_path / "a.tar.gz", limit_bytes=2 * 2**20)
+    written = gpurecord.write_archive(out, tmp_path / "a.tar.gz", limit_bytes=2 * 2**20)
     assert written["left_out"] == ["notebooks/17_long_context.ipynb"]
     assert (tmp_path / "a.tar.gz").stat().st_size <= 2 * 2**20
     with tarfile.open(tmp_path / "a.tar.gz") as tar:
@@ -481,7 +481,7 @@ def test_the_archive_stays_under_its_limit_results_first(tmp_path):
 def test_t4_parameters_are_the_notebooks_own_and_take_no_model_from_the_hub():
     import transformers
 
-    settings = gpucheck.load_t4_settings()
+    settings = gpuplan.load_t4_settings()
     for stem, params in settings.parameters.items():
         declared = _parameters_cell(stem)
         assert set(params) <= set(declared), f"{stem}: {set(params) - set(declared)} are not its parameters"
@@ -514,14 +514,14 @@ def test_the_t4_settings_file_refuses_what_it_does_not_know(tmp_path):
     bad.write_text("notebooks:\n  00_where_the_memory_goes:\n    model_size: small\n")
     with pytest.raises(ValueError, match=r"notebook '00_where_the_memory_goes' may set \['budget_seconds', 'lent_seconds', "
                                          r"'parameters', 'requires'\].*got \['model_size'\]"):
-        gpucheck.load_t4_settings(bad)
+        gpuplan.load_t4_settings(bad)
     bad.write_text("lent_run:\n  steps:\n    unit: 100\n")
     with pytest.raises(ValueError, match=r"lent_run.steps may name \['gpu-tests', 'planner', 'costs'\], got \['unit'\]"):
-        gpucheck.load_t4_settings(bad)
+        gpuplan.load_t4_settings(bad)
 
 
 def test_a_notebook_whose_module_is_absent_is_not_run_with_the_reason(tmp_path, monkeypatch):
-    settings = gpucheck.load_t4_settings()
+    settings = gpuplan.load_t4_settings()
     settings.requires["00_where_the_memory_goes"] = ["cm_not_a_module"]
     monkeypatch.setattr(gpucheck, "load_t4_settings", lambda path=None: settings)
     monkeypatch.setattr(gpucheck, "run_command", lambda *a, **k: pytest.fail("a notebook without its module ran"))
@@ -546,18 +546,18 @@ def test_the_parallel_run_end_to_end_with_fake_steps(tmp_path, monkeypatch, caps
     import tarfile
     import time
 
-    settings = gpucheck.load_t4_settings()
+    settings = gpuplan.load_t4_settings()
     settings.requires["10_deepspeed_zero"] = ["cm_not_a_module"]
     monkeypatch.setattr(gpucheck, "load_t4_settings", lambda path=None: settings)
-    monkeypatch.setattr(gpucheck, "install_missing", lambda wheelhouse, target: gpucheck.StepResult("install", "passed", 1.0, "ok"))
+    monkeypatch.setattr(gpucheck, "install_missing", lambda wheelhouse, target: gpurecord.StepResult("install", "passed", 1.0, "ok"))
     monkeypatch.setattr(gpucheck, "step_command", lambda name, out, *a: (
         [sys.executable, "-c", f"print('{name} ok')"], out / "logs" / f"{name}.log"))
     monkeypatch.setattr(gpucheck, "notebook_command", lambda path, out: [sys.executable, "-c", (
         f"import json, pathlib; d = pathlib.Path({str(tmp_path / 'results')!r}); d.mkdir(exist_ok=True); "
         f"(d / '{path.stem}.json').write_text(json.dumps({{'device': 'cuda', 'baseline': {{'peak_bytes': 1}}}}))")])
-    args = argparse.Namespace(only=list(gpucheck.ONE_CALL_STEPS), skip=[], notebooks=["00", "10", "18"], parallel=2,
+    args = argparse.Namespace(only=list(gpuplan.ONE_CALL_STEPS), skip=[], notebooks=["00", "10", "18"], parallel=2,
                               wheelhouse=None, pip_target=None)
-    record = gpucheck.Recorder(tmp_path, "H100 emulating t4", {"gpu": "H100"}, tmp_path / "OUT" / "gpucheck.tar.gz")
+    record = gpurecord.Recorder(tmp_path, "H100 emulating t4", {"gpu": "H100"}, tmp_path / "OUT" / "gpucheck.tar.gz")
     code = gpucheck.run_parallel(args, tmp_path, "H100 emulating t4", gpucheck.child_env("t4"), "t4", (9, 0), record,
                                  time.monotonic() + 120)
     assert code == 0, capsys.readouterr().out

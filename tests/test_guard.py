@@ -190,7 +190,7 @@ def test_a_real_qlora_sft_trainer_trains_guarded_with_fp32_adapters(tmp_path):
 
 
 def test_plan_and_fit_of_bf16_adapters_under_fp16_count_float32_and_name_the_fix():
-    from colab_memopt import trainer as tr
+    from colab_memopt import trainer as tr, trainerfit
 
     trainer = sft(quantized_flag=True, fp16=True)
     with warnings.catch_warnings():
@@ -198,13 +198,13 @@ def test_plan_and_fit_of_bf16_adapters_under_fp16_count_float32_and_name_the_fix
         before = tr.plan_trainer(trainer, target="t4")
     assert any(w.startswith("fp16=True with 8 trainable tensor(s) in bfloat16") for w in before.warnings), before.warnings
     assert trainable_dtypes(trainer) == {torch.bfloat16}  # planning changed nothing
-    fit = tr.fit_trainer(trainer, target="t4")
-    assert tr.FP16_TRAP_NOTE in fit.notes and len(tr.FP16_TRAP_NOTE) <= 100
+    fit = trainerfit.fit_trainer(trainer, target="t4")
+    assert trainerfit.FP16_TRAP_NOTE in fit.notes and len(trainerfit.FP16_TRAP_NOTE) <= 100
     cm.guard.upcast_trainable(trainer.model)
     after = tr.plan_trainer(trainer, target="t4")
     assert not any(w.startswith(tr.FP16_TRAP) for w in after.warnings)
     assert before.peak_bytes == after.peak_bytes  # what the guard will train: float32 adapters
-    assert tr.FP16_TRAP_NOTE not in tr.fit_trainer(trainer, target="t4").notes
+    assert trainerfit.FP16_TRAP_NOTE not in trainerfit.fit_trainer(trainer, target="t4").notes
     # from settings alone: the planner's own SFTTrainer on a 4-bit model gets TRL's cast too
     from transformers import BitsAndBytesConfig
 

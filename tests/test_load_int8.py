@@ -21,7 +21,7 @@ import torch
 import transformers
 
 import colab_memopt as cm
-from colab_memopt import loading, planner
+from colab_memopt import loading, targets, untraced
 from colab_memopt.techniques.architectures import resolve_model, small_config
 from colab_memopt.planning.doctor import check_host_load
 from colab_memopt.techniques.int8train import Int8Optimizer, int8_weight_bytes, int8_weights, quantize_model_int8
@@ -229,12 +229,12 @@ def test_the_8b_load_is_planned_within_colab_ram_and_the_doctor_names_load_int8(
     embedding, in the published checkpoint's bf16), far below 12.7 GB; the classic load does not fit."""
     recipe = cm.Recipe(weight_dtype="int8", optimizer="adalomo", precision="fp16")
     spec = resolve_model("llama-3.1-8b")
-    target = planner.get_target("t4")
-    (cost,) = planner._load_costs(spec, recipe, target)
+    target = targets.get_target("t4")
+    (cost,) = untraced._load_costs(spec, recipe, target)
     assert cost.name == "loading weights" and cost.bytes == 128256 * 4096 * 2 + loading.LOAD_INT8_OVERHEAD_BYTES
     assert "cm.load_int8" in cost.source
     assert cost.bytes < target.host_bytes / 5
-    assert planner._load_costs(spec, cm.Recipe(), target) == []  # no checkpoint named: 16-bit loads are not planned
+    assert untraced._load_costs(spec, cm.Recipe(), target) == []  # no checkpoint named: 16-bit loads are not planned
     finding = check_host_load(spec, recipe, target, (7, 5), 0.10)
     assert finding.severity == "warning" and finding.code == "host-ram-load"
     assert finding.fix.startswith("cm.load_int8(path_or_id, dtype=torch.float16) loads one tensor at a time")

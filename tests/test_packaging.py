@@ -83,12 +83,12 @@ _OWN_READ = re.compile(r"""files\(\s*["']colab_memopt|cm\.__file__|colab_memopt\
 
 def _package_data_files() -> list[str]:
     """Return the data files (relative to colab_memopt/) the package's own readers open."""
-    from colab_memopt.planning import capacity, chat, costs, planner
+    from colab_memopt.planning import capacity, chat, costs, prediction
 
     pkg = REPO / "colab_memopt"
     paths = [chat.SAMPLE_CHATS, costs.COSTS_FILE, pkg / "planning" / "estimate_band.json",
              *(capacity.RESULTS_DIR / f"{name}.json" for name in ("capacity", "context"))]
-    assert Path(planner.__file__).with_name("estimate_band.json") == paths[2]
+    assert Path(prediction.__file__).with_name("estimate_band.json") == paths[2]  # prediction.estimate_band reads it
     return [p.resolve().relative_to(pkg.resolve()).as_posix() for p in paths]
 
 

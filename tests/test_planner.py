@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import colab_memopt as cm
-from colab_memopt import planner
+from colab_memopt import faketrace, planner, quantized, targets, untraced
 from colab_memopt.tooling.cli import main as cli
 from colab_memopt.techniques.architectures import ARCHITECTURES, model_names
 from colab_memopt.techniques.lowstate import LOW_STATE_OPTIMIZERS
@@ -71,7 +71,7 @@ def test_probe3_row_226_the_max_batch_search_with_a_chunked_loss_is_bounded_and_
     start = time.perf_counter()
     p = planner.plan("tiny", 4, seq_len=32, recipe=dict(loss_chunk_tokens="auto"))
     assert time.perf_counter() - start < 60
-    cap = planner._search_batch_cap(planner.shape_model(lambda: cm.build_model("tiny")), cm.Recipe(loss_chunk_tokens=128),
+    cap = planner._search_batch_cap(faketrace.shape_model(lambda: cm.build_model("tiny")), cm.Recipe(loss_chunk_tokens=128),
                                     4, 32)
     assert cap == 128 and p.max_batch == cap  # 32 rounds of 128 tokens at 32 tokens a sequence
     assert any(f"max_batch {cap} is the largest batch searched, and it fits" in w for w in p.warnings)
@@ -241,7 +241,7 @@ def test_plan_honours_each_technique_exactly(corpus, fields):
 QLORA_RECIPES = [{"quantization": "nf4", "lora_rank": 4}, {"quantization": "fp4", "lora_rank": 4}]
 
 
-# bitsandbytes' 4-bit weights are traced through a stand-in with their exact storage (planner.traced_linear4bit).
+# bitsandbytes' 4-bit weights are traced through a stand-in with their exact storage (quantized.traced_linear4bit).
 @pytest.mark.parametrize("fields", QLORA_RECIPES, ids=lambda f: f["quantization"])
 def test_qlora_is_traced_exactly_and_the_analytic_estimate_stays_close(corpus, fields):
     recipe = cm.Recipe.from_dict(fields)
@@ -291,14 +291,14 @@ def test_the_4bit_stand_in_holds_what_a_real_linear4bit_holds(scheme, shape):
         return sorted((tuple(t.shape), str(t.dtype)) for t in tensors)
 
     mode = FakeTensorMode(shape_env=ShapeEnv(allow_scalar_outputs=True))
-    with planner._fake_safe_bitsandbytes(mode, cm.Recipe(quantization=scheme, lora_rank=1)), mode:
-        fake = planner.traced_linear4bit(torch.nn.Linear(in_f, out_f), scheme)
+    with quantized._fake_safe_bitsandbytes(mode, cm.Recipe(quantization=scheme, lora_rank=1)), mode:
+        fake = quantized.traced_linear4bit(torch.nn.Linear(in_f, out_f), scheme)
     assert isinstance(real, bnb.nn.Linear4bit) and isinstance(fake, bnb.nn.Linear4bit)
     assert storage(fake) == storage(real)
-    assert fake.weight.quant_state.blocksize == real.weight.quant_state.blocksize == planner.FOUR_BIT_BLOCKSIZE
+    assert fake.weight.quant_state.blocksize == real.weight.quant_state.blocksize == quantized.FOUR_BIT_BLOCKSIZE
 
 
-# bitsandbytes' 8-bit base (LLM.int8) is traced through planner.traced_linear8bit. On the CPU, in training,
+# bitsandbytes' 8-bit base (LLM.int8) is traced through quantized.traced_linear8bit. On the CPU, in training,
 # bitsandbytes dequantizes each 8-bit weight to the input's dtype in forward and again in backward.
 def _real_int8_scale_bytes(model):
     from colab_memopt.techniques.quantization import _quant_state_tensors
@@ -348,8 +348,8 @@ def test_the_8bit_stand_in_holds_what_a_real_linear8bitlt_holds(shape, bias):
         return {k: (tuple(t.shape), t.dtype, t.numel() * t.element_size()) for k, t in named.items() if t is not None}
 
     mode = FakeTensorMode(shape_env=ShapeEnv(allow_scalar_outputs=True))
-    with planner._fake_safe_bitsandbytes(mode, cm.Recipe(quantization="bnb_int8", lora_rank=1)), mode:
-        fake = planner.traced_linear8bit(torch.nn.Linear(in_f, out_f, bias=bias))
+    with quantized._fake_safe_bitsandbytes(mode, cm.Recipe(quantization="bnb_int8", lora_rank=1)), mode:
+        fake = quantized.traced_linear8bit(torch.nn.Linear(in_f, out_f, bias=bias))
     assert isinstance(real, bnb.nn.Linear8bitLt) and isinstance(fake, bnb.nn.Linear8bitLt)
     assert tensors(fake) == tensors(real)
     assert tensors(real)["weight"] == ((out_f, in_f), torch.int8, out_f * in_f)
@@ -390,7 +390,7 @@ def test_bnb_int8_on_a_cuda_target_is_traced_as_llm_int8_and_said_to_be_a_bound(
     # Everything the trace changed is back: bitsandbytes' fake kernels and its matmul.
     assert [list(singleton.find(f"bitsandbytes::{op}").fake_impl.kernels) for op in ops] == before
     assert bnb.matmul is matmul
-    per_column, every_column = planner.int8_outlier_bytes(cm.quantization.quantize_model(cm.build_model("tiny"), "bnb_int8"),
+    per_column, every_column = quantized.int8_outlier_bytes(cm.quantization.quantize_model(cm.build_model("tiny"), "bnb_int8"),
                                                           64, 4)
     assert 0 < per_column < every_column
 
@@ -415,7 +415,7 @@ def test_foreach_optimizer_trace_equals_a_forced_foreach_measurement(size, batch
     plans = {impl: planner.plan(lambda: cm.build_model(size), batch, seq_len=seq_len, recipe=rec, target=cpu,
                                 find_max_batch=False, optimizer_impl=impl) for impl in ("single-tensor", "foreach")}
     model, opt = rec.build(cm.build_model(size))
-    planner.set_optimizer_impl(opt, "foreach")
+    faketrace.set_optimizer_impl(opt, "foreach")
     step = cm.make_train_step(model, opt, corpus, batch_size=batch, seq_len=seq_len, recipe=rec)
     measured = cm.measure_step(step, model=model, optimizer=opt, repeat=1)
     assert plans["foreach"].optimizer_impl == "foreach"
@@ -441,14 +441,14 @@ def test_cuda_target_traces_foreach_and_plans_the_cublas_workspace():
 
 
 def test_cublas_workspace_sizes_and_config_parsing():
-    assert planner.cublas_workspace_bytes((7, 5), config="")[0] == 4096 * 1024 * 2 + 16 * 1024 * 8
-    assert planner.cublas_workspace_bytes((9, 0), config="")[0] == 32 * 2**20
-    assert planner.cublas_workspace_bytes((7, 5), config=":4096:8")[0] == 32 * 2**20
-    assert planner.cublas_workspace_bytes(None, config=":4096:2:16:8")[0] == 8_519_680
+    assert targets.cublas_workspace_bytes((7, 5), config="")[0] == 4096 * 1024 * 2 + 16 * 1024 * 8
+    assert targets.cublas_workspace_bytes((9, 0), config="")[0] == 32 * 2**20
+    assert targets.cublas_workspace_bytes((7, 5), config=":4096:8")[0] == 32 * 2**20
+    assert targets.cublas_workspace_bytes(None, config=":4096:2:16:8")[0] == 8_519_680
     with pytest.raises(ValueError, match="CUBLAS_WORKSPACE_CONFIG must be"):
-        planner.cublas_workspace_bytes((7, 5), config="4096x8")
+        targets.cublas_workspace_bytes((7, 5), config="4096x8")
     with pytest.raises(ValueError, match="impl must be"):
-        planner.set_optimizer_impl(torch.optim.SGD([torch.zeros(1, requires_grad=True)]), "fused")
+        faketrace.set_optimizer_impl(torch.optim.SGD([torch.zeros(1, requires_grad=True)]), "fused")
 
 
 def test_bf16_on_a_t4_plan_warns_about_emulation_and_math_attention():
@@ -580,16 +580,16 @@ def test_a_half_precision_lora_base_is_refused_in_bf16_on_a_t4_and_halves_the_fr
 
 def test_a_named_models_trace_is_cached_within_the_process_and_a_factory_is_not():
     # the recommender plans the same recipe again (modes, objectives, the explore panel)
-    planner.clear_trace_cache()
+    faketrace.clear_trace_cache()
     first = planner.plan("tiny", 2, seq_len=32, target=CPU_TARGET, find_max_batch=False)
-    assert len(planner._TRACE_CACHE) == 1
+    assert len(faketrace._TRACE_CACHE) == 1
     again = planner.plan("tiny", 2, seq_len=32, target=CPU_TARGET, find_max_batch=False)
     assert again.peak_bytes == first.peak_bytes and again.by_phase == first.by_phase and again.method == "trace"
     planner.plan("tiny", 3, seq_len=32, target=CPU_TARGET, find_max_batch=False)  # another shape: another entry
     planner.plan(lambda: cm.build_model("tiny"), 2, seq_len=32, target=CPU_TARGET, find_max_batch=False)
     planner.plan("tiny", 2, seq_len=32, target=CPU_TARGET)  # the max-batch search needs the tracer: not cached
-    assert len(planner._TRACE_CACHE) == 2
-    planner.clear_trace_cache()
+    assert len(faketrace._TRACE_CACHE) == 2
+    faketrace.clear_trace_cache()
 
 
 @pytest.mark.parametrize("mode", ["kahan", "stochastic"])
@@ -668,30 +668,30 @@ def test_chunked_loss_on_a_transformers_llama_is_traced_exactly(corpus, fields):
 def test_cuda_plans_every_cublas_and_cublaslt_workspace(monkeypatch):
     for name in ("CUBLAS_WORKSPACE_CONFIG", "CUBLASLT_WORKSPACE_SIZE", "TORCH_CUBLASLT_UNIFIED_WORKSPACE"):
         monkeypatch.delenv(name, raising=False)
-    costs = {c.name: c for c in planner.cuda_workspace_costs((7, 5))}
+    costs = {c.name: c for c in untraced.cuda_workspace_costs((7, 5))}
     assert set(costs) == {"cuBLAS workspace", "cuBLAS workspace (autograd thread)", "cuBLASLt workspace"}
     assert costs["cuBLAS workspace"].bytes == costs["cuBLAS workspace (autograd thread)"].bytes == 8_519_680
     assert costs["cuBLASLt workspace"].bytes == 1024 * 1024
     assert all(c.in_allocator and not c.in_step and "CublasHandlePool" in c.source for c in costs.values())
     # sm_90 exactly takes 32 MiB (torch: `major == 9 && minor == 0`); others the ':4096:2:16:8' default
-    assert planner.cuda_workspace_costs((9, 0))[1].bytes == 32 * 2**20
-    assert planner.cuda_workspace_costs((10, 0))[1].bytes == 8_519_680
+    assert untraced.cuda_workspace_costs((9, 0))[1].bytes == 32 * 2**20
+    assert untraced.cuda_workspace_costs((10, 0))[1].bytes == 8_519_680
     monkeypatch.setenv("CUBLASLT_WORKSPACE_SIZE", "4096")  # this machine's setting is not the target run's
-    assert planner.cublaslt_workspace_bytes()[0] == 2**20
-    assert planner.cublaslt_workspace_bytes("4096")[0] == 4 * 2**20
+    assert targets.cublaslt_workspace_bytes()[0] == 2**20
+    assert targets.cublaslt_workspace_bytes("4096")[0] == 4 * 2**20
     monkeypatch.setenv("TORCH_CUBLASLT_UNIFIED_WORKSPACE", "1")
-    assert planner.cublaslt_workspace_bytes()[0] == 2**20
-    assert planner.cublaslt_workspace_bytes("", "1")[0] == 0
-    assert len(planner.cuda_workspace_costs((7, 5))) == 3
+    assert targets.cublaslt_workspace_bytes()[0] == 2**20
+    assert targets.cublaslt_workspace_bytes("", "1")[0] == 0
+    assert len(untraced.cuda_workspace_costs((7, 5))) == 3
     with pytest.raises(ValueError, match="CUBLASLT_WORKSPACE_SIZE must be a size in KiB"):
-        planner.cublaslt_workspace_bytes("1MB", "")
+        targets.cublaslt_workspace_bytes("1MB", "")
 
 
 def test_four_bit_dequant_bytes_follow_bitsandbytes_cuda_path():
     # the weight in the compute dtype, plus the nested absmax dequantized to fp32 and shifted: 2 x 4 B per 64 values
-    assert planner.four_bit_dequant_bytes(4096 * 4096, 2, nested=True) == 32 * 2**20 + 2 * 2**20
-    assert planner.four_bit_dequant_bytes(4096 * 4096, 2, nested=False) == 32 * 2**20
-    assert planner.four_bit_dequant_bytes(100, 4, nested=True) == 512 + 2 * 512  # allocator blocks
+    assert quantized.four_bit_dequant_bytes(4096 * 4096, 2, nested=True) == 32 * 2**20 + 2 * 2**20
+    assert quantized.four_bit_dequant_bytes(4096 * 4096, 2, nested=False) == 32 * 2**20
+    assert quantized.four_bit_dequant_bytes(100, 4, nested=True) == 512 + 2 * 512  # allocator blocks
 
 
 @pytest.mark.parametrize("precision", ["fp32", "fp16-autocast"])
@@ -704,7 +704,7 @@ def test_qlora_cuda_plan_counts_the_forward_dequantization_and_the_load_peak(pre
     biggest = max(m.weight.numel() for _, m in cm.quantization.linear_layers(meta))
     itemsize = 2 if precision == "fp16-autocast" else 4
     dequant = next(c for c in p.device_costs if c.name == "4-bit dequantized weight")
-    assert dequant.bytes == planner.four_bit_dequant_bytes(biggest, itemsize, nested=True)
+    assert dequant.bytes == quantized.four_bit_dequant_bytes(biggest, itemsize, nested=True)
     assert dequant.in_step and dequant.in_allocator and "_dequant_linear_fallback" in dequant.source
     assert "2048 tokens per micro-batch > 1536" in dequant.source  # above bitsandbytes' fused-kernel range
     assert dequant.phases == ("forward",)  # no checkpointing: backward does not run the forward's gemm_4bit again
@@ -779,7 +779,7 @@ def test_qlora_from_a_checkpoint_is_quantized_per_tensor_while_loading(monkeypat
     meta = cm.build_model("small", device="meta")
     biggest = max(m.weight.numel() for _, m in cm.quantization.linear_layers(meta))
     # loading.load_dtype: LoRA on a GPU without native bf16 loads the frozen base in fp16; no double quantization
-    assert p.load_costs[2].bytes == planner.four_bit_dequant_bytes(biggest, 2, nested=False)
+    assert p.load_costs[2].bytes == quantized.four_bit_dequant_bytes(biggest, 2, nested=False)
     assert p.load_costs[1].bytes >= p.by_category["parameters"]
 
 
@@ -797,8 +797,8 @@ def test_offloaded_checkpoints_on_cuda_count_pinned_host_bytes_rounded():
     assert "PowerOf2Ceil" in host["cuda"].source
     meta = cm.build_model("tiny", n_layer=4, device="meta")
     rec = cm.Recipe(checkpointing="offload")
-    assert planner.offloaded_checkpoint_bytes(meta, 4, 48, rec, pinned=True) == 4 * 4 * 48 * 64 * 4
-    assert planner.offloaded_checkpoint_bytes(meta, 4, 48, rec) == 4 * 4 * 48 * 64 * 4
+    assert untraced.offloaded_checkpoint_bytes(meta, 4, 48, rec, pinned=True) == 4 * 4 * 48 * 64 * 4
+    assert untraced.offloaded_checkpoint_bytes(meta, 4, 48, rec) == 4 * 4 * 48 * 64 * 4
 
 
 @pytest.mark.parametrize("factory", [
@@ -820,10 +820,10 @@ def test_a_factory_that_moves_its_model_to_cuda_plans_on_a_gpu_machine(factory):
 
 
 def test_planning_never_moves_a_real_tensor_to_another_device():
-    with planner._fake_safe_module_to(), pytest.raises(ValueError, match="moves its real tensors to meta"):
+    with faketrace._fake_safe_module_to(), pytest.raises(ValueError, match="moves its real tensors to meta"):
         torch.nn.Linear(2, 2).to("meta")
     linear = torch.nn.Linear(2, 2)
-    with planner._fake_safe_module_to():
+    with faketrace._fake_safe_module_to():
         assert linear.to(torch.float16).weight.dtype == torch.float16  # a dtype change still happens, in place
     assert torch.nn.Module.to.__qualname__ == "Module.to" and torch.nn.Module.cuda.__qualname__ == "Module.cuda"
 
@@ -842,7 +842,7 @@ def test_a_plan_does_not_depend_on_the_process_sdpa_flags(flash_flag_off):
     medium = lambda: cm.build_model("medium")  # noqa: E731
     off = planner.plan(medium, 8, seq_len=256, target="t4", find_max_batch=False)
     assert torch.backends.cuda.flash_sdp_enabled() is False  # left as the user set it
-    planner.clear_trace_cache()
+    faketrace.clear_trace_cache()
     torch.backends.cuda.enable_flash_sdp(True)
     on = planner.plan(medium, 8, seq_len=256, target="t4", find_max_batch=False)
     assert off.peak_bytes == on.peak_bytes == 272_216_064, (off.peak_bytes, on.peak_bytes)
@@ -872,7 +872,7 @@ def test_grouped_query_attention_without_a_mask_is_planned_as_math_on_a_t4(flash
     finally:
         torch.backends.cuda.enable_flash_sdp(was)
     assert plan.peak_bytes == LLAMA_MATH_PEAK_BYTES, plan.peak_bytes
-    lines = [c for c in plan.device_costs if c.name == planner.MATH_ATTENTION_LINE]
+    lines = [c for c in plan.device_costs if c.name == untraced.MATH_ATTENTION_LINE]
     assert [(c.bytes, c.in_step, c.in_allocator) for c in lines] == [(LLAMA_HIDDEN_SCORES_BYTES, True, True)]
     assert plan.step_peak_bytes == LLAMA_MATH_PEAK_BYTES + LLAMA_HIDDEN_SCORES_BYTES  # 94.45 MiB
     assert any("math kernel on t4" in w for w in plan.warnings)
@@ -887,15 +887,15 @@ def test_grouped_query_attention_keeps_flash_where_the_target_runs_it():
                         find_max_batch=False)
     fp32 = planner.plan(_small_llama, 4, seq_len=512, target="a100-40gb", find_max_batch=False)
     for plan in (bf16, fp16):
-        assert not any(c.name == planner.MATH_ATTENTION_LINE for c in plan.device_costs)
+        assert not any(c.name == untraced.MATH_ATTENTION_LINE for c in plan.device_costs)
         assert plan.peak_bytes < 0.4 * LLAMA_MATH_PEAK_BYTES, plan.peak_bytes
     assert fp32.peak_bytes == LLAMA_MATH_PEAK_BYTES
-    assert any(c.name == planner.MATH_ATTENTION_LINE for c in fp32.device_costs)
+    assert any(c.name == untraced.MATH_ATTENTION_LINE for c in fp32.device_costs)
 
 
 def test_max_batch_counts_the_hidden_score_buffer_at_each_batch():
     plan = planner.plan(_small_llama, 4, seq_len=512, target="t4")
-    budget = plan.device_limit_bytes - sum(c.bytes for c in plan.device_costs if c.name != planner.MATH_ATTENTION_LINE)
+    budget = plan.device_limit_bytes - sum(c.bytes for c in plan.device_costs if c.name != untraced.MATH_ATTENTION_LINE)
     per_sample_scores = LLAMA_HIDDEN_SCORES_BYTES // 4
     tracer_peak = lambda b: planner.plan(_small_llama, b, seq_len=512, target="t4", find_max_batch=False).peak_bytes  # noqa: E731
     best = plan.max_batch

@@ -69,7 +69,7 @@ def test_probe_rows_79_80_an_unknown_target_or_model_is_named():
 
 
 def test_preset_target_names_are_the_planners():
-    from colab_memopt.planning.planner import TARGETS
+    from colab_memopt.planning.targets import TARGETS
     from colab_memopt.training.presets import TARGET_NAMES
 
     assert sorted(TARGET_NAMES) == sorted(TARGETS)

@@ -6,7 +6,8 @@ import pytest
 from colab_memopt.tooling.cli import main
 from colab_memopt.planning.costs import TECHNIQUES, TechniqueCosts
 from colab_memopt.techniques.models import build_model
-from colab_memopt.planning.recommender import CANDIDATE_AXES, NoRecipeFits, candidate_recipes, recommend
+from colab_memopt.planning.candidates import CANDIDATE_AXES, candidate_recipes
+from colab_memopt.planning.recommender import NoRecipeFits, recommend
 
 # Made-up ratios for the logic tests (the committed, measured ones are used by the CLI test).
 COSTS = TechniqueCosts(ratios={k: 1.0 + 0.1 * i for i, k in enumerate(TECHNIQUES)}, device="test", model="tiny", batch=1, seq_len=8)
@@ -269,7 +270,7 @@ def _least_need(cands):
 
 def test_long_context_candidates_come_in_when_no_plain_one_fits():
     from colab_memopt import estimate
-    from colab_memopt.planning.planner import shape_model
+    from colab_memopt.planning.faketrace import shape_model
 
     long = candidate_recipes(1, long_context=True)
     assert long and all(r.checkpointing == "offload" or r.loss_chunk_tokens for r in long)
@@ -292,7 +293,9 @@ def test_offloaded_checkpoints_over_the_host_ram_do_not_fit():
     from dataclasses import replace
 
     from colab_memopt.planning.costs import expected_slowdown
-    from colab_memopt.planning.planner import Target, offloaded_checkpoint_bytes, plan
+    from colab_memopt.planning.planner import plan
+    from colab_memopt.planning.targets import Target
+    from colab_memopt.planning.untraced import offloaded_checkpoint_bytes
     from colab_memopt.planning.recommender import Candidate
 
     offload = [r for r in candidate_recipes(1, long_context=True) if r.checkpointing == "offload"][0]
@@ -313,7 +316,7 @@ def test_offloaded_checkpoints_over_the_host_ram_do_not_fit():
 def test_full_fine_tuning_by_name_tries_the_lean_full_candidates_and_auto_goes_to_lora():
     # a 3B model does not fully fine-tune on a T4 with fp32 master weights; full fine-tuning asked for by
     # name tries 16-bit weights / LOMO / GaLore / ...; 'auto' passes over full fine-tuning to LoRA, as the guides do.
-    from colab_memopt.planning.recommender import FULL_CANDIDATES, full_candidates
+    from colab_memopt.planning.candidates import FULL_CANDIDATES, full_candidates
 
     full = recommend("llama-3.2-3b", 1, seq_len=512, target="t4", mode="full", method="analytic")
     lean = {r for _, r in full_candidates(target="t4", model="llama-3.2-3b")}

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import colab_memopt as cm
-from colab_memopt import planner
+from colab_memopt import planner, prediction
 from colab_memopt.techniques.checkpointing import checkpoint_offloader
 from colab_memopt.techniques.tiling import apply_tiled_mlp, find_mlps, remove_tiled_mlp
 from test_planner import _plan_and_measure  # plan and measure one recipe through the same step (tests/ is on sys.path)
@@ -140,7 +140,7 @@ def _fake_plan(device_need, device_limit, host_need, host_limit, offloaded, keep
 
     return SimpleNamespace(recipe={"checkpointing": "offload", "offload_keep_blocks": keep}, device_need_bytes=device_need,
                            device_limit_bytes=device_limit, host_need_bytes=host_need, host_limit_bytes=host_limit,
-                           host_costs=[planner.Cost("offloaded checkpoints", offloaded, "")])
+                           host_costs=[prediction.Cost("offloaded checkpoints", offloaded, "")])
 
 
 def test_offload_split_keeps_the_middle_of_what_both_memories_allow():

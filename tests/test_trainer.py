@@ -27,8 +27,8 @@ from transformers import (  # noqa: E402
 from trl import SFTConfig, SFTTrainer  # noqa: E402
 
 import colab_memopt as cm  # noqa: E402
-from colab_memopt import guard as cm_guard, hfconfig, planner  # noqa: E402
-from colab_memopt import trainer as tr  # noqa: E402
+from colab_memopt import guard as cm_guard, hfconfig, untraced  # noqa: E402
+from colab_memopt import trainer as tr, trainerfit, trainertrace  # noqa: E402
 
 DIMS = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=128)
@@ -181,9 +181,9 @@ def test_fit_trainer_returns_changes_after_which_the_plan_fits_a_t4():
     args = sft_args("adamw_torch", per_device_train_batch_size=4, max_length=256, fp16=True,
                     gradient_checkpointing=False, gradient_checkpointing_kwargs=None)
     model = big_dims(num_hidden_layers=4)
-    fit = tr.fit_trainer(args, model=model, target="t4")
+    fit = trainerfit.fit_trainer(args, model=model, target="t4")
     assert not fit.before.fits and fit.fits, str(fit)
-    changed = tr._changed_args(args, fit.changes)
+    changed = trainertrace._changed_args(args, fit.changes)
     assert changed.per_device_train_batch_size * changed.gradient_accumulation_steps == 4  # the effective batch kept
     again = tr.plan_trainer(changed, model=model, target="t4")
     assert again.fits and again.peak_bytes == fit.after.peak_bytes
@@ -192,7 +192,7 @@ def test_fit_trainer_returns_changes_after_which_the_plan_fits_a_t4():
 
 
 def test_fit_trainer_switches_bf16_to_fp16_on_a_t4_even_when_it_fits():
-    fit = tr.fit_trainer(sft_args(bf16=True), model=Qwen2Config(**DIMS), lora=lora(), target="t4")
+    fit = trainerfit.fit_trainer(sft_args(bf16=True), model=Qwen2Config(**DIMS), lora=lora(), target="t4")
     assert fit.changes == {"bf16": False, "fp16": True} and fit.fits
 
 
@@ -312,9 +312,9 @@ def test_plan_trainer_plans_grouped_query_attention_as_a_t4_runs_it(flash_flag):
         torch.backends.cuda.enable_flash_sdp(was)
     scores = 4 * 4 * 512 * 512 * 4  # (B, heads, T, T) fp32: math upcasts 16-bit scores
     for plan in (t4, t4_fp16):
-        lines = [(c.bytes, c.in_step) for c in plan.device_costs if c.name == planner.MATH_ATTENTION_LINE]
+        lines = [(c.bytes, c.in_step) for c in plan.device_costs if c.name == untraced.MATH_ATTENTION_LINE]
         assert lines == [(scores, True)], plan.device_costs
-    assert not any(c.name == planner.MATH_ATTENTION_LINE for c in a100_bf16.device_costs)
+    assert not any(c.name == untraced.MATH_ATTENTION_LINE for c in a100_bf16.device_costs)
     # math holds the (B, heads, T, T) scores and softmax per layer for backward; flash on an A100 holds O(T)
     assert t4_fp16.peak_bytes > 2 * a100_bf16.peak_bytes, (t4_fp16.peak_bytes, a100_bf16.peak_bytes)
     assert t4.peak_bytes == 82_278_400, t4.peak_bytes  # 78.47 MiB (+16 MiB in-step), whatever the flag

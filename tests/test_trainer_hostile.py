@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, Trainer,
 from trl import SFTConfig  # noqa: E402
 
 import colab_memopt as cm  # noqa: E402
-from colab_memopt import trainer as tr  # noqa: E402
+from colab_memopt import trainer as tr, trainerfit  # noqa: E402
 from colab_memopt.tooling.cli import main  # noqa: E402
 
 CFG = dict(vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
@@ -71,8 +71,8 @@ def test_probe3_row_104_a_users_own_optimizer_is_planned_not_optim():
     assert plan.recipe["optimizer"] == "sgd" and plan.optimizer_impl.startswith("your SGD")
     assert any("optimizers=(SGD" in w and "adamw_torch_fused" in w for w in plan.warnings)
     tiny = {**TINY_TARGET, "device_bytes": 2 * 2**20}
-    assert not any("optim" in c for c in tr._candidates(hf_trainer().args, tr._target(tiny), hf_trainer(optimizer=True)))
-    assert any("optim" in c for c in tr._candidates(hf_trainer().args, tr._target(tiny), hf_trainer()))
+    assert not any("optim" in c for c in trainerfit._candidates(hf_trainer().args, tr._target(tiny), hf_trainer(optimizer=True)))
+    assert any("optim" in c for c in trainerfit._candidates(hf_trainer().args, tr._target(tiny), hf_trainer()))
 
 
 def test_probe3_row_108_checkpointing_the_user_enabled_on_the_model_is_planned_on():
@@ -85,7 +85,7 @@ def test_probe3_row_108_checkpointing_the_user_enabled_on_the_model_is_planned_o
     assert kept.peak_bytes == asked.peak_bytes < off.peak_bytes
     assert kept.recipe["checkpointing"] == "full" and any("checkpointing on" in w for w in kept.warnings)
     trainer = hf_trainer(checkpointing=True)  # fit_trainer does not offer what the model already has
-    assert not any("gradient_checkpointing" in c for c in tr._candidates(trainer.args, tr._target("t4"), trainer))
+    assert not any("gradient_checkpointing" in c for c in trainerfit._candidates(trainer.args, tr._target("t4"), trainer))
 
 
 def test_probe3_row_113_a_what_if_leaves_no_hook_flag_or_state_behind():
@@ -189,8 +189,8 @@ def test_probe3_rows_68_77_174_175_lora_as_a_dict_and_what_the_recipe_cannot_say
 def test_probe3_rows_118_119_fit_trainer_is_bounded_and_says_when_it_stops():
     for bad in (0, -3, 2.5):
         with pytest.raises(ValueError, match=f"max_plans must be an integer >= 1, got {bad}"):
-            tr.fit_trainer(sft(), model=LlamaConfig(**CFG), max_plans=bad)
-    fit = tr.fit_trainer(sft(), model=LlamaConfig(**CFG), target=TINY_TARGET, max_plans=1)
+            trainerfit.fit_trainer(sft(), model=LlamaConfig(**CFG), max_plans=bad)
+    fit = trainerfit.fit_trainer(sft(), model=LlamaConfig(**CFG), target=TINY_TARGET, max_plans=1)
     assert not fit.fits and len(fit.tried) == 1
     assert fit.notes[0].startswith("stopped after max_plans=1 plans") and "stopped after" in str(fit)
 

@@ -26,7 +26,7 @@ from transformers import (  # noqa: E402
 from trl import SFTConfig, SFTTrainer  # noqa: E402
 
 import colab_memopt as cm  # noqa: E402
-from colab_memopt import trainer as tr  # noqa: E402
+from colab_memopt import trainer as tr, trainertrace  # noqa: E402
 from colab_memopt.planning.hfconfig import save_example_chat_model  # noqa: E402
 
 SEQ = 64
@@ -186,7 +186,7 @@ def test_bitsandbytes_settings_are_read_as_the_trainer_reads_them(bf16_folder):
     with pytest.raises(ValueError, match=r"BitsAndBytesConfig\(load_in_4bit=True\) without LoRA.*purely quantized"):
         tr.plan_trainer(sft_args(), model=bf16_folder, bnb=NF4, target="cpu")
     # the planner's model is marked quantized as from_pretrained marks it (what the Trainer's own checks read)
-    built = tr._fake_trainer(sft_args(), bf16_folder, lora(), BitsAndBytesConfig(**NF4), SEQ, tr._new_mode()).model
+    built = trainertrace._fake_trainer(sft_args(), bf16_folder, lora(), BitsAndBytesConfig(**NF4), SEQ, trainertrace._new_mode()).model
     assert built.is_quantized and built.is_loaded_in_4bit and built.hf_quantizer.is_trainable
     # a Trainer holds its model: bnb= and dtype= are refused as model= and lora= are
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(bf16_folder), lora())

@@ -56,7 +56,7 @@ def test_normalize_and_limit_checks():
 
 
 def test_sdist_groups_come_last_in_parts_of_their_own_so_part1_holds_every_wheel():
-    # the one call carries part1 (gpucheck.CARRY): every wheel, DeepSpeed's sdist and build tools left to part2
+    # the one call carries part1 (gpuplan.CARRY): every wheel, DeepSpeed's sdist and build tools left to part2
     groups = {"deepspeed": ["deepspeed", "setuptools", "pydantic"], "bnb": ["bnb"], "trl": ["trl", "pydantic"]}
     sizes = {"deepspeed": 2 * MiB, "setuptools": 1 * MiB, "pydantic": 1 * MiB, "bnb": 40 * MiB, "trl": 5 * MiB}
     parts = wheelhouse.split(groups, sizes, 60 * MiB, {"deepspeed"})
@@ -64,7 +64,7 @@ def test_sdist_groups_come_last_in_parts_of_their_own_so_part1_holds_every_wheel
     assert [p.packages for p in wheelhouse.split(groups, sizes, 60 * MiB)] == [["bnb", "trl", "deepspeed"]]
     assert parts[1].files == ["deepspeed", "setuptools", "pydantic"] and parts[1].bytes == 4 * MiB
     # make gpu-wheels writes part1 where the one call's carry names it
-    from colab_memopt.tooling.gpucheck import CARRY
+    from colab_memopt.tooling.gpuplan import CARRY
 
     assert wheelhouse.REPO_ROOT / CARRY == wheelhouse.REPO_ROOT / "build" / "wheelhouse" / parts[0].name
     assert "WHEELHOUSE_DIR ?= build/wheelhouse" in (wheelhouse.REPO_ROOT / "Makefile").read_text()

@@ -19,11 +19,11 @@ import torch
 from colab_memopt.planning import estimate
 
 from colab_memopt.techniques import architectures
-from colab_memopt.planning.planner import get_target
+from colab_memopt.planning.targets import get_target
 from colab_memopt.training.presets import MODES, PRESETS, preset_fields
 from colab_memopt.training.recipe import Recipe
-from colab_memopt.planning.recommender import FULL_CANDIDATES, INT8_CANDIDATES, PURE16, full_candidates  # noqa: F401 - re-exported
-from colab_memopt.planning.recommender import LONG_CONTEXT_TILE_TOKENS, long_context_recipe  # noqa: F401 - re-exported
+from colab_memopt.planning.candidates import FULL_CANDIDATES, INT8_CANDIDATES, PURE16, full_candidates  # noqa: F401 - re-exported
+from colab_memopt.planning.candidates import LONG_CONTEXT_TILE_TOKENS, long_context_recipe  # noqa: F401 - re-exported
 
 
 @dataclass
@@ -112,7 +112,7 @@ def best_fit(name: str, *, mode: str, seq_len: int, batch: int = 1, target: Any 
     'recommend' (only `recommend`'s), or a name of `FULL_CANDIDATES` or `INT8_CANDIDATES` (only that one's
     recipes; 'all' leaves out 8-bit weights, which `recommend` offers only when nothing else fits).
     """
-    from colab_memopt.planning.recommender import candidate_recipes
+    from colab_memopt.planning.candidates import candidate_recipes
 
     tgt = get_target(target)
     named = {**FULL_CANDIDATES, **INT8_CANDIDATES}
@@ -346,7 +346,8 @@ def longest_sequence(model: str, recipe: Recipe | None = None, *, mode: str = ""
     import time
     import warnings
 
-    from colab_memopt.planning.planner import _verified_max_batch, check_headroom, plan
+    from colab_memopt.planning.planner import _verified_max_batch, plan
+    from colab_memopt.planning.targets import check_headroom
 
     if isinstance(step_tokens, bool) or not isinstance(step_tokens, int) or step_tokens < 1:
         raise ValueError(f"step_tokens must be an integer >= 1, got {step_tokens!r}")
@@ -382,7 +383,7 @@ def longest_sequence(model: str, recipe: Recipe | None = None, *, mode: str = ""
                      find_max_batch=False, method=how)
         if host_base_bytes is not None:
             p.host_costs = [c for c in p.host_costs if c.name != "this process"]
-            from colab_memopt.planning.planner import Cost
+            from colab_memopt.planning.prediction import Cost
 
             p.host_costs.insert(0, Cost("base process", host_base_bytes, "given (host_base_bytes)"))
         return p

@@ -121,7 +121,7 @@ PCIE3_X16_BYTES_PER_S = Prior(15.75e9, "PCIe 3.0 x16: 8 GT/s x 16 lanes x 128b/1
 def device_class(target: Any) -> str:
     """Return the cost table's device class of a target: 'cpu', 't4' (CUDA below sm_80) or 'ampere+' (sm_80 on).
 
-    `target` is a `planner.Target` (or anything with `cuda` and `compute_capability`); a CUDA target whose
+    `target` is a `targets.Target` (or anything with `cuda` and `compute_capability`); a CUDA target whose
     capability is not known counts as 't4' (no native bf16 assumed).
     """
     if not getattr(target, "cuda", True):
@@ -376,7 +376,7 @@ def costs_for_class(cls: str, path: str | Path | None = None) -> TechniqueCosts:
 
 
 def costs_for_target(target: Any, costs: TechniqueCosts | None = None) -> TechniqueCosts:
-    """Return the cost table for a target (`planner.Target`): `costs` if given and of its class, else its class's table.
+    """Return the cost table for a target (`targets.Target`): `costs` if given and of its class, else its class's table.
 
     Raises ValueError when `costs` names another device class (a CPU measurement for a CUDA target).
     """

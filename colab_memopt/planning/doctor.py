@@ -40,7 +40,9 @@ from colab_memopt.planning import estimate
 from colab_memopt.techniques.architectures import resolve_model
 from colab_memopt.core.isolation import isolated
 from colab_memopt.core.measure import format_bytes, host_memory
-from colab_memopt.planning.planner import TARGETS, Target, describe_estimate_error, get_target, plan
+from colab_memopt.planning.planner import plan
+from colab_memopt.planning.prediction import describe_estimate_error
+from colab_memopt.planning.targets import TARGETS, Target, get_target
 from colab_memopt.training.recipe import Recipe
 
 CODES = (

@@ -21,10 +21,12 @@ from torch.utils._pytree import tree_flatten
 from transformers import TrainerCallback
 
 from colab_memopt.core.measure import LiveMemory, MemoryReport, format_bytes
-from colab_memopt.planning.planner import Plan, Target
+from colab_memopt.planning.prediction import Plan
+from colab_memopt.planning.targets import Target
 from colab_memopt.techniques.precision import HALF_DTYPES, describe_half_trainable, half_trainable, upcast_trainable  # noqa: F401 - cm.guard.upcast_trainable
 from colab_memopt.core.tracker import LiveBytesMode
-from colab_memopt.planning.trainer import CPU_TARGET_NAME, _target, fit_trainer, plan_trainer
+from colab_memopt.planning.trainer import CPU_TARGET_NAME, _target, plan_trainer
+from colab_memopt.planning.trainerfit import fit_trainer
 
 
 

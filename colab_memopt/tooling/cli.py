@@ -57,7 +57,7 @@ class _Parser(argparse.ArgumentParser):
 
 def _parser() -> argparse.ArgumentParser:
     from colab_memopt.techniques.architectures import model_names
-    from colab_memopt.planning.planner import TARGETS
+    from colab_memopt.planning.targets import TARGETS
 
     from importlib.metadata import PackageNotFoundError, version
 

@@ -38,6 +38,10 @@ not started from the others. `--budget-seconds` is the one deadline: what is sti
 every process it started and recorded "not finished", what has not started too (never passed). `--archive`
 writes the out folder as one .tar.gz, rewritten as results come and at the end, so a call killed early
 still returns what finished.
+
+This module runs the steps; planning the one call (the T4 settings file, the slices, the command, the carry) is in
+`colab_memopt.tooling.gpuplan`, and recording what ran (results.json, claims.md, the archive, the summary) in
+`colab_memopt.tooling.gpurecord`.
 """
 
 from __future__ import annotations
@@ -51,12 +55,25 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-BUDGETS_FILE = REPO_ROOT / "tests" / "notebook_parameters_t4.yaml"
+from colab_memopt.tooling.gpuplan import (
+    LENT_STEPS,
+    ONE_CALL_STEPS,
+    REPO_ROOT,
+    Item,
+    T4Settings,
+    lent_items,
+    load_t4_settings,
+    pack_slices,
+    parse_part,
+    print_plan,
+    unit_parts,
+)
+from colab_memopt.tooling.gpurecord import NOT_FINISHED, NOT_RUN, Recorder, StepResult, finish, not_run_reason
+
+
 T4_DEVICE_LIMIT_BYTES = int(14.74 * 2**30)  # what a Colab T4 shows PyTorch (env.T4_USABLE_BYTES)
 ASSUMED_T4_CONTEXT_BYTES = int(0.75 * 2**30)  # env.ASSUMED_T4_CONTEXT_BYTES (this module imports no torch)
 STEPS = ("install", "unit", "gpu-tests", "notebooks", "planner", "costs")
@@ -74,17 +91,6 @@ NEEDED = {
     "tokenizers": "tokenizers", "packaging": "packaging", "IPython": "ipython", "nbclient": "nbclient",
 }
 NO_CUDA = 2
-
-
-@dataclass
-class StepResult:
-    """One step of the run: passed, failed or skipped, how long, and what it found."""
-
-    step: str
-    status: str
-    seconds: float
-    detail: str = ""
-    data: dict[str, Any] = field(default_factory=dict)
 
 
 def cuda_or_exit() -> None:
@@ -137,72 +143,6 @@ def costs_file_name(emulate: str, capability: tuple[int, int]) -> str:
     return COSTS_FILES[costs_class(emulate, capability)].name
 
 
-NOTEBOOK_KEYS = ("budget_seconds", "lent_seconds", "parameters", "requires")
-LENT_STEPS = ("gpu-tests", "planner", "costs")  # steps that can run as one slice's item beside the notebooks
-
-
-@dataclass
-class T4Settings:
-    """tests/notebook_parameters_t4.yaml: budgets, the one-call run's estimates, and the few parameters changed."""
-
-    budgets: dict[str, int]  # notebook stem -> seconds a T4 user would accept (one after the other)
-    default_budget: int
-    total_budget: int
-    lent_seconds: dict[str, float]  # notebook stem -> estimated seconds on a lent H100 beside the other slices
-    default_lent_seconds: float
-    step_seconds: dict[str, float]  # a step of LENT_STEPS -> its estimate there
-    workers: int
-    deadline_seconds: float
-    setup_seconds: float
-    parameters: dict[str, dict[str, Any]]  # notebook stem -> parameters injected (only what a machine without hub needs)
-    requires: dict[str, list[str]]  # notebook stem -> modules it cannot run without
-
-    def notebook_seconds(self, stem: str) -> float:
-        """Return the estimated seconds of notebook `stem` in the one-call run."""
-        return self.lent_seconds.get(stem, self.default_lent_seconds)
-
-
-def load_t4_settings(path: Path = BUDGETS_FILE) -> T4Settings:
-    """Return the T4 settings file, checked: each notebook entry sets only NOTEBOOK_KEYS; raise ValueError naming a bad one."""
-    import yaml
-
-    data = yaml.safe_load(path.read_text()) or {}
-    lent = data.get("lent_run") or {}
-    steps = {str(k): float(v) for k, v in (lent.get("steps") or {}).items()}
-    if set(steps) - set(LENT_STEPS):
-        raise ValueError(f"{path}: lent_run.steps may name {list(LENT_STEPS)}, got {sorted(set(steps) - set(LENT_STEPS))}")
-    settings = T4Settings({}, int(data.get("default_budget_seconds", 600)), int(data.get("total_budget_seconds", 3600)),
-                          {}, float(lent.get("default_lent_seconds", 90)), steps, int(lent.get("workers", 5)),
-                          float(lent.get("deadline_seconds", 510)), float(lent.get("setup_seconds", 60)), {}, {})
-    for name, entry in (data.get("notebooks") or {}).items():
-        entry = entry or {}
-        if set(entry) - set(NOTEBOOK_KEYS):
-            raise ValueError(f"{path}: notebook {name!r} may set {list(NOTEBOOK_KEYS)} (Colab defaults run otherwise), "
-                             f"got {sorted(entry)}")
-        if "budget_seconds" in entry:
-            settings.budgets[name] = int(entry["budget_seconds"])
-        if "lent_seconds" in entry:
-            settings.lent_seconds[name] = float(entry["lent_seconds"])
-        params = entry.get("parameters") or {}
-        plain = (str, int, float, bool, list, dict, type(None))
-        if not isinstance(params, dict) or not all(isinstance(v, plain) for v in params.values()):
-            raise ValueError(f"{path}: notebook {name!r}'s parameters must map names to plain values, got {params!r}")
-        if params:
-            settings.parameters[name] = dict(params)
-        needs = entry.get("requires") or []
-        if not isinstance(needs, list) or not all(isinstance(m, str) for m in needs):
-            raise ValueError(f"{path}: notebook {name!r}'s requires must be a list of module names, got {needs!r}")
-        if needs:
-            settings.requires[name] = list(needs)
-    return settings
-
-
-def load_budgets(path: Path = BUDGETS_FILE) -> tuple[dict[str, int], int, int]:
-    """Return (per-notebook budget seconds, default budget, total budget) from the T4 settings file."""
-    settings = load_t4_settings(path)
-    return settings.budgets, settings.default_budget, settings.total_budget
-
-
 _PROBE = r"""
 import json, torch
 r512 = lambda t: 512 * ((t.nbytes + 511) // 512)
@@ -230,7 +170,7 @@ def preflight(out: Path, env: dict[str, str]) -> dict[str, Any]:
 
     import torch
 
-    from colab_memopt.planning import planner
+    from colab_memopt.planning import targets
 
     props = torch.cuda.get_device_properties(0)
     versions = {}
@@ -242,16 +182,16 @@ def preflight(out: Path, env: dict[str, str]) -> dict[str, Any]:
     probe = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, env=env, timeout=300)
     measured = json.loads(probe.stdout.strip().splitlines()[-1]) if probe.returncode == 0 else {"error": probe.stderr[-2000:]}
     capability = torch.cuda.get_device_capability(0)
-    planned, source = planner.cublas_workspace_bytes((7, 5) if env["CM_EMULATE"] == "t4" else capability,
+    planned, source = targets.cublas_workspace_bytes((7, 5) if env["CM_EMULATE"] == "t4" else capability,
                                                      env.get("CUBLAS_WORKSPACE_CONFIG"))
-    lt, _ = planner.cublaslt_workspace_bytes(env.get("CUBLASLT_WORKSPACE_SIZE", ""), env.get("TORCH_CUBLASLT_UNIFIED_WORKSPACE", ""))
+    lt, _ = targets.cublaslt_workspace_bytes(env.get("CUBLASLT_WORKSPACE_SIZE", ""), env.get("TORCH_CUBLASLT_UNIFIED_WORKSPACE", ""))
     measured["context_note"] = f"{torch.cuda.get_device_name(0)}'s own CUDA context, not a T4's (emulation caps the allocator only)"
     info = {
         "gpu": torch.cuda.get_device_name(0), "capability": list(capability), "total_memory": props.total_memory,
         "cuda": torch.version.cuda, "python": platform.python_version(), "versions": versions,
         "emulate": env["CM_EMULATE"], "cublas_workspace_config": env.get("CUBLAS_WORKSPACE_CONFIG"),
         "measured": measured, "planned_cublas_workspace_bytes": planned, "planned_cublas_workspace_source": source,
-        # planner.cuda_workspace_costs: the autograd thread's cuBLAS workspace and the cuBLASLt one (the probe's second figure)
+        # untraced.cuda_workspace_costs: the autograd thread's cuBLAS workspace and the cuBLASLt one (the probe's second figure)
         "planned_step_more_workspace_bytes": planned + lt,
         "measured_note": f"context_bytes and cublas_workspace_bytes are this GPU's ({torch.cuda.get_device_name(0)}), "
                          "measured in a fresh process; under T4 emulation they are not a T4's figures",
@@ -385,10 +325,6 @@ def _requirement_pins(path: Path = REPO_ROOT / "requirements.txt") -> dict[str, 
     return pins
 
 
-NOT_FINISHED = "not finished"  # stopped at (or not started before) the run's deadline: never a pass
-NOT_RUN = "not run"  # left out for a reason the summary names (a module absent): not a pass either
-
-
 def kill_tree(proc: subprocess.Popen) -> None:
     """Kill `proc` and every process below it (a notebook's kernel runs in a session of its own), then reap it."""
     pids = []
@@ -447,12 +383,6 @@ def absent_requirements(settings: T4Settings, stem: str, env: dict[str, str] | N
     return missing
 
 
-def not_run_reason(missing: list[str]) -> str:
-    """Return the detail of a notebook left out because `missing` modules are absent."""
-    why = f"not run: {', '.join(missing)} not installed"
-    return why + (" (one call carries no DeepSpeed sdist)" if "deepspeed" in missing else "")
-
-
 def notebook_command(path: Path, out: Path) -> list[str]:
     """Return the command that executes one notebook with its T4 settings (`_notebook_child`)."""
     return [sys.executable, "-m", "colab_memopt.tooling.gpucheck", "_notebook", str(path), "--out", str(out)]
@@ -482,7 +412,7 @@ def notebook_verdict(result: StepResult, stem: str, out: Path, workspaces: int) 
 
 
 def _t4_workspaces() -> int:
-    from colab_memopt.planning.planner import cuda_workspace_costs
+    from colab_memopt.planning.untraced import cuda_workspace_costs
 
     return sum(c.bytes for c in cuda_workspace_costs((7, 5)))  # a T4's: the emulation's CUBLAS_WORKSPACE_CONFIG
 
@@ -536,148 +466,6 @@ def _notebook_child(path: str, out: str) -> int:
     return 0
 
 
-def summary_table(label: str, steps: list[StepResult]) -> str:
-    """Return the plain-text summary printed last: one row per step, then the verdict."""
-    rows = [("step", "status", "seconds", "detail")]
-    rows += [(s.step, s.status.upper() if s.status in ("failed", NOT_FINISHED) else s.status, f"{s.seconds:.0f}", s.detail[:90])
-             for s in steps]
-    widths = [max(len(r[i]) for r in rows) for i in range(4)]
-    lines = [f"make test-gpu on {label}"]
-    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
-    lines.insert(2, "  ".join("-" * w for w in widths))
-    failed = [s.step for s in steps if s.status == "failed"]
-    unfinished = [s.step for s in steps if s.status == NOT_FINISHED]
-    left_out = [s.step for s in steps if s.status == NOT_RUN]
-    passed = len(steps) - len(failed) - len(unfinished) - len(left_out)
-    lines.append(f"{passed} of {len(steps)} steps passed" + (f"; FAILED: {', '.join(failed)}" if failed else "")
-                 + (f"; NOT FINISHED: {', '.join(unfinished)}" if unfinished else "")
-                 + (f"; not run (reason above): {', '.join(left_out)}" if left_out else ""))
-    return "\n".join(lines)
-
-
-def unit_parts(parts: int, tests_dir: Path = REPO_ROOT / "tests") -> list[list[str]]:
-    """Return the unit test files split into `parts` groups of about equal size (bytes of test code, a
-    stand-in for time), each sorted; every `tests/test_*.py` is in exactly one. make test-gpu runs one
-    group per call (`--only unit --part K/N`) so that each stays well inside a call's 10 minutes."""
-    if isinstance(parts, bool) or not isinstance(parts, int) or parts < 1:
-        raise ValueError(f"parts must be an integer >= 1, got {parts!r}")
-    files = sorted(tests_dir.glob("test_*.py"), key=lambda f: (-f.stat().st_size, f.name))
-    groups: list[list[Path]] = [[] for _ in range(parts)]
-    for f in files:
-        min(groups, key=lambda g: sum(x.stat().st_size for x in g)).append(f)
-    return [sorted(str(f.relative_to(REPO_ROOT)) for f in g) for g in groups]
-
-
-def parse_part(text: str | None) -> tuple[int, int] | None:
-    """Return (k, n) from 'K/N' (1 <= K <= N), or None for None; raise ValueError naming a bad value."""
-    if text is None:
-        return None
-    m = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", str(text))
-    if not m or not 1 <= int(m.group(1)) <= int(m.group(2)):
-        raise ValueError(f"--part must be K/N with 1 <= K <= N (e.g. 2/3), got {text!r}")
-    return int(m.group(1)), int(m.group(2))
-
-
-def write_outputs(out: Path, label: str, info: dict[str, Any], steps: list[StepResult]) -> dict[str, Any]:
-    """Merge `steps` into out/results.json (a step run again replaces its earlier result; others are kept, so
-    each slice of make test-gpu adds to what earlier calls wrote) and rewrite claims.md from every notebook
-    record so far; return the merged payload."""
-    from colab_memopt.core.report import merge_results
-    from colab_memopt.tooling.rollup import claims_markdown
-
-    path = out / "results.json"
-    old = json.loads(path.read_text()) if path.exists() else {}
-    merged_steps = {s["step"]: s for s in old.get("steps", [])}
-    for s in steps:
-        merged_steps[s.step] = asdict(s)
-    results_dir = out / "results"
-    merged = merge_results(results_dir) if results_dir.is_dir() and any(results_dir.glob("*.json")) else {"notebooks": {}}
-    payload = {"label": label, "env": info or old.get("env", {}), "steps": list(merged_steps.values()),
-               "notebooks": merged.get("notebooks", {}),
-               "failed": [s["step"] for s in merged_steps.values() if s["status"] == "failed"],
-               "not_finished": [s["step"] for s in merged_steps.values() if s["status"] == NOT_FINISHED],
-               "not_run": [s["step"] for s in merged_steps.values() if s["status"] == NOT_RUN]}
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(payload, indent=2) + "\n")
-    tmp.replace(path)  # a call stopped mid-write keeps the previous file whole
-    claims = claims_markdown(merged) if merged.get("notebooks") else "(no notebook ran)\n"
-    (out / "claims.md").write_text(f"# Claims checked on {label}\n\nTimings are this GPU's, not a T4's, where it emulates one.\n\n{claims}")
-    return payload
-
-
-# make test-gpu on a lent H100/H200 in one call: at most 10 minutes a call and 15 minutes of device time a loan (the
-# start takes 1-2 of them), 64 MiB carried with the checkout, a bare machine without a network, at most 8 files of 16 MiB
-# back through $OUT. The call carries the wheel part of `make gpu-wheels` (DeepSpeed's sdist stays out), installs it,
-# then runs tests/gpu, the planner grid and every notebook in `workers` slices side by side (tests/notebook_parameters_t4
-# .yaml: lent_run), under one deadline; everything lands in one archive in $OUT, rewritten as results come.
-ONE_CALL_STEPS = ("install", "gpu-tests", "planner", "notebooks")
-CARRY = "build/wheelhouse/part1"  # make gpu-wheels' part of wheels (wheelhouse.build puts sdists in parts of their own)
-SITE = "/tmp/site"
-ARCHIVE_NAME = "gpucheck.tar.gz"
-MiB = 2**20
-CALL_LIMIT_SECONDS = 600
-COMMAND_LIMIT_CHARS = 2000
-CARRY_LIMIT_BYTES = 64 * MiB  # the checkout and the carried paths together
-ARCHIVE_LIMIT_BYTES = 15 * MiB  # a file back from $OUT may hold 16 MiB
-MEASURED_CARRY_MIB = 56.7  # part1 on 2026-11-26 (everything the image lacks but DeepSpeed's sdist)
-
-
-@dataclass
-class Item:
-    """One piece of the one-call run: a step of LENT_STEPS or 'notebook <stem>', its estimate and its most seconds."""
-
-    name: str
-    seconds: float  # estimated, on a lent H100 emulating a T4 beside the other slices: packs the slices
-    budget: float = float("inf")  # a notebook's T4 budget: it never runs longer (the deadline cuts it first)
-
-
-def lent_items(settings: T4Settings, steps: set[str] | list[str], stems: list[str],
-               absent: Callable[[str], list[str]] = lambda stem: []) -> tuple[list[Item], list[StepResult]]:
-    """Return the items of the one-call run (`steps` of LENT_STEPS, then the notebooks `stems` if 'notebooks' is
-    among `steps`) and the notebooks left out because `absent(stem)` names modules they require."""
-    items = [Item(s, settings.step_seconds.get(s, settings.default_lent_seconds)) for s in LENT_STEPS if s in steps]
-    not_run = []
-    for stem in stems if "notebooks" in steps else []:
-        missing = absent(stem)
-        if missing:
-            not_run.append(StepResult(f"notebook {stem}", NOT_RUN, 0.0, not_run_reason(missing)))
-        else:
-            items.append(Item(f"notebook {stem}", settings.notebook_seconds(stem), settings.budgets.get(stem, settings.default_budget)))
-    return items, not_run
-
-
-def pack_slices(items: list[Item], workers: int) -> list[list[Item]]:
-    """Return `workers` slices of `items`: longest first to the slice with the fewest estimated seconds (LPT), then
-    items moved or swapped from the longest slice to the shortest while that shortens the longest; each slice longest
-    item first."""
-    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-        raise ValueError(f"--parallel must be an integer >= 1 (worker processes), got {workers!r}")
-    slices: list[list[Item]] = [[] for _ in range(workers)]
-
-    def load(s: list[Item]) -> float:
-        return sum(i.seconds for i in s)
-    for item in sorted(items, key=lambda i: (-i.seconds, i.name)):
-        min(slices, key=load).append(item)
-    improved = True
-    while improved:  # each change lowers the sum of squared loads: it ends
-        improved = False
-        hi, lo = max(slices, key=load), min(slices, key=load)
-        for a in hi:
-            for b in [None, *lo]:
-                delta = a.seconds - (b.seconds if b else 0.0)
-                if delta > 0 and load(lo) + delta < load(hi):
-                    hi.remove(a)
-                    lo.append(a)
-                    if b is not None:
-                        lo.remove(b)
-                        hi.append(b)
-                    improved = True
-                    break
-            if improved:
-                break
-    return [sorted(s, key=lambda i: (-i.seconds, i.name)) for s in slices]
-
-
 def run_slices(slices: list[list[Item]], run_item: Callable[[Item, float], StepResult], deadline: float,
                done: Callable[[StepResult], None], clock: Callable[[], float] = time.monotonic) -> list[StepResult]:
     """Run the slices side by side, one thread each, every item in its own process; return every result.
@@ -721,89 +509,6 @@ def run_slices(slices: list[list[Item]], run_item: Callable[[Item, float], StepR
     return results
 
 
-LEFT_OUT = "LEFT_OUT.txt"
-
-
-def write_archive(folder: Path, archive: Path, limit_bytes: int = ARCHIVE_LIMIT_BYTES) -> dict[str, list[str]]:
-    """Write `folder` as one .tar.gz at `archive` (atomically: a run killed mid-write keeps the last whole one).
-
-    Small files first (results, logs), the executed notebooks last; a file that would take the archive past
-    `limit_bytes` (counted uncompressed: the archive is never larger) is left out and named in LEFT_OUT.txt."""
-    import io
-    import tarfile
-
-    tmp = archive.with_name(archive.name + ".tmp")
-    sized = []
-    for path in folder.rglob("*"):
-        try:
-            if path.is_file() and path.name != LEFT_OUT and path.resolve() not in (archive.resolve(), tmp.resolve()):
-                sized.append((path.parent.name == "notebooks", path.stat().st_size, str(path), path))
-        except OSError:  # a temporary file renamed meanwhile
-            continue
-    files = [entry[-1] for entry in sorted(sized)]
-    archive.parent.mkdir(parents=True, exist_ok=True)
-    written, left_out, used = [], [], 4096  # the end-of-archive blocks and gzip's header
-    with tarfile.open(tmp, "w:gz") as tar:
-        for path in files:
-            try:
-                data = path.read_bytes()  # a log still being written: what it holds now
-            except OSError:
-                continue
-            cost = 512 + -(-len(data) // 512) * 512 + 64
-            if used + cost + 4096 > limit_bytes:
-                left_out.append(str(path.relative_to(folder)))
-                continue
-            info = tarfile.TarInfo(f"{folder.name}/{path.relative_to(folder)}")
-            info.size, info.mtime = len(data), int(time.time())
-            tar.addfile(info, io.BytesIO(data))
-            written.append(str(path.relative_to(folder)))
-            used += cost
-        if left_out:
-            note = ("left out to keep the archive under %d MiB:\n" % (limit_bytes // MiB) + "\n".join(left_out) + "\n").encode()
-            info = tarfile.TarInfo(f"{folder.name}/{LEFT_OUT}")
-            info.size, info.mtime = len(note), int(time.time())
-            tar.addfile(info, io.BytesIO(note))
-    tmp.replace(archive)
-    return {"written": written, "left_out": left_out}
-
-
-class Recorder:
-    """Record each result as it comes (results.json at once, the archive at most every `every_s` seconds)."""
-
-    def __init__(self, out: Path, label: str, info: dict[str, Any], archive: Path | None, every_s: float = 20.0):
-        import threading
-
-        self.out, self.label, self.info, self.archive, self.every_s = out, label, info, archive, every_s
-        self.steps: list[StepResult] = []
-        self.lock = threading.Lock()
-        self.last_archive = 0.0
-        if archive is not None:
-            self.save_archive()  # something comes back even if the call is killed at once
-
-    def __call__(self, result: StepResult) -> None:
-        with self.lock:
-            self.steps.append(result)
-            print(f"  {result.step}: {result.status} ({result.seconds:.0f} s) {result.detail[:160]}", flush=True)
-            try:
-                write_outputs(self.out, self.label, self.info, [result])  # at once: a call stopped later keeps it
-                if self.archive is not None and time.monotonic() - self.last_archive >= self.every_s:
-                    self.save_archive()
-            except Exception as exc:  # noqa: BLE001 - a record another slice is writing: the next result rewrites it
-                print(f"  (results.json not rewritten after {result.step}: {type(exc).__name__}: {exc})", flush=True)
-
-    def save_archive(self) -> None:
-        """Rewrite the archive from the out folder now."""
-        if self.archive is not None:
-            write_archive(self.out, self.archive)
-            self.last_archive = time.monotonic()
-
-    def finish(self, text: str) -> None:
-        """Write the summary (summary.txt) and the archive a last time."""
-        with self.lock:
-            (self.out / "summary.txt").write_text(text + "\n")
-            self.save_archive()
-
-
 def step_command(name: str, out: Path, label: str, emulate: str, capability: tuple[int, int]) -> tuple[list[str], Path]:
     """Return the command and log of a step of LENT_STEPS ('gpu-tests', 'planner', 'costs')."""
     py = sys.executable
@@ -822,85 +527,6 @@ def worker_env(env: dict[str, str], workers: int, cpus: int | None = None) -> di
     """Return the environment of each slice's processes: the CPU cores shared out (one OpenMP pool per slice)."""
     threads = str(max(1, (cpus or os.cpu_count() or 1) // workers))
     return {**env, "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", threads), "MKL_NUM_THREADS": env.get("MKL_NUM_THREADS", threads)}
-
-
-def one_call_command(workers: int | None = None, deadline_seconds: float | None = None) -> str:
-    """Return the one command that runs make test-gpu on a lent GPU machine (from the checkout's root, CARRY carried)."""
-    settings = load_t4_settings()
-    workers = workers or settings.workers
-    deadline = int(deadline_seconds or settings.deadline_seconds)
-    return (f"PYTHONUNBUFFERED=1 python3 -m colab_memopt.gpucheck --parallel {workers} --budget-seconds {deadline} "
-            f"--wheelhouse {CARRY} --pip-target {SITE} --only {' '.join(ONE_CALL_STEPS)} --archive $OUT/{ARCHIVE_NAME}")
-
-
-def checkout_bytes(root: Path = REPO_ROOT) -> int | None:
-    """Return the bytes of what a call sends of the checkout (tracked and untracked-not-ignored files), or None."""
-    run = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=root,
-                         capture_output=True, timeout=60)
-    if run.returncode != 0:
-        return None
-    return sum((root / n).stat().st_size for n in run.stdout.decode().split("\0") if n and (root / n).is_file())
-
-
-def folder_bytes(folder: Path) -> int | None:
-    """Return the bytes of the files under `folder`, or None if it is not there."""
-    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()) if folder.is_dir() else None
-
-
-def print_plan(root: Path = REPO_ROOT) -> int:
-    """Print the one call (command, carry, slices); return 1 if it cannot fit (carry, command or slices), else 0."""
-    from colab_memopt.tooling.runner import notebook_paths
-
-    settings = load_t4_settings()
-    command = one_call_command()
-    stems = [p.stem for p in notebook_paths()]
-    # what the one call leaves out: DeepSpeed is not carried
-    items, not_run = lent_items(settings, ONE_CALL_STEPS, stems,
-                                lambda stem: [m for m in settings.requires.get(stem, []) if m == "deepspeed"])
-    slices = pack_slices(items, settings.workers)
-    room = settings.deadline_seconds - settings.setup_seconds
-    tree, wheels = checkout_bytes(root), folder_bytes(root / CARRY)
-    problems = []
-    if len(command) > COMMAND_LIMIT_CHARS:
-        problems.append(f"the command has {len(command)} characters, over {COMMAND_LIMIT_CHARS}")
-    wheel_mib = wheels / MiB if wheels is not None else MEASURED_CARRY_MIB
-    total_mib = wheel_mib + (tree or 0) / MiB
-    if total_mib > CARRY_LIMIT_BYTES / MiB:
-        problems.append(f"the carry and the checkout take {total_mib:.1f} MiB, over {CARRY_LIMIT_BYTES // MiB}")
-    longest = max(sum(i.seconds for i in s) for s in slices)
-    if longest > room:
-        problems.append(f"the longest slice is estimated at {longest:.0f} s, over the {room:.0f} s the deadline leaves")
-    covered = sum(i.name.startswith("notebook") for i in items)
-    lines = [
-        "make test-gpu in one call on a lent GPU machine (nvidia-h100-x1), from the checkout's root:",
-        f"  timeout_s: {CALL_LIMIT_SECONDS}",
-        f'  carry: ["{CARRY}"]',
-        f"  command ({len(command)} of {COMMAND_LIMIT_CHARS} characters):",
-        command,
-        "",
-        f"carry: {CARRY} (make gpu-wheels: the wheels the machine lacks, no DeepSpeed sdist)",
-        "  " + (f"{wheel_mib:.1f} MiB here" if wheels is not None else f"{wheel_mib} MiB on 2026-11-26 (not built here)"),
-        f"  + the checkout: " + (f"{tree / MiB:.1f} MiB" if tree is not None else "unknown (not a git checkout)")
-        + f" = {total_mib:.1f} MiB of {CARRY_LIMIT_BYTES // MiB}",
-        f"covers: tests/gpu, the planner grid on CUDA and {covered} notebooks",
-        *[f"  {r.step}: {r.detail}" for r in not_run],
-        "  not in it: the unit tests (CI runs them) and the technique costs (`--only install costs`)",
-        f"{settings.workers} slices side by side, each process capped to a T4's memory by the emulation;",
-        f"  deadline {settings.deadline_seconds:.0f} s after the start ({settings.setup_seconds:.0f} s of it to install "
-        "and preflight),",
-        "  then the unfinished items are killed and recorded 'not finished'. Estimated seconds",
-        "  (tests/notebook_parameters_t4.yaml; estimates, not measurements), notebooks by number:",
-    ]
-    for k, s in enumerate(slices, 1):
-        short = [(i.name.removeprefix("notebook ")[:2] if i.name.startswith("notebook ") else i.name) for i in s]
-        lines.append(f"  slice {k} ({sum(i.seconds for i in s):.0f} s): "
-                     + ", ".join(f"{n} {i.seconds:.0f}" for n, i in zip(short, s)))
-    lines += [f"back: $OUT/{ARCHIVE_NAME}: build/gpu (summary.txt, results.json, env.json, logs, executed",
-              "  notebooks), rewritten as results come: a call stopped early returns what finished"]
-    print("\n".join(lines))
-    for p in problems:
-        print(f"does not fit: {p}")
-    return 1 if problems else 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -999,23 +625,6 @@ def main(argv: list[str] | None = None) -> int:
         return finish(record, out, label)
     finally:
         record.save_archive()
-
-
-def finish(record: Recorder, out: Path, label: str) -> int:
-    """Print the summary table last, write it and the archive; return 1 if anything failed or did not finish."""
-    text = summary_table(label, record.steps)
-    measured = [f"{s.step.removeprefix('notebook ')} {s.seconds:.0f}" for s in record.steps if "estimate_seconds" in s.data
-                and s.status in ("passed", "failed")]
-    if measured:
-        import textwrap
-
-        text += "\n" + textwrap.fill("measured seconds (for tests/notebook_parameters_t4.yaml): " + ", ".join(measured),
-                                     100, subsequent_indent="  ")
-    print()
-    print(text)
-    print(f"\nmerged into {out / 'results.json'}; {out / 'claims.md'}, {out / 'env.json'}")
-    record.finish(text)
-    return 1 if any(s.status in ("failed", NOT_FINISHED) for s in record.steps) else 0
 
 
 def run_parallel(args: argparse.Namespace, out: Path, label: str, env: dict[str, str], emulate: str,

@@ -174,7 +174,7 @@ def split(groups: dict[str, list[str]], sizes: dict[str, int], limit_bytes: int,
 
     A dependency two groups share is counted (and later copied) in each part that holds one of them. The groups
     named in `apart` (those that build from an sdist) come after the others, in parts of their own, so that part1
-    holds every wheel when they fit: the one call on a lent machine carries part1 (gpucheck.CARRY).
+    holds every wheel when they fit: the one call on a lent machine carries part1 (gpuplan.CARRY).
     Raises ValueError naming a group that alone exceeds the limit.
     """
     parts: list[Part] = []

@@ -42,7 +42,7 @@ from typing import Any
 
 # Targets with native bf16 (Ampere and later); everything else gets fp16 autocast.
 BF16_TARGETS = ("l4", "a100-40gb", "a100-80gb", "h100-80gb")
-TARGET_NAMES = ("t4", *BF16_TARGETS)  # the names of planner.TARGETS (a test keeps them equal)
+TARGET_NAMES = ("t4", *BF16_TARGETS)  # the names of targets.TARGETS (a test keeps them equal)
 
 
 @dataclass(frozen=True)

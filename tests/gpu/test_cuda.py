@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import colab_memopt as cm
-from colab_memopt import attention, batching, env, estimate, offload, planner
+from colab_memopt import attention, batching, env, estimate, offload, planner, quantized, targets, untraced
 
 
 def _within(predicted: int, measured: int) -> bool:
@@ -52,7 +52,7 @@ def test_cublas_workspace_is_what_the_planner_assumes():
             "print(torch.cuda.memory_allocated() - m - 512 * ((c.nbytes + 511) // 512))")
     measured = int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()[-1])
     capability = (7, 5) if env.emulated_gpu("cuda") == "t4" else torch.cuda.get_device_capability()
-    planned, source = planner.cublas_workspace_bytes(capability)
+    planned, source = targets.cublas_workspace_bytes(capability)
     assert measured == planned, f"measured {measured:,} B, planned {planned:,} B ({source})"
 
 
@@ -190,7 +190,7 @@ def test_every_workspace_a_step_holds_is_a_plan_line():
             "print(torch.cuda.memory_allocated() - m - sum(r(t) for t in (x.grad, lin.weight.grad, lin.bias.grad)))")
     measured = int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()[-1])
     capability = (7, 5) if env.emulated_gpu("cuda") == "t4" else torch.cuda.get_device_capability()
-    costs = planner.cuda_workspace_costs(capability)
+    costs = untraced.cuda_workspace_costs(capability)
     assert measured == sum(c.bytes for c in costs), (measured, [(c.name, c.bytes) for c in costs])
 
 
@@ -218,7 +218,7 @@ def test_one_4bit_layer_forward_dequantizes_its_weight_as_planned(cuda):
     y = layer(x)
     torch.cuda.synchronize()
     transient = torch.cuda.memory_stats()["requested_bytes.all.peak"] - before - y.nbytes
-    planned = planner.four_bit_dequant_bytes(n_out * n_in, 2, nested=True)
+    planned = quantized.four_bit_dequant_bytes(n_out * n_in, 2, nested=True)
     assert 0 <= transient - planned <= 4 * 512, (transient, planned)
 
 
