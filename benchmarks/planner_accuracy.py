@@ -328,8 +328,7 @@ def main() -> None:
         device_name = f"{device} ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else f"cpu ({platform.machine()})"
         result = {"device": device_name, "torch": torch.__version__, "grid": "quick" if args.quick else "full", "rows": rows,
                   "worst_rel_error_pct": worst["rel_error_pct"], "target_rel_error_pct": 5.0 if device.type == "cuda" else 1.0}
-        ARCH_OUT.parent.mkdir(parents=True, exist_ok=True)
-        ARCH_OUT.write_text(json.dumps(result, indent=2) + "\n")
+        write_json(ARCH_OUT, result)
         print(f"wrote {ARCH_OUT}\nworst relative error over {len(rows)} configurations on {device_name}: "
               f"{worst['rel_error_pct']:+.3f}% ({worst['family']}, batch {worst['batch']}, seq {worst['seq_len']}, {worst['recipe']})")
         return
