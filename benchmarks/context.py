@@ -3,7 +3,7 @@
     python benchmarks/context.py [--models llama-3.1-8b ...] [--modes full lora qlora] [--recipes ...]
 
 For each (model, mode full/LoRA/QLoRA, recipe): the longest multiple of 1024 tokens at batch 1 whose
-PLANNED step fits a T4, device memory (14.74 GiB less the planner's 5% headroom, with the CUDA context
+PLANNED step fits a T4, device memory (14.56 GiB less the planner's 5% headroom, with the CUDA context
 and cuBLAS workspace) and host RAM (12.7 GB less 5%) both (`capacity.longest_sequence`: a first guess
 from the analytic estimate, then gallop and bisection over plans, each a trace on fake tensors where
 the recipe traces; every row says which method it used). The host RAM counts a fresh Python process

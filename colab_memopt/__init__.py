@@ -31,7 +31,8 @@ __version__ = "0.1.0"
 # on 2 cores). `MemoryGuardCallback` is a transformers `TrainerCallback`: importing the package never imports transformers.
 _DEFINED_IN = {name: module for module, names in {
     "data": ("TextCorpus", "load_corpus"),
-    "env": ("COLAB_HOST_RAM_BYTES", "T4_USABLE_BYTES", "autocast_dtype", "bf16_native", "cap_device_memory", "in_colab",
+    "env": ("COLAB_HOST_RAM_BYTES", "COLAB_HOST_USABLE_BYTES", "T4_TOTAL_BYTES", "T4_USABLE_BYTES", "autocast_dtype",
+            "bf16_native", "cap_device_memory", "in_colab",
             "pick_device", "preflight"),
     "batching": ("OOMNotRecovered", "find_max_batch_size", "train_with_oom_recovery"),
     "measure": ("Comparison", "LiveMemory", "MemoryBudget", "MemoryReport", "HostPeak", "compare", "format_bytes",
@@ -106,11 +107,13 @@ if not any(isinstance(f, _EntryPoint) or type(f).__name__ == "_EntryPoint" for f
 
 __all__ = [
     "COLAB_HOST_RAM_BYTES",
+    "COLAB_HOST_USABLE_BYTES",
     "MergeCost",
     "merge_cost",
     "to_messages",
     "GPT",
     "MODEL_SIZES",
+    "T4_TOTAL_BYTES",
     "T4_USABLE_BYTES",
     "Claim",
     "Comparison",

@@ -31,9 +31,19 @@ def test_cuda_without_gpu_says_so():
     assert cm.autocast_dtype("cpu") == torch.bfloat16
 
 
-def test_t4_constants():
-    assert cm.T4_USABLE_BYTES == int(14.74 * 2**30)
-    assert cm.COLAB_HOST_RAM_BYTES == int(12.7e9)
+def test_one_t4_every_tool_reads():
+    """The 2026 T4 (FACTS.md): 14,912 MiB total as PyTorch reports it, a measured CUDA context, one margin."""
+    from colab_memopt.planning.targets import DEFAULT_HEADROOM, TARGETS
+    from colab_memopt.tooling import cli
+
+    assert env.T4_TOTAL_BYTES == 14_912 * 2**20 and round(env.T4_TOTAL_BYTES / 2**30, 2) == 14.56
+    assert 133 * 2**20 <= env.T4_CUDA_CONTEXT_BYTES <= 147 * 2**20 and "133-147 MiB" in env.T4_CUDA_CONTEXT_SOURCE
+    t4 = TARGETS["t4"]
+    assert (t4.device_bytes, t4.cuda_context_bytes, t4.host_bytes) == (env.T4_TOTAL_BYTES, env.T4_CUDA_CONTEXT_BYTES,
+                                                                       env.COLAB_HOST_RAM_BYTES)
+    assert cm.T4_USABLE_BYTES == t4.usable_bytes() == int(env.T4_TOTAL_BYTES * (1 - DEFAULT_HEADROOM))
+    assert env.COLAB_HOST_USABLE_BYTES == t4.host_usable_bytes() and cm.COLAB_HOST_RAM_BYTES == int(12.7e9)
+    assert cli.HEADROOM == DEFAULT_HEADROOM == env.PLAN_MARGIN
 
 
 def test_cap_rejects_non_positive():
@@ -104,12 +114,12 @@ def test_t4_emulation_caps_the_allocator_and_forces_t4_paths(monkeypatch):
     cuda = torch.device("cuda")
     assert env.bf16_native(cuda) is True  # before the emulation is applied
     assert env.apply_emulation(cuda) == "t4"
-    assert calls["fraction"] == pytest.approx((env.T4_USABLE_BYTES - env.ASSUMED_T4_CONTEXT_BYTES) / (80 * 2**30))
+    assert calls["fraction"] == pytest.approx((env.T4_TOTAL_BYTES - env.T4_CUDA_CONTEXT_BYTES) / (80 * 2**30))
     assert calls["enable_flash_sdp"] is False and calls["enable_cudnn_sdp"] is False and calls["enable_mem_efficient_sdp"] is True
     assert torch.backends.cuda.matmul.allow_tf32 is False
     assert env.bf16_native(cuda) is False and env.autocast_dtype(cuda) == torch.float16
     assert env.device_label(cuda) == "NVIDIA H100 80GB HBM3 emulating t4"
-    assert env.usable_device_memory(cuda) == env.T4_USABLE_BYTES - env.ASSUMED_T4_CONTEXT_BYTES
+    assert env.usable_device_memory(cuda) == env.T4_TOTAL_BYTES - env.T4_CUDA_CONTEXT_BYTES
     monkeypatch.setenv("CM_EMULATE", "a100")
     with pytest.raises(ValueError, match=r"CM_EMULATE must be one of \('t4',\) or 'none', got 'a100'"):
         env.apply_emulation(cuda)

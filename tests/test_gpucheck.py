@@ -258,7 +258,8 @@ def test_notebooks_are_held_to_the_t4_by_reserved_bytes_plus_a_context(tmp_path,
 
     from colab_memopt import env, runner
 
-    assert gpucheck.ASSUMED_T4_CONTEXT_BYTES == env.ASSUMED_T4_CONTEXT_BYTES
+    assert gpucheck.T4_CUDA_CONTEXT_BYTES == env.T4_CUDA_CONTEXT_BYTES
+    assert gpucheck.T4_DEVICE_LIMIT_BYTES == env.T4_TOTAL_BYTES
     path = notebook_paths()[0]
     monkeypatch.setattr(runner, "notebook_paths", lambda names: [path])
 

@@ -11,13 +11,26 @@ from dataclasses import dataclass
 import torch
 
 GiB = 2**30
-# What a Colab free-tier T4 shows PyTorch ("GPU 0 has a total capacity of 14.74 GiB").
-T4_USABLE_BYTES = int(14.74 * GiB)
-# Colab free tier host RAM.
+MiB = 2**20
+# One T4, one answer: every tool (plan, plan_trainer, fit_trainer, the guard, recommend, doctor, capacity, context,
+# the notebooks) reads these, through `planning.targets.TARGETS["t4"]`.
+# What a Colab free-tier T4 shows PyTorch on 2026 images: 14,912 MiB, "GPU 0 has a total capacity of 14.56 GiB" in the
+# OOM text of published T4 notebook runs (torch 2.8-2.10, CUDA 12.8); 2024-2025 images showed 14.74 GiB.
+T4_TOTAL_BYTES = 14_912 * MiB
+T4_TOTAL_SOURCE = "Colab's 2026 T4 images: total capacity 14.56 GiB (14,912 MiB), as PyTorch reports it"
+# The CUDA context of a T4 process, outside the caching allocator (neither max_memory_allocated nor the trace sees
+# it): 133-147 MiB in the fitcheck project's published T4 validation (33 runs, torch 2.x with lazy module loading);
+# the largest is planned. Older reports of 0.5-2 GB predate lazy loading.
+T4_CUDA_CONTEXT_BYTES = 147 * MiB
+T4_CUDA_CONTEXT_SOURCE = "measured 133-147 MiB on a T4 (fitcheck's T4 validation, 33 runs, lazy loading); 147 planned"
+# The margin a plan keeps free of the device and of host RAM (the caching allocator's fragmentation), the same in every
+# tool unless you give another `headroom`: a named margin, not another "usable".
+PLAN_MARGIN = 0.05
+# The T4's usable memory, as every tool prints it: its total less the margin (13.83 GiB on 2026 images).
+T4_USABLE_BYTES = int(T4_TOTAL_BYTES * (1 - PLAN_MARGIN))
+# Colab free tier host RAM, and the part of it a plan may use (the same margin).
 COLAB_HOST_RAM_BYTES = int(12.7e9)
-# The CUDA context and kernels of a T4 process, outside the caching allocator: assumed (0.5-2 GB seen
-# on Colab, FACTS.md) until measured with NVML on a real T4; the planner assumes the same.
-ASSUMED_T4_CONTEXT_BYTES = int(0.75 * GiB)
+COLAB_HOST_USABLE_BYTES = int(COLAB_HOST_RAM_BYTES * (1 - PLAN_MARGIN))
 # CM_EMULATE=t4 makes a bigger CUDA GPU behave like Colab's T4 (see `apply_emulation`).
 EMULATE_ENV = "CM_EMULATE"
 EMULATIONS = ("t4",)
@@ -97,8 +110,8 @@ def emulated_gpu(device: torch.device | None = None) -> str | None:
 def apply_emulation(device: str | torch.device | None = "auto", emulate: str | None = None) -> str | None:
     """Make a CUDA GPU behave like Colab's T4 when `emulate` (default: `CM_EMULATE`) is 't4'; return it.
 
-    - caps the caching allocator at the T4's usable bytes less its (assumed) CUDA context:
-      `torch.cuda.set_per_process_memory_fraction((T4_USABLE_BYTES - ASSUMED_T4_CONTEXT_BYTES) / total)`;
+    - caps the caching allocator at the T4's total less its CUDA context:
+      `torch.cuda.set_per_process_memory_fraction((T4_TOTAL_BYTES - T4_CUDA_CONTEXT_BYTES) / total)`;
       the cap does not cover this GPU's own context, workspaces outside the allocator or unified memory;
     - forces the T4's code paths: no native bf16 (`bf16_native` is False, so fp16 + GradScaler is
       chosen), no flash or cuDNN attention (SDPA's memory-efficient kernel, as on sm_75), TF32 off;
@@ -115,7 +128,7 @@ def apply_emulation(device: str | torch.device | None = "auto", emulate: str | N
         return None
     index = dev.index if dev.index is not None else torch.cuda.current_device()
     total = torch.cuda.get_device_properties(index).total_memory
-    cap = T4_USABLE_BYTES - ASSUMED_T4_CONTEXT_BYTES
+    cap = T4_TOTAL_BYTES - T4_CUDA_CONTEXT_BYTES
     torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), index)
     torch.backends.cuda.enable_flash_sdp(False)
     torch.backends.cuda.enable_cudnn_sdp(False)
@@ -175,7 +188,7 @@ def usable_device_memory(device: torch.device | None = None) -> int:
     dev = pick_device(device)
     if dev.type == "cuda":
         if emulated_gpu(dev) == "t4":  # the allocator cap of `apply_emulation`
-            return T4_USABLE_BYTES - ASSUMED_T4_CONTEXT_BYTES
+            return T4_TOTAL_BYTES - T4_CUDA_CONTEXT_BYTES
         return torch.cuda.get_device_properties(dev).total_memory
     return host_memory().available_bytes
 

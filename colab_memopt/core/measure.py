@@ -425,7 +425,7 @@ class MemoryBudget:
     before the block count only if passed in `track` (a model, an optimizer, tensors).
 
     Example:
-        >>> with MemoryBudget(int(14.74 * 2**30), model, optimizer):
+        >>> with MemoryBudget(cm.T4_TOTAL_BYTES, model, optimizer):
         ...     step_fn()
     """
 

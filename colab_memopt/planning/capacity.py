@@ -19,7 +19,7 @@ import torch
 from colab_memopt.planning import estimate
 
 from colab_memopt.techniques import architectures
-from colab_memopt.planning.targets import get_target
+from colab_memopt.planning.targets import DEFAULT_HEADROOM, get_target
 from colab_memopt.training.presets import MODES, PRESETS, preset_fields
 from colab_memopt.training.recipe import Recipe
 from colab_memopt.planning.candidates import FULL_CANDIDATES, INT8_CANDIDATES, PURE16, full_candidates  # noqa: F401 - re-exported
@@ -95,7 +95,7 @@ def need_bytes(name: str, recipe: Recipe, *, batch: int = 1, seq_len: int = 512,
 
 
 def fit(name: str, recipe_name: str, recipe: Recipe, *, mode: str, seq_len: int, batch: int = 1,
-        target: Any = "t4", headroom: float = 0.10) -> Fit:
+        target: Any = "t4", headroom: float = DEFAULT_HEADROOM) -> Fit:
     """Return the `Fit` of one model and recipe on a target."""
     tgt = get_target(target)
     return Fit(name, model_params(name), mode, seq_len, recipe_name,
@@ -104,7 +104,7 @@ def fit(name: str, recipe_name: str, recipe: Recipe, *, mode: str, seq_len: int,
 
 
 
-def best_fit(name: str, *, mode: str, seq_len: int, batch: int = 1, target: Any = "t4", headroom: float = 0.10,
+def best_fit(name: str, *, mode: str, seq_len: int, batch: int = 1, target: Any = "t4", headroom: float = DEFAULT_HEADROOM,
              candidates: str = "all") -> Fit:
     """Return the leanest candidate recipe for a model: the best chance to fit.
 
@@ -132,7 +132,7 @@ def best_fit(name: str, *, mode: str, seq_len: int, batch: int = 1, target: Any 
 
 
 def largest_scaled(base: str, *, mode: str, seq_len: int, batch: int = 1, target: Any = "t4",
-                   headroom: float = 0.10, max_layers: int = 256, candidates: str = "all") -> tuple[Fit | None, Fit | None]:
+                   headroom: float = DEFAULT_HEADROOM, max_layers: int = 256, candidates: str = "all") -> tuple[Fit | None, Fit | None]:
     """Return (the deepest `base`-shaped model that fits under its leanest recipe, the next depth that does not).
 
     Bisects the number of blocks: a coarse search over model size at the base's width. `candidates` as in `best_fit`.
@@ -179,7 +179,7 @@ def capacity_table(
     presets: tuple[str, ...] = tuple(PRESETS),
     batch: int = 1,
     target: Any = "t4",
-    headroom: float = 0.10,
+    headroom: float = DEFAULT_HEADROOM,
 ) -> list[dict[str, Any]]:
     """Return one row per (preset, mode, seq_len): the largest model of `models` that fits, and its need.
 
@@ -212,7 +212,7 @@ def capacity_table(
 
 
 def largest_scaled_for(base: str, recipe: Recipe, *, seq_len: int, batch: int = 1, target: Any = "t4",
-                       headroom: float = 0.05, max_layers: int = 256, trace: bool = True) -> dict[str, Any]:
+                       headroom: float = DEFAULT_HEADROOM, max_layers: int = 256, trace: bool = True) -> dict[str, Any]:
     """Return the deepest `base`-shaped model (`scaled`) that one recipe trains on `target`, and its need.
 
     The depth is bisected with the analytic estimate (milliseconds per depth), then, with `trace`,
@@ -317,7 +317,7 @@ class LongestSequence:
 
 
 def longest_sequence(model: str, recipe: Recipe | None = None, *, mode: str = "", batch: int = 1, target: Any = "t4",
-                     step_tokens: int = 1024, headroom: float = 0.05, method: str = "auto",
+                     step_tokens: int = 1024, headroom: float = DEFAULT_HEADROOM, method: str = "auto",
                      host_base_bytes: int | None = None, max_tokens: int | None = None,
                      guess_tokens: int | None = None, max_plans: int = 16,
                      split_checkpoints: bool = False) -> LongestSequence:

@@ -42,7 +42,7 @@ from colab_memopt.core.isolation import isolated
 from colab_memopt.core.measure import format_bytes, host_memory
 from colab_memopt.planning.planner import plan
 from colab_memopt.planning.prediction import describe_estimate_error
-from colab_memopt.planning.targets import TARGETS, Target, get_target
+from colab_memopt.planning.targets import DEFAULT_HEADROOM, TARGETS, Target, get_target
 from colab_memopt.training.recipe import Recipe
 
 CODES = (
@@ -327,7 +327,7 @@ def _spec(model: Any) -> Any:
 
 
 def check_fit(spec: Any, recipe: Recipe, batch: int, seq_len: int, tgt: Target, method: str,
-              headroom: float = 0.10) -> tuple[Finding | None, Any]:
+              headroom: float = DEFAULT_HEADROOM) -> tuple[Finding | None, Any]:
     """does-not-fit: the planner's verdict; the fix is the recommender's recipe."""
     import warnings
 
@@ -469,7 +469,7 @@ def doctor(
     *,
     batch: int = 1,
     seq_len: int | None = None,
-    headroom: float = 0.10,
+    headroom: float = DEFAULT_HEADROOM,
     method: str = "auto",
     probe: bool = True,
     verbose: bool = False,

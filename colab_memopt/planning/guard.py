@@ -22,7 +22,7 @@ from transformers import TrainerCallback
 
 from colab_memopt.core.measure import LiveMemory, MemoryReport, format_bytes
 from colab_memopt.planning.prediction import Plan
-from colab_memopt.planning.targets import Target
+from colab_memopt.planning.targets import DEFAULT_HEADROOM, Target
 from colab_memopt.techniques.precision import HALF_DTYPES, describe_half_trainable, half_trainable, upcast_trainable  # noqa: F401 - cm.guard.upcast_trainable
 from colab_memopt.core.tracker import LiveBytesMode
 from colab_memopt.planning.trainer import CPU_TARGET_NAME, _target, plan_trainer
@@ -77,7 +77,7 @@ class MemoryGuardCallback(TrainerCallback):
         >>> trainer.train()   # stops before step 1 if it will not fit a T4
     """
 
-    def __init__(self, target: str | Target | dict[str, Any] = "t4", *, headroom: float = 0.05,
+    def __init__(self, target: str | Target | dict[str, Any] = "t4", *, headroom: float = DEFAULT_HEADROOM,
                  seq_len: int | None = None, max_plans: int = 8, verbose: bool = True,
                  upcast_trainable: bool = True) -> None:
         self.target = _target(target)

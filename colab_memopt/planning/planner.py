@@ -43,7 +43,7 @@ from colab_memopt.planning.quantized import (
     four_bit_step_costs,
     quantization_scale_bytes,
 )
-from colab_memopt.planning.targets import OPTIMIZER_IMPLS, Target, check_headroom, get_target
+from colab_memopt.planning.targets import DEFAULT_HEADROOM, OPTIMIZER_IMPLS, Target, check_headroom, get_target
 from colab_memopt.planning.untraced import (
     _PINNED_NOTE,
     MATH_ATTENTION_LINE,
@@ -228,7 +228,7 @@ def offload_split(p: Plan, n_blocks: int) -> int | None:
 
 
 def plan_offload_split(model_factory: Any, batch: int, *, seq_len: int, recipe: Recipe, target: Any = "t4",
-                       headroom: float = 0.05, method: str = "auto") -> Plan:
+                       headroom: float = DEFAULT_HEADROOM, method: str = "auto") -> Plan:
     """Return the plan of `recipe` (checkpointing='offload') with the checkpoints split between device and host
     for `target` (`offload_split`; two plans): the split's plan when one fits, else the all-offloaded plan.
 
@@ -293,7 +293,7 @@ def plan(
     seq_len: int | None = None,
     recipe: Recipe | dict[str, Any] | None = None,
     target: str | Target | dict[str, Any] = "t4",
-    headroom: float = 0.05,
+    headroom: float = DEFAULT_HEADROOM,
     find_max_batch: bool = True,
     method: str = "auto",
     optimizer_impl: str = "auto",
@@ -372,7 +372,7 @@ def plan(
     device_costs = []
     if tgt.cuda:
         device_costs = [
-            Cost("CUDA context", tgt.cuda_context_bytes, "assumed (0.5-2 GB seen on Colab; measure with NVML on your card)"),
+            Cost("CUDA context", tgt.cuda_context_bytes, tgt.context_source),
             *cuda_workspace_costs(tgt.compute_capability),
             *four_bit_step_costs(meta_model, spec, rec, tgt, batch, seq_len),
         ]

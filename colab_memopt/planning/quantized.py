@@ -381,7 +381,7 @@ def four_bit_load_costs(meta_model: nn.Module, spec: Any, recipe: Recipe, target
     if not numels:
         return []
     by_transformers, dtype = _four_bit_path(spec, recipe, target, meta_model)
-    context = Cost("CUDA context", target.cuda_context_bytes, "assumed, as in the step")
+    context = Cost("CUDA context", target.cuda_context_bytes, target.context_source)
     name = str(dtype).removeprefix("torch.")
     if by_transformers:
         return [context,

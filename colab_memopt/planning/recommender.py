@@ -36,7 +36,7 @@ from colab_memopt.core.measure import format_bytes
 from colab_memopt.planning.faketrace import shape_model
 from colab_memopt.planning.planner import check_seq_len, max_positions, plan
 from colab_memopt.planning.prediction import Plan, describe_estimate_error
-from colab_memopt.planning.targets import Target, check_headroom, get_target
+from colab_memopt.planning.targets import DEFAULT_HEADROOM, Target, check_headroom, get_target
 from colab_memopt.planning.untraced import offloaded_checkpoint_bytes
 from colab_memopt.training.presets import MODES, PRESETS, mode_fields, preset_fields
 from colab_memopt.training.recipe import Recipe
@@ -314,7 +314,7 @@ def recommend(
     target: str | Target | dict[str, Any] = "t4",
     objective: str = "fastest",
     mode: str = "auto",
-    headroom: float = 0.10,
+    headroom: float = DEFAULT_HEADROOM,
     costs: TechniqueCosts | None = None,
     method: str = "auto",
     max_plans: int = 4,
@@ -441,7 +441,7 @@ def _longest_context_round(factory: Any, arch: str | None, batch: int, seq_len: 
 
 
 def _side_by_side(chosen: Candidate, meta_model: nn.Module, batch: int, seq_len: int, fixed: int, *, model: Any = None,
-                  target: Any = None, headroom: float = 0.10, method: str = "auto") -> dict[str, Any] | None:
+                  target: Any = None, headroom: float = DEFAULT_HEADROOM, method: str = "auto") -> dict[str, Any] | None:
     """Return LoRA's and QLoRA's needs for the chosen recipe, planned the same way (QLoRA often saves less than
     expected): {'lora', 'qlora': bytes, 'method': 'traced' or 'analytic estimate', 'line': the reasoning line}.
 

@@ -12,7 +12,12 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from colab_memopt.core.env import COLAB_HOST_RAM_BYTES, T4_USABLE_BYTES, GiB
+from colab_memopt.core.env import (COLAB_HOST_RAM_BYTES, PLAN_MARGIN, T4_CUDA_CONTEXT_BYTES, T4_CUDA_CONTEXT_SOURCE,
+                                   T4_TOTAL_BYTES, GiB)
+
+# The margin every tool keeps free by default (`headroom`): one figure, so that every tool prints the same usable.
+DEFAULT_HEADROOM = PLAN_MARGIN
+ASSUMED_CONTEXT_SOURCE = "assumed (0.5-2 GB reported before lazy loading; measure it on your card with NVML)"
 
 
 @dataclass(frozen=True)
@@ -21,7 +26,8 @@ class Target:
 
     `device_bytes` is what PyTorch reports as the GPU's total capacity; `cuda_context_bytes` is taken
     from it before any tensor exists (the CUDA context and kernels, which neither
-    `max_memory_allocated` nor the tracker sees).
+    `max_memory_allocated` nor the tracker sees), `context_source` says where that figure comes from. A plan may use
+    `usable_bytes(headroom)` of the device: the total less the margin kept free.
     """
 
     name: str
@@ -32,6 +38,15 @@ class Target:
     cuda: bool = True
     compute_capability: tuple[int, int] | None = None
     optimizer_impl: str = "auto"  # how the device runs torch's optimizers; 'auto': foreach on CUDA, else single-tensor
+    context_source: str = ASSUMED_CONTEXT_SOURCE
+
+    def usable_bytes(self, headroom: float = DEFAULT_HEADROOM) -> int:
+        """Return the device bytes a plan may use: the total less the margin `headroom` kept free."""
+        return int(self.device_bytes * (1 - headroom))
+
+    def host_usable_bytes(self, headroom: float = DEFAULT_HEADROOM) -> int:
+        """Return the host RAM a plan may use: the total less the margin `headroom` kept free."""
+        return int(self.host_bytes * (1 - headroom))
 
     def __post_init__(self) -> None:
         for key in ("device_bytes", "host_bytes", "cuda_context_bytes"):
@@ -46,13 +61,14 @@ class Target:
             )
 
 
-# Device capacities are what PyTorch reports for the card (a T4 shows 14.74 GiB: Colab's OOM messages);
-# for the others the vendor's nominal size less what the driver keeps, as PyTorch typically reports it.
-# Host RAM is the Colab runtime's where one exists. The CUDA context (0.5-2 GB, FACTS.md) is an
+# Device capacities are what PyTorch reports for the card (the T4: Colab's 2026 images, core/env.py); for the others
+# the vendor's nominal size less what the driver keeps, as PyTorch typically reports it. Host RAM is the Colab
+# runtime's where one exists. The T4's CUDA context is a published T4 measurement (core/env.py); the others' an
 # assumption until measured with NVML on the card.
 TARGETS: dict[str, Target] = {
-    "t4": Target("t4", T4_USABLE_BYTES, COLAB_HOST_RAM_BYTES, description="Colab free tier: T4 (14.74 GiB), 12.7 GB RAM",
-                 compute_capability=(7, 5)),
+    "t4": Target("t4", T4_TOTAL_BYTES, COLAB_HOST_RAM_BYTES, cuda_context_bytes=T4_CUDA_CONTEXT_BYTES,
+                 description="Colab free tier: T4 (14.56 GiB), 12.7 GB RAM", compute_capability=(7, 5),
+                 context_source=T4_CUDA_CONTEXT_SOURCE),
     "l4": Target("l4", int(22.03 * GiB), int(53e9), description="Colab L4 runtime: 22 GiB usable of 24 GB, 53 GB RAM",
                  compute_capability=(8, 9)),
     "a100-40gb": Target("a100-40gb", int(39.39 * GiB), int(83.5e9), description="A100 40GB (Colab high-RAM: 83.5 GB)",
@@ -127,7 +143,7 @@ def get_target(target: str | Target | dict[str, Any]) -> Target:
         return target
     if isinstance(target, dict):
         allowed = {"name", "device_bytes", "host_bytes", "cuda_context_bytes", "description", "cuda", "compute_capability",
-                   "optimizer_impl"}
+                   "optimizer_impl", "context_source"}
         unknown = sorted(set(target) - allowed)
         if unknown or "device_bytes" not in target or "host_bytes" not in target:
             raise ValueError(f"a target dict needs device_bytes and host_bytes (allowed keys {sorted(allowed)}), got {sorted(target)}")

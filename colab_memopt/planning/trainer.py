@@ -28,7 +28,7 @@ from torch import nn
 
 from colab_memopt.planning.faketrace import _Trace
 from colab_memopt.planning.prediction import Cost, Plan
-from colab_memopt.planning.targets import Target, check_headroom, cublas_workspace_bytes, get_target
+from colab_memopt.planning.targets import DEFAULT_HEADROOM, Target, check_headroom, cublas_workspace_bytes, get_target
 from colab_memopt.planning.untraced import MATH_ATTENTION_LINE, _host_costs, math_attention_cost, math_attention_warning
 from colab_memopt.planning.hfconfig import check_optim, trainer_recipe
 from colab_memopt.core.isolation import isolated, trainer_kept
@@ -85,7 +85,7 @@ def plan_trainer(
     bnb: Any = None,
     target: str | Target | dict[str, Any] = "t4",
     seq_len: int | None = None,
-    headroom: float = 0.05,
+    headroom: float = DEFAULT_HEADROOM,
     find_max_batch: bool = False,
     dtype: Any = None,
     **changes: Any,
@@ -211,7 +211,7 @@ def plan_trainer(
         if tgt.cuda:
             workspace, source = cublas_workspace_bytes(tgt.compute_capability)
             device_costs = [
-                Cost("CUDA context", tgt.cuda_context_bytes, "assumed (0.5-2 GB seen on Colab; measure with NVML on your card)"),
+                Cost("CUDA context", tgt.cuda_context_bytes, tgt.context_source),
                 Cost("cuBLAS workspace", workspace, source, in_allocator=True),
             ]
             if trace.hidden_bytes:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from colab_memopt.planning.prediction import Plan
-from colab_memopt.planning.targets import Target
+from colab_memopt.planning.targets import DEFAULT_HEADROOM, Target
 from colab_memopt.planning.hfconfig import trainer_recipe
 from colab_memopt.core.isolation import isolated
 from colab_memopt.planning.trainer import (
@@ -336,7 +336,7 @@ def fit_trainer(
     bnb: Any = None,
     target: str | Target | dict[str, Any] = "t4",
     seq_len: int | None = None,
-    headroom: float = 0.05,
+    headroom: float = DEFAULT_HEADROOM,
     max_plans: int = 24,
     dtype: Any = None,
 ) -> TrainerFit:

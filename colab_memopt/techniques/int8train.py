@@ -1,6 +1,6 @@
 """Full fine-tuning with 8-bit weights: int8 storage, updates fused into backward, stochastic rounding (notebook 16).
 
-With 16-bit weights an 8B model's weights alone are 16 GB, more than a T4's 14.74 GiB. Stored as int8
+With 16-bit weights an 8B model's weights alone are 16 GB, more than a T4's 14.56 GiB. Stored as int8
 with one fp32 scale per group of `GROUP_SIZE` values of a row, they take 1.03 bytes per value. Training
 them needs three things, each here:
 

@@ -3,7 +3,7 @@
 A language model's loss is usually `F.cross_entropy(hidden @ weight.T, labels)`: it materialises the
 logits (N, V), their log-softmax and, in backward, their gradient, each N x V values (upcast to fp32
 as transformers does). At Llama-3's vocabulary of 128,256 and 16,384 tokens one such fp32 tensor is
-16384 x 128256 x 4 bytes = 8.4 GB, more than half of a free T4's 14.74 GiB, and the plain loss holds
+16384 x 128256 x 4 bytes = 8.4 GB, more than half of a free T4's 14.56 GiB, and the plain loss holds
 three at its peak (traced in the benchmark). `chunked_cross_entropy` goes through the tokens by chunks: for
 each chunk it computes the logits in fp32, their logsumexp and the loss contribution, then drops
 the chunk's logits; backward goes through the chunks again, computes each chunk's logits once more and

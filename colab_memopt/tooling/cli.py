@@ -29,6 +29,10 @@ def _value(text: str) -> Any:
     return {"none": None, "true": True, "false": False}.get(text.lower(), text)
 
 
+# The margin every plan keeps free (core.env.PLAN_MARGIN; written here so that --help imports no torch; a test holds
+# them equal).
+HEADROOM = 0.05
+
 # Fields whose value is a tuple: given as comma-separated names (lora_targets=c_attn,c_proj).
 _TUPLE_FIELDS = ("lora_targets",)
 
@@ -101,7 +105,8 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--host-bytes", type=int, help="an explicit host RAM size in bytes")
     r.add_argument("--mode", default="auto", choices=["auto", *MODES], help="what is trained (auto: full, else LoRA, else QLoRA)")
     r.add_argument("--objective", default="fastest", choices=list(OBJECTIVES))
-    r.add_argument("--headroom", type=float, default=0.10, help="fraction of device memory kept free (default 0.10)")
+    r.add_argument("--headroom", type=float, default=HEADROOM,
+                   help=f"fraction of device memory and host RAM kept free (default {HEADROOM}, as every plan)")
     r.add_argument("--costs", default=None, help="a technique costs JSON of the target's device class (default: the "
                    "package's table for the target's class: measured rows, published priors for the rest)")
     r.add_argument("--no-half-precision", action="store_true",

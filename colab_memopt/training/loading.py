@@ -1,6 +1,6 @@
 """Load your own model without running out of host RAM: the dtype, device and path a recipe needs.
 
-Colab's free tier has 12.7 GB of host RAM for a 14.74 GiB T4: the classic way to load a model
+Colab's free tier has 12.7 GB of host RAM for a 14.56 GiB T4: the classic way to load a model
 (random fp32 weights, then the whole state dict beside them, then `.to("cuda")`) needs 4 bytes per
 parameter plus the checkpoint in host RAM, and a 3B model's load runs out of host RAM: Colab kills
 and restarts the runtime before training starts, with no Python error that names memory.

@@ -171,8 +171,8 @@ def test_offload_manager_non_blocking_round_trip(cuda):
 def test_t4_emulation_caps_the_allocator(cuda):
     if env.emulated_gpu(cuda) != "t4":
         pytest.skip("not emulating a T4")
-    assert env.usable_device_memory(cuda) == env.T4_USABLE_BYTES - env.ASSUMED_T4_CONTEXT_BYTES
-    too_big = env.T4_USABLE_BYTES  # more than the cap leaves
+    assert env.usable_device_memory(cuda) == env.T4_TOTAL_BYTES - env.T4_CUDA_CONTEXT_BYTES
+    too_big = env.T4_TOTAL_BYTES  # more than the cap leaves
     with pytest.raises(torch.OutOfMemoryError):
         torch.empty(too_big, dtype=torch.uint8, device=cuda)
     gc.collect()
