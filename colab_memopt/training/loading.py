@@ -22,6 +22,7 @@ the weights are read) shard by shard, straight to the device, in the dtype the r
 
 from __future__ import annotations
 
+import copy
 import functools
 import math
 import os
@@ -249,7 +250,8 @@ def _bnb_config(recipe: Recipe, dtype: torch.dtype) -> Any:
                               llm_int8_skip_modules=["lm_head"])
 
 
-def load_model(id_or_path: Any, recipe: Recipe | dict[str, Any] | None = None, device: str | torch.device = "auto") -> LoadedModel:
+def load_model(id_or_path: Any, recipe: Recipe | dict[str, Any] | None = None, device: str | torch.device = "auto", *,
+               adapter: str | os.PathLike[str] | None = None) -> LoadedModel:
     """Load a causal LM's weights without a host-RAM spike, apply the recipe, and return it with its optimizer.
 
     Args:
@@ -259,6 +261,8 @@ def load_model(id_or_path: Any, recipe: Recipe | dict[str, Any] | None = None, d
         recipe: the techniques (a `Recipe` or a dict of its fields); LoRA targets default to the
             model family's (`presets.LORA_TARGETS_BY_FAMILY`) when the recipe keeps the reference model's.
         device: 'auto' (CUDA if present), 'cpu' or 'cuda'.
+        adapter: a folder of trained LoRA adapters (`save_trained`'s, or peft's `save_pretrained`) to load into
+            the recipe's adapters instead of fresh ones; its rank, targets and alpha are the adapter's own.
 
     Returns:
         `LoadedModel`: `.model` (adapters, quantization and checkpointing applied), `.optimizer` over
@@ -275,6 +279,16 @@ def load_model(id_or_path: Any, recipe: Recipe | dict[str, Any] | None = None, d
         raise ValueError("load_model applies in-process recipes; DeepSpeed (zero_stage, offload_*) and layer streaming "
                          "build their own engines: load with load_model(..., Recipe()) and pass the model to Recipe.build")
     dev = pick_device(device)
+    lora_config = None
+    if adapter is not None:
+        lora_config = read_adapter_config(adapter)
+        if not rec.lora_rank:
+            raise ValueError(f"adapter={os.fspath(adapter)!r} holds LoRA adapters: give a LoRA recipe (lora_rank="
+                             f"{lora_config.r}), or load the base alone without adapter=")
+        if rec.lora_rank != lora_config.r:
+            raise ValueError(f"adapter={os.fspath(adapter)!r} has rank r={lora_config.r}, the recipe lora_rank="
+                             f"{rec.lora_rank}: give lora_rank={lora_config.r}")
+        rec = rec.with_(lora_targets=tuple(sorted(lora_config.target_modules)))
     spec: ModelSpec = resolve_model(id_or_path)
     if spec.config is None:
         raise ValueError(f"load_model loads transformers causal LMs (an id, a folder or a config); {spec.name!r} is "
@@ -322,15 +336,80 @@ def load_model(id_or_path: Any, recipe: Recipe | dict[str, Any] | None = None, d
             quantize_model(model, rec.quantization)  # bitsandbytes Linear4bit, quantized when moved to the device
             model.to(dev)
     if rec.lora_rank:
-        add_lora(model, rec.lora_rank, targets=rec.lora_targets)
+        add_lora(model, rec.lora_rank, targets=rec.lora_targets,
+                 alpha=None if lora_config is None else lora_config.lora_alpha)
         for p in model.parameters():  # adapters train in fp32 (master weights) whatever the base's dtype
             if p.requires_grad and p.dtype != torch.float32:
                 p.data = p.data.float()
+        if adapter is not None:
+            load_adapter_weights(model, adapter)
+            notes.append(f"LoRA adapters from {os.fspath(adapter)}")
     seconds = time.perf_counter() - start
     rest = rec.with_(quantization=None, lora_rank=0, lora_targets=DEFAULT_LORA_TARGETS, base_dtype=None)
     model, optimizer = rest.build(model)
     return LoadedModel(model, optimizer, rec, dtype, dev, not weights, host.peak_bytes, host.added_bytes, seconds,
                        source, notes)
+
+
+def _adapter_folder(adapter: Any) -> Path:
+    if isinstance(adapter, bytes) or not isinstance(adapter, (str, os.PathLike)):
+        raise TypeError(f"adapter must be a folder (str or pathlib.Path), got {type(adapter).__name__} {adapter!r}")
+    folder = Path(adapter).expanduser()
+    if not (folder / "adapter_config.json").is_file():
+        raise ValueError(f"adapter={str(folder)!r} holds no adapter_config.json: give the folder save_trained (or "
+                         "peft's save_pretrained) wrote")
+    return folder
+
+
+def read_adapter_config(adapter: str | os.PathLike[str]) -> Any:
+    """Return the peft LoraConfig of an adapter folder; refuse one load_model cannot rebuild, naming what to use."""
+    from peft import LoraConfig
+
+    from colab_memopt.core.fileio import read_json
+
+    folder = _adapter_folder(adapter)
+    values = read_json(folder / "adapter_config.json")
+    if not isinstance(values, dict) or values.get("peft_type") not in (None, "LORA"):
+        raise ValueError(f"{folder / 'adapter_config.json'} is not a LoRA adapter's config (peft_type "
+                         f"{values.get('peft_type') if isinstance(values, dict) else None!r}): load it with "
+                         "PeftModel.from_pretrained(base, folder)")
+    config = LoraConfig.from_pretrained(str(folder))
+    other = [name for name, plain in (("use_dora", False), ("use_rslora", False), ("bias", "none"),
+                                      ("modules_to_save", None), ("rank_pattern", {}), ("alpha_pattern", {}),
+                                      ("layers_to_transform", None)) if (getattr(config, name, plain) or plain) != plain]
+    if other or isinstance(config.target_modules, str) or not config.target_modules:
+        what = other or [f"target_modules={config.target_modules!r}"]
+        raise ValueError(f"the adapter in {folder} sets {what}, which load_model does not rebuild: load it with "
+                         "PeftModel.from_pretrained(base, folder)")
+    return config
+
+
+def load_adapter_weights(model: nn.Module, adapter: str | os.PathLike[str]) -> None:
+    """Load an adapter folder's trained LoRA weights into the adapters `model` holds (`add_lora`'s); refuse, naming
+    them, tensors the model has no place for or adapters the folder does not fill."""
+    from peft import set_peft_model_state_dict
+
+    folder = _adapter_folder(adapter)
+    files = [folder / name for name in ("adapter_model.safetensors", "adapter_model.bin") if (folder / name).is_file()]
+    if not files:
+        raise ValueError(f"{folder} holds adapter_config.json but no adapter_model.safetensors (a save cut short?)")
+    check_weight_files(files[:1])
+    if files[0].suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        state = load_file(str(files[0]))
+    else:
+        state = torch.load(files[0], map_location="cpu", weights_only=True)
+    state = {k.removeprefix(PEFT_PREFIX): v for k, v in state.items()}
+    expected = {n for n, _ in model.named_parameters() if "lora_" in n}
+    result = set_peft_model_state_dict(model, state)
+    unexpected = sorted(getattr(result, "unexpected_keys", []) or [])
+    missing = sorted(k for k in (getattr(result, "missing_keys", []) or []) if k in expected)
+    if unexpected or missing:
+        keys = unexpected or missing
+        raise ValueError(f"the adapter in {folder} does not fit this model: {len(keys)} tensor(s) "
+                         f"{'it has no place for' if unexpected else 'left unfilled'}, e.g. {keys[:2]} (another base "
+                         "model, or other target modules?)")
 
 
 # -- load_int8: a checkpoint straight to int8 weights, one tensor at a time (notebook 16's 8B on a T4) -----------
@@ -548,37 +627,139 @@ def load_int8(id_or_path: str | os.PathLike[str], *, dtype: torch.dtype | None =
     return model
 
 
+# An earlier save's weight files a new save replaces: removed when the new one did not write them (a sharded save over
+# a single file, or the reverse), so no loader reads the earlier save's weights beside the new config.
+WEIGHT_FILE_PATTERNS = ("model.safetensors", "model-*-of-*.safetensors", "model.safetensors.index.json",
+                        "pytorch_model.bin", "pytorch_model-*-of-*.bin", "pytorch_model.bin.index.json")
+ADAPTER_FILE_PATTERNS = ("adapter_model.safetensors", "adapter_model.bin")
+# peft's own saves name each adapter tensor as PeftModel holds it: under `base_model.model.`
+PEFT_PREFIX = "base_model.model."
+
+
 def save_random_model(model: Any, folder: str | Path, *, max_shard_size: str | int = "2GB") -> Path:
     """Save a causal LM with random weights, built from `model`'s config, to `folder` (`save_pretrained`).
 
     For tests and CI, which have no network: `model` is a config, a family name's `small_config` or
-    anything `architectures.resolve_model` takes. Returns the folder.
+    anything `architectures.resolve_model` takes. Returns the folder. Each file is written whole
+    (`fileio.replace_files`): a kill while saving leaves the folder's earlier files as they were.
     """
+    from colab_memopt.core.fileio import replace_files
+
     spec = resolve_model(model)
     if spec.config is None:
         raise ValueError(f"save_random_model needs a transformers config, got {spec.name!r}")
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    spec.build().save_pretrained(folder, max_shard_size=max_shard_size)
+    built = spec.build()
+    replace_files(folder, lambda tmp: built.save_pretrained(tmp, max_shard_size=max_shard_size), stale=WEIGHT_FILE_PATTERNS)
     return folder
 
 
-def save_trained(model: nn.Module, folder: str | Path, recipe: Recipe) -> list[Path]:
-    """Save what was trained: the LoRA adapters (peft's `adapter_model.safetensors` and `adapter_config.json`)
-    under a LoRA recipe, else the whole model (`save_pretrained`). Returns the files written."""
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    if recipe.lora_rank:
-        from peft import get_peft_model_state_dict
-        from safetensors.torch import save_file
+def _check_folder(folder: Any) -> Path:
+    if isinstance(folder, bytes) or not isinstance(folder, (str, os.PathLike)):
+        raise TypeError(f"folder must be a path (str or pathlib.Path), got {type(folder).__name__} {folder!r}")
+    folder = Path(folder).expanduser()
+    if folder.exists() and not folder.is_dir():
+        raise ValueError(f"folder {str(folder)!r} is a file: give a folder to save into")
+    return folder
 
-        state = {k: v.detach().to("cpu").contiguous() for k, v in get_peft_model_state_dict(model).items()}
-        if not state:
-            raise ValueError("the recipe has lora_rank > 0 but the model holds no LoRA adapters")
-        save_file(state, str(folder / "adapter_model.safetensors"))
-        config = getattr(model, "peft_config", {}).get("default")
-        if config is not None:
-            config.save_pretrained(str(folder))
-    else:
-        model.save_pretrained(folder)
-    return sorted(p for p in folder.iterdir() if p.is_file())
+
+def save_trained(model: nn.Module, folder: str | Path, recipe: Recipe | dict[str, Any]) -> list[Path]:
+    """Save what was trained so that it loads back as it was trained; return the files written.
+
+    - Under a LoRA recipe (`lora_rank` > 0): the adapters as peft saves them (`adapter_model.safetensors`
+      with peft's tensor names, `adapter_config.json`): `PeftModel.from_pretrained(base, folder)` and
+      `load_model(base, recipe, adapter=folder)` load them.
+    - Int8 weights (`weight_dtype='int8'`): each weight dequantized to the 16-bit dtype it computed in,
+      under the usual names: `AutoModelForCausalLM.from_pretrained(folder)` gives the trained logits, and
+      `load_int8(folder)` quantizes it to int8 again.
+    - Otherwise the whole model (`save_pretrained`).
+
+    Every file is written whole: a save killed part-way (a Colab runtime reset) keeps the earlier save
+    loadable, and other files in `folder` (a tokenizer) are left alone.
+
+    Args:
+        model: the trained model (a transformers model, or one with LoRA adapters from a recipe).
+        folder: where to save; created if missing.
+        recipe: the `Recipe` it was trained with (or a dict of its fields, as `load_model` takes).
+
+    Example:
+        >>> loaded = cm.load_model("Qwen/Qwen2.5-0.5B", cm.Recipe(lora_rank=16))
+        >>> ...  # train
+        >>> save_trained(loaded.model, "adapter", loaded.recipe)
+    """
+    if recipe is None or not isinstance(recipe, (Recipe, dict)):
+        raise TypeError(f"recipe must be the Recipe the model was trained with (or a dict of its fields), got "
+                        f"{type(recipe).__name__} {recipe!r}")
+    rec = recipe if isinstance(recipe, Recipe) else Recipe.from_dict(dict(recipe))
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be the trained torch model, got {type(model).__name__}")
+    folder = _check_folder(folder)
+    if rec.lora_rank:
+        return _save_adapters(model, folder)
+    from colab_memopt.core.fileio import replace_files
+    from colab_memopt.techniques.int8train import int8_weights
+
+    if not hasattr(model, "save_pretrained"):
+        raise ValueError(f"{type(model).__name__} has no save_pretrained (the course's own model): save its weights "
+                         "with torch.save(model.state_dict(), 'model.pt'), and load them into a model built the same "
+                         "way with model.load_state_dict(torch.load('model.pt'))")
+    if int8_weights(model):
+        state, dtype = _int8_as_16_bit(model)
+        config = copy.deepcopy(model.config)
+        config.dtype = dtype
+
+        def save(tmp: Path) -> None:
+            model.save_pretrained(tmp, state_dict=state)
+            config.save_pretrained(tmp)  # the 16-bit dtype the weights are in
+
+        return replace_files(folder, save, stale=WEIGHT_FILE_PATTERNS)
+    return replace_files(folder, lambda tmp: model.save_pretrained(tmp), stale=WEIGHT_FILE_PATTERNS)
+
+
+def _int8_as_16_bit(model: nn.Module) -> tuple[dict[str, torch.Tensor], torch.dtype]:
+    """Return `model`'s state dict with each int8 weight (`qweight`, `scale`) as the 16-bit `weight` it computes with
+    (the same values its forward uses: int8 x scale in fp32, cast to its dtype), and that dtype."""
+    from colab_memopt.techniques.int8train import Int8Embedding, Int8Linear, dequantize_int8
+
+    state = dict(model.state_dict())
+    weights: dict[int, torch.Tensor] = {}  # a tied embedding and head: one tensor, which save_pretrained keeps once
+    dtypes = set()
+    with torch.no_grad():
+        for name, m in model.named_modules():
+            if isinstance(m, (Int8Linear, Int8Embedding)):
+                prefix = f"{name}." if name else ""
+                state.pop(prefix + "qweight", None)
+                state.pop(prefix + "scale", None)
+                if id(m.shared) not in weights:
+                    weights[id(m.shared)] = dequantize_int8(m.qweight, m.scale, m.shared.dtype).cpu()
+                state[prefix + "weight"] = weights[id(m.shared)]
+                dtypes.add(m.shared.dtype)
+    return state, dtypes.pop() if len(dtypes) == 1 else torch.float32
+
+
+def _save_adapters(model: nn.Module, folder: Path) -> list[Path]:
+    """Save a model's LoRA adapters as peft saves them (tensor names under `base_model.model.`)."""
+    from colab_memopt.core.fileio import replace_files
+
+    config = (getattr(model, "peft_config", None) or {}).get("default")
+    if config is None or not any("lora_" in n for n, _ in model.named_parameters()):
+        raise ValueError("the recipe has lora_rank > 0 but the model holds no LoRA adapters: save the model the "
+                         "recipe built (load_model(..., recipe).model), or give the recipe it was trained with")
+    from peft import PeftModel, get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    if isinstance(model, PeftModel):  # peft's own model: its own save, each file written whole
+        return replace_files(folder, lambda tmp: model.save_pretrained(tmp), stale=ADAPTER_FILE_PATTERNS)
+    state = {PEFT_PREFIX + k: v.detach().to("cpu").contiguous() for k, v in get_peft_model_state_dict(model).items()}
+    config = copy.deepcopy(config)  # the user's model keeps its own
+    hf_config = getattr(model, "config", None)
+    if getattr(config, "base_model_name_or_path", None) is None and getattr(hf_config, "_name_or_path", ""):
+        config.base_model_name_or_path = hf_config._name_or_path
+    if getattr(config, "task_type", None) is None and hasattr(model, "generate") and hf_config is not None:
+        config.task_type = "CAUSAL_LM"  # PeftModel.from_pretrained then gives a model that generates
+
+    def save(tmp: Path) -> None:
+        save_file(state, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
+        config.save_pretrained(str(tmp))
+
+    return replace_files(folder, save, stale=ADAPTER_FILE_PATTERNS)
