@@ -47,7 +47,8 @@ def _train(loaded: cm.LoadedModel) -> None:
 @pytest.mark.parametrize("recipe, dtype", [
     (cm.Recipe(lr=1e-2), torch.float32),
     (cm.Recipe(precision="bf16", optimizer="sgd", lr=0.5), torch.bfloat16),
-], ids=["full-fp32", "full-bf16"])
+    (cm.Recipe(precision="fp16", optimizer="sgd", lr=0.5), torch.float16),
+], ids=["full-fp32", "full-bf16", "full-fp16"])
 def test_a_full_fine_tune_reloads_with_its_trained_logits(base, tmp_path, recipe, dtype):
     loaded = cm.load_model(str(base), recipe, "cpu")
     _train(loaded)
