@@ -22,6 +22,7 @@ the weights are read) shard by shard, straight to the device, in the dtype the r
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import math
@@ -119,20 +120,46 @@ def _weight_files(folder: str | None) -> list[Path]:
     return files
 
 
+def _out_of_memory(exc: BaseException) -> bool:
+    text = str(exc)
+    return isinstance(exc, MemoryError) or "Cannot allocate memory" in text or "os error 12" in text
+
+
+def unreadable_weights(path: Path, exc: BaseException) -> Exception:
+    """Return the error to raise for a weight file the libraries could not read: MemoryError where the process ran
+    out of memory mapping it (the file is fine), else ValueError naming the file (a truncated or corrupt download)."""
+    detail = " ".join(str(exc).split())[:200]
+    if _out_of_memory(exc):
+        return MemoryError(f"reading {path} needs host memory this process does not have ({detail}): free memory "
+                           "(restart the runtime) and load again")
+    return ValueError(f"{path} is not a readable {path.suffix.lstrip('.')} weight file (a truncated or corrupt "
+                      f"download?): {detail}")
+
+
+@contextlib.contextmanager
+def open_safetensors(path: Path) -> Any:
+    """`safetensors.safe_open(path)`, its errors (a cut-short header, garbage, no memory to map it) named with the file."""
+    from safetensors import safe_open
+
+    try:
+        handle = safe_open(str(path), "pt")
+    except Exception as exc:  # noqa: BLE001 - SafetensorError names no file
+        raise unreadable_weights(path, exc) from None
+    with handle as f:
+        yield f
+
+
 def check_weight_files(files: list[Path]) -> None:
     """Raise ValueError naming the file if a weight file cannot be read (a truncated or corrupt download)."""
     for path in files:
+        if path.suffix == ".safetensors":
+            with open_safetensors(path) as f:
+                f.keys()
+            continue
         try:
-            if path.suffix == ".safetensors":
-                from safetensors import safe_open
-
-                with safe_open(str(path), "pt") as f:
-                    f.keys()
-            else:
-                torch.load(path, map_location="meta", weights_only=True, mmap=True)
-        except Exception as exc:  # noqa: BLE001 - safetensors' and the unpickler's own errors name nothing
-            raise ValueError(f"{path} is not a readable {path.suffix.lstrip('.')} weight file (a truncated or corrupt "
-                             f"download?): {' '.join(str(exc).split())[:200]}") from None
+            torch.load(path, map_location="meta", weights_only=True, mmap=True)
+        except Exception as exc:  # noqa: BLE001 - the unpickler's own errors name nothing
+            raise unreadable_weights(path, exc) from None
 
 
 def _host_room_bytes() -> int:
@@ -148,6 +175,15 @@ def _host_room_bytes() -> int:
 
         room = min(room, soft - psutil.Process().memory_info().vms)
     return room
+
+
+def check_host_room(name: str, device: torch.device, need_bytes: int) -> None:
+    """Raise MemoryError naming both figures if loading needs more host RAM than this process has left."""
+    room = _host_room_bytes()
+    if need_bytes > room:
+        raise MemoryError(f"loading {name} to {device} needs about {format_bytes(need_bytes)} of host RAM and this "
+                          f"process has {format_bytes(room)} left: free memory (restart the runtime), or load to 'cuda' "
+                          "shard by shard")
 
 
 def has_weights(spec: ModelSpec) -> bool:
@@ -190,10 +226,12 @@ def load_host_bytes(model: Any, recipe: Recipe | None = None, device: str | torc
     dtype = load_dtype(recipe, dev.type, native_bf16)
     four_bit = recipe.quantization in ("nf4", "fp4") and recipe.quantization_phase == "all"
     if recipe.weight_dtype == "int8":  # load_int8: one memory-mapped tensor at a time, quantized on `device`
+        tensor = max(p.numel() for p in shape.parameters()) * _DTYPE_BYTES[ckpt_dtype]  # fp32 if the config says nothing
         if files and spec.path and any(p.suffix == ".safetensors" for p in files):
-            tensor = safetensors_largest_bytes(spec.path)
-        else:
-            tensor = max(p.numel() for p in shape.parameters()) * _DTYPE_BYTES[ckpt_dtype]  # fp32 if the config says nothing
+            try:
+                tensor = safetensors_largest_bytes(spec.path)
+            except MemoryError:  # no room even to map the headers: the config's figure, and the room check says so
+                notes.append("the files' headers could not be mapped (no memory left): tensor size from the config")
         from colab_memopt.techniques.int8train import CHUNK_ELEMENTS, int8_weight_bytes
 
         values = max(p.numel() for p in shape.parameters())
@@ -304,12 +342,9 @@ def load_model(id_or_path: Any, recipe: Recipe | dict[str, Any] | None = None, d
 
     source = spec.path or spec.name
     weights = has_weights(spec)
-    check_weight_files(_weight_files(spec.path))
     need = load_host_bytes(spec, rec, dev.type, native_bf16=bf16_native(dev)).host_bytes
-    room = _host_room_bytes()
-    if need > room:
-        raise MemoryError(f"loading {spec.name} to {dev} needs about {format_bytes(need)} of host RAM and this process "
-                          f"has {format_bytes(room)} left: free memory (restart the runtime), or load to 'cuda' shard by shard")
+    check_host_room(spec.name, dev, need)  # before the files are opened: a file mapped without room is not corrupt
+    check_weight_files(_weight_files(spec.path))
     start = time.perf_counter()
     with HostPeak() as host:
         if weights and rec.weight_dtype == "int8":  # one tensor at a time to int8: an 8B model fits a T4 and Colab's RAM
@@ -425,9 +460,20 @@ SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.
 def checkpoint_folder(id_or_path: str | os.PathLike[str]) -> Path:
     """Return the local folder of a checkpoint: `id_or_path` itself, or a hub id's snapshot (config and
     safetensors files only, downloaded by `huggingface_hub.snapshot_download` or read from its cache)."""
+    if isinstance(id_or_path, bytes) or not isinstance(id_or_path, (str, os.PathLike)):
+        raise TypeError(f"id_or_path must be a folder or a Hugging Face id (a str or pathlib.Path), got "
+                        f"{type(id_or_path).__name__} {id_or_path!r}")
     text = os.fspath(id_or_path)
     path = Path(text).expanduser()
     if path.is_dir():
+        if (path / "adapter_config.json").is_file() and not (path / "config.json").is_file():
+            raise ValueError(f"{path} holds LoRA adapters (adapter_config.json), not a model: load its base model, then "
+                             "the adapters (load_model(base, recipe, adapter=folder), or peft's "
+                             "PeftModel.from_pretrained(base, folder))")
+        if not (path / "config.json").is_file():
+            found = sorted(p.name for p in path.iterdir())
+            raise ValueError(f"{path} has no config.json (found {found[:5]}): give the folder save_pretrained wrote, "
+                             "with its config.json beside the weights")
         return path
     if text.count("/") == 1 and not text.startswith((".", "/", "~")) and all(text.split("/")):
         from huggingface_hub import snapshot_download
@@ -440,8 +486,6 @@ def checkpoint_folder(id_or_path: str | os.PathLike[str]) -> Path:
 def safetensors_map(folder: str | Path) -> dict[str, Path]:
     """Return {tensor name: its file} of a safetensors checkpoint: `model.safetensors.index.json`'s weight_map
     for sharded ones, else the one `model.safetensors`. Raises ValueError naming what is missing."""
-    from safetensors import safe_open
-
     folder = Path(folder)
     index = folder / "model.safetensors.index.json"
     if index.is_file():
@@ -458,7 +502,7 @@ def safetensors_map(folder: str | Path) -> dict[str, Path]:
         return out
     single = folder / "model.safetensors"
     if single.is_file():
-        with safe_open(str(single), "pt") as f:
+        with open_safetensors(single) as f:
             return {k: single for k in f.keys()}
     found = sorted(p.name for p in folder.iterdir() if p.suffix in WEIGHT_SUFFIXES)
     raise ValueError(f"{folder} holds no model.safetensors or model.safetensors.index.json"
@@ -467,11 +511,9 @@ def safetensors_map(folder: str | Path) -> dict[str, Path]:
 
 def safetensors_largest_bytes(folder: str | Path) -> int:
     """Return the bytes of a safetensors checkpoint's largest tensor, read from the files' headers only."""
-    from safetensors import safe_open
-
     largest = 0
     for file in sorted(set(safetensors_map(folder).values())):
-        with safe_open(str(file), "pt") as f:
+        with open_safetensors(file) as f:
             for key in f.keys():
                 sl = f.get_slice(key)
                 numel = math.prod(sl.get_shape())
@@ -504,9 +546,7 @@ def release_freed_host_memory() -> None:
 def _read_tensor(file: Path, key: str, shape: tuple[int, ...]) -> torch.Tensor:
     """Return one tensor of a safetensors file, checked: its name, shape and dtype; memory-mapped (the caller
     copies it and drops it: the file is open only as long as the tensor lives, so the host holds one tensor)."""
-    from safetensors import safe_open
-
-    with safe_open(str(file), "pt") as f:
+    with open_safetensors(file) as f:
         if key not in f.keys():
             raise ValueError(f"{file.name} has no tensor {key!r}, though the checkpoint's index names it there")
         sl = f.get_slice(key)
@@ -564,12 +604,18 @@ def load_int8(id_or_path: str | os.PathLike[str], *, dtype: torch.dtype | None =
         raise ValueError(f"dtype must be torch.float16 or torch.bfloat16 (what int8 weights dequantize to), got {dtype!r}")
     group_size = GROUP_SIZE if group_size is None else group_size
     folder = checkpoint_folder(id_or_path)
-    files = safetensors_map(folder)
     config = transformers.AutoConfig.from_pretrained(folder)
     with init_empty_weights(include_buffers=False):  # parameters on meta; buffers (rotary tables) computed
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.tie_weights()  # under init_empty_weights from_config leaves a tied head untied
+    from colab_memopt.techniques.int8train import int8_weight_bytes
+
+    int8_bytes, largest_values = int8_weight_bytes(model, group_size)
+    tensor_bytes = largest_values * _DTYPE_BYTES[_checkpoint_dtype(config)]  # before any file is mapped
+    check_host_room(folder.name, dev, tensor_bytes + LOAD_INT8_OVERHEAD_BYTES + (int8_bytes if dev.type == "cpu" else 0))
+    files = safetensors_map(folder)
     quantize_model_int8(model, group_size=group_size, compute_dtype=dtype)  # on meta: the layout only
+    _untie_where_the_checkpoint_differs(model, files, folder)
     int8_by_key: dict[str, Any] = {}  # checkpoint key -> the int8 weight its layer holds
     users: dict[int, list[nn.Module]] = {}
     for name, m in model.named_modules():
@@ -625,6 +671,52 @@ def load_int8(id_or_path: str | os.PathLike[str], *, dtype: torch.dtype | None =
     model.to(dev)  # the buffers; the weights are there already
     model.eval()
     return model
+
+
+def _same_values(a: tuple[Path, str], b: tuple[Path, str]) -> bool:
+    """Return whether two checkpoint tensors hold the same values, compared a slice of rows at a time (the host holds
+    two slices, never two whole tensors)."""
+    with open_safetensors(a[0]) as fa, open_safetensors(b[0]) as fb:
+        sa, sb = fa.get_slice(a[1]), fb.get_slice(b[1])
+        if sa.get_shape() != sb.get_shape() or sa.get_dtype() != sb.get_dtype():
+            return False
+        rows = sa.get_shape()[0] if sa.get_shape() else 1
+        step = max(1, (1 << 22) // max(1, math.prod(sa.get_shape()[1:])))
+        for start in range(0, rows, step):
+            if not torch.equal(sa[start:start + step], sb[start:start + step]):
+                return False
+    return True
+
+
+def _untie_where_the_checkpoint_differs(model: nn.Module, files: dict[str, Path], folder: Path) -> None:
+    """Give a tied head its own int8 weight where the checkpoint holds both it and the embedding with different
+    values, as `from_pretrained` does (it warns and does not tie them); warn naming the config field."""
+    import warnings
+
+    from colab_memopt.techniques.int8train import Int8Embedding, Int8Linear, _Int8Weight
+
+    holders: dict[int, list[tuple[str, nn.Module]]] = {}
+    for name, m in model.named_modules():
+        if isinstance(m, (Int8Linear, Int8Embedding)):
+            holders.setdefault(id(m.shared), []).append((f"{name}.weight" if name else "weight", m))
+    for group in holders.values():
+        keys = [k for k, _ in group if k in files]
+        if len(group) < 2 or len(keys) < 2 or all(_same_values((files[keys[0]], keys[0]), (files[k], k)) for k in keys[1:]):
+            continue
+        first = group[0][1].shared
+        for key, m in group[1:]:
+            if key not in files:
+                continue
+            q, scale = first.qweight, first.scale
+            own = _Int8Weight(nn.Parameter(torch.empty_like(q), requires_grad=False),
+                              nn.Parameter(torch.empty_like(scale), requires_grad=False), first.dtype)
+            own.uses, first.uses = 1, first.uses - 1
+            m._register(own)
+        if hasattr(model.config, "tie_word_embeddings"):
+            model.config.tie_word_embeddings = False
+        warnings.warn(f"{folder / 'config.json'} ties {keys[1:]} to {keys[0]}, but the checkpoint holds both with "
+                      "different values: they are loaded apart, as from_pretrained does (set tie_word_embeddings to "
+                      "false in config.json to say so)", UserWarning, stacklevel=3)
 
 
 # An earlier save's weight files a new save replaces: removed when the new one did not write them (a sharded save over
