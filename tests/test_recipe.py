@@ -348,3 +348,15 @@ def test_probe3_row_409_recipe_settings_keeps_an_effective_batch_the_recipe_spli
             assert micro * acc == batch and micro <= -(-batch // steps), (batch, steps, micro, acc)
     with pytest.raises(ValueError, match="batch must be an integer >= 1, got 0"):
         recipe_settings(cm.Recipe(), 0, 64)
+
+
+def test_probe4_repeated_kv_attention_refuses_a_window_it_would_drop():
+    """Recipe(attention='sdpa_repeated_kv', attention_window=16) built on a Llama: accepted, the window dropped."""
+    import transformers
+
+    from colab_memopt.techniques.architectures import small_config
+
+    model = transformers.AutoModelForCausalLM.from_config(small_config("llama"))
+    with pytest.raises(ValueError, match=r"recipe.attention_window=16 applies to the reference model only: "
+                                         r"attention='sdpa_repeated_kv' keeps the model's own causal attention"):
+        cm.Recipe(attention="sdpa_repeated_kv", attention_window=16).build(model)
