@@ -524,6 +524,8 @@ def save_example_chat_model(family: str, folder: str | Any) -> str:
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
     tokenizer.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}<eos>\n{% endfor %}"
                                "{% if add_generation_prompt %}assistant: {% endif %}")
+    from colab_memopt.core.fileio import replace_files
+
     loading.save_random_model(architectures.small_config(family, vocab_size=128, eos_token_id=1, bos_token_id=1), folder)
-    tokenizer.save_pretrained(folder)
+    replace_files(folder, lambda tmp: tokenizer.save_pretrained(tmp))  # each file whole, the model's files kept
     return str(folder)
