@@ -115,3 +115,41 @@ def test_merge_cost_of_a_named_1_5b_model_fits_colab_host_ram_and_a_t4():
     cost = merge_cost("qwen2.5-1.5b")  # Qwen2.5-1.5B's config, built on the meta device
     assert 1.5e9 < cost.parameters < 1.6e9
     assert cost.peak_bytes < cm.COLAB_HOST_RAM_BYTES and cost.peak_bytes < cm.T4_USABLE_BYTES
+
+
+@pytest.mark.parametrize("record, names", [
+    ({"instruction": "x", "output": None}, r"output is missing or None"),
+    ({"instruction": None, "output": "y"}, r"instruction is missing or None"),
+    ({"instruction": "x", "output": 5}, r"output must be a str, got int 5"),
+    ({"conversations": []}, r"conversations is an empty chat"),
+    ({"messages": []}, r"messages is an empty chat"),
+    ({"conversations": [{"from": "human"}]}, r"conversations\[0\]\['value'\] is missing or None"),
+    ({"conversations": "hello"}, r"conversations must be a list of \{'from'.*got str 'hello'"),
+    ({"conversations": [{"from": "human", "value": "a"}, "hi"]}, r"conversations\[1\] must be a dict.*got str 'hi'"),
+    ({"prompt": "x", "completion": None}, r"completion is missing or None"),
+    ({"prompt": None, "completion": "y"}, r"prompt is missing or None"),
+    ({"prompt": ["x"], "completion": "y"}, r"prompt\[0\] must be a dict \{'role'.*got str 'x'"),
+    ({"messages": "hello"}, r"messages must be a list of \{'role'.*got str 'hello'"),
+    ({"messages": [{"role": "user"}]}, r"messages\[0\]\['content'\] is missing or None"),
+    ({"messages": [{"content": "x"}]}, r"messages\[0\] has no 'role'"),
+])
+def test_a_row_without_an_answer_an_empty_chat_or_a_turn_without_text_is_refused_naming_the_field(record, names):
+    """Probe 4: such rows became the text 'None', an empty message or an empty chat, or raised AttributeError."""
+    with pytest.raises(ValueError, match=names):
+        to_messages(record)
+
+
+def test_system_must_be_text_and_a_tool_call_turn_keeps_its_empty_content():
+    with pytest.raises(TypeError, match=r"system must be a str .*got int 5"):
+        to_messages({"prompt": "x", "completion": "y"}, system=5)
+    call = {"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": {"name": "f"}}]}
+    chat = [{"role": "user", "content": "x"}, call]
+    assert to_messages({"messages": chat}) == {"messages": chat}
+
+
+def test_a_dataset_row_missing_its_answer_stops_the_map_naming_the_field():
+    from datasets import Dataset
+
+    ds = Dataset.from_list([{"instruction": "a", "output": "b"}, {"instruction": "c"}])  # datasets fills None
+    with pytest.raises(ValueError, match="output is missing or None"):
+        ds.map(to_messages, remove_columns=ds.column_names)

@@ -296,3 +296,47 @@ def test_segments_refuse_blocks_that_hand_on_more_than_their_hidden_states():
     x = torch.randint(0, 64, (2, 12))
     with pytest.raises(ValueError, match="'segments' .* T5Block hands 3 values on to the next block.*use checkpointing 'full'"):
         model(input_ids=x, labels=x).loss.backward()
+
+
+# -- reliability probe 4 ---------------------------------------------------------------------------------------------
+
+def test_probe4_offload_with_an_interval_of_all_blocks_warns_as_every_n_does():
+    """checkpointing='offload' with checkpoint_interval >= the blocks made one segment (no second level) silently."""
+    transformers = pytest.importorskip("transformers")
+    for interval in (4, 64):
+        cfg, _ = _llama_case(transformers, 4, 1, 16, 64)
+        with pytest.warns(RuntimeWarning, match=rf"checkpoint_interval {interval} covers all of the model's 4 blocks: "
+                                                r"'offload' makes one segment .*use an interval < 4"):
+            cm.Recipe(checkpointing="offload", checkpoint_interval=interval).build(transformers.LlamaForCausalLM(cfg))
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # an interval that makes two segments: no word
+        cm.Recipe(checkpointing="offload", checkpoint_interval=2).build(transformers.LlamaForCausalLM(cfg))
+
+
+def test_probe4_a_one_block_llama_is_checkpointed_and_offloaded_exactly():
+    """'full' and 'offload' on a one-block Llama said "has no nn.ModuleList of repeated blocks"; it has one, of one
+    block (its _no_split_modules class)."""
+    transformers = pytest.importorskip("transformers")
+    B, T, h = 2, 64, 64
+    cfg, x = _llama_case(transformers, 1, B, T, h)
+    assert ck.find_blocks(transformers.LlamaForCausalLM(cfg)) is not None
+    _offload_vs_full(lambda: transformers.LlamaForCausalLM(cfg), lambda: x, 1, B * T * h * 4)
+    reports = {}
+    for policy in ("none", "full"):
+        torch.manual_seed(0)
+        model = transformers.LlamaForCausalLM(cfg)
+        ck.apply_checkpointing(model, policy)
+
+        def step(model=model):
+            model.zero_grad(set_to_none=True)
+            model(x, labels=x).loss.backward()
+
+        reports[policy] = (cm.measure_step(step, model=model, warmup=1, repeat=1, track=[x]),
+                           [p.grad.clone() for p in model.parameters()])
+    for a, b in zip(reports["full"][1], reports["none"][1]):
+        torch.testing.assert_close(a, b)
+    assert reports["full"][0].category_peaks["activations"] < reports["none"][0].category_peaks["activations"]
+    with pytest.raises(ValueError, match="has no nn.ModuleList of repeated blocks"):  # a lone leaf list is not a stack
+        ck.find_blocks(torch.nn.Sequential(torch.nn.ModuleList([torch.nn.Linear(2, 2)])))

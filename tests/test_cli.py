@@ -148,3 +148,72 @@ def test_issue36_int8_full_fine_tune_plans_by_trace_from_the_cli(capsys):
     assert code == 0, err
     assert "method: trace;" in out and "verdict: FITS" in out, out
     assert "could not trace" not in out + err
+
+
+# -- reliability probe 4 (shared/reviews/reliability-probe-4.md): the --training-args rows ------------------------
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    from transformers import LlamaConfig
+
+    folder = tmp_path_factory.mktemp("probe4") / "llama"
+    LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2).save_pretrained(folder)
+    return folder
+
+
+def _plan_file(tmp_path, llama_dir, text, capsys, *extra):
+    path = tmp_path / "args.yaml"
+    path.write_text(f"output_dir: {tmp_path / 'out'}\nuse_cpu: true\nbf16: false\n" + text)
+    return _json_error(["plan", "--model", str(llama_dir), "--training-args", str(path), "--no-max-batch", *extra],
+                       capsys)
+
+
+@pytest.mark.parametrize(("text", "extra", "named"), [
+    # exit 3: AttributeError: module 'torch' has no attribute 'float8'
+    ("max_length: 64\n", ("--bnb", "load_in_4bit=true", "bnb_4bit_compute_dtype=float8", "--lora", "r=8"),
+     "bnb_4bit_compute_dtype must be one of ['float32', 'float16', 'bfloat16'], got 'float8'"),
+    # exit 3: MemoryError from the planner's one-row dataset
+    ("max_length: 64\nper_device_train_batch_size: 2\n", ("--seq", "1000000000000"),
+     "--seq=1,000,000,000,000 at per_device_train_batch_size=2: the micro-batch's token ids alone"),
+    # exit 3: OverflowError: cannot fit 'int' into an index-sized integer
+    ("max_length: 1000000000000000000000000000000\n", (), "max_length=1,000,000,000,000,000,000,000,000,000,000 at"),
+    # planned at 64 without a word
+    ("max_length: 64\nper_device_train_batch_size: 2\nper_device_train_batch_size: 64\n", (),
+     "gives 'per_device_train_batch_size' twice (line 6) (2, then 64)"),
+    # refused as "recipe.lr must be a finite number > 0": the internal field, not the user's
+    ("max_length: 64\nlearning_rate: .inf\n", (), "learning_rate must be a finite number > 0 such as 2e-4, got inf"),
+    ("max_length: 64\nlearning_rate: -1.0e-4\n", (), "learning_rate must be a finite number > 0 such as 2e-4, got -0.0001"),
+])
+def test_probe4_cli_rows_are_exit_2_naming_the_users_setting(tmp_path, llama_dir, capsys, text, extra, named):
+    error = _plan_file(tmp_path, llama_dir, text, capsys, *extra)
+    assert named in error and "recipe." not in error, error
+
+
+def test_probe4_duplicate_keys_in_json_and_yaml_merge_keys(tmp_path):
+    from colab_memopt.planning.hfconfig import read_mapping
+
+    (tmp_path / "a.json").write_text('{"max_length": 64, "max_length": 32}')
+    with pytest.raises(ValueError, match=r"gives 'max_length' twice \(64, then 32\)"):
+        read_mapping(tmp_path / "a.json")
+    # a YAML merge key's values may be overridden once (that is what << is for); a key written twice may not
+    (tmp_path / "m.yaml").write_text("base: &b {x: 1, y: 1}\nrun:\n  <<: *b\n  x: 3\n")
+    assert read_mapping(tmp_path / "m.yaml")["run"] == {"x": 3, "y": 1}
+    (tmp_path / "n.yaml").write_text("run:\n  x: 1\n  nested: {a: 1, a: 2}\n")
+    with pytest.raises(ValueError, match=r"gives 'a' twice \(line 3\)"):
+        read_mapping(tmp_path / "n.yaml")
+
+
+def test_round3_a_string_learning_rate_is_named_through_the_api():
+    """Round 3 and 4: plan_trainer(SFTConfig(learning_rate='fast')) said "could not convert string to float: 'fast'"."""
+    from trl import SFTConfig
+
+    import colab_memopt as cm
+
+    for lr, says in (("fast", "learning_rate must be a number such as 2e-4, got 'fast'"),
+                     (float("nan"), "learning_rate must be a finite number > 0 such as 2e-4, got nan")):
+        args = SFTConfig("/tmp/colab_memopt_test_cli", learning_rate=lr, max_length=16, use_cpu=True, bf16=False,
+                         report_to=[])
+        with pytest.raises(ValueError, match=says):
+            cm.hfconfig.trainer_recipe(args)
+    args = SFTConfig("/tmp/colab_memopt_test_cli", learning_rate="2e-4", use_cpu=True, bf16=False, report_to=[])
+    assert cm.hfconfig.trainer_recipe(args)[0].lr == 2e-4  # a number written as a string, as TRL's parser reads it

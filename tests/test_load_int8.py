@@ -202,6 +202,7 @@ def test_a_missing_tensor_a_shape_mismatch_and_a_quantized_tensor_are_refused_by
     with pytest.raises(ValueError, match=r"dtype must be torch.float16 or torch.bfloat16.*got torch.float32"):
         cm.load_int8(tied, dtype=torch.float32, device="cpu")
     (tmp_path / "bin").mkdir()
+    shutil.copy(tied / "config.json", tmp_path / "bin")
     (tmp_path / "bin" / "pytorch_model.bin").write_bytes(b"")
     with pytest.raises(ValueError, match=r"no model.safetensors.*found \['pytorch_model.bin'\]: load_int8 reads safetensors"):
         cm.load_int8(tmp_path / "bin", device="cpu")
@@ -260,3 +261,105 @@ def test_the_committed_1b_measurement_loads_within_the_emulated_limit_and_the_pl
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     assert result["llama_3_1_8b_on_colab"] == bench.eight_b_rows(recipe)  # the committed plans are today's code's
+
+
+# -- reliability probe 4's load_int8 rows ---------------------------------------------------------------------------
+
+def test_probe4_a_tied_config_over_an_untied_checkpoint_loads_both_as_from_pretrained_does(tmp_path):
+    """load_int8 tied head and embedding and filled both from lm_head.weight: logits 1.48 away, no warning."""
+    torch.manual_seed(0)
+    untied = transformers.AutoModelForCausalLM.from_config(small_config("llama", tie_word_embeddings=False),
+                                                           dtype=torch.bfloat16)
+    untied.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    with pytest.warns(UserWarning, match=r"ties \['lm_head.weight'\] to model.embed_tokens.weight, but the checkpoint "
+                                         r"holds both with different values: they are loaded apart"):
+        loaded = cm.load_int8(tmp_path, dtype=torch.bfloat16, device="cpu")
+    assert loaded.lm_head.shared is not loaded.model.embed_tokens.shared
+    ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        got = loaded(ids).logits
+        want = quantize_model_int8(untied)(ids).logits  # the untied model, quantized whole in memory
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("cut", ["half", "empty", "garbage", "one byte short"])
+def test_probe4_a_cut_short_or_corrupt_checkpoint_is_named_by_every_path(tied, tmp_path, cut, capsys):
+    """SafetensorError naming no file came out of load_int8 and load_host_bytes, and the CLI exited 3."""
+    folder = _broken(tied, tmp_path / "cut", lambda s: None)
+    data = (folder / "model.safetensors").read_bytes()
+    data = {"half": data[: len(data) // 2], "empty": b"", "garbage": os.urandom(4096), "one byte short": data[:-1]}[cut]
+    (folder / "model.safetensors").write_bytes(data)
+    named = r"model.safetensors is not a readable safetensors weight file \(a truncated or corrupt download\?\)"
+    recipe = cm.Recipe(weight_dtype="int8", optimizer="adalomo", precision="bf16")
+    with pytest.raises(ValueError, match=named):
+        cm.load_int8(folder, device="cpu")
+    with pytest.raises(ValueError, match=named):
+        loading.load_host_bytes(str(folder), recipe, "cpu")
+    with pytest.raises(ValueError, match=named):
+        cm.load_model(str(folder), recipe, "cpu")
+    from colab_memopt.tooling.cli import main
+
+    for verb in ("doctor", "plan"):
+        argv = [verb, "--model", str(folder), "--recipe", "weight_dtype=int8", "optimizer=adalomo", "precision=fp16",
+                "--json"] + (["--batch", "1", "--seq", "16"] if verb == "plan" else [])
+        assert main(argv) == 2
+        out = json.loads(capsys.readouterr().out)
+        assert re.search(named, out["error"]), out
+
+
+def test_probe4_too_little_host_ram_is_said_before_any_file_is_read(tied, tmp_path):
+    """With 24 MiB of address space left and a 50 MB checkpoint, load_int8 raised a bare MemoryError and
+    load_model blamed a good file ("not a readable safetensors weight file ... Cannot allocate memory")."""
+    import subprocess
+    import sys
+    import textwrap
+
+    folder = _save(small_config("llama", hidden_size=512, intermediate_size=1536, vocab_size=8192,
+                                num_hidden_layers=6), tmp_path / "big", "2GB")
+    assert (folder / "model.safetensors").stat().st_size > 40e6
+    code = textwrap.dedent(f"""
+        import resource, psutil, torch, accelerate, transformers, colab_memopt as cm
+        from colab_memopt import loading
+        from colab_memopt.techniques import int8train
+        recipe = cm.Recipe(weight_dtype="int8", optimizer="adalomo", precision="bf16")
+        loading.load_host_bytes({str(folder)!r}, recipe, "cpu")  # the libraries imported before the limit
+        transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained({str(folder)!r}).__class__(
+            vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=1, num_attention_heads=1))
+        limit = psutil.Process().memory_info().vms + 24 * 2**20
+        resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
+        for load in (lambda: cm.load_int8({str(folder)!r}, device="cpu"),
+                     lambda: cm.load_model({str(folder)!r}, recipe, "cpu")):
+            try:
+                load()
+                print("loaded")
+            except MemoryError as exc:
+                print("MemoryError:", exc)
+            except Exception as exc:
+                print(type(exc).__name__ + ":", exc)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
+    lines = [line for line in out.stdout.splitlines() if line.startswith(("MemoryError", "ValueError", "loaded"))]
+    assert len(lines) == 2, out.stdout + out.stderr[-2000:]
+    for line in lines:
+        assert re.match(r"MemoryError: loading \S+ to cpu needs about .* of host RAM and this process has .* left",
+                        line), line
+
+
+def test_probe4_an_adapter_folder_weights_without_a_config_and_paths_of_the_wrong_type_are_named(tied, tmp_path):
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text("{}")
+    (adapter / "adapter_model.safetensors").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"holds LoRA adapters \(adapter_config.json\), not a model: load its base"):
+        cm.load_int8(adapter, device="cpu")
+    bare = tmp_path / "bare"
+    shutil.copytree(tied, bare, ignore=shutil.ignore_patterns("config.json"))
+    with pytest.raises(ValueError, match=r"bare has no config.json \(found \["):  # was transformers' `model_type` text
+        cm.load_int8(bare, device="cpu")
+    for bad in (None, 5, b"folder"):
+        with pytest.raises(TypeError, match=rf"id_or_path must be a folder or a Hugging Face id .*got "
+                                            rf"{type(bad).__name__} {re.escape(repr(bad))}"):
+            cm.load_int8(bad, device="cpu")

@@ -294,3 +294,25 @@ def test_probe3_streamed_parameters_raise_naming_materialize_instead_of_killing_
             (action, said[action])
     assert said["build again"].startswith("ValueError: this GPT's blocks already stream from host memory")
     assert said["after"].split()[-1] == "GPT" and said["rebuilt"] == "ok" and said["after to"] == "ok"
+
+
+def test_probe4_a_streamed_models_weights_save_and_load_as_any_models_and_pickling_it_is_refused(tmp_path):
+    """Round 2 and probe 4: PyTorch's standard ways to save a model. A submodule's state_dict() held the evicted
+    parameters' empty storage (torch.save refused it), and torch.save(model) failed with "Can't pickle local object
+    'LayerStreamer._make_pre_backward.<locals>.hook'", naming nothing to do."""
+    r = cm.Recipe(layer_offload_active=1)
+    m, opt = r.build(cm.build_model("tiny", n_layer=4))
+    cm.make_train_step(m, opt, cm.load_corpus(), batch_size=2, seq_len=16, recipe=r)()
+    torch.save(m.state_dict(), tmp_path / "model.pt")
+    torch.save(m.blocks[1].attn.state_dict(), tmp_path / "attn.pt")  # a submodule's own state dict
+    reloaded = cm.build_model("tiny", n_layer=4)
+    reloaded.load_state_dict(torch.load(tmp_path / "model.pt"))
+    attn = torch.load(tmp_path / "attn.pt")
+    assert all(torch.equal(v, reloaded.blocks[1].attn.state_dict()[k]) for k, v in attn.items())
+    with pytest.raises(RuntimeError, match=r"torch.save\(model\).*torch.save\(model.state_dict\(\), path\)"):
+        torch.save(m, tmp_path / "whole.pt")
+    trained = {k: v.clone() for k, v in m.state_dict().items()}
+    opt.streamer.materialize()  # streaming ended: an ordinary module, which pickles
+    assert all(torch.equal(trained[k], v) for k, v in reloaded.state_dict().items())
+    torch.save(m, tmp_path / "whole.pt")
+    assert all(torch.equal(trained[k], v) for k, v in torch.load(tmp_path / "whole.pt", weights_only=False).state_dict().items())

@@ -326,12 +326,37 @@ def test_probe3_rows_403_409_recipe_settings_names_every_field_it_cannot_say():
             assert back_field or phase or f"{field_name}=" in named, (field_name, out)
 
 
-def test_probe3_row_409_recipe_settings_notes_an_effective_batch_the_trainer_cannot_split():
+def test_probe3_row_409_recipe_settings_keeps_an_effective_batch_the_recipe_splits_unevenly():
     from colab_memopt.planning.hfconfig import recipe_settings
 
+    # Round 3 and 4: 2 x 2 = 4 sequences for a batch of 3. The Trainer's micro-batches are equal: 3 of 1 keeps the
+    # batch exactly, and each micro-batch is no larger than the recipe's largest (2), where its plan's peak is.
     out = recipe_settings(cm.Recipe(accumulation_steps=2), 3, 64)
     args = out["training_args"]
-    assert (args["per_device_train_batch_size"], args["gradient_accumulation_steps"]) == (2, 2)  # the plan's micro-batch
-    assert out["not_expressible"] == ["accumulation_steps=2 at batch 3: the Trainer steps on 2 x 2 = 4 sequences, not 3 "
-                                      "(its micro-batches are equal)"]
-    assert recipe_settings(cm.Recipe(accumulation_steps=2), 4, 64)["not_expressible"] == []
+    assert (args["per_device_train_batch_size"], args["gradient_accumulation_steps"]) == (1, 3)
+    assert out["not_expressible"] == ["accumulation_steps=2 at batch 3: gradient_accumulation_steps=3 of 1 keeps the "
+                                      "batch of 3 (the Trainer's micro-batches are equal; the recipe's largest was 2, "
+                                      "so each step holds no more)"]
+    for recipe, batch in ((cm.Recipe(accumulation_steps=2), 4), (cm.Recipe(accumulation_steps=3), 12)):
+        out = recipe_settings(recipe, batch, 64)
+        args = out["training_args"]
+        assert out["not_expressible"] == [] and args["gradient_accumulation_steps"] == recipe.accumulation_steps
+    for batch in range(1, 40):  # every split keeps the batch, never a micro-batch above the recipe's largest
+        for steps in (1, 2, 3, 4, 7):
+            args = recipe_settings(cm.Recipe(accumulation_steps=steps), batch, 64)["training_args"]
+            micro, acc = args["per_device_train_batch_size"], args["gradient_accumulation_steps"]
+            assert micro * acc == batch and micro <= -(-batch // steps), (batch, steps, micro, acc)
+    with pytest.raises(ValueError, match="batch must be an integer >= 1, got 0"):
+        recipe_settings(cm.Recipe(), 0, 64)
+
+
+def test_probe4_repeated_kv_attention_refuses_a_window_it_would_drop():
+    """Recipe(attention='sdpa_repeated_kv', attention_window=16) built on a Llama: accepted, the window dropped."""
+    import transformers
+
+    from colab_memopt.techniques.architectures import small_config
+
+    model = transformers.AutoModelForCausalLM.from_config(small_config("llama"))
+    with pytest.raises(ValueError, match=r"recipe.attention_window=16 applies to the reference model only: "
+                                         r"attention='sdpa_repeated_kv' keeps the model's own causal attention"):
+        cm.Recipe(attention="sdpa_repeated_kv", attention_window=16).build(model)

@@ -100,14 +100,18 @@ def test_a_crash_while_recording_keeps_the_previous_result(tmp_path, monkeypatch
     assert merge_results(tmp_path)["notebooks"]["02_x"]["metrics"] == {"run": 1}
 
 
-def test_merge_results_names_a_broken_file(tmp_path):
+def test_merge_results_sets_a_broken_file_aside_naming_it_and_merges_the_rest(tmp_path):
+    """A broken record stopped the merge, so the run wrote no results.json at all (probe 4's rule: a corrupt file
+    is kept aside with a clear message and never stops the run from recording what it measured)."""
     cm.record("00_a", baseline=_report(10, 1.0), results_dir=tmp_path)
     (tmp_path / "01_b.json").write_text("")
-    with pytest.raises(ValueError, match=r"01_b.json is empty"):
-        merge_results(tmp_path)
+    with pytest.warns(RuntimeWarning, match=r"01_b.json is empty: kept as 01_b.json.broken-"):
+        assert list(merge_results(tmp_path)["notebooks"]) == ["00_a"]
     (tmp_path / "01_b.json").write_text('{"device": ')
-    with pytest.raises(ValueError, match=r"01_b.json is not valid JSON"):
-        merge_results(tmp_path)
+    with pytest.warns(RuntimeWarning, match=r"01_b.json is not valid JSON"):
+        assert list(merge_results(tmp_path)["notebooks"]) == ["00_a"]
+    aside = sorted(p.read_text() for p in tmp_path.iterdir() if ".broken-" in p.name)
+    assert aside == ["", '{"device": '] and not (tmp_path / "01_b.json").exists()
 
 
 def test_nonfinite_metrics_are_written_as_null_with_the_reason(tmp_path):

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from colab_memopt.core.fileio import nonfinite_paths, read_json, write_json
+from colab_memopt.core.fileio import nonfinite_paths, read_json_or_set_aside, write_json
 from colab_memopt.core.measure import MemoryReport, format_bytes, max_reserved_bytes
 
 VERDICTS = ("holds", "partly holds", "does not hold", "not measurable here")
@@ -145,8 +145,15 @@ def _nulled(value: Any) -> Any:
 
 
 def merge_results(results_dir: str | Path) -> dict[str, Any]:
-    """Return every notebook's record in `results_dir`, keyed by notebook name, with device and torch."""
-    notebooks = {p.stem: read_json(p) for p in sorted(Path(results_dir).glob("*.json"))}  # a broken file is named
+    """Return every notebook's record in `results_dir`, keyed by notebook name, with device and torch.
+
+    A broken record (empty, cut short) is set aside as `<name>.json.broken-<time>` with a warning naming it, and
+    the others are merged: one bad file never stops a run from recording what it measured."""
+    notebooks = {}
+    for p in sorted(Path(results_dir).glob("*.json")):
+        entry = read_json_or_set_aside(p)
+        if entry is not None:
+            notebooks[p.stem] = entry
     devices = sorted({entry["device"] for entry in notebooks.values()})
     return {
         "device": devices[0] if len(devices) == 1 else devices,

@@ -24,7 +24,7 @@ SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistan
                   "chatgpt": "assistant", "model": "assistant", "system": "system", "tool": "tool"}
 
 
-def to_messages(record: Mapping[str, Any], *, system: str | None = None) -> dict[str, list[dict[str, str]]]:
+def to_messages(record: Mapping[str, Any], *, system: str | None = None) -> dict[str, list[dict[str, Any]]]:
     """Return one dataset record as TRL's conversational form, `{"messages": [{"role": ..., "content": ...}, ...]}`.
 
     Accepts the forms chat datasets come in:
@@ -34,28 +34,47 @@ def to_messages(record: Mapping[str, Any], *, system: str | None = None) -> dict
     - TRL's `messages` (returned as they are).
     `system` puts a system message first where the record has none. Use it with `datasets.Dataset.map`:
 
+    A record with no answer (an `output` or `completion` that is missing or None, as `datasets` fills a row
+    that lacks the field), an empty chat or a turn without text is refused naming the field: mapped over a
+    dataset, such a row would teach the model to answer "None" or nothing.
+
     Example:
         >>> ds = ds.map(cm.to_messages, remove_columns=ds.column_names)   # then SFTTrainer(train_dataset=ds)
     """
     if not isinstance(record, Mapping):
         raise TypeError(f"record must be a dict (one dataset row), got {type(record).__name__}")
+    if system is not None and not isinstance(system, str):
+        raise TypeError(f"system must be a str (the system message's text) or None, got {type(system).__name__} "
+                        f"{system!r}")
     if "instruction" in record and "output" in record:  # Alpaca
-        prompt = str(record["instruction"])
-        if record.get("input"):
-            prompt = f"{prompt}\n\n{record['input']}"
-        messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": str(record["output"])}]
+        prompt = _text(record["instruction"], "instruction")
+        extra = record.get("input")
+        if extra is not None and not isinstance(extra, str):
+            raise ValueError(f"input must be a str (text added to the instruction) or empty, got "
+                             f"{type(extra).__name__} {_short(extra)}")
+        if extra:
+            prompt = f"{prompt}\n\n{extra}"
+        messages = [{"role": "user", "content": prompt},
+                    {"role": "assistant", "content": _text(record["output"], "output")}]
     elif "conversations" in record or ("messages" in record and _sharegpt(record["messages"])):  # ShareGPT
-        turns = record.get("conversations", record.get("messages"))
+        field = "conversations" if "conversations" in record else "messages"
+        turns = _turn_list(record[field], field, "of {'from': ..., 'value': ...} turns")
         messages = []
-        for turn in turns:
+        for i, turn in enumerate(turns):
+            where = f"{field}[{i}]"
+            if not isinstance(turn, Mapping):
+                raise ValueError(f"{where} must be a dict {{'from': ..., 'value': ...}}, got {type(turn).__name__} "
+                                 f"{_short(turn)}")
             speaker = str(turn.get("from", "")).lower()
             if speaker not in SHAREGPT_ROLES:
-                raise ValueError(f"unknown ShareGPT speaker {turn.get('from')!r}: use one of {sorted(SHAREGPT_ROLES)}")
-            messages.append({"role": SHAREGPT_ROLES[speaker], "content": str(turn.get("value", ""))})
+                raise ValueError(f"unknown ShareGPT speaker {turn.get('from')!r} in {where}: use one of "
+                                 f"{sorted(SHAREGPT_ROLES)}")
+            messages.append({"role": SHAREGPT_ROLES[speaker], "content": _text(turn.get("value"), f"{where}['value']")})
     elif "messages" in record:  # already TRL's conversational form
-        messages = [dict(m) for m in record["messages"]]
+        messages = _messages(record["messages"], "messages")
     elif "prompt" in record and "completion" in record:  # TRL's prompt-completion
-        messages = _as_turns(record["prompt"], "user") + _as_turns(record["completion"], "assistant")
+        messages = _as_turns(record["prompt"], "user", "prompt") + _as_turns(record["completion"], "assistant",
+                                                                             "completion")
     else:
         raise ValueError(f"cannot read a chat from a record with fields {sorted(record)}: expected Alpaca "
                          "(instruction, input, output), ShareGPT (conversations of from/value), "
@@ -65,14 +84,56 @@ def to_messages(record: Mapping[str, Any], *, system: str | None = None) -> dict
     return {"messages": messages}
 
 
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _text(value: Any, field: str) -> str:
+    """Return a turn's text; refuse None (a row that lacks the field) and anything but a string."""
+    if value is None:
+        raise ValueError(f"{field} is missing or None: every turn needs its text (filter such rows out first, e.g. "
+                         f"ds.filter(lambda r: r[...] is not None))")
+    if not isinstance(value, str):
+        raise ValueError(f"{field} must be a str, got {type(value).__name__} {_short(value)}")
+    return value
+
+
+def _turn_list(value: Any, field: str, form: str) -> list[Any]:
+    if value is None or isinstance(value, (str, bytes, Mapping)) or not isinstance(value, (list, tuple)):
+        raise ValueError(f"{field} must be a list {form}, got {type(value).__name__} {_short(value)}")
+    if not value:
+        raise ValueError(f"{field} is an empty chat: it needs at least one turn with text")
+    return list(value)
+
+
+def _messages(value: Any, field: str) -> list[dict[str, Any]]:
+    """Return TRL messages as new dicts, each checked: a role and a text (or, for a tool call, its calls)."""
+    out = []
+    for i, m in enumerate(_turn_list(value, field, "of {'role': ..., 'content': ...} messages")):
+        where = f"{field}[{i}]"
+        if not isinstance(m, Mapping):
+            raise ValueError(f"{where} must be a dict {{'role': ..., 'content': ...}}, got {type(m).__name__} "
+                             f"{_short(m)}")
+        if not isinstance(m.get("role"), str) or not m["role"]:
+            raise ValueError(f"{where} has no 'role' (a str such as 'user' or 'assistant'), got {_short(m.get('role'))}")
+        content = m.get("content")
+        if not (isinstance(content, (str, list)) or (content is None and m.get("tool_calls"))):
+            _text(content, f"{where}['content']")  # names None and a content of another type
+        out.append(dict(m))
+    return out
+
+
 def _sharegpt(turns: Any) -> bool:
     return isinstance(turns, list) and bool(turns) and isinstance(turns[0], dict) and "from" in turns[0]
 
 
-def _as_turns(value: Any, role: str) -> list[dict[str, str]]:
+def _as_turns(value: Any, role: str, field: str) -> list[dict[str, Any]]:
     if isinstance(value, str):
         return [{"role": role, "content": value}]
-    return [dict(m) for m in value]
+    if value is None:
+        _text(value, field)
+    return _messages(value, field)
 
 
 @dataclass(frozen=True)

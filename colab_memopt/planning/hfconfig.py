@@ -45,14 +45,14 @@ def read_mapping(source: str | Path | dict[str, Any]) -> dict[str, Any]:
     text = path.read_text()
     if path.suffix.lower() == ".json":
         try:
-            values = json.loads(text)
+            values = json.loads(text, object_pairs_hook=lambda pairs: _unique_keys(pairs, path))
         except json.JSONDecodeError as err:
             raise ValueError(f"{str(path)!r} is not valid JSON: {err}") from None
     else:
         import yaml
 
         try:
-            values = yaml.safe_load(text)
+            values = yaml.load(text, Loader=_unique_key_loader(path))  # safe_load's loader, duplicate keys refused
         except yaml.YAMLError as err:
             mark = getattr(err, "problem_mark", None)
             where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
@@ -61,6 +61,46 @@ def read_mapping(source: str | Path | dict[str, Any]) -> dict[str, Any]:
     if not isinstance(values, dict):
         raise ValueError(f"{str(path)!r} must hold a mapping of settings, got {type(values).__name__}")
     return values
+
+
+def _unique_keys(pairs: list[tuple[Any, Any]], path: Path, line: int | None = None) -> dict[Any, Any]:
+    """Return `pairs` as a dict; refuse a key given twice (JSON and YAML keep the last one without a word)."""
+    out: dict[Any, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            where = f" (line {line})" if line is not None else ""
+            raise ValueError(f"{str(path)!r} gives {key!r} twice{where} ({out[key]!r}, then {value!r}): "
+                             "keep the one you mean")
+        out[key] = value
+    return out
+
+
+def _unique_key_loader(path: Path) -> Any:
+    """Return a PyYAML SafeLoader class whose mappings refuse a key given twice, naming the file and the line."""
+    import yaml
+
+    class UniqueKeyLoader(yaml.SafeLoader):
+        def construct_mapping(self, node: Any, deep: bool = False) -> dict[Any, Any]:
+            written = sum(1 for k, _ in node.value if k.tag != "tag:yaml.org,2002:merge")
+            self.flatten_mapping(node)  # merge keys (<<) first, as SafeLoader does: the written keys override them
+            merged = len(node.value) - written
+            out: dict[Any, Any] = {}
+            written_keys: set[Any] = set()
+            for i, (knode, vnode) in enumerate(node.value):
+                key, value = self.construct_object(knode, deep=deep), self.construct_object(vnode, deep=deep)
+                try:
+                    hash(key)
+                except TypeError:
+                    raise yaml.constructor.ConstructorError("while constructing a mapping", node.start_mark,
+                                                            "found unhashable key", knode.start_mark) from None
+                if i >= merged:
+                    if key in written_keys:
+                        _unique_keys([(key, out[key]), (key, value)], path, knode.start_mark.line + 1)
+                    written_keys.add(key)
+                out[key] = value
+            return out
+
+    return UniqueKeyLoader
 
 
 def _names(cls: Any) -> set[str]:
@@ -168,6 +208,7 @@ def read_bnb(source: Any) -> Any:
     """Return a transformers BitsAndBytesConfig from a file, a dict or a config (None stays None)."""
     if source is None:
         return None
+    import torch
     from transformers import BitsAndBytesConfig
 
     if isinstance(source, BitsAndBytesConfig):
@@ -179,7 +220,21 @@ def read_bnb(source: Any) -> Any:
     unknown = sorted(str(k) for k in set(values) - known)
     if unknown:
         raise ValueError(f"unknown BitsAndBytesConfig field(s) {_listed(unknown)}; known: {sorted(known)}")
-    return BitsAndBytesConfig(**values)
+    for name, allowed in _BNB_DTYPES.items():
+        value = values.get(name)
+        text = str(value).removeprefix("torch.") if value is not None else None
+        if text is not None and (not isinstance(value, (str, torch.dtype)) or text not in allowed):
+            raise ValueError(f"{name} must be one of {list(allowed)}, got {value!r}")
+    try:
+        return BitsAndBytesConfig(**values)
+    except (TypeError, ValueError, AttributeError) as err:  # transformers' own checks name the field, or nothing
+        raise ValueError(f"BitsAndBytesConfig({', '.join(f'{k}={v!r}' for k, v in values.items())}) is refused: "
+                         f"{err}") from None
+
+
+# The dtypes bitsandbytes' 4-bit layers compute in and store their packed weights in
+_BNB_DTYPES = {"bnb_4bit_compute_dtype": ("float32", "float16", "bfloat16"),
+               "bnb_4bit_quant_storage": ("uint8", "float16", "bfloat16", "float32")}
 
 
 def inline_fields(items: list[str]) -> dict[str, Any]:
@@ -288,6 +343,42 @@ def checkpoint_use_reentrant(kwargs: dict[str, Any] | None) -> tuple[bool, str]:
     return True, "torch's default"
 
 
+def learning_rate(value: Any) -> float:
+    """Return the `learning_rate` setting as a float if it is a finite number > 0; else raise ValueError naming it."""
+    import math
+
+    if isinstance(value, str):  # a YAML or a script may give '2e-4'; TRL's parser converts such strings
+        try:
+            value = float(value)
+        except ValueError:
+            raise ValueError(f"learning_rate must be a number such as 2e-4, got {value!r}") from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"learning_rate must be a finite number > 0 such as 2e-4, got {value!r}")
+    return float(value)
+
+
+def check_tokens(seq_len: Any, batch: Any, host_bytes: int, *, seq_name: str = "max_length",
+                 target_name: str = "the target") -> None:
+    """Refuse a micro-batch whose token ids alone (int64, as the Trainer's collator builds them in host RAM before
+    the step) take more than the target's `host_bytes`: no run of it can start. Names the setting `seq_name`."""
+    from colab_memopt.core.measure import format_bytes
+
+    whole_setting(seq_name, seq_len)
+    whole_setting("per_device_train_batch_size", batch)
+    if 8 * seq_len * batch > host_bytes:
+        raise ValueError(f"{seq_name}={seq_len:,} at per_device_train_batch_size={batch}: the micro-batch's token ids "
+                         f"alone (int64, 8 bytes each) outgrow {target_name}'s {format_bytes(host_bytes)} of host RAM, "
+                         f"so no run of it can start; at most {host_bytes // (8 * batch):,} tokens")
+
+
+def whole_setting(name: str, value: Any) -> int:
+    """Return a Trainer setting that counts something (steps, sequences) if it is an int >= 1; else raise naming it."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    return value
+
+
+
 def trainer_recipe(args: Any, lora: Any = None, bnb: Any = None) -> tuple[Recipe, list[str]]:
     """Return (the `Recipe` closest to these Trainer / peft / bitsandbytes settings, what it cannot say).
 
@@ -298,7 +389,8 @@ def trainer_recipe(args: Any, lora: Any = None, bnb: Any = None) -> tuple[Recipe
 
     notes: list[str] = []
     optim = str(getattr(args.optim, "value", args.optim))
-    fields: dict[str, Any] = {"lr": float(args.learning_rate), "accumulation_steps": int(args.gradient_accumulation_steps)}
+    fields: dict[str, Any] = {"lr": learning_rate(args.learning_rate),
+                              "accumulation_steps": whole_setting("gradient_accumulation_steps", args.gradient_accumulation_steps)}
     name = OPTIM_TO_RECIPE.get(optim)
     if name in OPTIMIZERS:
         fields["optimizer"] = name
@@ -388,14 +480,21 @@ def recipe_settings(recipe: Recipe | dict[str, Any], batch: int, seq_len: int) -
     'bnb': BitsAndBytesConfig fields or None, 'not_expressible': the recipe fields they cannot say}.
     """
     rec = recipe if isinstance(recipe, Recipe) else Recipe.from_dict(dict(recipe))
+    whole_setting("batch", batch)
+    whole_setting("seq_len", seq_len)
     missing: list[str] = []
-    accumulation = rec.accumulation_steps
-    micro = max(1, -(-batch // accumulation))  # the recipe's largest micro-batch: the one its plan's peak is at
+    # The Trainer's micro-batches are equal, the recipe's may not be (batch 3 in 2 steps: 2 + 1). Keep the
+    # effective batch exactly: the fewest equal micro-batches, at least the recipe's count, that make `batch`;
+    # each is then no larger than the recipe's largest micro-batch, where its plan's peak is.
+    accumulation = next(n for n in range(min(rec.accumulation_steps, batch), batch + 1) if batch % n == 0)
+    micro = batch // accumulation
     args: dict[str, Any] = {"per_device_train_batch_size": micro,
                             "gradient_accumulation_steps": accumulation, "max_length": seq_len, "learning_rate": rec.lr}
-    if micro * accumulation != batch:  # the Trainer's micro-batches are equal; the recipe's split `batch` unevenly
-        missing.append(f"accumulation_steps={accumulation} at batch {batch}: the Trainer steps on {micro} x {accumulation} = "
-                       f"{micro * accumulation} sequences, not {batch} (its micro-batches are equal)")
+    if accumulation != rec.accumulation_steps:
+        largest = -(-batch // rec.accumulation_steps)
+        missing.append(f"accumulation_steps={rec.accumulation_steps} at batch {batch}: gradient_accumulation_steps="
+                       f"{accumulation} of {micro} keeps the batch of {batch} (the Trainer's micro-batches are equal; "
+                       f"the recipe's largest was {largest}, so each step holds no more)")
     if rec.optimizer in _RECIPE_TO_OPTIM:
         args["optim"] = _RECIPE_TO_OPTIM[rec.optimizer]
     else:
@@ -464,6 +563,8 @@ def save_example_chat_model(family: str, folder: str | Any) -> str:
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
     tokenizer.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}<eos>\n{% endfor %}"
                                "{% if add_generation_prompt %}assistant: {% endif %}")
+    from colab_memopt.core.fileio import replace_files
+
     loading.save_random_model(architectures.small_config(family, vocab_size=128, eos_token_id=1, bos_token_id=1), folder)
-    tokenizer.save_pretrained(folder)
+    replace_files(folder, lambda tmp: tokenizer.save_pretrained(tmp))  # each file whole, the model's files kept
     return str(folder)

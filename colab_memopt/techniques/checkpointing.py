@@ -71,21 +71,37 @@ def check_policy(policy: str, interval: int = 1) -> None:
         raise ValueError(f"checkpoint interval must be an integer >= 1, got {interval!r}")
 
 
+def _block_names(model: nn.Module) -> set[str]:
+    """The block classes a transformers model names itself (`_no_split_modules`: its decoder layers)."""
+    names = getattr(model, "_no_split_modules", None) or ()
+    return {n for n in names if isinstance(n, str)}
+
+
+def _is_stack(module: nn.Module, block_names: set[str]) -> bool:
+    """Whether `module` is a stack of repeated blocks: a ModuleList of two or more modules of one class, or of the
+    blocks the model names itself (a one-block transformers model has a stack of one)."""
+    if not isinstance(module, nn.ModuleList) or not len(module) or len({type(m) for m in module}) != 1:
+        return False
+    return len(module) >= 2 or type(module[0]).__name__ in block_names
+
+
 def find_blocks(model: nn.Module) -> nn.ModuleList:
     """Return the model's stack of repeated blocks: the longest ModuleList of modules of one class.
 
-    Raises ValueError when the model has no ModuleList of two or more blocks of the same class.
+    A transformers model's stack of one block (its `_no_split_modules` class) counts too. Raises
+    ValueError when the model has no such ModuleList.
     """
     blocks = getattr(model, "blocks", None)
     if isinstance(blocks, nn.ModuleList) and len(blocks):
         return blocks
+    names = _block_names(model)
     best: nn.ModuleList | None = None
     for module in model.modules():
-        if isinstance(module, nn.ModuleList) and len(module) >= 2:
-            if len({type(m) for m in module}) == 1 and (best is None or len(module) > len(best)):
-                best = module
+        if _is_stack(module, names) and (best is None or len(module) > len(best)):
+            best = module
     if best is None:
-        raise ValueError(f"{type(model).__name__} has no nn.ModuleList of repeated blocks to checkpoint")
+        raise ValueError(f"{type(model).__name__} has no nn.ModuleList of repeated blocks to checkpoint (two or more "
+                         "modules of one class, or a transformers model's decoder layers)")
     return best
 
 
@@ -101,9 +117,9 @@ def find_block_stacks(model: nn.Module) -> list[nn.ModuleList]:
     if isinstance(blocks, nn.ModuleList) and len(blocks):
         return [blocks]
     stacks: list[tuple[str, nn.ModuleList]] = []
+    names = _block_names(model)
     for name, module in model.named_modules():
-        if (isinstance(module, nn.ModuleList) and len(module) >= 2 and len({type(m) for m in module}) == 1
-                and next(module[0].children(), None) is not None
+        if (_is_stack(module, names) and next(module[0].children(), None) is not None
                 and not any(name.startswith(f"{outer}.") for outer, _ in stacks)):
             stacks.append((name, module))
     if not stacks:
@@ -450,6 +466,11 @@ def _apply_to_stack(blocks: nn.ModuleList, policy: str, interval: int, offloader
         warnings.warn(f"checkpoint_interval {interval} exceeds the model's {len(blocks)} blocks: 'every_n' checkpoints "
                       f"blocks {interval - 1}, {2 * interval - 1}, ..., so none is checkpointed and nothing is saved; "
                       f"use an interval <= {len(blocks)}", RuntimeWarning, stacklevel=3)
+    if policy == "offload" and 1 < len(blocks) <= interval:
+        warnings.warn(f"checkpoint_interval {interval} covers all of the model's {len(blocks)} blocks: 'offload' makes "
+                      f"one segment of them, so the host holds one input and the device every block's input, as "
+                      f"checkpointing 'full' does, with a third forward of each block (no second level); use an "
+                      f"interval < {len(blocks)}", RuntimeWarning, stacklevel=3)
     for block in blocks:
         setattr(block, _ORIGINAL, block.forward)
     if policy == "segments":

@@ -405,6 +405,13 @@ class StreamedParameter(nn.Parameter):
         raise RuntimeError("pickling (torch.save of the module): " + STREAMED_MESSAGE)
 
 
+def _refuse_pickling(protocol: Any) -> Any:
+    raise RuntimeError("torch.save(model) and copy.deepcopy(model) would take the streamed blocks' hooks and empty "
+                       "weights along: save the weights with torch.save(model.state_dict(), path) (the trained host "
+                       "copies), or end streaming first with opt.streamer.materialize() (opt: the optimizer the build "
+                       "returned)")
+
+
 def _refuse_apply(fn: Any, recurse: bool = True) -> Any:
     raise RuntimeError("model.to / .half / .float / .cuda move or cast every weight: " + STREAMED_MESSAGE)
 
@@ -479,11 +486,14 @@ class LayerStreamer:
                     self._handles.append(p.register_post_accumulate_grad_hook(self._make_grad_hook(i)))
             # The evicted parameters have no storage; the trained values are the host copies, so the
             # state dict reads those, and loading a state dict writes them (no 0-byte tensor is ever read or saved)
-            self._handles.append(block._register_state_dict_hook(self._make_state_dict_hook(i)))
+            for module in block.modules():  # each module's own: a submodule's state_dict() reads the host copies too
+                if any(p in self.host for p in module.parameters(recurse=False)):
+                    self._handles.append(module._register_state_dict_hook(self._make_state_dict_hook(module)))
             self._handles.append(block._register_load_state_dict_pre_hook(self._make_load_pre_hook(i), with_module=True))
             self._handles.append(block.register_load_state_dict_post_hook(self._make_load_post_hook(i)))
         self.closed = False
         model._layer_streamer = self  # (a plain attribute: `streamer_of` finds it, a second streamer refuses)
+        model.__reduce_ex__ = _refuse_pickling  # torch.save(model): pickle looks it up on the instance first
         for module in (model, *self.blocks):  # model.to / .half / .cuda: refused before any module is converted
             module._apply = _refuse_apply
         for ps in self._params:  # reading an evicted one raises, naming materialize(), instead of faulting
@@ -592,10 +602,10 @@ class LayerStreamer:
     def _named(self, i: int) -> list[tuple[str, nn.Parameter]]:
         return [(n, p) for n, p in self.blocks[i].named_parameters(remove_duplicate=False) if p in self.host]
 
-    def _make_state_dict_hook(self, i: int) -> Callable[..., None]:
+    def _make_state_dict_hook(self, owner: nn.Module) -> Callable[..., None]:
         def hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
-            for name, p in self._named(i):
-                if prefix + name in state_dict:
+            for name, p in owner.named_parameters(recurse=False):
+                if p in self.host and prefix + name in state_dict:
                     state_dict[prefix + name] = self.host[p].detach()  # (on CUDA: the pinned host copy)
         return hook
 
@@ -645,6 +655,7 @@ class LayerStreamer:
                 p.__class__ = nn.Parameter
         for module in (self.model, *self.blocks):
             module.__dict__.pop("_apply", None)
+        self.model.__dict__.pop("__reduce_ex__", None)
         self.closed = True
         if getattr(self.model, "_layer_streamer", None) is self:
             del self.model._layer_streamer

@@ -96,11 +96,23 @@ def make_grad_scaler(precision: str, device: torch.device | str) -> torch.amp.Gr
     return torch.amp.GradScaler(torch.device(device).type)
 
 
+def cast_weights(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """Cast `model`'s floating-point parameters and saved buffers to `dtype`, as `from_pretrained(dtype=...)` loads
+    them: buffers a checkpoint does not hold (rotary tables' `inv_freq`) keep their dtype, so the model computes as
+    it does when its saved weights are loaded again. Return the model."""
+    kept = [(m, name, buf) for m in model.modules() for name, buf in m._buffers.items()
+            if name in m._non_persistent_buffers_set and buf is not None and buf.is_floating_point()]
+    model.to(dtype)
+    for m, name, buf in kept:
+        m._buffers[name] = buf.to(m._buffers[name].device)
+    return model
+
+
 def prepare_model(model: nn.Module, precision: str) -> nn.Module:
     """Cast the model's floating-point weights for `precision` (only 'bf16' and 'fp16' change them) and return it."""
     check_precision(precision)
     if precision in PURE_PRECISIONS:
-        model.to(PURE_PRECISIONS[precision])
+        cast_weights(model, PURE_PRECISIONS[precision])
     return model
 
 
@@ -157,13 +169,14 @@ def check_native_bf16(base_dtype: str | None, *, native_bf16: bool | None, where
 
 
 def half_frozen_base(model: nn.Module, base_dtype: str) -> nn.Module:
-    """Store every floating-point weight and buffer of `model` in `base_dtype` ('fp16' or 'bf16'); return it.
+    """Store every floating-point weight and saved buffer of `model` in `base_dtype` ('fp16' or 'bf16'); return it.
 
     Call it on the frozen base before LoRA adapters are added (and before 4-bit quantization, whose layers
-    then compute in that dtype), then `adapters_to_fp32` after: only the adapters train.
+    then compute in that dtype), then `adapters_to_fp32` after: only the adapters train. Buffers a
+    checkpoint does not hold (rotary tables) keep their dtype, as `from_pretrained(dtype=...)` keeps them.
     """
     check_base_dtype(base_dtype)
-    return model.to(BASE_DTYPES[base_dtype])
+    return cast_weights(model, BASE_DTYPES[base_dtype])
 
 
 def adapters_to_fp32(model: nn.Module) -> nn.Module:

@@ -384,7 +384,8 @@ def distributed_matvec(S: SemiseparableMatrix, x: torch.Tensor, *, world_size: i
         raise ValueError(f"world_size must be in [1, {S.n}], got {world_size}")
     start_time = time.perf_counter()
     with tempfile.TemporaryDirectory() as workdir:
-        torch.save({"tensors": [t.cpu() for t in S.tensors()], "x": x.detach().cpu().float()}, Path(workdir, "input.pt"))
+        inputs = {"tensors": [t.cpu() for t in S.tensors()], "x": x.detach().cpu().float()}
+        ranks.write_result(Path(workdir, "input.pt"), lambda path: torch.save(inputs, path))  # whole before a rank reads it
         ranks.launch(_matvec_worker, world_size, (ranks.free_port(), workdir, timeout_s), workdir=workdir,
                      result_file="rank{rank}.pt", timeout_s=timeout_s, what="distributed matvec ranks",
                      threads_per_rank=max(1, torch.get_num_threads() // world_size))

@@ -201,6 +201,12 @@ def _plan_trainer(args: argparse.Namespace) -> tuple[int, Any]:
         raise ValueError("--training-args: give --model (the file names no model_name_or_path)")
     if args.seq is None and getattr(cfg.args, "max_length", None) is None:
         raise ValueError("--training-args: the file sets no max_length: give --seq (tokens per sequence)")
+    from colab_memopt.planning.hfconfig import check_tokens
+    from colab_memopt.planning.planner import get_target
+
+    tgt = get_target(_target(args))
+    check_tokens(args.seq if args.seq is not None else cfg.args.max_length, cfg.args.per_device_train_batch_size,
+                 tgt.host_bytes, seq_name="--seq" if args.seq is not None else "max_length", target_name=tgt.name)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         result = plan_trainer(cfg.args, model=model, lora=cfg.lora, bnb=cfg.bnb, target=_target(args), seq_len=args.seq,

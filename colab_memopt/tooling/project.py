@@ -8,6 +8,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from colab_memopt.core.fileio import atomic_write_text
+
 REPOSITORY = "colab-memopt/colab-memopt"
 BRANCH = "main"
 REPOSITORY_URL = f"https://github.com/{REPOSITORY}"
@@ -256,7 +258,7 @@ def sync_course_readme(readme: Path, titles: Mapping[str, str]) -> bool:
     text = readme.read_text(encoding="utf-8")
     new = replace_block(text, COURSE_START, COURSE_END, course_markdown(titles), readme)
     if new != text:
-        readme.write_text(new, encoding="utf-8")
+        atomic_write_text(readme, new)
     return new != text
 
 
@@ -274,7 +276,7 @@ def sync_notebooks(notebook_dir: Path) -> list[str]:
         synced = sync_notebook(notebooks[path.stem], path.stem, titles)
         out = json.dumps(synced, indent=1, ensure_ascii=False) + "\n"
         if out != path.read_text(encoding="utf-8"):
-            path.write_text(out, encoding="utf-8")
+            atomic_write_text(path, out)
             changed.append(path.name)
     return changed
 

@@ -85,6 +85,7 @@ TARGET_ENV = {"python_version": "3.12", "python_full_version": "3.12.3", "sys_pl
               "implementation_name": "cpython", "platform_python_implementation": "CPython", "extra": ""}
 
 
+from colab_memopt.core.fileio import atomic_write, write_json  # noqa: E402
 from colab_memopt.tooling.gpucheck import normalize  # noqa: E402 - one definition, in the module that installs
 
 
@@ -224,13 +225,13 @@ def build(dest: Path, needed: list[str], limit_mib: float = DEFAULT_LIMIT_MIB, d
         shutil.rmtree(folder, ignore_errors=True)
         folder.mkdir(parents=True)
         for n in part.files:
-            shutil.copy2(files[n], folder / files[n].name)
+            atomic_write(folder / files[n].name, lambda tmp, src=files[n]: shutil.copy2(src, tmp))
         part.files = sorted(files[n].name for n in part.files)
-        (folder / "manifest.json").write_text(json.dumps(asdict(part), indent=2) + "\n")
+        write_json(folder / "manifest.json", asdict(part))
     manifest = {"limit_mib": limit_mib, "python": "3.12", "platforms": list(PLATFORMS),
                 "groups": groups, "versions": {n: version(n) for n in names},
                 "parts": [asdict(p) for p in parts]}
-    (dest / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    write_json(dest / "manifest.json", manifest)
     return manifest
 
 

@@ -22,6 +22,8 @@ the weights are read) shard by shard, straight to the device, in the dtype the r
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import functools
 import math
 import os
@@ -118,20 +120,46 @@ def _weight_files(folder: str | None) -> list[Path]:
     return files
 
 
+def _out_of_memory(exc: BaseException) -> bool:
+    text = str(exc)
+    return isinstance(exc, MemoryError) or "Cannot allocate memory" in text or "os error 12" in text
+
+
+def unreadable_weights(path: Path, exc: BaseException) -> Exception:
+    """Return the error to raise for a weight file the libraries could not read: MemoryError where the process ran
+    out of memory mapping it (the file is fine), else ValueError naming the file (a truncated or corrupt download)."""
+    detail = " ".join(str(exc).split())[:200]
+    if _out_of_memory(exc):
+        return MemoryError(f"reading {path} needs host memory this process does not have ({detail}): free memory "
+                           "(restart the runtime) and load again")
+    return ValueError(f"{path} is not a readable {path.suffix.lstrip('.')} weight file (a truncated or corrupt "
+                      f"download?): {detail}")
+
+
+@contextlib.contextmanager
+def open_safetensors(path: Path) -> Any:
+    """`safetensors.safe_open(path)`, its errors (a cut-short header, garbage, no memory to map it) named with the file."""
+    from safetensors import safe_open
+
+    try:
+        handle = safe_open(str(path), "pt")
+    except Exception as exc:  # noqa: BLE001 - SafetensorError names no file
+        raise unreadable_weights(path, exc) from None
+    with handle as f:
+        yield f
+
+
 def check_weight_files(files: list[Path]) -> None:
     """Raise ValueError naming the file if a weight file cannot be read (a truncated or corrupt download)."""
     for path in files:
+        if path.suffix == ".safetensors":
+            with open_safetensors(path) as f:
+                f.keys()
+            continue
         try:
-            if path.suffix == ".safetensors":
-                from safetensors import safe_open
-
-                with safe_open(str(path), "pt") as f:
-                    f.keys()
-            else:
-                torch.load(path, map_location="meta", weights_only=True, mmap=True)
-        except Exception as exc:  # noqa: BLE001 - safetensors' and the unpickler's own errors name nothing
-            raise ValueError(f"{path} is not a readable {path.suffix.lstrip('.')} weight file (a truncated or corrupt "
-                             f"download?): {' '.join(str(exc).split())[:200]}") from None
+            torch.load(path, map_location="meta", weights_only=True, mmap=True)
+        except Exception as exc:  # noqa: BLE001 - the unpickler's own errors name nothing
+            raise unreadable_weights(path, exc) from None
 
 
 def _host_room_bytes() -> int:
@@ -147,6 +175,15 @@ def _host_room_bytes() -> int:
 
         room = min(room, soft - psutil.Process().memory_info().vms)
     return room
+
+
+def check_host_room(name: str, device: torch.device, need_bytes: int) -> None:
+    """Raise MemoryError naming both figures if loading needs more host RAM than this process has left."""
+    room = _host_room_bytes()
+    if need_bytes > room:
+        raise MemoryError(f"loading {name} to {device} needs about {format_bytes(need_bytes)} of host RAM and this "
+                          f"process has {format_bytes(room)} left: free memory (restart the runtime), or load to 'cuda' "
+                          "shard by shard")
 
 
 def has_weights(spec: ModelSpec) -> bool:
@@ -189,10 +226,12 @@ def load_host_bytes(model: Any, recipe: Recipe | None = None, device: str | torc
     dtype = load_dtype(recipe, dev.type, native_bf16)
     four_bit = recipe.quantization in ("nf4", "fp4") and recipe.quantization_phase == "all"
     if recipe.weight_dtype == "int8":  # load_int8: one memory-mapped tensor at a time, quantized on `device`
+        tensor = max(p.numel() for p in shape.parameters()) * _DTYPE_BYTES[ckpt_dtype]  # fp32 if the config says nothing
         if files and spec.path and any(p.suffix == ".safetensors" for p in files):
-            tensor = safetensors_largest_bytes(spec.path)
-        else:
-            tensor = max(p.numel() for p in shape.parameters()) * _DTYPE_BYTES[ckpt_dtype]  # fp32 if the config says nothing
+            try:
+                tensor = safetensors_largest_bytes(spec.path)
+            except MemoryError:  # no room even to map the headers: the config's figure, and the room check says so
+                notes.append("the files' headers could not be mapped (no memory left): tensor size from the config")
         from colab_memopt.techniques.int8train import CHUNK_ELEMENTS, int8_weight_bytes
 
         values = max(p.numel() for p in shape.parameters())
@@ -249,7 +288,8 @@ def _bnb_config(recipe: Recipe, dtype: torch.dtype) -> Any:
                               llm_int8_skip_modules=["lm_head"])
 
 
-def load_model(id_or_path: Any, recipe: Recipe | dict[str, Any] | None = None, device: str | torch.device = "auto") -> LoadedModel:
+def load_model(id_or_path: Any, recipe: Recipe | dict[str, Any] | None = None, device: str | torch.device = "auto", *,
+               adapter: str | os.PathLike[str] | None = None) -> LoadedModel:
     """Load a causal LM's weights without a host-RAM spike, apply the recipe, and return it with its optimizer.
 
     Args:
@@ -259,6 +299,8 @@ def load_model(id_or_path: Any, recipe: Recipe | dict[str, Any] | None = None, d
         recipe: the techniques (a `Recipe` or a dict of its fields); LoRA targets default to the
             model family's (`presets.LORA_TARGETS_BY_FAMILY`) when the recipe keeps the reference model's.
         device: 'auto' (CUDA if present), 'cpu' or 'cuda'.
+        adapter: a folder of trained LoRA adapters (`save_trained`'s, or peft's `save_pretrained`) to load into
+            the recipe's adapters instead of fresh ones; its rank, targets and alpha are the adapter's own.
 
     Returns:
         `LoadedModel`: `.model` (adapters, quantization and checkpointing applied), `.optimizer` over
@@ -275,6 +317,16 @@ def load_model(id_or_path: Any, recipe: Recipe | dict[str, Any] | None = None, d
         raise ValueError("load_model applies in-process recipes; DeepSpeed (zero_stage, offload_*) and layer streaming "
                          "build their own engines: load with load_model(..., Recipe()) and pass the model to Recipe.build")
     dev = pick_device(device)
+    lora_config = None
+    if adapter is not None:
+        lora_config = read_adapter_config(adapter)
+        if not rec.lora_rank:
+            raise ValueError(f"adapter={os.fspath(adapter)!r} holds LoRA adapters: give a LoRA recipe (lora_rank="
+                             f"{lora_config.r}), or load the base alone without adapter=")
+        if rec.lora_rank != lora_config.r:
+            raise ValueError(f"adapter={os.fspath(adapter)!r} has rank r={lora_config.r}, the recipe lora_rank="
+                             f"{rec.lora_rank}: give lora_rank={lora_config.r}")
+        rec = rec.with_(lora_targets=tuple(sorted(lora_config.target_modules)))
     spec: ModelSpec = resolve_model(id_or_path)
     if spec.config is None:
         raise ValueError(f"load_model loads transformers causal LMs (an id, a folder or a config); {spec.name!r} is "
@@ -290,12 +342,9 @@ def load_model(id_or_path: Any, recipe: Recipe | dict[str, Any] | None = None, d
 
     source = spec.path or spec.name
     weights = has_weights(spec)
-    check_weight_files(_weight_files(spec.path))
     need = load_host_bytes(spec, rec, dev.type, native_bf16=bf16_native(dev)).host_bytes
-    room = _host_room_bytes()
-    if need > room:
-        raise MemoryError(f"loading {spec.name} to {dev} needs about {format_bytes(need)} of host RAM and this process "
-                          f"has {format_bytes(room)} left: free memory (restart the runtime), or load to 'cuda' shard by shard")
+    check_host_room(spec.name, dev, need)  # before the files are opened: a file mapped without room is not corrupt
+    check_weight_files(_weight_files(spec.path))
     start = time.perf_counter()
     with HostPeak() as host:
         if weights and rec.weight_dtype == "int8":  # one tensor at a time to int8: an 8B model fits a T4 and Colab's RAM
@@ -322,15 +371,80 @@ def load_model(id_or_path: Any, recipe: Recipe | dict[str, Any] | None = None, d
             quantize_model(model, rec.quantization)  # bitsandbytes Linear4bit, quantized when moved to the device
             model.to(dev)
     if rec.lora_rank:
-        add_lora(model, rec.lora_rank, targets=rec.lora_targets)
+        add_lora(model, rec.lora_rank, targets=rec.lora_targets,
+                 alpha=None if lora_config is None else lora_config.lora_alpha)
         for p in model.parameters():  # adapters train in fp32 (master weights) whatever the base's dtype
             if p.requires_grad and p.dtype != torch.float32:
                 p.data = p.data.float()
+        if adapter is not None:
+            load_adapter_weights(model, adapter)
+            notes.append(f"LoRA adapters from {os.fspath(adapter)}")
     seconds = time.perf_counter() - start
     rest = rec.with_(quantization=None, lora_rank=0, lora_targets=DEFAULT_LORA_TARGETS, base_dtype=None)
     model, optimizer = rest.build(model)
     return LoadedModel(model, optimizer, rec, dtype, dev, not weights, host.peak_bytes, host.added_bytes, seconds,
                        source, notes)
+
+
+def _adapter_folder(adapter: Any) -> Path:
+    if isinstance(adapter, bytes) or not isinstance(adapter, (str, os.PathLike)):
+        raise TypeError(f"adapter must be a folder (str or pathlib.Path), got {type(adapter).__name__} {adapter!r}")
+    folder = Path(adapter).expanduser()
+    if not (folder / "adapter_config.json").is_file():
+        raise ValueError(f"adapter={str(folder)!r} holds no adapter_config.json: give the folder save_trained (or "
+                         "peft's save_pretrained) wrote")
+    return folder
+
+
+def read_adapter_config(adapter: str | os.PathLike[str]) -> Any:
+    """Return the peft LoraConfig of an adapter folder; refuse one load_model cannot rebuild, naming what to use."""
+    from peft import LoraConfig
+
+    from colab_memopt.core.fileio import read_json
+
+    folder = _adapter_folder(adapter)
+    values = read_json(folder / "adapter_config.json")
+    if not isinstance(values, dict) or values.get("peft_type") not in (None, "LORA"):
+        raise ValueError(f"{folder / 'adapter_config.json'} is not a LoRA adapter's config (peft_type "
+                         f"{values.get('peft_type') if isinstance(values, dict) else None!r}): load it with "
+                         "PeftModel.from_pretrained(base, folder)")
+    config = LoraConfig.from_pretrained(str(folder))
+    other = [name for name, plain in (("use_dora", False), ("use_rslora", False), ("bias", "none"),
+                                      ("modules_to_save", None), ("rank_pattern", {}), ("alpha_pattern", {}),
+                                      ("layers_to_transform", None)) if (getattr(config, name, plain) or plain) != plain]
+    if other or isinstance(config.target_modules, str) or not config.target_modules:
+        what = other or [f"target_modules={config.target_modules!r}"]
+        raise ValueError(f"the adapter in {folder} sets {what}, which load_model does not rebuild: load it with "
+                         "PeftModel.from_pretrained(base, folder)")
+    return config
+
+
+def load_adapter_weights(model: nn.Module, adapter: str | os.PathLike[str]) -> None:
+    """Load an adapter folder's trained LoRA weights into the adapters `model` holds (`add_lora`'s); refuse, naming
+    them, tensors the model has no place for or adapters the folder does not fill."""
+    from peft import set_peft_model_state_dict
+
+    folder = _adapter_folder(adapter)
+    files = [folder / name for name in ("adapter_model.safetensors", "adapter_model.bin") if (folder / name).is_file()]
+    if not files:
+        raise ValueError(f"{folder} holds adapter_config.json but no adapter_model.safetensors (a save cut short?)")
+    check_weight_files(files[:1])
+    if files[0].suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        state = load_file(str(files[0]))
+    else:
+        state = torch.load(files[0], map_location="cpu", weights_only=True)
+    state = {k.removeprefix(PEFT_PREFIX): v for k, v in state.items()}
+    expected = {n for n, _ in model.named_parameters() if "lora_" in n}
+    result = set_peft_model_state_dict(model, state)
+    unexpected = sorted(getattr(result, "unexpected_keys", []) or [])
+    missing = sorted(k for k in (getattr(result, "missing_keys", []) or []) if k in expected)
+    if unexpected or missing:
+        keys = unexpected or missing
+        raise ValueError(f"the adapter in {folder} does not fit this model: {len(keys)} tensor(s) "
+                         f"{'it has no place for' if unexpected else 'left unfilled'}, e.g. {keys[:2]} (another base "
+                         "model, or other target modules?)")
 
 
 # -- load_int8: a checkpoint straight to int8 weights, one tensor at a time (notebook 16's 8B on a T4) -----------
@@ -346,9 +460,20 @@ SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.
 def checkpoint_folder(id_or_path: str | os.PathLike[str]) -> Path:
     """Return the local folder of a checkpoint: `id_or_path` itself, or a hub id's snapshot (config and
     safetensors files only, downloaded by `huggingface_hub.snapshot_download` or read from its cache)."""
+    if isinstance(id_or_path, bytes) or not isinstance(id_or_path, (str, os.PathLike)):
+        raise TypeError(f"id_or_path must be a folder or a Hugging Face id (a str or pathlib.Path), got "
+                        f"{type(id_or_path).__name__} {id_or_path!r}")
     text = os.fspath(id_or_path)
     path = Path(text).expanduser()
     if path.is_dir():
+        if (path / "adapter_config.json").is_file() and not (path / "config.json").is_file():
+            raise ValueError(f"{path} holds LoRA adapters (adapter_config.json), not a model: load its base model, then "
+                             "the adapters (load_model(base, recipe, adapter=folder), or peft's "
+                             "PeftModel.from_pretrained(base, folder))")
+        if not (path / "config.json").is_file():
+            found = sorted(p.name for p in path.iterdir())
+            raise ValueError(f"{path} has no config.json (found {found[:5]}): give the folder save_pretrained wrote, "
+                             "with its config.json beside the weights")
         return path
     if text.count("/") == 1 and not text.startswith((".", "/", "~")) and all(text.split("/")):
         from huggingface_hub import snapshot_download
@@ -361,8 +486,6 @@ def checkpoint_folder(id_or_path: str | os.PathLike[str]) -> Path:
 def safetensors_map(folder: str | Path) -> dict[str, Path]:
     """Return {tensor name: its file} of a safetensors checkpoint: `model.safetensors.index.json`'s weight_map
     for sharded ones, else the one `model.safetensors`. Raises ValueError naming what is missing."""
-    from safetensors import safe_open
-
     folder = Path(folder)
     index = folder / "model.safetensors.index.json"
     if index.is_file():
@@ -379,7 +502,7 @@ def safetensors_map(folder: str | Path) -> dict[str, Path]:
         return out
     single = folder / "model.safetensors"
     if single.is_file():
-        with safe_open(str(single), "pt") as f:
+        with open_safetensors(single) as f:
             return {k: single for k in f.keys()}
     found = sorted(p.name for p in folder.iterdir() if p.suffix in WEIGHT_SUFFIXES)
     raise ValueError(f"{folder} holds no model.safetensors or model.safetensors.index.json"
@@ -388,11 +511,9 @@ def safetensors_map(folder: str | Path) -> dict[str, Path]:
 
 def safetensors_largest_bytes(folder: str | Path) -> int:
     """Return the bytes of a safetensors checkpoint's largest tensor, read from the files' headers only."""
-    from safetensors import safe_open
-
     largest = 0
     for file in sorted(set(safetensors_map(folder).values())):
-        with safe_open(str(file), "pt") as f:
+        with open_safetensors(file) as f:
             for key in f.keys():
                 sl = f.get_slice(key)
                 numel = math.prod(sl.get_shape())
@@ -425,9 +546,7 @@ def release_freed_host_memory() -> None:
 def _read_tensor(file: Path, key: str, shape: tuple[int, ...]) -> torch.Tensor:
     """Return one tensor of a safetensors file, checked: its name, shape and dtype; memory-mapped (the caller
     copies it and drops it: the file is open only as long as the tensor lives, so the host holds one tensor)."""
-    from safetensors import safe_open
-
-    with safe_open(str(file), "pt") as f:
+    with open_safetensors(file) as f:
         if key not in f.keys():
             raise ValueError(f"{file.name} has no tensor {key!r}, though the checkpoint's index names it there")
         sl = f.get_slice(key)
@@ -485,12 +604,18 @@ def load_int8(id_or_path: str | os.PathLike[str], *, dtype: torch.dtype | None =
         raise ValueError(f"dtype must be torch.float16 or torch.bfloat16 (what int8 weights dequantize to), got {dtype!r}")
     group_size = GROUP_SIZE if group_size is None else group_size
     folder = checkpoint_folder(id_or_path)
-    files = safetensors_map(folder)
     config = transformers.AutoConfig.from_pretrained(folder)
     with init_empty_weights(include_buffers=False):  # parameters on meta; buffers (rotary tables) computed
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.tie_weights()  # under init_empty_weights from_config leaves a tied head untied
+    from colab_memopt.techniques.int8train import int8_weight_bytes
+
+    int8_bytes, largest_values = int8_weight_bytes(model, group_size)
+    tensor_bytes = largest_values * _DTYPE_BYTES[_checkpoint_dtype(config)]  # before any file is mapped
+    check_host_room(folder.name, dev, tensor_bytes + LOAD_INT8_OVERHEAD_BYTES + (int8_bytes if dev.type == "cpu" else 0))
+    files = safetensors_map(folder)
     quantize_model_int8(model, group_size=group_size, compute_dtype=dtype)  # on meta: the layout only
+    _untie_where_the_checkpoint_differs(model, files, folder)
     int8_by_key: dict[str, Any] = {}  # checkpoint key -> the int8 weight its layer holds
     users: dict[int, list[nn.Module]] = {}
     for name, m in model.named_modules():
@@ -548,37 +673,185 @@ def load_int8(id_or_path: str | os.PathLike[str], *, dtype: torch.dtype | None =
     return model
 
 
+def _same_values(a: tuple[Path, str], b: tuple[Path, str]) -> bool:
+    """Return whether two checkpoint tensors hold the same values, compared a slice of rows at a time (the host holds
+    two slices, never two whole tensors)."""
+    with open_safetensors(a[0]) as fa, open_safetensors(b[0]) as fb:
+        sa, sb = fa.get_slice(a[1]), fb.get_slice(b[1])
+        if sa.get_shape() != sb.get_shape() or sa.get_dtype() != sb.get_dtype():
+            return False
+        rows = sa.get_shape()[0] if sa.get_shape() else 1
+        step = max(1, (1 << 22) // max(1, math.prod(sa.get_shape()[1:])))
+        for start in range(0, rows, step):
+            if not torch.equal(sa[start:start + step], sb[start:start + step]):
+                return False
+    return True
+
+
+def _untie_where_the_checkpoint_differs(model: nn.Module, files: dict[str, Path], folder: Path) -> None:
+    """Give a tied head its own int8 weight where the checkpoint holds both it and the embedding with different
+    values, as `from_pretrained` does (it warns and does not tie them); warn naming the config field."""
+    import warnings
+
+    from colab_memopt.techniques.int8train import Int8Embedding, Int8Linear, _Int8Weight
+
+    holders: dict[int, list[tuple[str, nn.Module]]] = {}
+    for name, m in model.named_modules():
+        if isinstance(m, (Int8Linear, Int8Embedding)):
+            holders.setdefault(id(m.shared), []).append((f"{name}.weight" if name else "weight", m))
+    for group in holders.values():
+        keys = [k for k, _ in group if k in files]
+        if len(group) < 2 or len(keys) < 2 or all(_same_values((files[keys[0]], keys[0]), (files[k], k)) for k in keys[1:]):
+            continue
+        first = group[0][1].shared
+        for key, m in group[1:]:
+            if key not in files:
+                continue
+            q, scale = first.qweight, first.scale
+            own = _Int8Weight(nn.Parameter(torch.empty_like(q), requires_grad=False),
+                              nn.Parameter(torch.empty_like(scale), requires_grad=False), first.dtype)
+            own.uses, first.uses = 1, first.uses - 1
+            m._register(own)
+        if hasattr(model.config, "tie_word_embeddings"):
+            model.config.tie_word_embeddings = False
+        warnings.warn(f"{folder / 'config.json'} ties {keys[1:]} to {keys[0]}, but the checkpoint holds both with "
+                      "different values: they are loaded apart, as from_pretrained does (set tie_word_embeddings to "
+                      "false in config.json to say so)", UserWarning, stacklevel=3)
+
+
+# An earlier save's weight files a new save replaces: removed when the new one did not write them (a sharded save over
+# a single file, or the reverse), so no loader reads the earlier save's weights beside the new config.
+WEIGHT_FILE_PATTERNS = ("model.safetensors", "model-*-of-*.safetensors", "model.safetensors.index.json",
+                        "pytorch_model.bin", "pytorch_model-*-of-*.bin", "pytorch_model.bin.index.json")
+ADAPTER_FILE_PATTERNS = ("adapter_model.safetensors", "adapter_model.bin")
+# peft's own saves name each adapter tensor as PeftModel holds it: under `base_model.model.`
+PEFT_PREFIX = "base_model.model."
+
+
 def save_random_model(model: Any, folder: str | Path, *, max_shard_size: str | int = "2GB") -> Path:
     """Save a causal LM with random weights, built from `model`'s config, to `folder` (`save_pretrained`).
 
     For tests and CI, which have no network: `model` is a config, a family name's `small_config` or
-    anything `architectures.resolve_model` takes. Returns the folder.
+    anything `architectures.resolve_model` takes. Returns the folder. Each file is written whole
+    (`fileio.replace_files`): a kill while saving leaves the folder's earlier files as they were.
     """
+    from colab_memopt.core.fileio import replace_files
+
     spec = resolve_model(model)
     if spec.config is None:
         raise ValueError(f"save_random_model needs a transformers config, got {spec.name!r}")
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    spec.build().save_pretrained(folder, max_shard_size=max_shard_size)
+    built = spec.build()
+    replace_files(folder, lambda tmp: built.save_pretrained(tmp, max_shard_size=max_shard_size), stale=WEIGHT_FILE_PATTERNS)
     return folder
 
 
-def save_trained(model: nn.Module, folder: str | Path, recipe: Recipe) -> list[Path]:
-    """Save what was trained: the LoRA adapters (peft's `adapter_model.safetensors` and `adapter_config.json`)
-    under a LoRA recipe, else the whole model (`save_pretrained`). Returns the files written."""
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    if recipe.lora_rank:
-        from peft import get_peft_model_state_dict
-        from safetensors.torch import save_file
+def _check_folder(folder: Any) -> Path:
+    if isinstance(folder, bytes) or not isinstance(folder, (str, os.PathLike)):
+        raise TypeError(f"folder must be a path (str or pathlib.Path), got {type(folder).__name__} {folder!r}")
+    folder = Path(folder).expanduser()
+    if folder.exists() and not folder.is_dir():
+        raise ValueError(f"folder {str(folder)!r} is a file: give a folder to save into")
+    return folder
 
-        state = {k: v.detach().to("cpu").contiguous() for k, v in get_peft_model_state_dict(model).items()}
-        if not state:
-            raise ValueError("the recipe has lora_rank > 0 but the model holds no LoRA adapters")
-        save_file(state, str(folder / "adapter_model.safetensors"))
-        config = getattr(model, "peft_config", {}).get("default")
-        if config is not None:
-            config.save_pretrained(str(folder))
-    else:
-        model.save_pretrained(folder)
-    return sorted(p for p in folder.iterdir() if p.is_file())
+
+def save_trained(model: nn.Module, folder: str | Path, recipe: Recipe | dict[str, Any]) -> list[Path]:
+    """Save what was trained so that it loads back as it was trained; return the files written.
+
+    - Under a LoRA recipe (`lora_rank` > 0): the adapters as peft saves them (`adapter_model.safetensors`
+      with peft's tensor names, `adapter_config.json`): `PeftModel.from_pretrained(base, folder)` and
+      `load_model(base, recipe, adapter=folder)` load them.
+    - Int8 weights (`weight_dtype='int8'`): each weight dequantized to the 16-bit dtype it computed in,
+      under the usual names: `AutoModelForCausalLM.from_pretrained(folder)` gives the trained logits, and
+      `load_int8(folder)` quantizes it to int8 again.
+    - Otherwise the whole model (`save_pretrained`).
+
+    Every file is written whole: a save killed part-way (a Colab runtime reset) keeps the earlier save
+    loadable, and other files in `folder` (a tokenizer) are left alone.
+
+    Args:
+        model: the trained model (a transformers model, or one with LoRA adapters from a recipe).
+        folder: where to save; created if missing.
+        recipe: the `Recipe` it was trained with (or a dict of its fields, as `load_model` takes).
+
+    Example:
+        >>> loaded = cm.load_model("Qwen/Qwen2.5-0.5B", cm.Recipe(lora_rank=16))
+        >>> ...  # train
+        >>> save_trained(loaded.model, "adapter", loaded.recipe)
+    """
+    if recipe is None or not isinstance(recipe, (Recipe, dict)):
+        raise TypeError(f"recipe must be the Recipe the model was trained with (or a dict of its fields), got "
+                        f"{type(recipe).__name__} {recipe!r}")
+    rec = recipe if isinstance(recipe, Recipe) else Recipe.from_dict(dict(recipe))
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be the trained torch model, got {type(model).__name__}")
+    folder = _check_folder(folder)
+    if rec.lora_rank:
+        return _save_adapters(model, folder)
+    from colab_memopt.core.fileio import replace_files
+    from colab_memopt.techniques.int8train import int8_weights
+
+    if not hasattr(model, "save_pretrained"):
+        raise ValueError(f"{type(model).__name__} has no save_pretrained (the course's own model): save its weights "
+                         "with torch.save(model.state_dict(), 'model.pt'), and load them into a model built the same "
+                         "way with model.load_state_dict(torch.load('model.pt'))")
+    if int8_weights(model):
+        state, dtype = _int8_as_16_bit(model)
+        config = copy.deepcopy(model.config)
+        config.dtype = dtype
+
+        def save(tmp: Path) -> None:
+            model.save_pretrained(tmp, state_dict=state)
+            config.save_pretrained(tmp)  # the 16-bit dtype the weights are in
+
+        return replace_files(folder, save, stale=WEIGHT_FILE_PATTERNS)
+    return replace_files(folder, lambda tmp: model.save_pretrained(tmp), stale=WEIGHT_FILE_PATTERNS)
+
+
+def _int8_as_16_bit(model: nn.Module) -> tuple[dict[str, torch.Tensor], torch.dtype]:
+    """Return `model`'s state dict with each int8 weight (`qweight`, `scale`) as the 16-bit `weight` it computes with
+    (the same values its forward uses: int8 x scale in fp32, cast to its dtype), and that dtype."""
+    from colab_memopt.techniques.int8train import Int8Embedding, Int8Linear, dequantize_int8
+
+    state = dict(model.state_dict())
+    weights: dict[int, torch.Tensor] = {}  # a tied embedding and head: one tensor, which save_pretrained keeps once
+    dtypes = set()
+    with torch.no_grad():
+        for name, m in model.named_modules():
+            if isinstance(m, (Int8Linear, Int8Embedding)):
+                prefix = f"{name}." if name else ""
+                state.pop(prefix + "qweight", None)
+                state.pop(prefix + "scale", None)
+                if id(m.shared) not in weights:
+                    weights[id(m.shared)] = dequantize_int8(m.qweight, m.scale, m.shared.dtype).cpu()
+                state[prefix + "weight"] = weights[id(m.shared)]
+                dtypes.add(m.shared.dtype)
+    return state, dtypes.pop() if len(dtypes) == 1 else torch.float32
+
+
+def _save_adapters(model: nn.Module, folder: Path) -> list[Path]:
+    """Save a model's LoRA adapters as peft saves them (tensor names under `base_model.model.`)."""
+    from colab_memopt.core.fileio import replace_files
+
+    config = (getattr(model, "peft_config", None) or {}).get("default")
+    if config is None or not any("lora_" in n for n, _ in model.named_parameters()):
+        raise ValueError("the recipe has lora_rank > 0 but the model holds no LoRA adapters: save the model the "
+                         "recipe built (load_model(..., recipe).model), or give the recipe it was trained with")
+    from peft import PeftModel, get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    if isinstance(model, PeftModel):  # peft's own model: its own save, each file written whole
+        return replace_files(folder, lambda tmp: model.save_pretrained(tmp), stale=ADAPTER_FILE_PATTERNS)
+    state = {PEFT_PREFIX + k: v.detach().to("cpu").contiguous() for k, v in get_peft_model_state_dict(model).items()}
+    config = copy.deepcopy(config)  # the user's model keeps its own
+    hf_config = getattr(model, "config", None)
+    if getattr(config, "base_model_name_or_path", None) is None and getattr(hf_config, "_name_or_path", ""):
+        config.base_model_name_or_path = hf_config._name_or_path
+    if getattr(config, "task_type", None) is None and hasattr(model, "generate") and hf_config is not None:
+        config.task_type = "CAUSAL_LM"  # PeftModel.from_pretrained then gives a model that generates
+
+    def save(tmp: Path) -> None:
+        save_file(state, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
+        config.save_pretrained(str(tmp))
+
+    return replace_files(folder, save, stale=ADAPTER_FILE_PATTERNS)

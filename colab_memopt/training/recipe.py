@@ -536,6 +536,10 @@ class Recipe:
             if not isinstance(model, PreTrainedModel):
                 raise ValueError(f"recipe.attention={REPEATED_KV_ATTENTION!r} applies to a transformers model, got "
                                  f"{type(model).__name__}; leave it None")
+            if self.attention_window is not None:
+                raise ValueError(f"recipe.attention_window={self.attention_window} applies to the reference model only: "
+                                 f"attention={REPEATED_KV_ATTENTION!r} keeps the model's own causal attention; leave "
+                                 "attention_window None")
         elif (self.attention is not None or self.attention_window is not None) and not hasattr(model, "blocks"):
             raise ValueError("recipe.attention and attention_window apply to the reference model only; leave them None")
         if self.quantization is not None and self.quantization_phase == "all":

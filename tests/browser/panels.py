@@ -21,9 +21,10 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any, Union
 
 from colab_memopt.tooling.widgets import OUTPUT_CLASS, PANEL_CLASS, RUN_CLASS
 
@@ -37,6 +38,11 @@ TRACEBACK = "Traceback (most recent call last)"
 KINDS = ("select", "toggle", "slider")
 
 
+# An expected text: a string the notebook's own code prints, or a function of the notebook's CI parameters that
+# returns it from the package code that prints it (so a changed printout changes the expectation with it).
+Expected = Union[str, Callable[[dict[str, Any]], str]]
+
+
 @dataclass(frozen=True)
 class Change:
     """One control to change in a panel and what the panel must show after the change.
@@ -46,16 +52,25 @@ class Change:
         kind: "select" (Dropdown), "toggle" (Checkbox) or "slider" (IntSlider, typed into its readout).
         value: the option to select or the number to type; unused for "toggle".
         plot: whether the panel draws a plot (its image must be there before and differ after).
-        expect: text the panel's output must contain after the change ("" for none).
-        expect_gone: text the panel's output shows before the change and must not show after ("" for none).
+        expect: text the panel's output must contain after the change ("" for none), or a function of the
+            notebook's CI parameters that returns it (`resolved`).
+        expect_gone: text the panel's output shows before the change and must not show after ("" for none),
+            or such a function.
     """
 
     control: str
     kind: str
     value: str = ""
     plot: bool = False
-    expect: str = ""
-    expect_gone: str = ""
+    expect: Expected = ""
+    expect_gone: Expected = ""
+
+    def resolved(self, params: dict[str, Any]) -> Change:
+        """Return this change with `expect` and `expect_gone` as strings, computed from `params` where they are
+        functions."""
+        text = {name: value(params) if callable(value) else value
+                for name, value in (("expect", self.expect), ("expect_gone", self.expect_gone))}
+        return replace(self, **text)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -66,13 +81,39 @@ class Change:
             raise ValueError("Change.value '': name the option to select")
 
 
+# -- expected texts read from the code that prints them ---------------------------------------------------------------
+
+def plan_last_line(params: dict[str, Any]) -> str:
+    """The last line a plan prints (`Plan.__str__`): once it is there, the whole plan has arrived."""
+    import colab_memopt as cm
+
+    return str(cm.plan("tiny", 1, seq_len=16, method="analytic", find_max_batch=False)).splitlines()[-1]
+
+
+def report_head(label: str) -> str:
+    """The start of a step's report (`MemoryReport.__str__`) labelled `label`, up to its device."""
+    import colab_memopt as cm
+
+    marker = "<device>"
+    return str(cm.MemoryReport(0, {}, {}, {}, {}, {}, 0.0, marker, "measured", label=label)).split(marker)[0]
+
+
+def recommended(mode: str) -> str:
+    """What a recommendation's first line says of a mode that fits (`Recommendation.__str__`)."""
+    from colab_memopt.planning import recommender
+
+    return f"{recommender._MODE_WORDS[mode]} fits"
+
+
 # notebook stem -> the change (or changes, set together before one press of Run) the browser test makes.
-# Pick a change that is cheap at the CI parameters.
+# Pick a change that is cheap at the CI parameters. Texts the package prints are read from its code (the functions
+# above), never typed in here: a changed printout changes the expectation with it (four panels' did, and their
+# typed-in expectations failed outside CI).
 PANELS: dict[str, Change | tuple[Change, ...]] = {
     "00_where_the_memory_goes": Change("optimizer", "select", "sgd", plot=True, expect="sgd", expect_gone="optimizer_state"),
-    # the settings a T4 user asks about: precision, mode, checkpointing and optimizer, in one plan
-    # ("verdict:" is printed after the plan, so the whole plan has arrived before the check reads it)
-    "01_will_it_fit": (Change("precision", "select", "fp16-autocast"), Change("mode", "select", "qlora", expect="verdict:"),
+    # the settings a T4 user asks about: precision, mode, checkpointing and optimizer, in one plan (the plan's last
+    # line is printed after the plan, so the whole plan has arrived before the check reads it)
+    "01_will_it_fit": (Change("precision", "select", "fp16-autocast"), Change("mode", "select", "qlora", expect=plan_last_line),
                        Change("checkpointing", "select", "full"),
                        Change("optimizer", "select", "sgd", expect="qlora · fp16-autocast · checkpointing full · sgd",
                               expect_gone="optimizer_state")),
@@ -81,7 +122,10 @@ PANELS: dict[str, Change | tuple[Change, ...]] = {
     "04_gradient_accumulation": Change("steps", "slider", "4", plot=True, expect="4 steps"),
     "05_memory_efficient_attention": Change("attention", "select", "naive", expect="naive"),
     "06_lean_optimizers": Change("optimizer", "select", "sgd_momentum", plot=True, expect="sgd_momentum"),
-    "07_weight_quantization": Change("base", "select", "fp4", plot=True, expect="fp4 r", expect_gone="nf4 r"),
+    # the panel first shows the report measured above (labelled "qlora_nf4"), then the one its callback labels
+    "07_weight_quantization": Change("base", "select", "fp4", plot=True,
+                                     expect=lambda p: report_head(f"fp4 r{p['lora_rank']}"),
+                                     expect_gone=lambda p: report_head("qlora_nf4")),
     "08_activation_compression": Change("checkpoint blocks", "toggle", plot=True, expect="+ckpt"),
     "09_cpu_offload": Change("prefetch", "slider", "0", plot=True, expect="prefetch 0", expect_gone="prefetch 1"),
     "10_deepspeed_zero": Change("stage", "select", "1"),
@@ -89,12 +133,14 @@ PANELS: dict[str, Change | tuple[Change, ...]] = {
     "12_dynamic_batch_size_and_oom": Change("pressure MiB", "slider", "0", expect="recoveries 0"),
     "13_semiseparable_matrices": Change("factors", "select", "float16", expect="float16 factors"),
     "14_phase_aware_training": Change("phase", "select", "full", plot=True),
-    "15_fit_the_biggest_model": Change("objective", "select", "least_memory", expect="objective least_memory",
-                                       expect_gone="objective fastest"),
+    # mode auto, fastest (the default) picks full fine-tuning; the least memory is QLoRA's
+    "15_fit_the_biggest_model": Change("objective", "select", "least_memory", expect=lambda p: recommended("qlora"),
+                                       expect_gone=lambda p: recommended("full")),
     "16_full_finetuning_on_a_t4": Change("method", "select", "adamw_16bit_kahan", plot=True, expect="adamw_16bit_kahan at lr",
                                          expect_gone="lomo at lr"),
     "17_long_context": Change("chunked loss", "toggle", plot=True, expect="chosen"),
-    "18_your_own_model": Change("mode", "select", "full", expect="(full)", expect_gone="(lora)"),
+    "18_your_own_model": Change("mode", "select", "full", expect=lambda p: recommended("full"),
+                                expect_gone=lambda p: recommended(p["mode"])),
     "19_your_trainer_on_a_free_t4": Change("optim", "select", "adafactor", expect="optim='adafactor'"),
 }
 # notebook stem -> why its panel is not driven in the browser.
@@ -294,9 +340,11 @@ def _screenshot(panel, path: Path) -> None:  # noqa: ANN001 - a Playwright locat
     path.write_bytes(shot)
 
 
-def changes_of(entry: Change | tuple[Change, ...]) -> tuple[Change, ...]:
-    """Return a PANELS entry as a tuple of changes."""
-    return entry if isinstance(entry, tuple) else (entry,)
+def changes_of(entry: Change | tuple[Change, ...], params: dict[str, Any] | None = None) -> tuple[Change, ...]:
+    """Return a PANELS entry as a tuple of changes; with `params` (the notebook's CI parameters), their expected
+    texts computed (`Change.resolved`)."""
+    changes = entry if isinstance(entry, tuple) else (entry,)
+    return changes if params is None else tuple(c.resolved(params) for c in changes)
 
 
 def _change(panel, entry: Change | tuple[Change, ...]) -> None:  # noqa: ANN001 - a Playwright locator
@@ -334,6 +382,8 @@ def check_panel(context, lab: Lab, notebook: Path, change: Change | tuple[Change
     """
     stem = notebook.stem
     changes = changes_of(change)
+    unresolved = [c.control for c in changes if callable(c.expect) or callable(c.expect_gone)]
+    assert not unresolved, f"{stem}: resolve the expected texts of {unresolved} first (changes_of(entry, params))"
     plot = any(c.plot for c in changes)
     expects = [c.expect for c in changes if c.expect]
     gones = [c.expect_gone for c in changes if c.expect_gone]

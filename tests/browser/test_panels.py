@@ -54,6 +54,36 @@ def test_will_it_fit_panel_sets_what_a_t4_user_asks_about():
     assert {"precision", "mode", "checkpointing", "optimizer"} <= driven
 
 
+@pytest.mark.parametrize("stem", sorted(panels.PANELS))
+def test_expected_texts_resolve_to_text_and_none_is_left_to_resolve(stem):
+    """Every expectation is text once the notebook's CI parameters are given; check_panel refuses one that is not."""
+    params = parameters_for(stem, gpu=False, cpu_params=load_cpu_parameters(CPU_PARAMS_FILE))
+    for change in panels.changes_of(panels.PANELS[stem], params):
+        assert isinstance(change.expect, str) and isinstance(change.expect_gone, str), (stem, change)
+    if any(callable(c.expect) or callable(c.expect_gone) for c in panels.changes_of(panels.PANELS[stem])):
+        with pytest.raises(AssertionError, match="resolve the expected texts"):
+            panels.check_panel(None, None, NOTEBOOK_DIR / f"{stem}.ipynb", panels.PANELS[stem], BUILD,
+                               run_timeout_s=1, change_timeout_s=1)
+
+
+def test_the_four_rotted_panels_expect_what_the_package_prints_now():
+    """Probe 4: 01, 07, 15 and 18 waited for 'verdict:', 'nf4 r' before the change, 'objective least_memory' and
+    '(full)', which the printouts no longer hold. Each expected text is now produced by the printing code itself."""
+    import colab_memopt as cm
+    from colab_memopt.planning import recommender
+
+    plan = cm.plan("tiny", 1, seq_len=16, method="analytic", find_max_batch=False)
+    assert str(plan).endswith(panels.plan_last_line({}))
+    params07 = parameters_for("07_weight_quantization", gpu=False, cpu_params=load_cpu_parameters(CPU_PARAMS_FILE))
+    (change07,) = panels.changes_of(panels.PANELS["07_weight_quantization"], params07)
+    report = cm.MemoryReport(1, {}, {}, {}, {}, {}, 0.1, "cpu", "measured", label=f"fp4 r{params07['lora_rank']}")
+    assert str(report).startswith(change07.expect) and change07.expect_gone == panels.report_head("qlora_nf4")
+    for mode, words in recommender._MODE_WORDS.items():
+        assert panels.recommended(mode) == f"{words} fits"
+    (change18,) = panels.changes_of(panels.PANELS["18_your_own_model"], {"mode": "lora"})
+    assert (change18.expect, change18.expect_gone) == (panels.recommended("full"), panels.recommended("lora"))
+
+
 def test_change_rejects_what_it_cannot_do():
     with pytest.raises(ValueError, match="kind 'click'"):
         panels.Change("n", "click")
@@ -89,9 +119,9 @@ def lab(browser_context):
 @pytest.mark.parametrize("stem", sorted(panels.PANELS))
 def test_panel_renders_and_redraws(stem, lab, browser_context):
     budget_s = load_cpu_parameters(CPU_PARAMS_FILE).get(stem, {}).get("budget_seconds", 150)
-    path = prepare_notebook(NOTEBOOK_DIR / f"{stem}.ipynb", BUILD / "notebooks", BUILD / "results",
-                            parameters_for(stem, gpu=False, cpu_params=load_cpu_parameters(CPU_PARAMS_FILE)))
-    result = panels.check_panel(browser_context, lab, path, panels.PANELS[stem], SCREENSHOTS,
+    params = parameters_for(stem, gpu=False, cpu_params=load_cpu_parameters(CPU_PARAMS_FILE))
+    path = prepare_notebook(NOTEBOOK_DIR / f"{stem}.ipynb", BUILD / "notebooks", BUILD / "results", params)
+    result = panels.check_panel(browser_context, lab, path, panels.changes_of(panels.PANELS[stem], params), SCREENSHOTS,
                                 run_timeout_s=2 * budget_s, change_timeout_s=CHANGE_TIMEOUT_S)
     print(f"\n{stem}: run all {result.run_seconds:.1f} s, redraw {result.change_seconds:.1f} s, "
           f"plot {result.before_image_sha or '-'} -> {result.after_image_sha or '-'}")
