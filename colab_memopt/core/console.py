@@ -1,0 +1,109 @@
+"""A quiet console: the libraries' notes a user cannot act on, hidden while the package works, shown on request.
+
+Importing torchao, DeepSpeed, bitsandbytes, transformers or TRL, and tracing a step on fake tensors, prints lines
+that say nothing about the user's run: torchao's CUDA-only extensions that a CPU build cannot load, torch's
+deprecations of calls the libraries make, DeepSpeed's "Setting accelerator to CPU", transformers' renamed
+arguments. `quiet()` hides them for the length of a `with` block or a decorated call, and puts everything back
+afterwards: the warning filters (`warnings.catch_warnings`) and the logging threshold (`logging.disable`). Nothing
+changes when the package is imported.
+
+    with cm.quiet():                    # the libraries' notes hidden
+        from peft import LoraConfig
+    with cm.quiet(verbose=True):        # everything shown, also inside the package's own quiet calls
+        plan = cm.plan_trainer(args, model=model_id)
+
+What stays visible inside: errors (exceptions, log records at ERROR and above), everything printed to stdout, and
+warnings raised by this package's own modules (they name a setting of yours).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import inspect
+import logging
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+# The package's own modules: their warnings pass a quiet block (the filter's `module` is the warning's module name).
+OWN_MODULES = r"colab_memopt(\.|$)"
+# Set by quiet(verbose=True): the quiet blocks inside it show everything too.
+_SHOW_ALL: contextvars.ContextVar[bool] = contextvars.ContextVar("colab_memopt_show_all", default=False)
+
+
+def _check_verbose(verbose: Any) -> bool | None:
+    if verbose is not None and not isinstance(verbose, bool):
+        raise ValueError(f"verbose must be True, False or None, got {verbose!r}")
+    return verbose
+
+
+@contextlib.contextmanager
+def quiet(verbose: bool | None = None) -> Iterator[None]:
+    """Hide the libraries' warnings and log notes inside the block; restore the filters and the logging after it.
+
+    Args:
+        verbose: True shows everything, here and in every quiet block inside this one (the package's own calls);
+            False hides; None (the default) hides unless an enclosing `quiet(verbose=True)` shows.
+
+    Hidden: every Python warning except those of this package's modules, and log records below ERROR from every
+    logger. Works as a decorator too (`@quiet()`); each call enters afresh.
+
+    Example:
+        >>> with cm.quiet():
+        ...     from trl import SFTConfig, SFTTrainer    # torchao's and torch's import notes hidden
+    """
+    verbose = _check_verbose(verbose)
+    if verbose or (verbose is None and _SHOW_ALL.get()):
+        token = _SHOW_ALL.set(True)
+        try:
+            yield
+        finally:
+            _SHOW_ALL.reset(token)
+        return
+    token = _SHOW_ALL.set(False)
+    previous_disable = logging.root.manager.disable
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            warnings.filterwarnings("default", module=OWN_MODULES)
+            logging.disable(max(previous_disable, logging.WARNING))
+            yield
+    finally:
+        logging.disable(previous_disable)
+        _SHOW_ALL.reset(token)
+
+
+def quiet_unless_verbose(func: F) -> F:
+    """Decorate a function with a `verbose` parameter: its call runs inside `quiet(...)`.
+
+    `verbose=True` in the call shows everything; the default (False or None) hides the libraries' notes unless the
+    call is inside `quiet(verbose=True)`.
+
+    Example:
+        >>> @quiet_unless_verbose
+        ... def plan_trainer(args, *, model=None, verbose: bool = False): ...
+    """
+    signature = inspect.signature(func)
+    parameter = signature.parameters.get("verbose")
+    if parameter is None or parameter.kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD):
+        raise TypeError(f"quiet_unless_verbose needs a function with a 'verbose' parameter; "
+                        f"{func.__qualname__}{signature} has none")
+    default = None if parameter.default is inspect.Parameter.empty else parameter.default
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if "verbose" in kwargs:
+            verbose = kwargs["verbose"]
+        else:
+            try:
+                verbose = signature.bind_partial(*args, **kwargs).arguments.get("verbose", default)
+            except TypeError:  # the call itself is wrong: let the function say so
+                verbose = default
+        with quiet(True if verbose is True else None):
+            return func(*args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
