@@ -142,3 +142,24 @@ def test_full_checkpointing_at_long_sequences_is_exact_on_a_gqa_model(corpus):
     from transformers import masking_utils
 
     assert masking_utils.find_packed_sequence_indices.__name__ == "find_packed_sequence_indices"  # restored after
+
+
+def test_a_config_objects_dtype_is_read_by_its_current_name(monkeypatch, tmp_path):
+    """transformers 5 answers `config.torch_dtype` with "`torch_dtype` is deprecated! Use `dtype` instead!", which the
+    example model of notebooks 18 and 19 printed (newcomer review 4): a config object is read as `dtype` only."""
+    from colab_memopt.planning import hfconfig
+    from colab_memopt.techniques.architectures import check_config
+
+    config = small_config("llama")
+    read = []
+    monkeypatch.setattr(type(config), "torch_dtype", property(lambda self: read.append(1)), raising=False)
+    check_config(config, "a llama config")
+    resolve_model(config)
+    hfconfig.save_example_chat_model("llama", tmp_path / "model")
+    assert read == []
+    # config.json's dict, and a config object without `dtype` (transformers before 4.56), still have `torch_dtype` checked
+    with pytest.raises(ValueError, match="torch_dtype must name a torch dtype"):
+        check_config({"hidden_size": 64, "torch_dtype": "float33"}, "config.json")
+    old = type("OldConfig", (), {"hidden_size": 64, "torch_dtype": "float33"})()
+    with pytest.raises(ValueError, match="torch_dtype must name a torch dtype"):
+        check_config(old, "an old config")

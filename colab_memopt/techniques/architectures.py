@@ -195,7 +195,10 @@ def check_config(config: Any, where: str) -> None:
     kv = values.get("num_key_value_heads")
     if heads and kv and heads % kv:
         raise ValueError(f"{where}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}")
-    for key in ("dtype", "torch_dtype"):
+    # A config object of transformers >= 4.56 keeps its dtype as `dtype` and answers `torch_dtype` with a deprecation
+    # note: read the old name only from config.json's dict or a config that has no `dtype`.
+    keys = ("dtype",) if not isinstance(config, dict) and hasattr(config, "dtype") else ("dtype", "torch_dtype")
+    for key in keys:
         dtype = get(key, None)
         if isinstance(dtype, str) and not isinstance(getattr(torch, dtype.removeprefix("torch."), None), torch.dtype):
             raise ValueError(f"{where}: {key} must name a torch dtype ('float32', 'float16', 'bfloat16'), got {dtype!r}")
