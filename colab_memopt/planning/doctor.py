@@ -42,6 +42,7 @@ from colab_memopt.core.isolation import isolated
 from colab_memopt.core.measure import format_bytes, host_memory
 from colab_memopt.planning.planner import TARGETS, Target, describe_estimate_error, get_target, plan
 from colab_memopt.training.recipe import Recipe
+from colab_memopt.core.console import quiet
 
 CODES = (
     "bf16-not-native", "fp16-trainable-params", "checkpointing-frozen-inputs", "adapters-not-training",
@@ -316,7 +317,8 @@ def _spec(model: Any) -> Any:
     """Return the `ModelSpec` behind a model (a transformers module's config), or None for others."""
     if isinstance(model, nn.Module):
         config = getattr(model, "config", None)
-        from transformers import PretrainedConfig
+        with quiet():  # the library's import notes (torchao's, DeepSpeed's): nothing about this run
+            from transformers import PretrainedConfig
 
         if isinstance(config, PretrainedConfig):
             return resolve_model(config)
@@ -432,7 +434,8 @@ def deepspeed_ops(recipe: Recipe, cuda: bool) -> list[str]:
 def _op_is_built(op: str) -> bool:
     """Return whether a DeepSpeed op is prebuilt in the wheel or already JIT-built in the torch extensions cache."""
     try:
-        from deepspeed.git_version_info import installed_ops
+        with quiet():  # the library's import notes (torchao's, DeepSpeed's): nothing about this run
+            from deepspeed.git_version_info import installed_ops
     except ImportError:
         installed_ops = {}
     if installed_ops.get(op):

@@ -20,7 +20,6 @@ from typing import Any
 
 import torch
 from torch.utils._pytree import tree_flatten
-from transformers import TrainerCallback
 
 from colab_memopt.core.console import quiet
 from colab_memopt.core.measure import LiveMemory, MemoryReport, format_bytes
@@ -28,6 +27,9 @@ from colab_memopt.planning.planner import Plan, Target
 from colab_memopt.techniques.precision import HALF_DTYPES, describe_half_trainable, half_trainable, upcast_trainable  # noqa: F401 - cm.guard.upcast_trainable
 from colab_memopt.core.tracker import LiveBytesMode
 from colab_memopt.planning.trainer import CPU_TARGET_NAME, _target, fit_trainer, plan_trainer
+
+with quiet():  # transformers' import notes (torchao's, DeepSpeed's): nothing about this run
+    from transformers import TrainerCallback
 
 
 
@@ -39,7 +41,8 @@ def _running_trainer() -> Any:
     """Return the Trainer whose `train()` is calling us (callbacks are not handed the Trainer itself)."""
     import inspect
 
-    from transformers import Trainer
+    with quiet():  # the library's import notes (torchao's, DeepSpeed's): nothing about this run
+        from transformers import Trainer
 
     frame = inspect.currentframe()
     while frame is not None:

@@ -353,9 +353,12 @@ def trainer_checkpointing_keys() -> frozenset[str]:
     """
     import inspect
 
+    from colab_memopt.core.console import quiet
+
     try:
-        from transformers import PreTrainedModel
-        from transformers import trainer as trainer_module
+        with quiet():  # the Trainer's module imports torchao and DeepSpeed, whose notes say nothing here
+            from transformers import PreTrainedModel
+            from transformers import trainer as trainer_module
     except ImportError:
         return frozenset()
     enable = getattr(PreTrainedModel, "activation_checkpointing_enable", None) or PreTrainedModel.gradient_checkpointing_enable

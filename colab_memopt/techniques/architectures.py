@@ -12,6 +12,7 @@ from typing import Any
 
 from torch import nn
 
+from colab_memopt.core.console import quiet
 from colab_memopt.techniques.models import MODEL_SIZES, build_model
 
 
@@ -24,12 +25,14 @@ class Architecture:
     config: dict[str, Any]
     source: str
 
+    @quiet()  # the libraries' notes when transformers loads its modules (cm.quiet(verbose=True) shows them)
     def hf_config(self) -> Any:
         """Return the transformers config of this architecture."""
         import transformers
 
         return getattr(transformers, _CLASSES[self.family][0])(**self.config)
 
+    @quiet()
     def build(self) -> nn.Module:
         """Return the model with random weights on the current default device."""
         import transformers
@@ -225,7 +228,8 @@ def _from_config(name: str, config: Any, source: str, path: str | None = None) -
         # Training keeps fp32 master weights; the recipe (not the checkpoint's dtype) decides the precision. Each model
         # gets its own copy of the config: transformers' from_config writes the dtype into the config it is given
         # (the caller's, whose dtype says what from_pretrained would load) and the model keeps that object.
-        return from_config(copy.deepcopy(config), dtype=torch.float32)
+        with quiet():  # the libraries' notes when transformers loads the model's modules
+            return from_config(copy.deepcopy(config), dtype=torch.float32)
 
     build.__name__ = name
     spec = ModelSpec(name, build, _config_seq_len(config), getattr(config, "model_type", None), config, source, path)
@@ -274,6 +278,7 @@ def _from_folder(model: str, folder: Any) -> ModelSpec:
     return spec
 
 
+@quiet()  # transformers' first use imports torchao and DeepSpeed, whose notes say nothing about the user's model
 def resolve_model(model: Any) -> ModelSpec:
     """Return the `ModelSpec` of a model given in any of the accepted forms.
 
@@ -373,6 +378,7 @@ def family_of(model: Any) -> str | None:
 SMALL_FAMILIES = ("llama", "qwen2", "mistral", "phi3", "gemma2", "gpt_neox")
 
 
+@quiet()
 def small_config(family: str, **overrides: Any) -> Any:
     """Return a small `PretrainedConfig` of a transformers family (2 layers, width 64, vocabulary 512).
 

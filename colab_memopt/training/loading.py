@@ -38,6 +38,7 @@ from colab_memopt.core.env import bf16_native, pick_device
 from colab_memopt.core.measure import HostPeak, format_bytes
 from colab_memopt.techniques.quantization import DEFAULT_LORA_TARGETS, add_lora, quantize_model
 from colab_memopt.training.recipe import Recipe
+from colab_memopt.core.console import quiet
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 _DTYPE_BYTES = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 2}
@@ -242,7 +243,8 @@ class LoadedModel:
 
 
 def _bnb_config(recipe: Recipe, dtype: torch.dtype) -> Any:
-    from transformers import BitsAndBytesConfig
+    with quiet():  # the library's import notes (torchao's, DeepSpeed's): nothing about this run
+        from transformers import BitsAndBytesConfig
 
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=recipe.quantization,
                               bnb_4bit_compute_dtype=torch.float32 if dtype == torch.float32 else dtype,
@@ -569,7 +571,8 @@ def save_trained(model: nn.Module, folder: str | Path, recipe: Recipe) -> list[P
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     if recipe.lora_rank:
-        from peft import get_peft_model_state_dict
+        with quiet():  # the library's import notes (torchao's, DeepSpeed's): nothing about this run
+            from peft import get_peft_model_state_dict
         from safetensors.torch import save_file
 
         state = {k: v.detach().to("cpu").contiguous() for k, v in get_peft_model_state_dict(model).items()}
