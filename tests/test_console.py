@@ -84,6 +84,20 @@ def test_quiet_restores_the_filters_and_logging_when_the_block_raises():
     assert logging.root.manager.disable == logging.NOTSET
 
 
+def test_quiet_keeps_the_filters_a_library_adds_inside_it():
+    """transformers, torchao and TRL add warning filters when imported; warnings.catch_warnings around their import
+    threw them away (the process then warned where the libraries meant it not to)."""
+    before = list(warnings.filters)
+    try:
+        with quiet():
+            warnings.filterwarnings("ignore", message="Failed to initialize NumPy")  # torchao's, at its import
+        assert warnings.filters[1:] == before and warnings.filters[0][0] == "ignore"
+        assert warnings.filters[0][1].pattern == "Failed to initialize NumPy"
+    finally:
+        warnings.filters = before
+        warnings._filters_mutated()
+
+
 def test_quiet_keeps_a_higher_logging_threshold_the_user_set():
     logging.disable(logging.ERROR)
     try:

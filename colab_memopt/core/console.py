@@ -3,9 +3,10 @@
 Importing torchao, DeepSpeed, bitsandbytes, transformers or TRL, and tracing a step on fake tensors, prints lines
 that say nothing about the user's run: torchao's CUDA-only extensions that a CPU build cannot load, torch's
 deprecations of calls the libraries make, DeepSpeed's "Setting accelerator to CPU", transformers' renamed
-arguments. `quiet()` hides them for the length of a `with` block or a decorated call, and puts everything back
-afterwards: the warning filters (`warnings.catch_warnings`) and the logging threshold (`logging.disable`). Nothing
-changes when the package is imported.
+arguments. `quiet()` hides them for the length of a `with` block or a decorated call, and puts back what it changed
+afterwards: its two warning filters come out again (the filters a library adds while it is imported inside the
+block stay, as they would without it) and the logging threshold (`logging.disable`) is restored. Nothing changes
+when the package is imported.
 
     with cm.quiet():                    # the libraries' notes hidden
         from peft import LoraConfig
@@ -23,6 +24,7 @@ import contextvars
 import functools
 import inspect
 import logging
+import re
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
@@ -66,15 +68,25 @@ def quiet(verbose: bool | None = None) -> Iterator[None]:
         return
     token = _SHOW_ALL.set(False)
     previous_disable = logging.root.manager.disable
+    ours = [("default", None, Warning, re.compile(OWN_MODULES), 0), ("ignore", None, Warning, None, 0)]
+    warnings.filters = [*ours, *warnings.filters]  # a new list, as warnings.catch_warnings makes
+    warnings._filters_mutated()  # type: ignore[attr-defined] - what filterwarnings calls: no stale "once" records
+    logging.disable(max(previous_disable, logging.WARNING))
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            warnings.filterwarnings("default", module=OWN_MODULES)
-            logging.disable(max(previous_disable, logging.WARNING))
-            yield
+        yield
     finally:
         logging.disable(previous_disable)
         _SHOW_ALL.reset(token)
+        # Take out the two filters put in above and keep the rest: a library imported inside the block adds its own
+        # (transformers, torchao and TRL add nine at import), which warnings.catch_warnings would throw away.
+        kept = list(warnings.filters)
+        for entry in ours:
+            for i, other in enumerate(kept):
+                if other is entry:
+                    del kept[i]
+                    break
+        warnings.filters = kept
+        warnings._filters_mutated()  # type: ignore[attr-defined]
 
 
 def quiet_unless_verbose(func: F) -> F:
