@@ -45,7 +45,7 @@ def _check_verbose(verbose: Any) -> bool | None:
 
 @contextlib.contextmanager
 def quiet(verbose: bool | None = None) -> Iterator[None]:
-    """Hide the libraries' warnings and log notes inside the block; restore the filters and the logging after it.
+    """Hide the libraries' warnings and log notes inside the block; take its filters out and restore the logging after.
 
     Args:
         verbose: True shows everything, here and in every quiet block inside this one (the package's own calls);
