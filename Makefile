@@ -1,4 +1,5 @@
 # make run   : execute every notebook headless and summarise the measurements (build/ only: the checkout stays clean)
+#              (the README's first command: tests/test_readme_commands.py runs it on one notebook)
 # make readme: refresh the README's notebook index from build/results.json (after make run, on purpose)
 # make test  : unit tests and every notebook, headless (what CI runs)
 # make test-browser : the widget panels in JupyterLab, driven by headless Chromium (installs both)
@@ -54,8 +55,10 @@ $(STAMP): requirements.txt pyproject.toml
 	$(PY) -c "import colab_memopt, torch, papermill, nbval; print('installed: torch', torch.__version__)"
 	@touch $(STAMP)
 
+# make run [NOTEBOOKS="04 13"] [RUN_OUT=build]: only those notebooks (stems, number prefixes or paths), into RUN_OUT.
+RUN_OUT ?= build
 run: $(STAMP)
-	$(PY) -m colab_memopt.tooling.runner --out build
+	$(PY) -m colab_memopt.tooling.runner --out $(RUN_OUT) $(NOTEBOOKS)
 
 # Rewrites README.md's notebook index (committed) from the last full `make run`; run it on purpose.
 readme: $(STAMP)
@@ -76,7 +79,7 @@ MEASURED_TESTS := tests/test_trainer_models.py tests/test_trainer_hostile.py
 # The notebook-marked tests read what the nbval run recorded; they live in these two files.
 NOTEBOOK_RESULT_TESTS := tests/test_notebooks.py tests/test_widgets_and_project.py
 test: $(STAMP)
-	rm -rf build/ci_notebooks build/results build/notebook_seconds.json
+	rm -rf build/ci_notebooks build/results build/notebook_seconds.json build/notebook_stderr.json
 	$(PY) -m colab_memopt.tooling.runner --prepare-only build/ci_notebooks
 	$(WORKER_THREADS) PYTHONPATH=tests$(if $(PYTHONPATH),:$(PYTHONPATH)) $(PY) -m pytest -q -p nbval_budget -p no:cacheprovider \
 		--nbval-lax --nbval-current-env $(XDIST) -m "not notebook and not browser" $(addprefix --run-first=,$(MEASURED_TESTS)) build/ci_notebooks tests
@@ -89,7 +92,7 @@ test-unit: $(STAMP)
 
 # make test-notebooks NOTEBOOKS="10 13": only those (stems, number prefixes or paths); all by default.
 test-notebooks: $(STAMP)
-	rm -rf build/ci_notebooks build/results build/notebook_seconds.json
+	rm -rf build/ci_notebooks build/results build/notebook_seconds.json build/notebook_stderr.json
 	$(PY) -m colab_memopt.tooling.runner --prepare-only build/ci_notebooks $(NOTEBOOKS)
 	PYTHONPATH=tests$(if $(PYTHONPATH),:$(PYTHONPATH)) $(PY) -m pytest -q -p nbval_budget -p no:cacheprovider --nbval-lax --nbval-current-env build/ci_notebooks
 	CM_NOTEBOOKS="$(NOTEBOOKS)" $(PY) -m pytest tests -m notebook -q

@@ -30,6 +30,7 @@ __version__ = "0.1.0"
 # colab_memopt.gpucheck`) does not load torch and the other modules (import colab_memopt: 3.1 s before, 0.02 s now,
 # on 2 cores). `MemoryGuardCallback` is a transformers `TrainerCallback`: importing the package never imports transformers.
 _DEFINED_IN = {name: module for module, names in {
+    "console": ("quiet",),
     "data": ("TextCorpus", "load_corpus"),
     "env": ("COLAB_HOST_RAM_BYTES", "COLAB_HOST_USABLE_BYTES", "T4_TOTAL_BYTES", "T4_USABLE_BYTES", "autocast_dtype",
             "bf16_native", "cap_device_memory", "in_colab",
@@ -70,16 +71,27 @@ def _module_path(name: str) -> str | None:
     return None
 
 
+def _import(path: str) -> types.ModuleType:
+    """Import one of the package's modules with the libraries' import notes hidden (`core.console.quiet`): a module
+    that imports transformers, peft or TRL would otherwise print torchao's and torch's notes on first use."""
+    if path in sys.modules:
+        return sys.modules[path]
+    from colab_memopt.core.console import quiet
+
+    with quiet():
+        return importlib.import_module(path)
+
+
 def __getattr__(name: str) -> object:
     """Import a public name's module, or a module by its stem (`cm.planner`, `cm.checkpointing`), on first use."""
     if name in _DEFINED_IN:
-        value = getattr(importlib.import_module(_module_path(_DEFINED_IN[name]) or ""), name)
+        value = getattr(_import(_module_path(_DEFINED_IN[name]) or ""), name)
         globals()[name] = value  # once imported, an ordinary attribute
         return value
     if name in LAYER_FOLDERS:
-        return importlib.import_module(f"{__name__}.{name}")
+        return _import(f"{__name__}.{name}")
     if not name.startswith("__") and name.isidentifier() and (path := _module_path(name)) is not None:
-        module = importlib.import_module(path)
+        module = _import(path)
         globals()[name] = module
         return module
     raise AttributeError(f"module 'colab_memopt' has no attribute {name!r}")
@@ -165,6 +177,7 @@ __all__ = [
     "time_interleaved",
     "pick_device",
     "preflight",
+    "quiet",
     "quantization",
     "record",
     "train",

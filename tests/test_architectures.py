@@ -163,3 +163,24 @@ def test_built_in_names_carry_their_checkpoints_dtype_and_plan_trainer_loads_the
     lora = 30 * 8 * ((576 + 576) + (576 + 192))  # rank 8, 30 layers: q_proj 576->576, v_proj 576->192 (A and B)
     assert plan.by_category["parameters"] >= n_base * 2
     assert plan.by_category["parameters"] - n_base * 2 <= 4 * lora + 2**20, plan.by_category["parameters"]  # fp32 adapters
+
+
+def test_a_config_objects_dtype_is_read_by_its_current_name(monkeypatch, tmp_path):
+    """transformers 5 answers `config.torch_dtype` with "`torch_dtype` is deprecated! Use `dtype` instead!", which the
+    example model of notebooks 18 and 19 printed (newcomer review 4): a config object is read as `dtype` only."""
+    from colab_memopt.planning import hfconfig
+    from colab_memopt.techniques.architectures import check_config
+
+    config = small_config("llama")
+    read = []
+    monkeypatch.setattr(type(config), "torch_dtype", property(lambda self: read.append(1)), raising=False)
+    check_config(config, "a llama config")
+    resolve_model(config)
+    hfconfig.save_example_chat_model("llama", tmp_path / "model")
+    assert read == []
+    # config.json's dict, and a config object without `dtype` (transformers before 4.56), still have `torch_dtype` checked
+    with pytest.raises(ValueError, match="torch_dtype must name a torch dtype"):
+        check_config({"hidden_size": 64, "torch_dtype": "float33"}, "config.json")
+    old = type("OldConfig", (), {"hidden_size": 64, "torch_dtype": "float33"})()
+    with pytest.raises(ValueError, match="torch_dtype must name a torch dtype"):
+        check_config(old, "an old config")

@@ -20,11 +20,13 @@ def run(tmp_path_factory):
     for name in ("98_within", "99_over"):
         nb = nbformat.v4.new_notebook()
         nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-        nb.cells = [nbformat.v4.new_code_cell("import time\ntime.sleep(0.5)")]
+        nb.cells = [nbformat.v4.new_code_cell("import time\ntime.sleep(0.5)"),
+                    nbformat.v4.new_code_cell(f"import sys, warnings\nprint('out')\nprint('{name} note', file=sys.stderr)\n"
+                                              "warnings.warn('a library note')")]
         nbformat.write(nb, tmp_path / "nbs" / f"{name}.ipynb")
     (tmp_path / "params.yaml").write_text("98_within:\n  budget_seconds: 120\n99_over:\n  budget_seconds: 0.1\n")
     env = {**os.environ, "PYTHONPATH": str(TESTS), "NBVAL_BUDGET_PARAMS_FILE": str(tmp_path / "params.yaml"),
-           "NBVAL_BUDGET_SECONDS_FILE": str(tmp_path / "seconds.json")}
+           "NBVAL_BUDGET_SECONDS_FILE": str(tmp_path / "seconds.json"), "NBVAL_BUDGET_STDERR_FILE": str(tmp_path / "stderr.json")}
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "nbval_budget", "-p", "no:cacheprovider", "--nbval-lax",
          "--nbval-current-env", str(tmp_path / "nbs")],
@@ -47,4 +49,17 @@ def test_over_budget_fails(run):
 def test_within_budget_passes(run):
     result, _ = run
     assert "OVER BUDGET" not in _line(result, "98_within"), result.stdout
-    assert "2 passed" in result.stdout, result.stdout  # both notebooks' cells ran; only the budget failed the run
+    assert "4 passed" in result.stdout, result.stdout  # both notebooks' cells ran; only the budget failed the run
+
+
+def test_each_cells_stderr_is_recorded_by_notebook(run):
+    """What a notebook's cells write to stderr (prints, warnings) is kept per notebook and cell; stdout is not."""
+    import json
+
+    _, tmp_path = run
+    recorded = json.loads((tmp_path / "stderr.json").read_text())
+    assert set(recorded) == {"98_within", "99_over"}
+    for name, records in recorded.items():
+        assert [r["cell"] for r in records] == [1], records
+        text = records[0]["text"]
+        assert text.startswith(f"{name} note\n") and "UserWarning: a library note" in text and "out" not in text

@@ -305,7 +305,7 @@ def test_probe3_rows_403_409_recipe_settings_names_every_field_it_cannot_say():
         cm.Recipe(weight_dtype="int8", optimizer="lomo", precision="fp16"): "weight_dtype='int8'",
         cm.Recipe(mlp_tile_tokens=256): "mlp_tile_tokens=256",
         cm.Recipe(optimizer="galore_adamw8bit", optimizer_rank=64): "optimizer_rank=64",
-        cm.Recipe(checkpointing="every_n", checkpoint_interval=2): "checkpoint_interval=2",
+        cm.Recipe(checkpointing="segments", checkpoint_interval=2): "checkpointing='segments', checkpoint_interval=2",
         cm.Recipe(eval_precision="bf16-autocast"): "eval_precision='bf16-autocast'",
         cm.Recipe(layer_offload_active=1, layer_offload_prefetch=2): "layer_offload_prefetch=2",
     }
@@ -322,6 +322,8 @@ def test_probe3_rows_403_409_recipe_settings_names_every_field_it_cannot_say():
         for field_name in recipe.changed():
             back_field = field_name in ("optimizer", "lr", "precision", "base_dtype", "checkpointing", "lora_rank",
                                         "lora_targets", "quantization", "accumulation_steps")
+            kwargs = out["training_args"].get("gradient_checkpointing_kwargs") or {}
+            back_field |= field_name == "checkpoint_interval" and kwargs.get("every_n_layers") == recipe.checkpoint_interval
             phase = field_name == "quantization_phase" and f"({recipe.quantization_phase})" in named
             assert back_field or phase or f"{field_name}=" in named, (field_name, out)
 

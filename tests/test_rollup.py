@@ -250,6 +250,10 @@ def test_the_readme_says_once_where_the_path_leaves_the_numbers():
     assert "this path goes from 01 to 03 and from 03 to 02;" in order_note(("00_a", "01_b", "03_c", "02_d"))
     readme = " ".join(README.read_text().split())
     assert readme.count(order_note(FIRST_SCREEN)) == 1 and "from 04 to 06" in order_note(FIRST_SCREEN)
+    # notebooks/README.md said the numbers were the reading order (newcomer review 4): both READMEs say the same
+    notebooks_readme = " ".join((NOTEBOOK_DIR / "README.md").read_text().split())
+    assert notebooks_readme.count(order_note(FIRST_SCREEN)) == 1
+    assert not re.search(r"digits in reading order|numbered in reading order", notebooks_readme + readme)
 
 
 def test_readme_index_says_what_each_notebook_teaches_and_figures_only_from_a_t4():
@@ -285,7 +289,7 @@ def test_readme_is_for_users_and_ends_with_the_package():
     assert headings == ["Start here", "What sets it apart", "The notebooks", "Your own model",
                         "Presets and the recommender", "The package"]
     for maintainer in ("make test-gpu", "gpu-wheels", "gpucheck", "wheelhouse", "small-t4", "notebook_parameters",
-                       "make readme", "make run", "rollup", "lent", "borrowed"):
+                       "make readme", "rollup", "lent", "borrowed"):  # make run and make test: the first screen
         assert not re.search(rf"\b{re.escape(maintainer)}\b", text), f"README.md says {maintainer!r}: for CONTRIBUTING.md"
     links = [line for line in text.splitlines() if "CONTRIBUTING.md" in line]
     assert len(links) == 1 and "`make test`" in links[0], links

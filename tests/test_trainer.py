@@ -265,8 +265,65 @@ def test_a_recipe_reads_back_from_its_trainer_settings():
     args = SFTConfig(output_dir="/tmp/x", use_cpu=True, report_to=[], **out["training_args"])
     back, _ = hfconfig.trainer_recipe(args, LoraConfig(**out["lora"]), BitsAndBytesConfig(**out["bnb"]))
     assert back == recipe
-    assert hfconfig.recipe_settings(recipe.with_(checkpointing="selective"), 16, 512)["not_expressible"] == [
-        "checkpointing='selective' (the Trainer checkpoints every layer or none)"]
+    selective = hfconfig.recipe_settings(recipe.with_(checkpointing="selective"), 16, 512)
+    assert selective["training_args"]["gradient_checkpointing"] is True
+    assert selective["not_expressible"] == [
+        "checkpointing='selective' (the Trainer recomputes whole layers, not parts of them: gradient_checkpointing=True "
+        "checkpoints every layer: slower, less memory)"]
+
+
+def test_a_recipe_that_checkpoints_every_other_layer_trains_so_through_the_installed_trainer():
+    """newcomer review 4, finding 6: recommend printed no gradient_checkpointing for checkpointing='every_n'; the
+    installed Trainer takes `every_n_layers` (read from its code), and the printed settings train that way."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    assert "every_n_layers" in hfconfig.trainer_checkpointing_keys()
+    out = hfconfig.recipe_settings(cm.Recipe(checkpointing="every_n", checkpoint_interval=2), 2, 48)
+    assert out["not_expressible"] == []
+    kwargs = out["training_args"]["gradient_checkpointing_kwargs"]
+    assert out["training_args"]["gradient_checkpointing"] is True and kwargs == {"use_reentrant": False, "every_n_layers": 2}
+    trainer = sft_trainer("llama", "adamw_torch", gradient_checkpointing=True, gradient_checkpointing_kwargs=kwargs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.train()
+    layers = [m for m in trainer.model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    assert [m.gradient_checkpointing for m in layers] == [True, False]  # layers 0, 2, 4, ... of DIMS' two
+    assert trainer.state.global_step == 2
+
+
+def test_a_trainer_without_every_n_layers_gets_full_checkpointing_and_a_note(monkeypatch):
+    """Where the Trainer hands every key to torch's checkpoint (older transformers), a recipe that checkpoints
+    still prints gradient_checkpointing=True, never a run without the checkpointing it planned."""
+    monkeypatch.setattr(hfconfig, "trainer_checkpointing_keys", lambda: frozenset())
+    for policy, says in (("every_n", "slower, less memory"), ("selective", "slower, less memory"),
+                         ("segments", "can hold more than planned"), ("offload", "can hold more than planned")):
+        interval = 2 if policy in ("every_n", "segments") else 1
+        out = hfconfig.recipe_settings(cm.Recipe(checkpointing=policy, checkpoint_interval=interval), 8, 512)
+        assert out["training_args"]["gradient_checkpointing"] is True, policy
+        assert out["training_args"]["gradient_checkpointing_kwargs"] == {"use_reentrant": False}, policy
+        (note,) = out["not_expressible"]
+        assert note.startswith(f"checkpointing={policy!r}") and note.endswith(f"checkpoints every layer: {says})"), note
+    assert "checkpoint_interval=2" in hfconfig.recipe_settings(cm.Recipe(checkpointing="every_n", checkpoint_interval=2),
+                                                               8, 512)["not_expressible"][0]
+
+
+def test_the_checkpointing_keys_are_read_from_the_installed_code(monkeypatch):
+    import transformers
+
+    read = hfconfig.trainer_checkpointing_keys.__wrapped__
+    assert read() == hfconfig.trainer_checkpointing_keys() >= {"every_n_layers"}
+
+    def enable(self, activation_checkpointing_kwargs=None):  # a model method that takes no every_n_layers
+        raise AssertionError("only its signature is read")
+
+    name = "activation_checkpointing_enable" if hasattr(transformers.PreTrainedModel, "activation_checkpointing_enable") \
+        else "gradient_checkpointing_enable"
+    monkeypatch.setattr(transformers.PreTrainedModel, name, enable)
+    assert read() == frozenset()
+    out = hfconfig.recipe_settings(cm.Recipe(checkpointing="offload"), 8, 512)  # the cached read: offload where taken
+    assert out["training_args"]["gradient_checkpointing_kwargs"] == (
+        {"use_reentrant": False, "offload": True} if "offload" in hfconfig.trainer_checkpointing_keys()
+        else {"use_reentrant": False})
 
 
 def test_a_bitsandbytes_config_is_planned_on_4_bit_layers():

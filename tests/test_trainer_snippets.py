@@ -361,8 +361,9 @@ def test_notebook_19_first_draft_does_not_fit_a_t4_at_its_colab_defaults():
     exec(params.source, namespace)
     assert namespace["target"] == "t4"
     import tempfile
+    import time
 
-    namespace.update(tempfile=tempfile, warnings=warnings, torch=torch, SFTConfig=SFTConfig, LoraConfig=LoraConfig,
+    namespace.update(tempfile=tempfile, time=time, warnings=warnings, torch=torch, SFTConfig=SFTConfig, LoraConfig=LoraConfig,
                      BitsAndBytesConfig=BitsAndBytesConfig, cm=cm, dev=torch.device("cuda"),
                      model_id=_named_architecture(namespace["model_id"]))
     try:

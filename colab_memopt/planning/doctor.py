@@ -44,6 +44,7 @@ from colab_memopt.planning.planner import plan
 from colab_memopt.planning.prediction import describe_estimate_error
 from colab_memopt.planning.targets import DEFAULT_HEADROOM, TARGETS, Target, get_target
 from colab_memopt.training.recipe import Recipe
+from colab_memopt.core.console import quiet
 
 CODES = (
     "bf16-not-native", "fp16-trainable-params", "checkpointing-frozen-inputs", "adapters-not-training",
@@ -318,7 +319,8 @@ def _spec(model: Any) -> Any:
     """Return the `ModelSpec` behind a model (a transformers module's config), or None for others."""
     if isinstance(model, nn.Module):
         config = getattr(model, "config", None)
-        from transformers import PretrainedConfig
+        with quiet():  # the library's import notes (torchao's, DeepSpeed's): nothing about this run
+            from transformers import PretrainedConfig
 
         if isinstance(config, PretrainedConfig):
             return resolve_model(config)
@@ -434,7 +436,8 @@ def deepspeed_ops(recipe: Recipe, cuda: bool) -> list[str]:
 def _op_is_built(op: str) -> bool:
     """Return whether a DeepSpeed op is prebuilt in the wheel or already JIT-built in the torch extensions cache."""
     try:
-        from deepspeed.git_version_info import installed_ops
+        with quiet():  # the library's import notes (torchao's, DeepSpeed's): nothing about this run
+            from deepspeed.git_version_info import installed_ops
     except ImportError:
         installed_ops = {}
     if installed_ops.get(op):

@@ -13,6 +13,7 @@ import torch
 
 from colab_memopt.techniques.models import GPT, GPTConfig
 from colab_memopt.techniques.optimizers import steps_in_backward
+from colab_memopt.core.console import quiet
 
 # Bytes per parameter of the model states (weights, gradients, optimizer state) in mixed-precision
 # AdamW training, as the literature counts them. They differ in what they include.
@@ -673,12 +674,14 @@ def zero_offload_bytes(n_params: int, *, zero_stage: int, offload_optimizer: boo
     largest = largest_layer_params or n_params // 10
     try:
         if zero_stage in (1, 2):
-            from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+            with quiet():  # the library's import notes (torchao's, DeepSpeed's): nothing about this run
+                from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
             host, device = estimate_zero2_model_states_mem_needs(n_params, num_gpus_per_node=world_size, num_nodes=1,
                                                                  cpu_offload=offload_optimizer)
         else:
-            from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+            with quiet():  # the library's import notes (torchao's, DeepSpeed's): nothing about this run
+                from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
 
             host, device, _ = estimate_zero3_model_states_mem_needs(n_params, largest, num_gpus_per_node=world_size,
                                                                     num_nodes=1, cpu_offload=offload_optimizer,

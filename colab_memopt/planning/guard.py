@@ -5,7 +5,9 @@ transformers, so the package exposes it as a lazy attribute (`colab_memopt.Memor
 first use). At every `on_train_begin` it starts a fresh run: it casts trainable weights that fp16's GradScaler
 cannot unscale (bf16 from TRL's QLoRA cast, or fp16) to fp32, plans the run with `trainer.plan_trainer` on the
 real model, raises `MemoryGuardError` with `fit_trainer`'s changes before the first step of a run that will not
-fit, records the step peaks, and reports plan against measurement at the end.
+fit, records the step peaks, and reports plan against measurement at the end. Its own work (the cast, the plans)
+runs in `core.console.quiet()`: the libraries' notes stay off the console unless the training runs inside
+`cm.quiet(verbose=True)`.
 """
 
 from __future__ import annotations
@@ -18,8 +20,8 @@ from typing import Any
 
 import torch
 from torch.utils._pytree import tree_flatten
-from transformers import TrainerCallback
 
+from colab_memopt.core.console import quiet
 from colab_memopt.core.measure import LiveMemory, MemoryReport, format_bytes
 from colab_memopt.planning.prediction import Plan
 from colab_memopt.planning.targets import DEFAULT_HEADROOM, Target
@@ -27,6 +29,9 @@ from colab_memopt.techniques.precision import HALF_DTYPES, describe_half_trainab
 from colab_memopt.core.tracker import LiveBytesMode
 from colab_memopt.planning.trainer import CPU_TARGET_NAME, _target, plan_trainer
 from colab_memopt.planning.trainerfit import fit_trainer
+
+with quiet():  # transformers' import notes (torchao's, DeepSpeed's): nothing about this run
+    from transformers import TrainerCallback
 
 
 
@@ -38,7 +43,8 @@ def _running_trainer() -> Any:
     """Return the Trainer whose `train()` is calling us (callbacks are not handed the Trainer itself)."""
     import inspect
 
-    from transformers import Trainer
+    with quiet():  # the library's import notes (torchao's, DeepSpeed's): nothing about this run
+        from transformers import Trainer
 
     frame = inspect.currentframe()
     while frame is not None:
@@ -167,17 +173,19 @@ class MemoryGuardCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):  # type: ignore[no-untyped-def]
         self._reset()
         trainer = _running_trainer()
-        self._fix_trainable_dtypes(args, trainer.model)
-        self.plan = plan_trainer(trainer, target=self.target, headroom=self.headroom, seq_len=self.seq_len)
-        if not self.plan.fits:
-            fit = fit_trainer(trainer, target=self.target, headroom=self.headroom, seq_len=self.seq_len,
-                              max_plans=self.max_plans)
-            raise MemoryGuardError(
-                f"this run will not fit {self.target.name}: it needs {format_bytes(self.plan.device_need_bytes)} of "
-                f"{format_bytes(self.plan.device_limit_bytes)} usable. Stopped before the first step.\n{fit}")
-        self.device = torch.device(args.device)
-        on_gpu = self.device.type == "cuda"
-        self.compare_plan = self.plan if on_gpu else plan_trainer(trainer, target=CPU_TARGET_NAME, seq_len=self.seq_len)
+        with quiet():  # the libraries' notes while planning (cm.quiet(verbose=True) around train() shows them)
+            self._fix_trainable_dtypes(args, trainer.model)
+            self.plan = plan_trainer(trainer, target=self.target, headroom=self.headroom, seq_len=self.seq_len)
+            if not self.plan.fits:
+                fit = fit_trainer(trainer, target=self.target, headroom=self.headroom, seq_len=self.seq_len,
+                                  max_plans=self.max_plans)
+                raise MemoryGuardError(
+                    f"this run will not fit {self.target.name}: it needs {format_bytes(self.plan.device_need_bytes)} "
+                    f"of {format_bytes(self.plan.device_limit_bytes)} usable. Stopped before the first step.\n{fit}")
+            self.device = torch.device(args.device)
+            on_gpu = self.device.type == "cuda"
+            self.compare_plan = self.plan if on_gpu else plan_trainer(trainer, target=CPU_TARGET_NAME,
+                                                                      seq_len=self.seq_len)
         optimizer = optimizer if optimizer is not None else trainer.optimizer
         if on_gpu:
             self._memory = LiveMemory(model, optimizer, device=self.device)

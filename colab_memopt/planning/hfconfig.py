@@ -473,11 +473,67 @@ _RECIPE_TO_OPTIM = {"adamw": "adamw_torch", "adamw8bit": "adamw_8bit", "paged_ad
                     "lomo": "lomo", "adalomo": "adalomo"}
 
 
+@functools.lru_cache(maxsize=None)
+def trainer_checkpointing_keys() -> frozenset[str]:
+    """Return the `gradient_checkpointing_kwargs` keys the installed transformers' Trainer takes for itself.
+
+    Read from its code, not its version: 'every_n_layers' (checkpoint every n-th decoder layer) and 'offload' (the
+    checkpoints in host memory) count where the model's checkpointing method takes the argument and the Trainer
+    reads the key. Older Trainers hand every key to `torch.utils.checkpoint`, which refuses both: empty there.
+    """
+    import inspect
+
+    from colab_memopt.core.console import quiet
+
+    try:
+        with quiet():  # the Trainer's module imports torchao and DeepSpeed, whose notes say nothing here
+            from transformers import PreTrainedModel
+            from transformers import trainer as trainer_module
+    except ImportError:
+        return frozenset()
+    enable = getattr(PreTrainedModel, "activation_checkpointing_enable", None) or PreTrainedModel.gradient_checkpointing_enable
+    try:
+        parameters = inspect.signature(enable).parameters
+        source = inspect.getsource(trainer_module)
+    except (OSError, TypeError, ValueError):  # no source shipped: say only what every Trainer takes
+        return frozenset()
+    return frozenset(key for key in ("every_n_layers", "offload") if key in parameters and f'"{key}"' in source)
+
+
+def _checkpointing_kwargs(rec: Recipe) -> tuple[dict[str, Any], str | None]:
+    """Return a checkpointing recipe's `gradient_checkpointing_kwargs` and, where the Trainer cannot say it, the note.
+
+    transformers' `every_n_layers` checkpoints layers 0, n, 2n, ...: at least as many as the recipe's every n-th,
+    so the run holds at most the planned activations.
+    """
+    kwargs: dict[str, Any] = {"use_reentrant": False}
+    keys = trainer_checkpointing_keys()
+    interval, policy = rec.checkpoint_interval, rec.checkpointing
+    if policy == "full":
+        return kwargs, None
+    if policy == "every_n" and "every_n_layers" in keys:
+        return {**kwargs, "every_n_layers": interval}, None
+    if policy == "offload" and "offload" in keys and not rec.offload_keep_blocks:
+        return {**kwargs, "offload": True}, None
+    planned = f"checkpointing={policy!r}" + (f", checkpoint_interval={interval}" if policy in ("every_n", "segments") else "")
+    why = {"every_n": "this transformers' Trainer checkpoints every layer or none",
+           "selective": "the Trainer recomputes whole layers, not parts of them",
+           "segments": "the Trainer checkpoints layers, not segments of them",
+           "offload": ("this transformers' Trainer keeps its checkpoints on the GPU" if "offload" not in keys
+                       else "the Trainer offloads every layer's checkpoint or none")}[policy]
+    if policy in ("every_n", "selective"):  # every layer checkpointed whole: less memory than planned
+        return kwargs, f"{planned} ({why}: gradient_checkpointing=True checkpoints every layer: slower, less memory)"
+    return kwargs, f"{planned} ({why}: gradient_checkpointing=True checkpoints every layer: can hold more than planned)"
+
+
 def recipe_settings(recipe: Recipe | dict[str, Any], batch: int, seq_len: int) -> dict[str, Any]:
     """Return a `Recipe` (at an effective `batch` of `seq_len` tokens) as Hugging Face settings.
 
     {'training_args': SFTConfig / TrainingArguments fields, 'lora': LoraConfig fields or None,
     'bnb': BitsAndBytesConfig fields or None, 'not_expressible': the recipe fields they cannot say}.
+    A recipe that checkpoints always gets `gradient_checkpointing=True`: every n-th layer and offloaded
+    checkpoints go in `gradient_checkpointing_kwargs` where the installed Trainer takes them
+    (`trainer_checkpointing_keys`); otherwise the note says what checkpointing every layer changes.
     """
     rec = recipe if isinstance(recipe, Recipe) else Recipe.from_dict(dict(recipe))
     whole_setting("batch", batch)
@@ -514,10 +570,11 @@ def recipe_settings(recipe: Recipe | dict[str, Any], batch: int, seq_len: int) -
                        "no 8-bit trainable weights)")
     if rec.base_dtype is not None:
         args["model_init_kwargs"] = {"dtype": "float16" if rec.base_dtype == "fp16" else "bfloat16"}
-    if rec.checkpointing == "full":
-        args.update(gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False})
-    elif rec.checkpointing != "none":
-        missing.append(f"checkpointing={rec.checkpointing!r} (the Trainer checkpoints every layer or none)")
+    if rec.checkpointing != "none":
+        kwargs, note = _checkpointing_kwargs(rec)
+        args.update(gradient_checkpointing=True, gradient_checkpointing_kwargs=kwargs)
+        if note:
+            missing.append(note)
     lora = None
     if rec.lora_rank:
         lora = {"r": rec.lora_rank, "lora_alpha": 2 * rec.lora_rank, "lora_dropout": 0.0,
@@ -537,7 +594,7 @@ def recipe_settings(recipe: Recipe | dict[str, Any], batch: int, seq_len: int) -
     # Every other field set away from its default is named as it is: none is dropped without a word.
     said = {"accumulation_steps", "lr", "optimizer", "optimizer_rank", "precision", "weight_dtype", "base_dtype",
             "checkpointing", "lora_rank", "lora_targets", "quantization", "quantization_phase", "loss_chunk_tokens",
-            "mlp_tile_tokens"}
+            "mlp_tile_tokens"} | ({"checkpoint_interval"} if rec.checkpointing in ("every_n", "segments") else set())
     for name, value in rec.changed().items():
         if name not in said:
             missing.append(f"{name}={value!r}")

@@ -28,6 +28,7 @@ from colab_memopt.planning import estimate
 from colab_memopt.core.fileio import atomic_write_text
 from colab_memopt.core.env import pick_device, usable_device_memory
 from colab_memopt.core.measure import LiveMemory, format_bytes
+from colab_memopt.core.console import quiet
 
 NOT_APPLICABLE = "not applicable on this device (no caching allocator)"
 STATUSES = ("normal", "warning", "critical", "emergency")
@@ -527,7 +528,8 @@ class MemoryMonitor:
 
 # -- transformers Trainer ----------------------------------------------------------------------
 def _trainer_callback(profiler: MemoryProfiler, *, phase: str, monitor: MemoryMonitor | None = None) -> Any:
-    from transformers import TrainerCallback
+    with quiet():  # the library's import notes (torchao's, DeepSpeed's): nothing about this run
+        from transformers import TrainerCallback
 
     class MemoryProfilerCallback(TrainerCallback):
         """Profile a transformers `Trainer`: count from train begin, sample at each step end."""

@@ -12,6 +12,7 @@ from typing import Any
 
 from torch import nn
 
+from colab_memopt.core.console import quiet
 from colab_memopt.techniques.models import MODEL_SIZES, build_model
 
 
@@ -25,6 +26,7 @@ class Architecture:
     source: str
     dtype: str = "float32"  # the published checkpoint's dtype (its config.json's `torch_dtype`; none there: float32)
 
+    @quiet()  # the libraries' notes when transformers loads its modules (cm.quiet(verbose=True) shows them)
     def hf_config(self) -> Any:
         """Return the transformers config of this architecture, with the published checkpoint's dtype: what
         transformers 5's `from_pretrained` loads it in when no dtype is given."""
@@ -32,6 +34,7 @@ class Architecture:
 
         return getattr(transformers, _CLASSES[self.family][0])(**self.config, dtype=self.dtype)
 
+    @quiet()
     def build(self) -> nn.Module:
         """Return the model with random weights on the current default device."""
         import transformers
@@ -197,7 +200,10 @@ def check_config(config: Any, where: str) -> None:
     kv = values.get("num_key_value_heads")
     if heads and kv and heads % kv:
         raise ValueError(f"{where}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}")
-    for key in ("dtype", "torch_dtype"):
+    # A config object of transformers >= 4.56 keeps its dtype as `dtype` and answers `torch_dtype` with a deprecation
+    # note: read the old name only from config.json's dict or a config that has no `dtype`.
+    keys = ("dtype",) if not isinstance(config, dict) and hasattr(config, "dtype") else ("dtype", "torch_dtype")
+    for key in keys:
         dtype = get(key, None)
         if isinstance(dtype, str) and not isinstance(getattr(torch, dtype.removeprefix("torch."), None), torch.dtype):
             raise ValueError(f"{where}: {key} must name a torch dtype ('float32', 'float16', 'bfloat16'), got {dtype!r}")
@@ -224,7 +230,8 @@ def _from_config(name: str, config: Any, source: str, path: str | None = None) -
         # Training keeps fp32 master weights; the recipe (not the checkpoint's dtype) decides the precision. Each model
         # gets its own copy of the config: transformers' from_config writes the dtype into the config it is given
         # (the caller's, whose dtype says what from_pretrained would load) and the model keeps that object.
-        return from_config(copy.deepcopy(config), dtype=torch.float32)
+        with quiet():  # the libraries' notes when transformers loads the model's modules
+            return from_config(copy.deepcopy(config), dtype=torch.float32)
 
     build.__name__ = name
     spec = ModelSpec(name, build, _config_seq_len(config), getattr(config, "model_type", None), config, source, path)
@@ -273,6 +280,7 @@ def _from_folder(model: str, folder: Any) -> ModelSpec:
     return spec
 
 
+@quiet()  # transformers' first use imports torchao and DeepSpeed, whose notes say nothing about the user's model
 def resolve_model(model: Any) -> ModelSpec:
     """Return the `ModelSpec` of a model given in any of the accepted forms.
 
@@ -372,6 +380,7 @@ def family_of(model: Any) -> str | None:
 SMALL_FAMILIES = ("llama", "qwen2", "mistral", "phi3", "gemma2", "gpt_neox")
 
 
+@quiet()
 def small_config(family: str, **overrides: Any) -> Any:
     """Return a small `PretrainedConfig` of a transformers family (2 layers, width 64, vocabulary 512).
 

@@ -25,6 +25,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from colab_memopt.core.console import quiet
+
 ATTENTION_IMPLS = ("naive", "sdpa")
 
 # The aten op each SDPA backend dispatches to, and its name in PyTorch's `SDPBackend`.
@@ -284,7 +286,8 @@ class _OneGroup:
 
 def _sdpa_repeated_kv(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
                       **kwargs: Any) -> tuple[torch.Tensor, Any]:
-    from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+    with quiet():  # the library's import notes (torchao's, DeepSpeed's): nothing about this run
+        from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 
     groups = int(getattr(module, "num_key_value_groups", 1))
     return sdpa_attention_forward(_OneGroup(module), query, repeat_kv(key, groups), repeat_kv(value, groups),
@@ -304,8 +307,9 @@ def repeat_kv_for_sdpa(model: Any) -> Any:
     Example:
         >>> model = repeat_kv_for_sdpa(AutoModelForCausalLM.from_pretrained("HuggingFaceTB/SmolLM2-135M"))
     """
-    from transformers import AttentionInterface, PreTrainedModel
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    with quiet():  # the library's import notes (torchao's, DeepSpeed's): nothing about this run
+        from transformers import AttentionInterface, PreTrainedModel
+        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     if not isinstance(model, PreTrainedModel):
         raise TypeError(f"repeat_kv_for_sdpa needs a transformers model (PreTrainedModel), got {type(model).__name__}")

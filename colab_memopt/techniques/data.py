@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from colab_memopt.core.console import quiet
+
 DEFAULT_MAX_BYTES = 4 * 2**20
 
 
@@ -248,7 +250,8 @@ def _tokenizer(tokenizer: Any) -> tuple[Any, str]:
         return None, "bytes"
     if isinstance(tokenizer, (str, Path)):
         try:
-            from transformers import AutoTokenizer
+            with quiet():  # the library's import notes (torchao's, DeepSpeed's): nothing about this run
+                from transformers import AutoTokenizer
 
             local = Path(tokenizer).expanduser().exists()
             tok = AutoTokenizer.from_pretrained(str(tokenizer), local_files_only=local or _offline())

@@ -59,6 +59,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
+from colab_memopt.core.console import quiet
+
 __all__ = [
     "DEFAULT_CHUNK_TOKENS",
     "REDUCTIONS",
@@ -114,7 +116,8 @@ def _gathered(*tensors: torch.Tensor | None) -> Any:
               and getattr(t.ds_status, "name", None) != "AVAILABLE"]
     if not params:
         return contextlib.nullcontext()
-    import deepspeed
+    with quiet():  # the library's import notes (torchao's, DeepSpeed's): nothing about this run
+        import deepspeed
 
     return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
 
@@ -622,7 +625,8 @@ def _chunked_forward(self: nn.Module, input_ids: Any = None, attention_mask: Any
     """A transformers causal LM's forward whose loss, when labels are given, is `causal_lm_loss` by chunks."""
     if labels is None:  # generation, or logits wanted: the model's own forward
         return type(self).forward(self, input_ids, attention_mask=attention_mask, **kwargs)
-    from transformers.modeling_outputs import CausalLMOutputWithPast
+    with quiet():  # the library's import notes (torchao's, DeepSpeed's): nothing about this run
+        from transformers.modeling_outputs import CausalLMOutputWithPast
 
     base, head = _causal_lm_parts(self)
     for key in ("logits_to_keep", "num_logits_to_keep", "num_items_in_batch", "return_dict"):

@@ -35,6 +35,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from colab_memopt.core.console import quiet
+
 LOW_STATE_OPTIMIZERS = ("galore_adamw8bit", "apollo", "apollo_mini", "torchao_adamw8bit", "torchao_adamw4bit", "badam")
 # Optimizers that project the gradient of 2-D weights: `rank` is their knob (None: the method's default).
 PROJECTED = {"galore_adamw8bit": 128, "apollo": 256, "apollo_mini": 1}
@@ -266,8 +268,7 @@ def _apollo(name: str, params: list[torch.Tensor], lr: float, rank: int, model: 
 
 def _torchao(name: str, params: list[torch.Tensor], lr: float) -> torch.optim.Optimizer:
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+        with quiet():  # the library's import notes (torchao's CUDA extensions, torch's deprecations)
             from torchao.optim import AdamW4bit, AdamW8bit
     except ImportError as err:
         raise RuntimeError(f"optimizer {name!r} needs torchao: pip install torchao") from err

@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from colab_memopt.core.console import quiet
+
 GRANULARITIES = ("tensor", "channel")
 SCHEMES = ("int8_tensor", "int8_channel", "bnb_int8", "nf4", "fp4")
 # LLM.int8()'s outlier threshold (Dettmers et al. 2022, bitsandbytes' recommended value): input columns with a
@@ -321,7 +323,8 @@ def add_lora(model: nn.Module, rank: int, *, targets: Iterable[str] = DEFAULT_LO
     if not isinstance(rank, int) or rank < 1:
         raise ValueError(f"rank must be an integer >= 1, got {rank!r}")
     targets = check_lora_targets(model, targets)
-    from peft import LoraConfig, inject_adapter_in_model
+    with quiet():  # the library's import notes (torchao's, DeepSpeed's): nothing about this run
+        from peft import LoraConfig, inject_adapter_in_model
 
     for p in model.parameters():
         p.requires_grad_(False)

@@ -53,6 +53,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from colab_memopt.techniques.checkpointing import find_blocks
+from colab_memopt.core.console import quiet
 
 __all__ = ["MLP_NAMES", "apply_tiled_mlp", "apply_tiled_norm", "check_tile_tokens", "find_mlps", "find_rmsnorms",
            "remove_tiled_mlp", "remove_tiled_norm", "tiled", "tiled_rms_norm"]
@@ -319,7 +320,8 @@ def _block_kwargs(block: nn.Module, tokens: int, width: int, device: str) -> dic
     if attn is None:
         return {}
     config = attn.config
-    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+    with quiet():  # the library's import notes (torchao's, DeepSpeed's): nothing about this run
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
     rotary = LlamaRotaryEmbedding(config=config).to(device)
     positions = torch.arange(tokens, device=device)[None]

@@ -24,6 +24,7 @@ import torch
 from colab_memopt.core import ranks
 from colab_memopt.core.ranks import LOOPBACK, free_port
 from colab_memopt.core.measure import iter_tensors
+from colab_memopt.core.console import quiet
 
 ZERO_STAGES = (0, 1, 2, 3)
 # DeepSpeed's reduce / all-gather bucket (elements) in `deepspeed_config`: the engine holds one flat buffer of
@@ -183,8 +184,9 @@ def deepspeed_config(
 
 def validate_config(config: dict[str, Any]) -> None:
     """Parse a config with DeepSpeed's own classes; raise ValueError with DeepSpeed's message if it refuses."""
-    from deepspeed.runtime.config import DeepSpeedConfig
-    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    with quiet():  # the library's import notes (torchao's, DeepSpeed's): nothing about this run
+        from deepspeed.runtime.config import DeepSpeedConfig
+        from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
     try:
         DeepSpeedZeroConfig(**config.get("zero_optimization", {}))
@@ -200,14 +202,16 @@ def _skip_shm_comm_op() -> None:
     # cold). Only inference_all_reduce uses it; training collectives go through gloo. Skip the build.
     import sys
 
-    import deepspeed.comm.torch  # noqa: F401 - loads the module patched below
+    with quiet():  # the library's import notes (torchao's, DeepSpeed's): nothing about this run
+        import deepspeed.comm.torch  # noqa: F401 - loads the module patched below
 
     sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
 
 
 def init_distributed(rank: int = 0, world_size: int = 1, port: int | None = None) -> None:
     """Start DeepSpeed's process group with gloo on the loopback address (once per process)."""
-    import deepspeed
+    with quiet():  # the library's import notes (torchao's, DeepSpeed's): nothing about this run
+        import deepspeed
     import torch.distributed as dist
 
     if dist.is_initialized():  # started by someone else (LOMO's fp16 scaler): DeepSpeed's engine still reads these
@@ -228,13 +232,15 @@ def initialize(model: torch.nn.Module, recipe: ZeroFields, **config_kwargs: Any)
     AdamW; weight decay 0.01 as `optimizers.make_optimizer('adamw')`. `recipe` is a `ZeroSettings` or a
     `Recipe`.
     """
-    import deepspeed
+    with quiet():  # the library's import notes (torchao's, DeepSpeed's): nothing about this run
+        import deepspeed
 
     init_distributed()
     config = deepspeed_config(recipe, **config_kwargs)
     params = [p for p in model.parameters() if p.requires_grad]
     if recipe.offload_optimizer or recipe.offload_param:
-        from deepspeed.ops.adam import DeepSpeedCPUAdam
+        with quiet():  # the library's import notes (torchao's, DeepSpeed's): nothing about this run
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
 
         optimizer = DeepSpeedCPUAdam(params, lr=recipe.lr, weight_decay=0.01, adamw_mode=True)
     else:
@@ -454,7 +460,8 @@ def _zero_worker(rank: int, world_size: int, port: int, job_dict: dict[str, Any]
     torch.set_num_threads(1)
     job = ZeroJob(**job_dict)
     init_distributed(rank, world_size, port)
-    from deepspeed.utils import logger as ds_logger
+    with quiet():  # the library's import notes (torchao's, DeepSpeed's): nothing about this run
+        from deepspeed.utils import logger as ds_logger
 
     ds_logger.setLevel(logging.ERROR)
     from colab_memopt.techniques.models import build_model

@@ -231,7 +231,10 @@ COURSE_END = "<!-- course:end -->"
 
 
 def course_markdown(titles: Mapping[str, str]) -> str:
-    """Return the course path as Markdown for notebooks/README.md: each part, its notebooks in order, linked."""
+    """Return the course path as Markdown for notebooks/README.md: each part, its notebooks in order, linked, then
+    the README's sentence on where the path leaves the numbers (`order_note`)."""
+    import textwrap
+
     lines = [COURSE_START]
     n = 0
     for part, stems in COURSE:
@@ -239,7 +242,9 @@ def course_markdown(titles: Mapping[str, str]) -> str:
         for stem in stems:
             n += 1
             lines.append(f"{n}. [{titles.get(stem, stem)}]({stem}.ipynb)")
-    return "\n".join(lines + ["", COURSE_END])
+    note = order_note(FIRST_SCREEN)
+    return "\n".join(lines + ([""] + textwrap.fill(note, 100, break_on_hyphens=False).splitlines() if note else [])
+                     + ["", COURSE_END])
 
 
 def replace_block(text: str, start: str, end: str, block: str, where: Any = "README.md") -> str:

@@ -40,6 +40,7 @@ from colab_memopt.core.env import bf16_native, pick_device
 from colab_memopt.core.measure import HostPeak, format_bytes
 from colab_memopt.techniques.quantization import DEFAULT_LORA_TARGETS, add_lora, quantize_model
 from colab_memopt.training.recipe import Recipe
+from colab_memopt.core.console import quiet
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 _DTYPE_BYTES = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 2}
@@ -281,7 +282,8 @@ class LoadedModel:
 
 
 def _bnb_config(recipe: Recipe, dtype: torch.dtype) -> Any:
-    from transformers import BitsAndBytesConfig
+    with quiet():  # the library's import notes (torchao's, DeepSpeed's): nothing about this run
+        from transformers import BitsAndBytesConfig
 
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=recipe.quantization,
                               bnb_4bit_compute_dtype=torch.float32 if dtype == torch.float32 else dtype,
@@ -837,7 +839,8 @@ def _save_adapters(model: nn.Module, folder: Path) -> list[Path]:
     if config is None or not any("lora_" in n for n, _ in model.named_parameters()):
         raise ValueError("the recipe has lora_rank > 0 but the model holds no LoRA adapters: save the model the "
                          "recipe built (load_model(..., recipe).model), or give the recipe it was trained with")
-    from peft import PeftModel, get_peft_model_state_dict
+    with quiet():  # the library's import notes (torchao's, DeepSpeed's): nothing about this run
+        from peft import PeftModel, get_peft_model_state_dict
     from safetensors.torch import save_file
 
     if isinstance(model, PeftModel):  # peft's own model: its own save, each file written whole

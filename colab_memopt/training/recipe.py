@@ -49,6 +49,7 @@ from colab_memopt.techniques.quantization import (
     quantize_model,
     quantized_copy,
 )
+from colab_memopt.core.console import quiet
 
 
 # What each Recipe field is applied by, per backend: 'torch' (`Recipe.build` and `train.make_train_step`
@@ -531,7 +532,8 @@ class Recipe:
         if self.uses_deepspeed:  # DeepSpeed wraps any module
             return
         if self.attention == REPEATED_KV_ATTENTION:
-            from transformers import PreTrainedModel
+            with quiet():  # the library's import notes (torchao's, DeepSpeed's): nothing about this run
+                from transformers import PreTrainedModel
 
             if not isinstance(model, PreTrainedModel):
                 raise ValueError(f"recipe.attention={REPEATED_KV_ATTENTION!r} applies to a transformers model, got "
