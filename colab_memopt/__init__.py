@@ -52,6 +52,7 @@ _DEFINED_IN = {name: module for module, names in {
     "train": ("make_eval_step", "make_train_step", "run_steps", "train", "train_step"),
     "trainer": ("fit_trainer", "plan_trainer"),
     "chat": ("MergeCost", "merge_cost", "to_messages"),
+    "merge": ("MergeResult", "merge_adapter"),
     "guard": ("MemoryGuardCallback",),
 }.items() for name in names}
 
@@ -108,6 +109,8 @@ __all__ = [
     "MergeCost",
     "merge_cost",
     "to_messages",
+    "MergeResult",
+    "merge_adapter",
     "GPT",
     "MODEL_SIZES",
     "T4_USABLE_BYTES",
