@@ -104,8 +104,7 @@ def test_a_bf16_base_merged_into_fp16_equals_loading_it_in_fp16_and_merging(tmp_
     the adapters TRL leaves in bf16 (peft loads them in fp32); config.json says float16."""
     base = _base(tmp_path / "base", _llama(), torch.bfloat16)
     adapter = _adapter(base, tmp_path / "adapter", adapter_dtype=torch.bfloat16)
-    with open(adapter / "adapter_model.safetensors", "rb"):
-        assert {e.dtype for e in read_header(adapter / "adapter_model.safetensors")[0]} == {"BF16"}
+    assert {e.dtype for e in read_header(adapter / "adapter_model.safetensors")[0]} == {"BF16"}
     result = merge_adapter(base, adapter, tmp_path / "merged", dtype="float16")
     _assert_same_model(_peft_merged(base, adapter, torch.float16), tmp_path / "merged", 128)
     assert json.loads((tmp_path / "merged" / "config.json").read_text())["dtype"] == "float16"
@@ -157,13 +156,10 @@ def test_what_cannot_be_merged_is_refused_by_name(tmp_path):
                                          r"is \(64, 64\)"):
         merge_adapter(base, _adapter(other, tmp_path / "wide", target_modules=["q_proj"]), tmp_path / "out")
     # an adapter on modules this base does not have
-    qwen = transformers.Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
-                                    num_attention_heads=4, num_key_value_heads=2)
     gpt2 = _base(tmp_path / "gpt2", transformers.GPT2Config(n_layer=1, n_embd=64, n_head=4, vocab_size=96), torch.float16)
     with pytest.raises(ValueError, match=r"adapts 'transformer.h.0.attn.c_attn' .* no tensor 'transformer.h.0.attn."
                                          r"c_attn.weight'"):
         merge_adapter(base, _adapter(gpt2, tmp_path / "gpt2_adapter", target_modules=["c_attn"]), tmp_path / "out")
-    del qwen
     # a 4-bit base folder (save_pretrained of a bitsandbytes model writes its quantization_config)
     quant = tmp_path / "quant"
     quant.mkdir()

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from colab_memopt.training.merge import ST_DTYPES, MergePlan
+from colab_memopt.training.merge import ST_NAMES, MergePlan
 
 # ShareGPT's speaker names, as the datasets that use the format write them, and the chat roles they stand for
 # 40 short chats in prompt-completion shape (JSONL), shipped with the package: notebook 19's default data.
@@ -75,13 +75,6 @@ def _as_turns(value: Any, role: str) -> list[dict[str, str]]:
     if isinstance(value, str):
         return [{"role": role, "content": value}]
     return [dict(m) for m in value]
-
-
-# The dtype each named architecture's published checkpoint is saved in (its config.json's torch_dtype on the hub):
-# the shard-by-shard plan of a name reads it where it has no files. gpt2's safetensors are fp32, the others bf16.
-PUBLISHED_DTYPES = {"gpt2": "F32", "smollm2-135m": "BF16", "smollm2-360m": "BF16", "smollm2-1.7b": "BF16",
-                    "qwen2.5-0.5b": "BF16", "qwen2.5-1.5b": "BF16", "llama-3.2-1b": "BF16", "llama-3.2-3b": "BF16",
-                    "llama-3.1-8b": "BF16"}
 
 
 @dataclass(frozen=True)
@@ -166,49 +159,6 @@ def _base_parts(net: nn.Module) -> tuple[dict[str, nn.Parameter], list[tuple[str
     return params, layers, net
 
 
-def _layout(model: Any, spec: Any, params: dict[str, nn.Parameter], dtype: torch.dtype
-            ) -> tuple[list[tuple[str, str, tuple[int, ...]]], str]:
-    """Return the checkpoint's tensors (name, safetensors dtype, shape) and where they come from: the files' headers
-    (a local folder), the hub's headers (an id, when online), else the config's shapes in an assumed dtype."""
-    from colab_memopt.training.merge import ST_NAMES, folder_tensors
-
-    if spec is not None and spec.path:
-        try:
-            tensors = folder_tensors(spec.path)
-            return tensors, f"the headers of the safetensors files in {spec.path}"
-        except ValueError:
-            pass
-    note = ""
-    if spec is not None and str(spec.source).startswith("Hugging Face config"):
-        try:
-            from huggingface_hub import get_safetensors_metadata
-
-            meta = get_safetensors_metadata(spec.name)
-            tensors = [(k, v.dtype, tuple(v.shape)) for f in meta.files_metadata.values() for k, v in f.tensors.items()]
-            return tensors, f"the safetensors headers of {spec.name} on the hub"
-        except Exception as exc:  # noqa: BLE001 - offline, gated or no safetensors: plan from the config
-            note = f"; the hub's headers: {type(exc).__name__}"
-    if isinstance(model, nn.Module):
-        tensors = [(k, ST_NAMES.get(p.dtype, "F32"), tuple(p.shape)) for k, p in params.items()]
-        return tensors, "the model in memory, its tensors in the dtypes it holds"
-    config_dtype = None
-    if spec is not None and spec.config is not None:
-        values = vars(spec.config)  # not getattr: transformers 5 warns on reading torch_dtype
-        value = values.get("dtype") or values.get("torch_dtype")
-        value = getattr(torch, value, None) if isinstance(value, str) else value
-        config_dtype = ST_NAMES.get(value) if isinstance(value, torch.dtype) else None
-    name = spec.name if spec is not None else ""
-    if config_dtype is not None:
-        st, why = config_dtype, "the config's dtype"
-    elif name in PUBLISHED_DTYPES:
-        st, why = PUBLISHED_DTYPES[name], "as published"
-    else:
-        st, why = ST_NAMES[dtype], "the merge's: the config names none"
-    tensors = [(k, st, tuple(p.shape)) for k, p in params.items()]
-    label = str(ST_DTYPES[st]).removeprefix("torch.")
-    return tensors, f"assumed: the config's shapes in {label} ({why}){note}"
-
-
 def merge_cost(model: Any, dtype: torch.dtype | str = torch.float16, *, r: int = 16) -> MergeCost:
     """Return what merging a LoRA adapter into `model` loaded in `dtype` holds at its peak, without loading it.
 
@@ -258,6 +208,12 @@ def merge_cost(model: Any, dtype: torch.dtype | str = torch.float16, *, r: int =
                                  default=("", 0))
     adapter_bytes = sum(r * (m.in_features + m.out_features) * 4 for _, m in layers)  # A (r, in), B (out, r) in fp32
     update_bytes = largest * 4 * 2  # bytes: B @ A and B @ A * scaling, both (out, in) in fp32
-    tensors, source = _layout(model, spec, params, dtype)
+    if spec is None:  # a model in memory: its tensors as it holds them
+        tensors = [(k, ST_NAMES.get(p.dtype, "F32"), tuple(p.shape)) for k, p in params.items()]
+        source = "the model in memory, its tensors in the dtypes it holds"
+    else:
+        from colab_memopt.training.loading import checkpoint_layout
+
+        tensors, source = checkpoint_layout(spec, net, dtype)
     shard = merge_bytes(tensors, [f"{name}.weight" for name, _ in layers], adapter_bytes, dtype, source)
     return MergeCost(parameters, dtype, parameters * itemsize, adapter_bytes, update_bytes, largest_layer, shard)
