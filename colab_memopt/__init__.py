@@ -55,6 +55,7 @@ _DEFINED_IN = {name: module for module, names in {
     "trainer": ("plan_trainer",),
     "trainerfit": ("fit_trainer",),
     "chat": ("MergeCost", "merge_cost", "to_messages"),
+    "merge": ("MergeResult", "merge_adapter"),
     "guard": ("MemoryGuardCallback",),
 }.items() for name in names}
 
@@ -123,6 +124,8 @@ __all__ = [
     "MergeCost",
     "merge_cost",
     "to_messages",
+    "MergeResult",
+    "merge_adapter",
     "GPT",
     "MODEL_SIZES",
     "T4_TOTAL_BYTES",

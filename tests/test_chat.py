@@ -153,3 +153,37 @@ def test_a_dataset_row_missing_its_answer_stops_the_map_naming_the_field():
     ds = Dataset.from_list([{"instruction": "a", "output": "b"}, {"instruction": "c"}])  # datasets fills None
     with pytest.raises(ValueError, match="output is missing or None"):
         ds.map(to_messages, remove_columns=ds.column_names)
+
+
+def test_merge_cost_refuses_int8_models_like_4_bit_ones(tmp_path):
+    """An int8 model (load_int8, or quantization.quantize_model's int8 schemes) holds no 16-bit weights to count:
+    refused like a bitsandbytes 4-bit model, not answered with its int8 bytes (reliability probe 4)."""
+    from colab_memopt.techniques import quantization
+
+    config, model = _tiny_llama()
+    for scheme in ("int8_channel", "int8_tensor"):
+        _, fresh = _tiny_llama()
+        with pytest.raises(ValueError, match=r"model is quantized \(.*int8.*\): give its id, folder or config"):
+            merge_cost(quantization.quantize_model(fresh, scheme))
+    model.save_pretrained(tmp_path / "tiny")
+    with pytest.raises(ValueError, match=r"model is quantized \(.*int8.*\): give its id, folder or config"):
+        merge_cost(cm.load_int8(tmp_path / "tiny", dtype=torch.bfloat16, device="cpu"))
+
+
+def test_merge_cost_of_a_peft_model_counts_its_base_only():
+    """A trained PeftModel: its adapters are neither base weights nor layers to adapt (reliability probe 4)."""
+    from peft import LoraConfig, get_peft_model
+
+    config, model = _tiny_llama()
+    expected = merge_cost(config, torch.float32, r=8)
+    peft_model = get_peft_model(model, LoraConfig(r=8, target_modules="all-linear", modules_to_save=["lm_head"]))
+    cost = merge_cost(peft_model, torch.float32, r=8)
+    assert (cost.parameters, cost.weights_bytes, cost.adapter_bytes, cost.update_bytes, cost.largest_layer) == (
+        expected.parameters, expected.weights_bytes, expected.adapter_bytes, expected.update_bytes,
+        expected.largest_layer)
+    assert cost.shard_by_shard.disk_bytes == expected.shard_by_shard.disk_bytes
+
+
+def test_merge_cost_refuses_a_bool_rank():
+    with pytest.raises(ValueError, match=r"r must be an int >= 1 .*got True"):
+        merge_cost("smollm2-135m", r=True)

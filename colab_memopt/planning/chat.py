@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from colab_memopt.training.merge import ST_NAMES, MergePlan
+
 # ShareGPT's speaker names, as the datasets that use the format write them, and the chat roles they stand for
 # 40 short chats in prompt-completion shape (JSONL), shipped with the package: notebook 19's default data.
 SAMPLE_CHATS = Path(__file__).resolve().with_name("chat_sample.jsonl")
@@ -139,7 +141,7 @@ def _as_turns(value: Any, role: str, field: str) -> list[dict[str, Any]]:
 @dataclass(frozen=True)
 class MergeCost:
     """The memory that merging a LoRA adapter into its base takes (`merge_cost`): bytes, counted from the model's
-    parameters and the dtype the base is loaded in."""
+    parameters and the dtype the base is loaded in; and what `merge_adapter` takes shard by shard instead."""
 
     parameters: int  # the base model's parameters (tied weights once)
     dtype: torch.dtype  # the dtype the base is loaded in for the merge
@@ -147,6 +149,7 @@ class MergeCost:
     adapter_bytes: int  # LoRA's A and B in fp32 on every Linear but the head (peft's default dtype for them)
     update_bytes: int  # the largest layer's update while it is added: B @ A and its scaled copy, in fp32
     largest_layer: str  # the layer that update belongs to
+    shard_by_shard: MergePlan | None = None  # merge_adapter's host peak and disk need, merging into `dtype`
 
     @property
     def peak_bytes(self) -> int:
@@ -158,9 +161,63 @@ class MergeCost:
 
         name = str(self.dtype).removeprefix("torch.")
         count = f"{self.parameters / 1e9:.2f}B" if self.parameters >= 1e8 else f"{self.parameters:,}"
-        return (f"merge in {name}: {format_bytes(self.peak_bytes)} at the peak\n"
-                f"  {format_bytes(self.weights_bytes)} of weights ({count} parameters), "
-                f"+{format_bytes(self.adapter_bytes)} adapter, +{format_bytes(self.update_bytes)} one layer's update")
+        lines = [f"merge in {name}: {format_bytes(self.peak_bytes)} at the peak (merge_and_unload, the whole model)",
+                 f"  {format_bytes(self.weights_bytes)} of weights ({count} parameters), "
+                 f"+{format_bytes(self.adapter_bytes)} adapter, +{format_bytes(self.update_bytes)} one layer's update"]
+        if self.shard_by_shard is not None:
+            plan = self.shard_by_shard
+            lines += [f"shard by shard (cm.merge_adapter): {format_bytes(plan.host_bytes)} of host RAM, no GPU; "
+                      f"{format_bytes(plan.disk_bytes)} of disk",
+                      f"  layout: {plan.source}"]
+        return "\n".join(lines)
+
+
+def _dtype_of(dtype: torch.dtype | str) -> torch.dtype:
+    names = {"float16": torch.float16, "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+             "float32": torch.float32, "fp32": torch.float32}
+    if isinstance(dtype, str):
+        if dtype not in names:
+            raise ValueError(f"dtype must be 'float16', 'bfloat16' or 'float32', got {dtype!r}")
+        return names[dtype]
+    if dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"dtype must be torch.float16, torch.bfloat16 or torch.float32, got {dtype}")
+    return dtype
+
+
+def _refuse_quantized(net: nn.Module) -> None:
+    """Refuse a model whose weights are quantized (bitsandbytes 4- or 8-bit, int8 weights): its 16-bit weights are
+    not in memory, so neither its size nor its merge can be read from it."""
+    for name, t in [*net.named_parameters(), *net.named_buffers()]:
+        if t.dtype in (torch.int8, torch.uint8) or type(t).__name__ in ("Params4bit", "Int8Params") or \
+                str(t.dtype).startswith("torch.float8"):
+            raise ValueError(f"model is quantized ({name} is {str(t.dtype).removeprefix('torch.')}): give its id, "
+                             "folder or config (the merge loads the base in 16-bit)")
+
+
+def _base_parts(net: nn.Module) -> tuple[dict[str, nn.Parameter], list[tuple[str, nn.Module]], Any]:
+    """Return a model's base parameters (by checkpoint name, tied ones once), its base Linear layers (by name) and
+    its head: a peft model's adapters (lora_A, lora_B, ...) and `modules_to_save` copies left out."""
+    if hasattr(net, "get_base_model"):  # a PeftModel: its base, adapters injected
+        net = net.get_base_model()
+
+    def base_name(name: str) -> str | None:
+        parts = name.split(".")
+        if any(p.startswith("lora_") or p == "modules_to_save" for p in parts):
+            return None
+        return ".".join(p for p in parts if p not in ("base_layer", "original_module"))
+
+    params: dict[str, nn.Parameter] = {}
+    seen: set[int] = set()
+    for name, p in net.named_parameters(remove_duplicate=False):
+        key = base_name(name)
+        if key is not None and id(p) not in seen:
+            seen.add(id(p))
+            params[key] = p
+    head = net.get_output_embeddings() if hasattr(net, "get_output_embeddings") else None
+    head = getattr(head, "base_layer", None) or getattr(head, "original_module", None) or head
+    layers = [(key, m) for name, m in net.named_modules()
+              if isinstance(m, nn.Linear) and m is not head and (key := base_name(name)) is not None]
+    return params, layers, net
 
 
 def merge_cost(model: Any, dtype: torch.dtype | str = torch.float16, *, r: int = 16) -> MergeCost:
@@ -172,26 +229,31 @@ def merge_cost(model: Any, dtype: torch.dtype | str = torch.float16, *, r: int =
     GPU, whichever the base is loaded on; the adapter is counted on every Linear but the head (an upper bound
     for any `target_modules`).
 
+    `.shard_by_shard` plans `merge_adapter` instead, which merges from the files into `dtype` on the CPU: the host
+    RAM it holds (the adapter, one weight with its fp32 update, a slice of one other tensor) and the disk the merged
+    folder takes. It reads the checkpoint's tensors from the safetensors headers where it has the files (a folder)
+    or can read them (a hub id, online), else from the config's shapes in the config's or the published dtype,
+    and says which.
+
     Args:
         model: a Hugging Face model id or local folder, a `PretrainedConfig`, one of
-            `architectures.model_names()`, or a model (`nn.Module`, not quantized).
+            `architectures.model_names()`, or a model (`nn.Module`, not quantized; a peft model counts its base).
         dtype: the dtype the base is loaded in for the merge: torch.float16 (a T4), torch.bfloat16 or
             torch.float32, or their names.
         r: the LoRA rank (`LoraConfig(r=...)`).
 
     Example:
         >>> cost = cm.merge_cost("Qwen/Qwen2.5-1.5B-Instruct", torch.float16)
-        >>> cost.peak_bytes <= cm.COLAB_HOST_RAM_BYTES
+        >>> cost.peak_bytes <= cm.COLAB_HOST_RAM_BYTES, cost.shard_by_shard.host_bytes
     """
-    names = {"float16": torch.float16, "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-             "float32": torch.float32, "fp32": torch.float32}
-    if isinstance(dtype, str):
-        if dtype not in names:
-            raise ValueError(f"dtype must be 'float16', 'bfloat16' or 'float32', got {dtype!r}")
-        dtype = names[dtype]
-    if dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise ValueError(f"dtype must be torch.float16, torch.bfloat16 or torch.float32, got {dtype}")
+    from colab_memopt.training.merge import merge_bytes
+
+    dtype = _dtype_of(dtype)
+    if isinstance(r, bool) or not (isinstance(r, int) and r >= 1):
+        raise ValueError(f"r must be an int >= 1 (LoraConfig's rank), got {r!r}")
+    spec = None
     if isinstance(model, nn.Module):
+        _refuse_quantized(model)
         net = model
     else:
         from colab_memopt.techniques.architectures import resolve_model
@@ -199,17 +261,20 @@ def merge_cost(model: Any, dtype: torch.dtype | str = torch.float16, *, r: int =
         spec = resolve_model(model)
         with torch.device("meta"):
             net = spec.build()
-    params = {id(p): p for p in net.parameters()}  # tied weights once
-    if any(p.dtype == torch.uint8 or type(p).__name__ == "Params4bit" for p in params.values()):
-        raise ValueError("model is quantized: give its id, folder or config (the merge loads the base in 16-bit)")
+        _refuse_quantized(net)
+    params, layers, _ = _base_parts(net)
     parameters = sum(p.numel() for p in params.values())
     itemsize = torch.empty((), dtype=dtype).element_size()
-    head = net.get_output_embeddings() if hasattr(net, "get_output_embeddings") else None  # LoRA leaves it
-    layers = [(name, m.weight.numel()) for name, m in net.named_modules() if isinstance(m, nn.Linear) and m is not head]
-    largest_layer, largest = max(layers, key=lambda nl: nl[1], default=("", 0))
-    if not (isinstance(r, int) and r >= 1):
-        raise ValueError(f"r must be an int >= 1 (LoraConfig's rank), got {r!r}")
-    adapter_bytes = sum(r * (m.in_features + m.out_features) * 4 for name, m in net.named_modules()
-                        if isinstance(m, nn.Linear) and m is not head)  # bytes: A (r, in), B (out, r) in fp32
+    largest_layer, largest = max(((name, m.weight.numel()) for name, m in layers), key=lambda nl: nl[1],
+                                 default=("", 0))
+    adapter_bytes = sum(r * (m.in_features + m.out_features) * 4 for _, m in layers)  # A (r, in), B (out, r) in fp32
     update_bytes = largest * 4 * 2  # bytes: B @ A and B @ A * scaling, both (out, in) in fp32
-    return MergeCost(parameters, dtype, parameters * itemsize, adapter_bytes, update_bytes, largest_layer)
+    if spec is None:  # a model in memory: its tensors as it holds them
+        tensors = [(k, ST_NAMES.get(p.dtype, "F32"), tuple(p.shape)) for k, p in params.items()]
+        source = "the model in memory, its tensors in the dtypes it holds"
+    else:
+        from colab_memopt.training.loading import checkpoint_layout
+
+        tensors, source = checkpoint_layout(spec, net, dtype)
+    shard = merge_bytes(tensors, [f"{name}.weight" for name, _ in layers], adapter_bytes, dtype, source)
+    return MergeCost(parameters, dtype, parameters * itemsize, adapter_bytes, update_bytes, largest_layer, shard)

@@ -17,7 +17,9 @@ the weights are read) shard by shard, straight to the device, in the dtype the r
   bf16, more than Colab's RAM and a T4; `load_int8` reads one memory-mapped tensor at a time and
   quantizes it on the device, so the host holds about one tensor (1 GB at 8B), never a shard.
 
-`load_host_bytes` gives the host RAM each path needs, for the plan and the doctor.
+`load_host_bytes` gives the host RAM each path needs, for the plan and the doctor; `quantized_load_bytes` gives
+what transformers' own 4-bit `from_pretrained` holds on the GPU and the host, read from its code path and the
+checkpoint's headers (benchmarks/qlora_load.py measures the host side on the CPU).
 """
 
 from __future__ import annotations
@@ -255,6 +257,249 @@ def load_host_bytes(model: Any, recipe: Recipe | None = None, device: str | torc
     classic = params * 4 + checkpoint
     return LoadPlan(spec.name, params, checkpoint, largest, str(ckpt_dtype).removeprefix("torch."),
                     str(dtype).removeprefix("torch."), str(dev), four_bit, host, classic, path, notes)
+
+
+# -- what from_pretrained(..., quantization_config=BitsAndBytesConfig(load_in_4bit=True)) holds -----------------------
+
+# The dtype each named architecture's published checkpoint is saved in (its config.json's torch_dtype on the hub):
+# plans of a name read it where they have no files. gpt2's safetensors are fp32, the others bf16.
+PUBLISHED_DTYPES = {"gpt2": "F32", "smollm2-135m": "BF16", "smollm2-360m": "BF16", "smollm2-1.7b": "BF16",
+                    "qwen2.5-0.5b": "BF16", "qwen2.5-1.5b": "BF16", "llama-3.2-1b": "BF16", "llama-3.2-3b": "BF16",
+                    "llama-3.1-8b": "BF16"}
+# What a 4-bit load holds beside its tensors: the loader's bookkeeping, the allocator's rounding and the holes that
+# freed transients leave between the quantized weights (measured: benchmarks/qlora_load.py).
+QLORA_LOAD_OVERHEAD_BYTES = 32 * 2**20
+# bitsandbytes' 4-bit blocks: one fp32 absmax per 64 values; double quantization (bnb_4bit_use_double_quant) keeps
+# them as uint8 with one fp32 absmax per 256 blocks and a 256-entry fp32 code
+BNB_4BIT_BLOCKSIZE = 64
+# transformers' releases that materialize tensors in 4 threads while quantizing on the fly, so full-precision
+# tensors pile up on the device ahead of the quantizer (huggingface/transformers#43032, #44387); 5.4.0 loads one
+# tensor at a time when it quantizes (PR #44576)
+ASYNC_QUANTIZED_LOAD = ("5.0.0", "5.4.0")
+
+
+def checkpoint_layout(spec: ModelSpec, net: nn.Module, dtype: torch.dtype | None = None
+                      ) -> tuple[list[tuple[str, str, tuple[int, ...]]], str]:
+    """Return a checkpoint's tensors (name, safetensors dtype name, shape) and where they come from: the headers of
+    the safetensors files (a local folder), the hub's headers of an id (read over the network, nothing downloaded),
+    else the shapes of `net` (built from the config, tied weights once) in the config's dtype, the published one of a
+    named architecture, or `dtype`; an assumption, and said so."""
+    from colab_memopt.training.merge import ST_DTYPES, ST_NAMES, folder_tensors
+
+    if spec.path:
+        try:
+            return folder_tensors(spec.path), f"the headers of the safetensors files in {spec.path}"
+        except ValueError:
+            pass
+    note = ""
+    if str(spec.source).startswith("Hugging Face config"):
+        try:
+            from huggingface_hub import get_safetensors_metadata
+
+            meta = get_safetensors_metadata(spec.name)
+            return ([(k, v.dtype, tuple(v.shape)) for f in meta.files_metadata.values() for k, v in f.tensors.items()],
+                    f"the safetensors headers of {spec.name} on the hub")
+        except Exception as exc:  # noqa: BLE001 - offline, gated, or no safetensors: the config's shapes
+            note = f"; the hub's headers: {type(exc).__name__}"
+    values = vars(spec.config) if spec.config is not None else {}  # not getattr: transformers 5 warns on torch_dtype
+    value = values.get("dtype") or values.get("torch_dtype")
+    value = getattr(torch, value, None) if isinstance(value, str) else value
+    if isinstance(value, torch.dtype) and value in ST_NAMES:
+        st, why = ST_NAMES[value], "the config's dtype"
+    elif spec.name in PUBLISHED_DTYPES:
+        st, why = PUBLISHED_DTYPES[spec.name], "as published"
+    else:
+        st, why = ST_NAMES[dtype or torch.float32], "the config names none"
+    tensors = [(k, st, tuple(p.shape)) for k, p in net.named_parameters()]  # tied weights once, as save_pretrained
+    return tensors, f"assumed: the config's shapes in {str(ST_DTYPES[st]).removeprefix('torch.')} ({why}){note}"
+
+
+def _bnb_4bit_targets(net: nn.Module, skip_modules: list[str] | None) -> set[str]:
+    """Return the weight names a bitsandbytes 4-bit load quantizes: what transformers' Bnb4BitHfQuantizer replaces
+    (`replace_with_bnb_linear`: every nn.Linear or Conv1D but `get_keys_to_not_convert`'s output embedding, tied and
+    last modules, or only `llm_int8_skip_modules` where given, and `_keep_in_fp32_modules`)."""
+    try:
+        from transformers.pytorch_utils import Conv1D
+        from transformers.quantizers.base import get_keys_to_not_convert
+        from transformers.quantizers.quantizers_utils import should_convert_module
+
+        skip = list(get_keys_to_not_convert(net)) if skip_modules is None else list(skip_modules)
+    except (ImportError, AttributeError):  # another transformers: the output embedding only
+        Conv1D = ()  # type: ignore[assignment]
+        head = net.get_output_embeddings() if hasattr(net, "get_output_embeddings") else None
+        skip = [n for n, m in net.named_modules() if m is head] if skip_modules is None else list(skip_modules)
+
+        def should_convert_module(name: str, patterns: list[str]) -> bool:
+            return not any(name == p or name.endswith("." + p) or name.startswith(p + ".") for p in patterns)
+    skip += list(getattr(net, "_keep_in_fp32_modules", None) or [])
+    return {f"{name}.weight" for name, m in net.named_modules()
+            if (type(m) is nn.Linear or (Conv1D and isinstance(m, Conv1D))) and should_convert_module(name, skip)}
+
+
+def bnb_4bit_bytes(numel: int, double_quant: bool = False) -> int:
+    """Return the bytes a bitsandbytes 4-bit weight of `numel` values holds: two values a byte, and its absmax."""
+    blocks = -(-numel // BNB_4BIT_BLOCKSIZE)
+    absmax = blocks + -(-blocks // 256) * 4 + 256 * 4 if double_quant else blocks * 4
+    return -(-numel // 2) + absmax
+
+
+def _version_tuple(text: str) -> tuple[int, ...]:
+    import re
+
+    return tuple(int(x) for x in re.findall(r"\d+", text)[:3])
+
+
+@dataclass
+class QuantizedLoadPlan:
+    """What `AutoModelForCausalLM.from_pretrained(..., quantization_config=BitsAndBytesConfig(load_in_4bit=True),
+    device_map={"": device})` holds at its peak, from the checkpoint's tensors (bytes)."""
+
+    model: str
+    transformers_version: str
+    device: str  # 'cuda' or 'cpu': where device_map puts the model
+    checkpoint_dtype: str
+    load_dtype: str  # the dtype tensors are materialized in before quantizing, and the kept weights' dtype
+    checkpoint_bytes: int  # every tensor of the checkpoint: the pages the loader maps
+    quantized_bytes: int  # the 4-bit weights with their absmax
+    kept_bytes: int  # the weights left in `load_dtype` (embeddings, the head, norms)
+    transient_bytes: int  # the most one tensor adds while it is materialized (and quantized) where the model goes
+    transient_tensor: str
+    device_bytes: int  # the GPU's allocated peak (0 for a load to the CPU)
+    host_bytes: int  # the process's resident peak (VmHWM): the checkpoint pages it reads + what it allocates
+    host_anon_bytes: int  # of which allocated (what cannot be dropped; the mapped pages the kernel can drop)
+    spikes: bool  # whether this transformers piles up full-precision tensors on the device
+    source: str  # where the checkpoint's tensors came from
+    fix: str = ""  # the setting that avoids a spike, where there is one
+    notes: list[str] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        fmt = format_bytes
+        if self.device == "cuda":
+            head = (f"4-bit load of {self.model} to the GPU: {fmt(self.device_bytes)} on the GPU at the peak, "
+                    f"{fmt(self.host_anon_bytes)} of host RAM")
+        else:
+            head = (f"4-bit load of {self.model} to the CPU: {fmt(self.host_bytes)} of host RAM at the peak "
+                    f"({fmt(self.host_anon_bytes)} allocated)")
+        lines = [head]
+        if self.fix:
+            lines.append(f"  fix: {self.fix}")
+        lines += [f"  4-bit weights {fmt(self.quantized_bytes)}, kept in {self.load_dtype} {fmt(self.kept_bytes)}, "
+                  f"+{fmt(self.transient_bytes)} for one tensor being loaded",
+                  f"  the checkpoint's pages it reads ({fmt(self.host_bytes - self.host_anon_bytes)}) stay mapped "
+                  "until the load ends:",
+                  "  resident, but pages the kernel drops when memory runs short",
+                  f"  transformers {self.transformers_version}; layout: {self.source}"]
+        return "\n".join(lines + [f"  note: {n}" for n in self.notes])
+
+
+def quantized_load_bytes(model: Any, *, device: str = "cuda", dtype: torch.dtype | None = None,
+                         double_quant: bool = False, skip_modules: list[str] | None = None,
+                         transformers_version: str | None = None) -> QuantizedLoadPlan:
+    """Return the host and device peak of loading `model` in 4 bits with transformers' bitsandbytes path.
+
+    The installed transformers (5.23; the same from 5.4.0) opens every safetensors shard memory-mapped at the start
+    and keeps them open until all weights are loaded (`modeling_utils.PreTrainedModel._load_pretrained_model`:
+    `safe_open(file, ..., backend="mmap")` per file, closed after `convert_and_load_state_dict_in_model`). With
+    on-the-fly quantization it loads one tensor at a time (`core_model_loading.convert_and_load_state_dict_in_model`:
+    `has_on_the_fly_quantization` -> no thread pool): `_materialize_copy` slices the mapped tensor and moves it to
+    the device in the load dtype (`tensor.to(device=..., dtype=...)`), then `integrations.bitsandbytes.
+    Bnb4bitQuantize.convert` wraps it in a `Params4bit` and quantizes it there (`Params4bit.to(device)`), and the
+    full-precision copy is dropped before the next tensor. So:
+
+    - on the GPU: the 4-bit weights, the kept weights (embeddings, head, norms) in the load dtype, and one tensor in
+      full precision being quantized; never a shard or the model (releases 5.0.0 to 5.3.x load in 4 threads and can
+      pile up full-precision tensors there: `spikes`, and a note with the setting that avoids it);
+    - on the host, to a GPU: the checkpoint's pages as they are read, mapped until the load ends (resident, so the
+      process's RSS reaches the checkpoint's size, but file pages the kernel drops under pressure) and nothing
+      allocated beyond the CUDA runtime's own memory;
+    - on the host, to the CPU (`device_map={"": "cpu"}`, what this machine measures): the mapped pages, the 4-bit
+      weights, the kept weights (mapped pages themselves when the load dtype is the checkpoint's, else copies), and
+      one tensor's quantizing transients (bitsandbytes' default kernel: about 14 bytes a value in fp32 and int32
+      temporaries), plus QLORA_LOAD_OVERHEAD_BYTES.
+
+    Args:
+        model: a folder with a safetensors checkpoint, a Hugging Face id, a config or one of our names (its tensors
+            are read from the files' headers where there are files, else planned from the config and said so).
+        device: 'cuda' (device_map={"": 0}) or 'cpu'.
+        dtype: `from_pretrained(dtype=...)`: the dtype kept weights load in and quantized ones are materialized in;
+            None for transformers' default ("auto": the config's dtype, the checkpoint's).
+        double_quant: `BitsAndBytesConfig(bnb_4bit_use_double_quant=...)`.
+        skip_modules: `BitsAndBytesConfig(llm_int8_skip_modules=...)`.
+        transformers_version: plan another release's path (default: the installed one).
+
+    Example:
+        >>> print(cm.loading.quantized_load_bytes("meta-llama/Llama-3.1-8B", dtype=torch.float16))
+    """
+    from colab_memopt.training.merge import FLOAT_NAMES, ST_DTYPES, ST_NAMES, _itemsize
+
+    if device not in ("cuda", "cpu"):
+        raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
+    if dtype is not None and dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"dtype must be None, torch.float16, torch.bfloat16 or torch.float32, got {dtype!r}")
+    if transformers_version is None:
+        import transformers
+
+        transformers_version = transformers.__version__
+    spec = resolve_model(model)
+    with torch.device("meta"):
+        net = spec.build()
+    tensors, source = checkpoint_layout(spec, net, dtype)
+    targets = _bnb_4bit_targets(net, skip_modules)
+    floats = [st for _, st, _ in tensors if st in FLOAT_NAMES]
+    ckpt = max(set(floats), key=floats.count) if floats else "F32"
+    load = ST_NAMES[dtype] if dtype is not None else ckpt
+    notes: list[str] = []
+    missing = sorted(targets - {name for name, _, _ in tensors})
+    if missing:
+        notes.append(f"{len(missing)} layer(s) to quantize are not in the checkpoint under their names "
+                     f"({missing[0]}, ...): planned as kept")
+    checkpoint = mapped = quantized = kept = kept_anon = piled = 0
+    transient = {"cuda": (0, ""), "cpu": (0, ""), "host": (0, "")}  # the GPU's; the CPU load's; the host's, to a GPU
+    for name, st, shape in tensors:
+        n = math.prod(shape)
+        src = _itemsize(st)
+        dst = _itemsize(load) if st in FLOAT_NAMES else src
+        cast = st in FLOAT_NAMES and st != load  # torch casts a host-to-GPU copy on the host (copy_kernel_cuda)
+        checkpoint += n * src
+        if name in targets:
+            quantized += bnb_4bit_bytes(n, double_quant)
+            mapped += n * src  # read to quantize it
+            piled += n * dst if cast else 0
+            adds = {"cuda": n * dst, "cpu": 14 * n + (n * dst if cast else 0), "host": n * dst if cast else 0}
+        else:
+            kept += n * dst
+            kept_anon += n * dst if cast else 0  # uncast, a kept weight stays the mapped page, not read yet
+            mapped += n * src if cast else 0
+            adds = {"cuda": 0, "cpu": 0, "host": n * dst if cast else 0}
+        for key, value in adds.items():
+            if value > transient[key][0]:
+                transient[key] = (value, name)
+    version = _version_tuple(transformers_version)
+    threaded = _version_tuple(ASYNC_QUANTIZED_LOAD[0]) <= version < _version_tuple(ASYNC_QUANTIZED_LOAD[1])
+    if version < _version_tuple(ASYNC_QUANTIZED_LOAD[0]):
+        notes.append(f"transformers {transformers_version}'s 4.x loader is not read here: planned as 5.4's")
+    fix = ""
+    load_name = str(ST_DTYPES[load]).removeprefix("torch.")
+    if device == "cuda":
+        spikes = threaded
+        full = sum(math.prod(s) * _itemsize(load if st in FLOAT_NAMES else st) for n_, st, s in tensors if n_ in targets)
+        device_bytes = (kept + full) if spikes else (quantized + kept + transient["cuda"][0])
+        (transient_bytes, tensor), anon = transient["cuda"], transient["host"][0] + QLORA_LOAD_OVERHEAD_BYTES
+        mapped = checkpoint  # every tensor is read to be copied to the GPU
+        notes.append("the CUDA runtime's own host memory is not counted")
+    else:
+        spikes = threaded and piled > 0  # threads read ahead: cast copies pile up (uncast ones are mapped pages)
+        device_bytes = 0
+        (transient_bytes, tensor) = transient["cpu"]
+        anon = quantized + kept_anon + transient_bytes + (piled if spikes else 0) + QLORA_LOAD_OVERHEAD_BYTES
+        notes.append("glibc keeps freed copies in its heap: cm.loading.limit_heap_retention() before loading")
+    if spikes:
+        fix = "os.environ['HF_DEACTIVATE_ASYNC_LOAD'] = '1' before from_pretrained, or transformers>=5.4"
+        notes.append(f"transformers {transformers_version} reads 4 tensors ahead of the quantizer: up to "
+                     f"the model in {load_name}")
+    return QuantizedLoadPlan(spec.name, transformers_version, device, str(ST_DTYPES[ckpt]).removeprefix("torch."),
+                             load_name, checkpoint, quantized, kept, transient_bytes, tensor, device_bytes,
+                             mapped + anon, anon, spikes, source, fix, notes)
 
 
 @dataclass
@@ -543,6 +788,24 @@ def release_freed_host_memory() -> None:
     trim = _malloc_trim()
     if trim is not None:
         trim(0)
+
+
+def limit_heap_retention(threshold_bytes: int = 128 * 1024) -> bool:
+    """Make glibc hand every freed block of `threshold_bytes` or more back to the system at once (`mallopt`'s
+    M_MMAP_THRESHOLD, fixed); return whether it took effect (glibc only). Process-wide, for the process's life.
+
+    glibc raises that threshold to the size of each large block freed (up to 32 MiB), so later blocks come from the
+    heap and, once freed, stay there between the blocks that live on: a 4-bit `from_pretrained` to the CPU keeps
+    the freed full-precision copies between its 4-bit weights (benchmarks/qlora_load.py measures how much). Call it
+    before such a load; it costs an mmap per large allocation."""
+    trim = _malloc_trim()  # glibc is there
+    if trim is None:
+        return False
+    import ctypes
+    import ctypes.util
+
+    m_mmap_threshold = -3
+    return bool(ctypes.CDLL(ctypes.util.find_library("c")).mallopt(m_mmap_threshold, int(threshold_bytes)))
 
 
 def _read_tensor(file: Path, key: str, shape: tuple[int, ...]) -> torch.Tensor:
