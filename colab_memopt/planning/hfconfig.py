@@ -45,14 +45,14 @@ def read_mapping(source: str | Path | dict[str, Any]) -> dict[str, Any]:
     text = path.read_text()
     if path.suffix.lower() == ".json":
         try:
-            values = json.loads(text)
+            values = json.loads(text, object_pairs_hook=functools.partial(_unique_keys, path))
         except json.JSONDecodeError as err:
             raise ValueError(f"{str(path)!r} is not valid JSON: {err}") from None
     else:
         import yaml
 
         try:
-            values = yaml.safe_load(text)
+            values = yaml.load(text, Loader=_unique_key_loader(path))  # noqa: S506 - a SafeLoader subclass
         except yaml.YAMLError as err:
             mark = getattr(err, "problem_mark", None)
             where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
@@ -61,6 +61,33 @@ def read_mapping(source: str | Path | dict[str, Any]) -> dict[str, Any]:
     if not isinstance(values, dict):
         raise ValueError(f"{str(path)!r} must hold a mapping of settings, got {type(values).__name__}")
     return values
+
+
+def _unique_keys(path: Path, pairs: list[tuple[Any, Any]], lines: list[int] | None = None) -> dict[Any, Any]:
+    """Return the mapping of `pairs`; refuse a key given twice (JSON and YAML keep the last one without a word)."""
+    seen: dict[Any, int] = {}
+    for i, (key, _) in enumerate(pairs):
+        if key in seen:
+            where = f" (lines {lines[seen[key]]} and {lines[i]})" if lines else ""
+            raise ValueError(f"{str(path)!r} gives {key!r} twice{where}: keep one (a YAML or JSON reader would "
+                             "silently use the last)")
+        seen[key] = i
+    return dict(pairs)
+
+
+def _unique_key_loader(path: Path) -> Any:
+    """Return a YAML SafeLoader class that refuses a key given twice in any mapping, naming it and its lines."""
+    import yaml
+
+    class UniqueKeyLoader(yaml.SafeLoader):
+        def construct_mapping(self, node: Any, deep: bool = False) -> dict[Any, Any]:
+            # the keys written in this mapping (a merge key's `<<: *anchor` values may be overridden, as YAML allows)
+            keys = [(self.construct_object(k, deep=True), k.start_mark.line + 1) for k, _ in node.value
+                    if isinstance(k, yaml.ScalarNode) and k.tag != "tag:yaml.org,2002:merge"]
+            _unique_keys(path, [(k, None) for k, _ in keys], [line for _, line in keys])
+            return super().construct_mapping(node, deep=deep)
+
+    return UniqueKeyLoader
 
 
 def _names(cls: Any) -> set[str]:
