@@ -166,6 +166,24 @@ def test_only_and_notebooks_and_part_are_options():
         assert exc.value.code == 2
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--budget-seconds", "nan"], "--budget-seconds must be > 0, got nan"),
+    (["--budget-seconds", "inf"], "--budget-seconds must be a finite number of seconds, got inf"),
+    (["--budget-seconds", "0"], "--budget-seconds must be > 0, got 0"),
+    (["_notebook"], "_notebook needs the path of one notebook"),
+    (["_notebook", "no/such/notebook.ipynb"], "_notebook: no notebook at 'no/such/notebook.ipynb'"),
+])
+def test_bad_command_lines_are_refused_with_status_2_before_anything_runs(argv, message, capsys):
+    # reliability probe 4: NaN passed the `<= 0` check; `_notebook` without a path, or with a missing one, gave a
+    # Python traceback and exit 1
+    with pytest.raises(SystemExit) as exc:
+        gpucheck.main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err, err
+    assert "_notebook" not in gpucheck.build_parser().format_usage()  # the internal verb is not offered
+
+
 def _fake_wheel(folder: Path, name: str, version: str = "1.0", body: str = "VALUE = 1\n") -> Path:
     """Write a minimal valid wheel of a pure-Python package `name` into `folder`."""
     import base64

@@ -254,3 +254,28 @@ def test_an_sft_file_without_fp16_or_bf16_plans_on_a_machine_without_a_gpu(tmp_p
     code, _ = plan_file(tmp_path, model_dir, "max_length: 32\nuse_peft: true\nlora_r: '4'\n")
     out = _out(capsys)
     assert code == 0 and out["recipe"]["precision"] == "bf16-autocast" and out["recipe"]["lora_rank"] == 4, out
+
+
+# -- reliability probe 4 (shared/reviews/reliability-probe-4.md) ----------------------------------------
+@pytest.mark.parametrize(("suffix", "text", "named"), [
+    (".yaml", "max_length: 32\nper_device_train_batch_size: 2\nper_device_train_batch_size: 64\n",
+     "gives 'per_device_train_batch_size' twice (line 4) (2, then 64): keep the one you mean"),
+    (".json", '{"max_length": 32, "per_device_train_batch_size": 2, "per_device_train_batch_size": 64}',
+     "gives 'per_device_train_batch_size' twice (2, then 64): keep the one you mean"),
+    (".yaml", "max_length: 32\nmodel_init_kwargs:\n  dtype: float16\n  dtype: bfloat16\n", "gives 'dtype' twice"),
+])
+def test_probe4_a_key_given_twice_is_refused_not_read_as_the_last(tmp_path, model_dir, capsys, suffix, text, named):
+    # YAML and JSON keep the last of two equal keys silently: the probe's file was planned at 64 without a word
+    path = tmp_path / f"args{suffix}"
+    path.write_text(text if suffix == ".json" else f"output_dir: {tmp_path / 'out'}\n" + text)
+    code = main(["plan", "--model", str(model_dir), "--training-args", str(path), "--no-max-batch", "--json"])
+    error = _out(capsys)["error"]
+    assert code == 2 and named in error and "\n" not in error, error
+
+
+def test_probe4_a_yaml_merge_key_may_be_overridden(tmp_path):
+    from colab_memopt.planning.hfconfig import read_mapping
+
+    path = tmp_path / "a.yaml"
+    path.write_text("base: &b\n  max_length: 32\n  per_device_train_batch_size: 2\nargs:\n  <<: *b\n  max_length: 64\n")
+    assert read_mapping(path)["args"] == {"max_length": 64, "per_device_train_batch_size": 2}

@@ -49,6 +49,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import math
 import os
 import re
 import subprocess
@@ -533,7 +534,9 @@ def worker_env(env: dict[str, str], workers: int, cpus: int | None = None) -> di
 def build_parser() -> argparse.ArgumentParser:
     """Return the command line of make test-gpu (`python -m colab_memopt.gpucheck`)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", nargs="?", default="all", choices=["all", "preflight", "plan", "_notebook"])
+    # `_notebook PATH` is the internal verb each notebook's child process runs (`notebook_command`): not offered
+    parser.add_argument("command", nargs="?", default="all", choices=["all", "preflight", "plan", "_notebook"],
+                        metavar="{all,preflight,plan}")
     parser.add_argument("path", nargs="?", help=argparse.SUPPRESS)
     parser.add_argument("--out", default=str(REPO_ROOT / "build" / "gpu"))
     parser.add_argument("--wheelhouse", default=os.environ.get("WHEELHOUSE") or None,
@@ -558,8 +561,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.budget_seconds is not None and args.budget_seconds <= 0:
-        parser.error(f"--budget-seconds must be > 0, got {args.budget_seconds}")
+    if args.budget_seconds is not None:
+        if not args.budget_seconds > 0:  # NaN too: every comparison with it is false
+            parser.error(f"--budget-seconds must be > 0, got {args.budget_seconds:g}")
+        if not math.isfinite(args.budget_seconds):
+            parser.error(f"--budget-seconds must be a finite number of seconds, got {args.budget_seconds:g}")
     if args.parallel is not None and args.parallel < 1:
         parser.error(f"--parallel must be >= 1 (worker processes), got {args.parallel}")
     deadline = None if args.budget_seconds is None else time.monotonic() + args.budget_seconds
@@ -567,6 +573,10 @@ def main(argv: list[str] | None = None) -> int:
     def limit(seconds: float) -> float:
         return seconds if deadline is None else max(1.0, min(seconds, deadline - time.monotonic()))
     if args.command == "_notebook":
+        if args.path is None:
+            parser.error("_notebook needs the path of one notebook")
+        if not Path(args.path).is_file():
+            parser.error(f"_notebook: no notebook at {args.path!r}")
         return _notebook_child(args.path, args.out)
     if args.command == "plan":  # no GPU needed: print the one call that covers make test-gpu on a lent machine
         return print_plan()
