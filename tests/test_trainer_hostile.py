@@ -279,3 +279,15 @@ def test_probe4_a_yaml_merge_key_may_be_overridden(tmp_path):
     path = tmp_path / "a.yaml"
     path.write_text("base: &b\n  max_length: 32\n  per_device_train_batch_size: 2\nargs:\n  <<: *b\n  max_length: 64\n")
     assert read_mapping(path)["args"] == {"max_length": 64, "per_device_train_batch_size": 2}
+
+
+def test_probe4_packing_plans_its_largest_batch_in_fp16():
+    # `plan --training-args` with packing: true, fp16: true exited 3: the largest-batch search traced the packed row
+    # itself, whose sequence starts come from nonzero(), a size the fake tensors do not know
+    # (GuardOnDataDependentSymNode); it is traced as the plan is, as full rows of max_length
+    need = cm.plan_trainer(sft(fp16=True, max_length=64), model=LlamaConfig(**CFG), target=TINY_TARGET).device_need_bytes
+    small = {**TINY_TARGET, "device_bytes": int(1.5 * need)}  # room for a few more rows than the batch of 2
+    plans = {packing: cm.plan_trainer(sft(packing=packing, fp16=True, max_length=64), model=LlamaConfig(**CFG),
+                                      target=small, find_max_batch=True) for packing in (True, False)}
+    assert plans[True].max_batch == plans[False].max_batch > 2, {k: p.max_batch for k, p in plans.items()}
+    assert plans[True].peak_bytes == plans[False].peak_bytes  # the same full rows

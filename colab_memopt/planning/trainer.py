@@ -400,9 +400,12 @@ def _max_micro_batch(trainer: Any, args: Any, seq_len: int, tgt: Target, plan: P
     micro = int(args.per_device_train_batch_size)
 
     def peak(b: int) -> int:
-        with _args_of(trainer, _changed_args(args, {"per_device_train_batch_size": b})), _target_attention(tgt, args) as sdpa:
-            peak_bytes = _trace_step(trainer, _changed_args(args, {"per_device_train_batch_size": b}), b, seq_len,
-                                     cuda=tgt.cuda, mode=mode, param_names=param_names)[0].peak_bytes
+        changed = _changed_args(args, {"per_device_train_batch_size": b})
+        # traced as the plan's own step is: a padding-free (packing) collator's row as full rows, whose sizes are
+        # known (its sequence starts come from `nonzero()`, a size no fake tensor knows)
+        with _args_of(trainer, changed), _rows_kept(trainer, changed, []), _target_attention(tgt, args) as sdpa:
+            peak_bytes = _trace_step(trainer, changed, b, seq_len, cuda=tgt.cuda, mode=mode,
+                                     param_names=param_names)[0].peak_bytes
         return peak_bytes + (sdpa.hidden_bytes if sdpa is not None else 0)
 
     other = micro + 1
