@@ -217,3 +217,52 @@ def test_round3_a_string_learning_rate_is_named_through_the_api():
             cm.hfconfig.trainer_recipe(args)
     args = SFTConfig("/tmp/colab_memopt_test_cli", learning_rate="2e-4", use_cpu=True, bf16=False, report_to=[])
     assert cm.hfconfig.trainer_recipe(args)[0].lr == 2e-4  # a number written as a string, as TRL's parser reads it
+
+
+_HEAVY = ("torch", "transformers", "trl", "peft", "bitsandbytes")
+
+
+def _imports_of(argv: list[str]) -> tuple[int, list[str], str]:
+    """Run the command line in a fresh interpreter; return (exit code, the heavy libraries it imported, stderr)."""
+    code = ("import sys\nfrom colab_memopt.tooling.cli import main\ntry:\n    rc = main(sys.argv[1:])\n"
+            "except SystemExit as exc:\n    rc = exc.code or 0\n"
+            f"print('IMPORTED', sorted(m for m in {_HEAVY!r} if m in sys.modules), rc)\n")
+    run = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=120,
+                         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    line = next(ln for ln in run.stdout.splitlines() if ln.startswith("IMPORTED"))
+    heavy, _, rc = line.split(" ", 1)[1].rpartition(" ")
+    return int(rc), eval(heavy), run.stderr  # noqa: S307 - our own printed list
+
+
+@pytest.mark.parametrize("argv", [
+    ["--help"], ["plan", "--help"], ["recommend", "--help"], ["doctor", "--help"], ["context", "--help"],
+])
+def test_help_of_every_verb_answers_before_torch_is_imported(argv):
+    rc, heavy, _ = _imports_of(argv)
+    assert rc == 0 and heavy == []
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["plan", "--model", "tiny", "--batch", "0"], "--batch must be an integer >= 1 (sequences), got 0"),
+    (["recommend", "--model", "tiny", "--seq", "-5"], "--seq must be an integer >= 1 (tokens), got -5"),
+    (["context", "--model", "tiny", "--max-plans", "0"], "--max-plans must be an integer >= 1 (plans per search), got 0"),
+    (["context", "--model", "tiny", "--mode", "bogus"], "invalid choice: 'bogus'"),
+    (["doctor"], "the following arguments are required: --model"),
+    (["plan", "--model", "tiny", "--batch", "two"], "invalid int value: 'two'"),
+])
+def test_a_bad_argument_is_refused_before_torch_is_imported(argv, says):
+    rc, heavy, err = _imports_of(argv)
+    assert rc == 2 and heavy == [] and says in err
+
+
+def test_the_names_help_lists_are_the_packages_own():
+    from colab_memopt.planning.recommender import OBJECTIVES
+    from colab_memopt.planning.targets import TARGETS
+    from colab_memopt.techniques.architectures import model_names
+    from colab_memopt.tooling import cli
+    from colab_memopt.training.presets import MODES
+
+    assert list(cli.MODEL_NAMES) == model_names()
+    assert list(cli.TARGET_NAMES) == list(TARGETS)
+    assert list(cli.MODES) == list(MODES)
+    assert tuple(cli.OBJECTIVES) == tuple(OBJECTIVES)

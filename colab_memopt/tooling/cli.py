@@ -29,9 +29,17 @@ def _value(text: str) -> Any:
     return {"none": None, "true": True, "false": False}.get(text.lower(), text)
 
 
-# The margin every plan keeps free (core.env.PLAN_MARGIN; written here so that --help imports no torch; a test holds
-# them equal).
+# What --help lists, written here so that --help and a bad argument answer before torch and transformers are imported
+# (seconds on two cores); tests/test_cli.py holds each equal to the package's own: the margin every plan keeps free
+# (core.env.PLAN_MARGIN), the model names (architectures.model_names()), the targets (targets.TARGETS), the modes
+# (presets.MODES) and recommend's objectives (recommender.OBJECTIVES).
 HEADROOM = 0.05
+MODEL_NAMES = ("tiny", "small", "medium", "large", "gpt2-small", "gpt2-medium", "gpt2-large", "1b", "gpt2",
+               "smollm2-135m", "smollm2-360m", "smollm2-1.7b", "qwen2.5-0.5b", "qwen2.5-1.5b", "llama-3.2-1b",
+               "llama-3.2-3b", "llama-3.1-8b")
+TARGET_NAMES = ("t4", "l4", "a100-40gb", "a100-80gb", "h100-80gb")
+MODES = ("full", "lora", "qlora")
+OBJECTIVES = ("fastest", "least_memory")
 
 # Fields whose value is a tuple: given as comma-separated names (lora_targets=c_attn,c_proj).
 _TUPLE_FIELDS = ("lora_targets",)
@@ -60,9 +68,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _parser() -> argparse.ArgumentParser:
-    from colab_memopt.techniques.architectures import model_names
-    from colab_memopt.planning.targets import TARGETS
-
+    model_names = ", ".join(MODEL_NAMES)
+    targets = ", ".join(TARGET_NAMES)
     from importlib.metadata import PackageNotFoundError, version
 
     try:
@@ -74,11 +81,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"colab-memopt {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="{plan,recommend,doctor,context}")
     p = sub.add_parser("plan", help="predict a training step's peak memory on a target, without a GPU")
-    p.add_argument("--model", default=None, help=f"one of: {', '.join(model_names())}; or a Hugging Face id, a local folder or a config.json "
+    p.add_argument("--model", default=None, help=f"one of: {model_names}; or a Hugging Face id, a local folder or a config.json "
                    "(with --training-args, default: the file's model_name_or_path)")
     p.add_argument("--batch", type=int, default=None, help="sequences per step (>= 1; with --training-args, from the file)")
     p.add_argument("--seq", type=int, default=None, help="tokens per sequence (default: the model's maximum)")
-    p.add_argument("--target", default="t4", help=f"one of {', '.join(TARGETS)} (or give --device-bytes and --host-bytes)")
+    p.add_argument("--target", default="t4", help=f"one of {targets} (or give --device-bytes and --host-bytes)")
     p.add_argument("--device-bytes", type=int, help="an explicit device memory size in bytes")
     p.add_argument("--host-bytes", type=int, help="an explicit host RAM size in bytes")
     p.add_argument("--recipe", nargs="*", default=[], metavar="FIELD=VALUE", help="recipe fields, e.g. optimizer=sgd")
@@ -93,14 +100,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="with --training-args: the dtype you load the model in (default: as the run loads it: "
                         "model_init_kwargs' dtype, else fp32, for TRL given the model id; the config's for a model you load)")
 
-    from colab_memopt.training.presets import MODES
-    from colab_memopt.planning.recommender import OBJECTIVES
-
     r = sub.add_parser("recommend", help="the settings that fit a target with the shortest expected step time")
-    r.add_argument("--model", required=True, help=f"one of: {', '.join(model_names())}; or a Hugging Face id, a local folder or a config.json")
+    r.add_argument("--model", required=True, help=f"one of: {model_names}; or a Hugging Face id, a local folder or a config.json")
     r.add_argument("--batch", type=int, default=1, help="effective batch (sequences per optimizer step; default 1)")
     r.add_argument("--seq", type=int, default=None, help="tokens per sequence (default: the model's maximum)")
-    r.add_argument("--target", default="t4", help=f"one of {', '.join(TARGETS)} (or give --device-bytes and --host-bytes)")
+    r.add_argument("--target", default="t4", help=f"one of {targets} (or give --device-bytes and --host-bytes)")
     r.add_argument("--device-bytes", type=int, help="an explicit device memory size in bytes")
     r.add_argument("--host-bytes", type=int, help="an explicit host RAM size in bytes")
     r.add_argument("--mode", default="auto", choices=["auto", *MODES], help="what is trained (auto: full, else LoRA, else QLoRA)")
@@ -116,7 +120,7 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--json", action="store_true", help="print one JSON object")
     c = sub.add_parser("context", help="the longest trainable sequence per mode on a target, and the recipe that reaches it")
     c.add_argument("--model", required=True, help="a name, a Hugging Face id, a local folder or a config.json")
-    c.add_argument("--target", default="t4", help=f"one of {', '.join(TARGETS)} (or give --device-bytes and --host-bytes)")
+    c.add_argument("--target", default="t4", help=f"one of {targets} (or give --device-bytes and --host-bytes)")
     c.add_argument("--device-bytes", type=int, help="an explicit device memory size in bytes")
     c.add_argument("--host-bytes", type=int, help="an explicit host RAM size in bytes")
     c.add_argument("--mode", action="append", choices=list(MODES), help="a mode to search (repeatable; default all)")
@@ -259,6 +263,19 @@ def _doctor(args: argparse.Namespace) -> tuple[int, Any]:
     return (0 if result.ok else 1), result
 
 
+# The counts a command line gives, each with its unit: refused when not >= 1 before anything heavy is imported.
+_COUNTS = {"batch": "sequences", "seq": "tokens", "step": "tokens", "max_plans": "plans per search",
+           "device_bytes": "bytes", "host_bytes": "bytes"}
+
+
+def _check_counts(args: argparse.Namespace) -> None:
+    """Refuse a count below 1 (--batch 0, --seq -5, --max-plans 0), naming the flag, its unit and the value."""
+    for name, unit in _COUNTS.items():
+        value = getattr(args, name, None)
+        if value is not None and value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be an integer >= 1 ({unit}), got {value}")
+
+
 def _finite(value: Any) -> Any:
     """Return `value` with every non-finite float as None: --json prints strict JSON (no Infinity, no NaN)."""
     import math
@@ -279,9 +296,6 @@ def main(argv: list[str] | None = None) -> int:
     whatever the libraries print while planning (DeepSpeed's accelerator line, ...) goes to stderr.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
-    with _quiet("--verbose" in argv):  # importing the planner imports torchao, bitsandbytes, transformers
-        from colab_memopt.planning.recommender import NoRecipeFits
-
     as_json = "--json" in argv
     stdout = sys.stdout
 
@@ -296,11 +310,13 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps({"error": message.removeprefix("error: "), "exit_code": code}), file=stdout)
         return code
 
-    try:
-        with _quiet("--verbose" in argv):  # the parser imports the planner, which imports the libraries
-            args = _parser().parse_args(argv)
-    except UsageError as exc:
-        return answer(2, f"error: {exc} (see --help)")
+    try:  # --help and a bad argument answer here, before the planner (torch, transformers) is imported
+        args = _parser().parse_args(argv)
+        _check_counts(args)
+    except (UsageError, ValueError) as exc:
+        return answer(2, f"error: {exc}" + (" (see --help)" if isinstance(exc, UsageError) else ""))
+    with _quiet(getattr(args, "verbose", False)):  # importing the planner imports torchao, bitsandbytes, transformers
+        from colab_memopt.planning.recommender import NoRecipeFits
     try:
         with contextlib.redirect_stdout(sys.stderr), _quiet(getattr(args, "verbose", False)):  # the answer alone on stdout
             code, result = {"recommend": _recommend, "doctor": _doctor, "context": _context}.get(args.command, _plan)(args)
