@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from colab_memopt.core.progress import say, shows_progress
 from colab_memopt.planning import estimate
 
 from colab_memopt.techniques import architectures
@@ -316,6 +317,7 @@ class LongestSequence:
         return asdict(self)
 
 
+@shows_progress("longest sequence")
 def longest_sequence(model: str, recipe: Recipe | None = None, *, mode: str = "", batch: int = 1, target: Any = "t4",
                      step_tokens: int = 1024, headroom: float = DEFAULT_HEADROOM, method: str = "auto",
                      host_base_bytes: int | None = None, max_tokens: int | None = None,
@@ -402,6 +404,12 @@ def longest_sequence(model: str, recipe: Recipe | None = None, *, mode: str = ""
 
     def planned(units: int) -> Any:
         if units not in plans:
+            last = ""
+            if plans:  # the verdict of the plan before, in the same line
+                prev = list(plans)[-1]
+                last = f" ({prev * step_tokens:,} tokens {'fit' if plans[prev].fits else 'do not fit'})"
+            say(f"{mode + ': ' if mode else ''}plan {len(plans) + 1} of at most {max_plans}: {units * step_tokens:,} "
+                f"tokens{last}")
             plans[units] = plan_at(units, recipe_at(units))
         return plans[units]
 
@@ -581,6 +589,7 @@ class ContextReport:
         return "\n".join(lines)
 
 
+@shows_progress("context")
 def longest_context(model: str, *, target: Any = "t4", modes: tuple[str, ...] = tuple(MODES), step_tokens: int = 1024,
                     max_plans: int = 12, method: str = "auto", host_base_bytes: int | None = None) -> ContextReport:
     """Return the longest trainable sequence of `model` on `target` for each mode, with the recipe that reaches it.
@@ -604,6 +613,7 @@ def longest_context(model: str, *, target: Any = "t4", modes: tuple[str, ...] = 
         except ValueError as exc:  # e.g. a family with no LoRA targets: the mode cannot train, say why
             skipped[m] = str(exc)
             continue
+        say(f"{m}: searching the longest sequence")
         results[m] = longest_sequence(model, recipe, mode=m, target=target, step_tokens=step_tokens, max_plans=max_plans,
                                       method=method, host_base_bytes=host_base_bytes, split_checkpoints=True)
     if not results:

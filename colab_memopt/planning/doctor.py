@@ -39,6 +39,7 @@ from colab_memopt.core import env
 from colab_memopt.planning import estimate
 from colab_memopt.techniques.architectures import resolve_model
 from colab_memopt.core.isolation import isolated
+from colab_memopt.core.progress import say, shows_progress
 from colab_memopt.core.measure import format_bytes, host_memory
 from colab_memopt.planning.planner import plan
 from colab_memopt.planning.prediction import describe_estimate_error
@@ -463,6 +464,21 @@ def check_deepspeed_ops(recipe: Recipe, cuda: bool) -> Finding | None:
     )
 
 
+# What each check looks at, for the progress lines of a long checkup.
+_CHECK_WORDS = {
+    "bf16-not-native": "bf16 on this GPU",
+    "fp16-trainable-params": "fp16 trainable weights",
+    "bf16-trainable-under-fp16": "bf16 trainable weights under fp16",
+    "checkpointing-frozen-inputs": "checkpointing with frozen inputs",
+    "adapters-not-training": "the adapters train (one probe step)",
+    "does-not-fit": "the step fits (a plan of it)",
+    "host-ram-load": "loading fits in host RAM",
+    "qlora-small-saving": "what 4-bit weights save",
+    "deepspeed-op-build": "DeepSpeed's ops are built",
+}
+
+
+@shows_progress("doctor")
 @isolated
 def doctor(
     model: Any,
@@ -519,6 +535,7 @@ def doctor(
             skipped[code] = needs
             return None
         checked.append(code)
+        say(f"check {len(checked)}: {_CHECK_WORDS.get(code, code)}")
         result = fn(*args)
         findings.append(result[0] if isinstance(result, tuple) else result)
         return result

@@ -34,6 +34,7 @@ from colab_memopt.planning import estimate
 from colab_memopt.techniques.checkpointing import checkpoint_offloader
 from colab_memopt.core.isolation import isolated
 from colab_memopt.core.measure import format_bytes
+from colab_memopt.core.progress import progress, say, shows_progress
 from colab_memopt.training.recipe import Recipe
 from colab_memopt.planning.faketrace import _TRACE_CACHE, _TRACE_CACHE_SIZE, _Trace, _Tracer, shape_model
 from colab_memopt.planning.prediction import Cost, Plan, step_peak_with_transients
@@ -285,6 +286,7 @@ def _plan_auto_chunk(model_factory: Any, batch: int, *, seq_len: int | None, rec
     return base
 
 
+@shows_progress("plan", nested=False)
 @isolated
 def plan(
     model_factory: Callable[[], nn.Module] | str | Any,
@@ -416,8 +418,10 @@ def plan(
             if cache_key is not None and cache_key in _TRACE_CACHE:
                 trace, scales, int8_warning = _TRACE_CACHE[cache_key]
             else:
+                say(f"building {name} on fake tensors (no weights loaded)")
                 tracer = _Tracer(model_factory, rec, seq_len, cuda_rounding=tgt.cuda, batch=batch,
                                  optimizer_impl=impl, capability=capability)
+                say(f"tracing one training step: batch {batch} x {seq_len:,} tokens")
                 trace = tracer.trace(batch)
                 # what the plan reads from the traced model, kept beside a cached trace
                 scales = quantization_scale_bytes(tracer.model, cuda_rounding=tgt.cuda)
@@ -481,27 +485,42 @@ def plan(
                                           offloaded_checkpoint_bytes(meta_model, batch, seq_len, rec, pinned=tgt.cuda),
                                           "analytic: one block input per block (offloaded_checkpoint_bytes)" + _PINNED_NOTE * tgt.cuda))
     if find_max_batch:
-        budget = result.device_limit_bytes - sum(c.bytes for c in device_costs if c.name != MATH_ATTENTION_LINE)
-        if used == "trace":
-            # Guess from the activations per sample, then confirm the boundary with traces.
-            guess = _activation_max_batch(trace, batch, budget)
-            cap = _search_batch_cap(meta_model, rec, batch, seq_len)
-            if 0 < guess < _BATCH_CAP:
-                if cap is not None:
-                    guess = min(guess, cap)
-                guess = _secant_step(tracer.trace(guess), guess, trace, budget)
-                guess, converged = _verified_max_batch(
-                    lambda b: _step_fits(tracer.trace(b), _with_math_attention(device_costs, tracer.trace(b), tgt),
-                                         result.device_limit_bytes), guess, lower=rec.accumulation_steps, upper=cap
-                )
-                if not converged and cap is not None and guess == cap:
-                    warn.append(f"max_batch {guess} is the largest batch searched, and it fits: a larger one's trace "
-                                "would run more rounds of the chunked loss / tiled MLP than the search allows "
-                                f"({_SEARCH_LOOP_ROUNDS}, or 4x batch {batch}'s); plan a larger batch to check it")
-                elif not converged:
-                    warn.append(f"max_batch {guess} is the largest traced batch that fits; the search stopped before the boundary")
-        else:
-            guess = _linear_max_batch(trace, batch, budget)
-        result.max_batch = guess
+        with progress("largest batch"):
+            result.max_batch = _max_batch(result, trace, tracer if used == "trace" else None, meta_model, rec, batch,
+                                          seq_len, device_costs, tgt, warn)
     result.seconds = time.perf_counter() - start
     return result
+
+
+def _max_batch(result: Plan, trace: Any, tracer: Any, meta_model: nn.Module, rec: Recipe, batch: int, seq_len: int,
+               device_costs: list[Cost], tgt: Target, warn: list[str]) -> int:
+    """Return the largest batch that fits: from the activations per sample, confirmed by traces where `tracer` traces
+    (each batch traced once: the tracer keeps its traces); linear in the batch from the estimate otherwise."""
+    budget = result.device_limit_bytes - sum(c.bytes for c in device_costs if c.name != MATH_ATTENTION_LINE)
+
+    def traced(b: int) -> Any:
+        if b not in tracer._cache:
+            say(f"trace at batch {b}")
+        return tracer.trace(b)
+
+    if tracer is not None:
+        # Guess from the activations per sample, then confirm the boundary with traces.
+        guess = _activation_max_batch(trace, batch, budget)
+        cap = _search_batch_cap(meta_model, rec, batch, seq_len)
+        if 0 < guess < _BATCH_CAP:
+            if cap is not None:
+                guess = min(guess, cap)
+            guess = _secant_step(traced(guess), guess, trace, budget)
+            guess, converged = _verified_max_batch(
+                lambda b: _step_fits(traced(b), _with_math_attention(device_costs, traced(b), tgt),
+                                     result.device_limit_bytes), guess, lower=rec.accumulation_steps, upper=cap
+            )
+            if not converged and cap is not None and guess == cap:
+                warn.append(f"max_batch {guess} is the largest batch searched, and it fits: a larger one's trace "
+                            "would run more rounds of the chunked loss / tiled MLP than the search allows "
+                            f"({_SEARCH_LOOP_ROUNDS}, or 4x batch {batch}'s); plan a larger batch to check it")
+            elif not converged:
+                warn.append(f"max_batch {guess} is the largest traced batch that fits; the search stopped before the boundary")
+    else:
+        guess = _linear_max_batch(trace, batch, budget)
+    return guess

@@ -33,6 +33,7 @@ from colab_memopt.planning import estimate
 from colab_memopt.planning.costs import Slowdown, TechniqueCosts, costs_for_target, expected_slowdown, techniques_used
 from colab_memopt.techniques.loss import DEFAULT_CHUNK_TOKENS
 from colab_memopt.core.measure import format_bytes
+from colab_memopt.core.progress import say, shows_progress
 from colab_memopt.planning.faketrace import shape_model
 from colab_memopt.planning.planner import check_seq_len, max_positions, plan
 from colab_memopt.planning.prediction import Plan, describe_estimate_error
@@ -306,6 +307,7 @@ def _model(model: Callable[[], nn.Module] | str | Any) -> tuple[str, Callable[[]
     return spec.name, spec.build
 
 
+@shows_progress("recommend")
 def recommend(
     model: Callable[[], nn.Module] | str,
     batch: int = 1,
@@ -563,6 +565,7 @@ def _recommend_mode(
             if policy in under and c.analytic_need_bytes * under[policy] > limit:
                 passed_over += 1
                 continue
+            say(f"{_MODE_WORDS.get(mode, mode)}: plan {planned + 1} of at most {min(max_plans, len(passed))}: {c.name}")
             try:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")  # the plan keeps its own warnings

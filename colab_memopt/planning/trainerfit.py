@@ -21,6 +21,7 @@ from colab_memopt.planning.prediction import Plan
 from colab_memopt.planning.targets import DEFAULT_HEADROOM, Target
 from colab_memopt.planning.hfconfig import trainer_recipe
 from colab_memopt.core.isolation import isolated
+from colab_memopt.core.progress import say, shows_progress
 from colab_memopt.planning.trainer import (
     FP16_TRAP,
     _bnb_config,
@@ -327,6 +328,7 @@ def _saves_no_more(idx: tuple[int, ...], than: tuple[int, ...], dims: list[tuple
     return all(a <= b if ordered else a == b for a, b, (_, ordered) in zip(idx, than, dims))
 
 
+@shows_progress("fit_trainer")
 @isolated
 def fit_trainer(
     trainer: Any,
@@ -374,6 +376,7 @@ def fit_trainer(
         lora = read_lora(lora)
     kwargs = dict(model=model, lora=lora, target=tgt, seq_len=seq_len, headroom=headroom)
     load0 = {k: v for k, v in dict(bnb=bnb, dtype=dtype).items() if v is not None}
+    say("plan 1: your settings")
     before = plan_trainer(trainer, **kwargs, **load0)
     real, args = _unwrap(trainer)
     if real_lora := (lora if lora is not None else _peft_config(getattr(trainer, "model", None))):
@@ -419,6 +422,8 @@ def fit_trainer(
             break
         changes = {k: v for lv in levels for k, v in lv.args}
         load = {**load0, **{k: v for lv in levels for k, v in lv.load}}
+        say(f"plan {len(tried) + 2}: " + ", ".join(_change_text(k, v) for k, v in {**changes, **dict(
+            (k, v) for lv in levels for k, v in lv.load)}.items() if not (k == "dtype" and "model_init_kwargs" in changes)))
         after = plan_trainer(trainer, **kwargs, **load, **changes)
         use = dict(lora=lora, bnb=_bnb_config(load.get("bnb")), dtype=load.get("dtype", kept["dtype"]))
         cost = _slowdown(_changed_args(args, changes), tgt, lora, use["bnb"]) / base_cost
