@@ -275,6 +275,18 @@ class _CudaRoundedInfo(_WeakRefInfo):
         return math.ceil(self.size * self.element_size / _CUDA_MIN_BLOCK) * _CUDA_MIN_BLOCK
 
 
+def tensors_bytes(tensors: Any, *, cuda_rounding: bool = False) -> int:
+    """Return the bytes the storages of `tensors` take, each storage once, as `TensorTracker` counts them (rounded up
+    to the CUDA caching allocator's 512-byte blocks with `cuda_rounding`)."""
+    storages = {}
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            s = t.untyped_storage()
+            storages[id(s)] = s  # kept alive while counting: ids stay unique
+    sizes = [s.nbytes() for s in storages.values()]
+    return sum(math.ceil(n / _CUDA_MIN_BLOCK) * _CUDA_MIN_BLOCK if cuda_rounding else n for n in sizes)
+
+
 def _storage_bytes(storage: torch.UntypedStorage, device: torch.device) -> int:
     nbytes = storage.nbytes()
     if device.type == "cuda":

@@ -371,6 +371,24 @@ def check_tokens(seq_len: Any, batch: Any, host_bytes: int, *, seq_name: str = "
                          f"so no run of it can start; at most {host_bytes // (8 * batch):,} tokens")
 
 
+def check_micro_batch(batch: int, seq_len: int, hidden: Any, device_bytes: int, *, seq_name: str = "max_length",
+                      target_name: str = "the target") -> None:
+    """Refuse a micro-batch whose embedding output alone (batch x seq_len x hidden values, 2 bytes each at the least:
+    16-bit) is more than the target's whole device memory: no step of it can run, and tracing it would only build a
+    batch of that many rows first. `hidden` None (unknown) refuses nothing."""
+    from colab_memopt.core.measure import format_bytes
+
+    if not isinstance(hidden, int) or hidden < 1:
+        return
+    need = 2 * batch * seq_len * hidden
+    if need > device_bytes:
+        most = device_bytes // (2 * seq_len * hidden)
+        raise ValueError(f"per_device_train_batch_size={batch:,} at {seq_name}={seq_len:,}: the embedding's output alone "
+                         f"({batch:,} x {seq_len:,} x {hidden:,} values, 2 bytes each at the least) needs "
+                         f"{format_bytes(need)}, more than {target_name}'s {format_bytes(device_bytes)} of device memory, "
+                         f"so no step of it can run; at most {most:,} sequences of {seq_len:,} tokens")
+
+
 def whole_setting(name: str, value: Any) -> int:
     """Return a Trainer setting that counts something (steps, sequences) if it is an int >= 1; else raise naming it."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -26,11 +26,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from colab_memopt.core.progress import progress, say, shows_progress
 from colab_memopt.planning.faketrace import _Trace
 from colab_memopt.planning.prediction import Cost, Plan
 from colab_memopt.planning.targets import DEFAULT_HEADROOM, Target, check_headroom, cublas_workspace_bytes, get_target
 from colab_memopt.planning.untraced import MATH_ATTENTION_LINE, _host_costs, math_attention_cost, math_attention_warning
-from colab_memopt.planning.hfconfig import check_optim, trainer_recipe
+from colab_memopt.planning.hfconfig import check_micro_batch, check_optim, trainer_recipe
 from colab_memopt.core.isolation import isolated, trainer_kept
 from colab_memopt.training.recipe import Recipe
 from colab_memopt.planning.trainertrace import (
@@ -76,6 +77,7 @@ def _target(target: Any) -> Target:
     return get_target(target)
 
 
+@shows_progress("plan_trainer", nested=False)
 @isolated
 def plan_trainer(
     trainer: Any,
@@ -150,6 +152,10 @@ def plan_trainer(
         bnb = bnb if isinstance(bnb, dict) or type(bnb).__name__ == "BitsAndBytesConfig" else None
     bnb = _bnb_config(bnb)
     seq = _whole("seq_len", seq_len) if seq_len is not None else seq_len_of(args)
+    config = (getattr(real_trainer.model, "config", None) if real_trainer is not None
+              else getattr(_resolve(model), "config", None))
+    check_micro_batch(int(args.per_device_train_batch_size), seq, getattr(config, "hidden_size", None), tgt.device_bytes,
+                      seq_name="seq_len" if seq_len is not None else "max_length", target_name=tgt.name)
     recipe, notes = trainer_recipe(args, lora, bnb)
     given_optimizer = getattr(real_trainer, "optimizer", None)
     warn = [n for n in notes if given_optimizer is None or not n.startswith("optim=")]  # each names the setting
@@ -178,6 +184,8 @@ def plan_trainer(
     with _accelerate_state_kept(fresh=real_trainer is None), trainer_kept(real_trainer):
         holder, mode = real_trainer, _new_mode()
         if holder is None:
+            say(f"building {model if isinstance(model, str) else getattr(model, 'model_type', None) or 'the model'} on "
+                "fake tensors (no weights loaded)")
             built = _buildable(args)
             with _cpu_device_without_index(built):  # the Trainer moves its model to args.device while it is built
                 holder = _fake_trainer(built, model, lora, bnb, seq, mode, dtype, half)
@@ -197,6 +205,7 @@ def plan_trainer(
         micro = int(args.per_device_train_batch_size)
         warn += _position_limit(holder.model, seq)
         trace_notes: list[str] = []
+        say(f"tracing one training step: batch {micro} x {seq:,} tokens")
         with _args_of(holder, args), fakes(), _rows_kept(holder, args, trace_notes), _target_attention(tgt, args) as sdpa:
             trace, _n = _trace_step(holder, args, micro, seq, cuda=tgt.cuda, mode=mode, notes=trace_notes,
                                     param_names=names)
@@ -236,7 +245,7 @@ def plan_trainer(
                             else f"the Trainer's optim={optim!r}") + (" (torch's CUDA choice)" if tgt.cuda else ""),
         )
         if find_max_batch:
-            with fakes():
+            with fakes(), progress("largest batch"):
                 result.max_batch = _max_micro_batch(holder, args, seq, tgt, result, trace, mode, names)
     result.seconds = time.perf_counter() - start
     return result
@@ -408,13 +417,28 @@ def _max_micro_batch(trainer: Any, args: Any, seq_len: int, tgt: Target, plan: P
                                      param_names=param_names)[0].peak_bytes
         return peak_bytes + (sdpa.hidden_bytes if sdpa is not None else 0)
 
+    peaks: dict[int, int] = {micro: trace.peak_bytes + trace.hidden_bytes}
+
+    def known(b: int) -> int:  # each batch traced once
+        if b not in peaks:
+            say(f"trace at per_device_train_batch_size={b}")
+            peaks[b] = peak(b)
+        return peaks[b]
+
     other = micro + 1
-    p1, p2 = trace.peak_bytes + trace.hidden_bytes, peak(other)
+    p1, p2 = peaks[micro], known(other)
     per_sample = max(p2 - p1, 1)
     guess = max(0, micro + (budget - p1) // per_sample)
-    while guess > 0 and peak(guess) > budget:
-        guess -= 1
-    return int(guess)
+    if guess == 0 or known(guess) <= budget:
+        return int(guess)
+    # the guess is over: bisect between the largest batch known to fit (0: none) and the guess (the need grows with
+    # the batch), log2 traces where stepping down one batch at a time took one trace per batch
+    lo = max((b for b, n in peaks.items() if n <= budget and b < guess), default=0)
+    hi = min(b for b, n in peaks.items() if n > budget)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if known(mid) <= budget else (lo, mid)
+    return int(lo)
 
 
 def _half_trainable(model: Any) -> dict[str, torch.dtype]:

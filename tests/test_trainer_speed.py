@@ -1,0 +1,116 @@
+"""A Trainer plan costs the same whatever the counts: gradient_accumulation_steps and the largest-batch search.
+
+Issue 44 item 5 (reliability probe 4): gradient_accumulation_steps=100,000 gave no answer in 120 s, because the trace
+built one collated batch per accumulation step. Two are traced; the others' token ids are counted, not built.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("trl")
+from transformers import LlamaConfig  # noqa: E402
+from trl import SFTConfig  # noqa: E402
+
+import colab_memopt as cm  # noqa: E402
+from colab_memopt.planning import trainer as tr, trainertrace  # noqa: E402
+
+DIMS = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=128)
+
+
+def sft_args(**changes) -> SFTConfig:
+    values = dict(output_dir="/tmp/colab_memopt_test_trainer_speed", per_device_train_batch_size=2, max_length=48,
+                  report_to=[], use_cpu=True, bf16=False, gradient_checkpointing=False)
+    values.update(changes)
+    return SFTConfig(**values)
+
+
+def _figures(p):
+    return p.peak_bytes, p.by_category, p.by_phase, p.by_phase_category
+
+
+@pytest.fixture
+def built(monkeypatch):
+    """Count the collated batches the trace builds."""
+    calls = []
+    original = trainertrace._synthetic_batch
+
+    def counted(trainer, batch, seq_len):
+        calls.append(batch)
+        return original(trainer, batch, seq_len)
+
+    monkeypatch.setattr(trainertrace, "_synthetic_batch", counted)
+    return calls
+
+
+def test_many_accumulation_steps_build_two_batches_and_count_the_rest(built):
+    p = cm.plan_trainer(sft_args(gradient_accumulation_steps=100_000), model=LlamaConfig(**DIMS), target="t4")
+    assert len(built) == 2  # was 100,000: minutes
+    one = cm.plan_trainer(sft_args(gradient_accumulation_steps=1), model=LlamaConfig(**DIMS), target="t4")
+    two = cm.plan_trainer(sft_args(gradient_accumulation_steps=2), model=LlamaConfig(**DIMS), target="t4")
+    per_batch = two.by_category["other"] - one.by_category["other"]  # one micro-batch's token ids (rounded)
+    assert per_batch > 0
+    assert p.by_category["other"] == two.by_category["other"] + 99_998 * per_batch
+    assert p.peak_bytes == two.peak_bytes + 99_998 * per_batch
+
+
+@pytest.mark.parametrize("fp16", [False, True])
+def test_the_counted_batches_give_the_figures_of_every_batch_built(monkeypatch, fp16):
+    """The fast path against the full one (every micro-batch built and held), on a T4 (rounded, fp16 autocast)."""
+    args = sft_args(gradient_accumulation_steps=5, fp16=fp16)
+    fast = cm.plan_trainer(args, model=LlamaConfig(**DIMS), target="t4")
+    monkeypatch.setattr(trainertrace, "_BUILT_BATCHES", 10**9)
+    full = cm.plan_trainer(args, model=LlamaConfig(**DIMS), target="t4")
+    assert _figures(fast) == _figures(full)
+
+
+def test_the_largest_batch_search_bisects_where_the_linear_guess_is_over(monkeypatch):
+    """Where the guess from two traces is over the answer, the search bisects: it stepped down one batch at a time,
+    one trace per batch (a guess 20 batches over took 20 traces)."""
+    from colab_memopt.planning.targets import Target
+
+    args = sft_args(per_device_train_batch_size=2, max_length=64)
+    roomy = Target("roomy", 10**12, 10**12, cuda_context_bytes=0, compute_capability=(7, 5))
+    p2 = cm.plan_trainer(args, model=LlamaConfig(**DIMS), target=roomy, headroom=0.0)
+    p3 = cm.plan_trainer(sft_args(per_device_train_batch_size=3, max_length=64), model=LlamaConfig(**DIMS), target=roomy,
+                         headroom=0.0)
+    per_sample = p3.peak_bytes - p2.peak_bytes
+    assert per_sample > 0
+    small = Target("small", p2.device_need_bytes + int(6.5 * per_sample), 10**12, cuda_context_bytes=0,
+                   compute_capability=(7, 5))
+    truth = cm.plan_trainer(args, model=LlamaConfig(**DIMS), target=small, headroom=0.0, find_max_batch=True).max_batch
+    assert 4 <= truth <= 12
+    real = trainertrace._trace_step
+    traced: list[int] = []
+
+    def under_at_three(trainer, changed, b, seq_len, **kw):  # batch 3's trace says a sample costs a quarter of it
+        trace, n = real(trainer, changed, b, seq_len, **kw)
+        traced.append(b)
+        if b == 3:
+            trace.peak_bytes = p2.peak_bytes + per_sample // 4
+        return trace, n
+
+    monkeypatch.setattr(tr, "_trace_step", under_at_three)
+    again = cm.plan_trainer(args, model=LlamaConfig(**DIMS), target=small, headroom=0.0, find_max_batch=True)
+    searched = traced[1:]  # the plan's own trace first
+    assert again.max_batch == truth
+    assert len(searched) == len(set(searched)) and len(searched) <= 8, searched
+
+
+def test_an_absurd_per_device_batch_is_refused_with_the_limit_before_anything_is_built(monkeypatch):
+    """per_device_train_batch_size=100,000 gave no answer in 120 s (reliability probe 4): the trace built the rows."""
+    def never(*args, **kwargs):
+        raise AssertionError("the planner built a Trainer for a batch no step can run")
+
+    monkeypatch.setattr(tr, "_fake_trainer", never)
+    wide = LlamaConfig(**{**DIMS, "hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8,
+                          "max_position_embeddings": 2048})
+    limit = cm.planner.get_target("t4").device_bytes
+    most = limit // (2 * 1024 * 4096)
+    with pytest.raises(ValueError, match=rf"per_device_train_batch_size=100,000 at max_length=1,024: the embedding's "
+                                         rf"output alone .* at most {most:,} sequences of 1,024 tokens"):
+        cm.plan_trainer(sft_args(per_device_train_batch_size=100_000, max_length=1024), model=wide, target="t4")
+    monkeypatch.undo()
+    at_most = cm.plan_trainer(sft_args(per_device_train_batch_size=1, max_length=1024), model=wide, target="t4")
+    assert at_most.batch == 1  # a batch under the bound is planned as before
