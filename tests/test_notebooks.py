@@ -190,6 +190,8 @@ STDERR_ALLOWED: tuple[tuple[str, str], ...] = (
     (r"FutureWarning: `(is_)?gradient_checkpointing(_kwargs|_enable)?` is deprecated and will be removed in v6",
      "transformers 5 renamed gradient_checkpointing to activation_checkpointing; the notebooks write the older "
      "name, the only one the transformers on Colab knows (5.x accepts it until v6), and peft calls the older one"),
+    (r"^\s*(plan|plan_trainer|fit_trainer|recommend|doctor|context|longest sequence|largest batch): ",
+     "the package's progress lines: a planning call that runs past 2 s says which plan or check it is on"),
 )
 
 
@@ -235,6 +237,9 @@ def test_the_stderr_allow_list_is_short_and_says_why():
                "be removed in v6. Use `activation_checkpointing` instead.\n  warnings.warn(f\"...\", FutureWarning)\n")
     other = "/x/peft/tuners/lora/model.py:12: UserWarning: something else\n  warnings.warn(\n"
     assert unexpected_stderr([{"cell": 2, "text": renamed}]) == []
+    steps = ("fit_trainer: plan 1: your settings\nfit_trainer: plan 2: fp16=True, gradient_checkpointing=True,\n"
+             "    gradient_checkpointing_kwargs={'use_reentrant': False}\n  largest batch: trace at batch 9\n")
+    assert unexpected_stderr([{"cell": 5, "text": steps}]) == []
     assert unexpected_stderr([{"cell": 2, "text": renamed + other}, {"cell": 4, "text": "  indented first"}]) == [
         "[cell 2] /x/peft/tuners/lora/model.py:12: UserWarning: something else / warnings.warn(", "[cell 4]   indented first"]
 
