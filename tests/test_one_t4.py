@@ -110,7 +110,8 @@ def test_doctor_of_a_trainer_is_plan_trainer_of_it():
 
     from colab_memopt.planning.doctor import doctor
 
-    trainer = sft()
+    trainer = sft(fp16=True)  # fp16 autocast with its GradScaler (loss scale 2**16), as on a T4
     checked = doctor(trainer, target="t4", probe=False)
     planned = cm.plan_trainer(trainer, target="t4")
     assert checked.plan.device_need_bytes == planned.device_need_bytes and checked.plan.method == "trace"
+    assert checked.plan.recipe["precision"] == planned.recipe["precision"] == "fp16-autocast"

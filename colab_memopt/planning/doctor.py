@@ -117,9 +117,9 @@ class Checkup:
         from colab_memopt.core.wording import wrap
 
         lines = [head]
-        if self.plan is not None:  # the figure plan / plan_trainer print for the same run
-            p = self.plan
-            lines.append(f"step at batch {p.batch} x {p.seq_len} tokens: need {format_bytes(p.device_need_bytes)} "
+        if self.plan is not None and self.plan.fits_device:  # the figure plan / plan_trainer print for this run
+            p = self.plan  # (one that does not fit is does-not-fit's finding, with the same figures)
+            lines.append(f"the step fits: batch {p.batch} x {p.seq_len} tokens, need {format_bytes(p.device_need_bytes)} "
                          f"of {format_bytes(p.device_limit_bytes)} usable ({p.method})")
         lines += [str(f) for f in self.findings]
         lines += wrap(f"checked: {', '.join(self.checked)}")
