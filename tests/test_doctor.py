@@ -285,3 +285,32 @@ def test_cli_doctor_of_training_args_prints_plan_trainers_need(tmp_path, capsys)
     assert "leave --batch and --recipe out" in capsys.readouterr().err
     assert cli(["doctor", "--model", "tiny", "--lora", "r=4"]) == 2
     assert "--lora, --bnb and --dtype go with --training-args" in capsys.readouterr().err
+
+
+def test_a_hub_ids_load_is_checked_from_the_hubs_headers(monkeypatch):
+    """A Hugging Face id without local files: its shards from the hub's safetensors headers (nothing downloaded),
+    so a load that does not fit is an error; where the hub cannot be read, the layout is assumed: a warning."""
+    import huggingface_hub
+
+    config = small_config("llama", hidden_size=256, num_hidden_layers=4, vocab_size=8192, intermediate_size=688)
+    config.name_or_path = "someone/small-llama"  # read from the hub, as AutoConfig.from_pretrained(id) names it
+    shard = {"model.embed_tokens.weight": SimpleNamespace(dtype="BF16", shape=[8192, 256])}
+    rest = {"lm_head.weight": SimpleNamespace(dtype="BF16", shape=[8192, 256])}
+    meta = SimpleNamespace(files_metadata={"a.safetensors": SimpleNamespace(tensors=shard),
+                                           "b.safetensors": SimpleNamespace(tensors=rest)})
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(huggingface_hub, "get_safetensors_metadata", lambda model_id: meta)
+    assert loading.hub_shard_bytes("someone/small-llama") == [8192 * 256 * 2] * 2
+    tiny = {"name": "tiny-host", "device_bytes": 16 * 2**30, "host_bytes": 2**20, "cuda": True}
+    found = doctor(config, recipe=cm.Recipe(lora_rank=4), target=tiny, seq_len=64, headroom=0.0, method="analytic")
+    finding = found.findings[found.codes.index("host-ram-load")]
+    assert finding.severity == "error" and "largest shard 4.00 MiB" in finding.found, str(found)
+    assert "on the hub (2 shard(s))" in finding.details["layout"]
+
+    def offline(model_id):
+        raise OSError("no network")
+
+    monkeypatch.setattr(huggingface_hub, "get_safetensors_metadata", offline)
+    found = doctor(config, recipe=cm.Recipe(lora_rank=4), target=tiny, seq_len=64, headroom=0.0, method="analytic")
+    finding = found.findings[found.codes.index("host-ram-load")]
+    assert finding.severity == "warning" and "assumed: one shard" in finding.found
