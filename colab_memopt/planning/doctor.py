@@ -21,7 +21,9 @@ what was found, why it matters and the fix, printed readably. The codes:
 
 `model` is a built `nn.Module` (every check), a transformers `Trainer` / TRL `SFTTrainer` (its model,
 optimizer and settings), or anything `architectures.resolve_model` takes (a
-Hugging Face id, a folder, a config, one of our names: the checks that need no weights).
+Hugging Face id, a folder, a config, one of our names: the checks that need no weights). `recipe` is a
+`Recipe`, or your `TrainingArguments` / `SFTConfig` (with `lora=`, `bnb=`): a Trainer's run is planned by
+`plan_trainer`, a Recipe's by `plan`, so the doctor's need is the figure those print for the same run.
 """
 
 from __future__ import annotations
