@@ -300,7 +300,8 @@ def test_a_hub_ids_load_is_checked_from_the_hubs_headers(monkeypatch):
                                            "b.safetensors": SimpleNamespace(tensors=rest)})
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.setattr(huggingface_hub, "get_safetensors_metadata", lambda model_id: meta)
-    assert loading.hub_shard_bytes("someone/small-llama") == [8192 * 256 * 2] * 2
+    loading.hub_shard_bytes.cache_clear()  # asked once per id in a process
+    assert loading.hub_shard_bytes("someone/small-llama") == (8192 * 256 * 2,) * 2
     tiny = {"name": "tiny-host", "device_bytes": 16 * 2**30, "host_bytes": 2**20, "cuda": True}
     found = doctor(config, recipe=cm.Recipe(lora_rank=4), target=tiny, seq_len=64, headroom=0.0, method="analytic")
     finding = found.findings[found.codes.index("host-ram-load")]
@@ -311,6 +312,8 @@ def test_a_hub_ids_load_is_checked_from_the_hubs_headers(monkeypatch):
         raise OSError("no network")
 
     monkeypatch.setattr(huggingface_hub, "get_safetensors_metadata", offline)
+    loading.hub_shard_bytes.cache_clear()
     found = doctor(config, recipe=cm.Recipe(lora_rank=4), target=tiny, seq_len=64, headroom=0.0, method="analytic")
     finding = found.findings[found.codes.index("host-ram-load")]
     assert finding.severity == "warning" and "assumed: one shard" in finding.found
+    loading.hub_shard_bytes.cache_clear()  # no fake answer left for later tests

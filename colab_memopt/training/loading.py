@@ -276,9 +276,11 @@ def load_host_bytes(model: Any, recipe: Recipe | None = None, device: str | torc
                     str(dtype).removeprefix("torch."), str(dev), four_bit, host, classic, path, notes, layout, assumed)
 
 
-def hub_shard_bytes(model_id: str) -> list[int] | None:
+@functools.lru_cache(maxsize=32)
+def hub_shard_bytes(model_id: str) -> tuple[int, ...] | None:
     """Return the bytes of each safetensors shard of a Hugging Face id, from the hub's headers (nothing downloaded);
-    None where the hub cannot be read (offline, gated, no safetensors)."""
+    None where the hub cannot be read (offline, gated, no safetensors). Asked once per id in a process: the
+    recommender and fit_trainer plan the same model many times."""
     from colab_memopt.training.merge import _itemsize
 
     if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes"):
@@ -289,8 +291,8 @@ def hub_shard_bytes(model_id: str) -> list[int] | None:
         meta = get_safetensors_metadata(model_id)
     except Exception:  # noqa: BLE001 - offline, gated, or no safetensors: the layout is assumed, and said so
         return None
-    shards = [sum(math.prod(t.shape) * _itemsize(t.dtype) for t in f.tensors.values())
-              for f in meta.files_metadata.values()]
+    shards = tuple(sum(math.prod(t.shape) * _itemsize(t.dtype) for t in f.tensors.values())
+                   for f in meta.files_metadata.values())
     return shards or None
 
 
