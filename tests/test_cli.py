@@ -247,7 +247,8 @@ def test_help_of_every_verb_answers_before_torch_is_imported(argv):
     (["recommend", "--model", "tiny", "--seq", "-5"], "--seq must be an integer >= 1 (tokens), got -5"),
     (["context", "--model", "tiny", "--max-plans", "0"], "--max-plans must be an integer >= 1 (plans per search), got 0"),
     (["context", "--model", "tiny", "--mode", "bogus"], "invalid choice: 'bogus'"),
-    (["doctor"], "the following arguments are required: --model"),
+    (["recommend"], "the following arguments are required: --model"),
+    (["doctor", "--model", "tiny", "--batch", "0"], "--batch must be an integer >= 1 (sequences), got 0"),
     (["plan", "--model", "tiny", "--batch", "two"], "invalid int value: 'two'"),
 ])
 def test_a_bad_argument_is_refused_before_torch_is_imported(argv, says):
