@@ -1,0 +1,145 @@
+"""How long the planning calls take, whole (imports included), each in a fresh process: issue 43's table.
+
+    python benchmarks/planning_speed.py [--calls help plan_trainer_8b_qlora ...] [--out FILE]
+
+Writes benchmarks/results/planning_speed.json (rows of the calls run are replaced, the others kept). Each call runs in
+its own Python process, as a user's first call does; the row records its wall seconds, its CPU seconds (user + system
+of the child, `resource.getrusage(RUSAGE_CHILDREN)`), the 1-minute load average before and after, the progress lines
+it printed on stderr, and the bytes it planned (the device need of its answer). The machine may be shared: the wall
+time then says little, the CPU time is the figure to compare; the load average says how shared it was.
+
+Results so far (benchmarks/results/planning_speed.json, 2026-11-28, 2 shared cores under a 1-minute load of 8 to 14):
+every --help in 0.12-0.18 s of CPU; plan_trainer of 8B QLoRA 60 s of CPU (490 s wall); doctor of 8B QLoRA 37 s of
+CPU; fit_trainer on notebook 19's draft stopped at 900 s wall (106 s of CPU) before it answered. The issue's targets
+are for an idle machine: these rows do not show them met or missed.
+
+Every plan here is the full trace of the step (the stack of blocks is not yet counted from a shallow trace): the
+bytes are the trace's own, so there is no fast-path figure to compare them with yet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from colab_memopt.core.fileio import write_json  # noqa: E402
+
+OUT = ROOT / "benchmarks" / "results" / "planning_speed.json"
+
+_SFT = ("import warnings; warnings.simplefilter('ignore')\n"
+        "import colab_memopt as cm\n"
+        "with cm.quiet():\n"
+        "    from peft import LoraConfig\n"
+        "    from transformers import BitsAndBytesConfig\n"
+        "    from trl import SFTConfig\n"
+        "import torch\n"
+        "def sft(**kw):\n"
+        "    v = dict(output_dir='/tmp/colab_memopt_planning_speed', report_to=[], use_cpu=True, bf16=False)\n"
+        "    v.update(kw); return SFTConfig(**v)\n"
+        "LORA = LoraConfig(r=16, lora_alpha=32, target_modules='all-linear', task_type='CAUSAL_LM')\n"
+        "NF4 = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type='nf4', bnb_4bit_compute_dtype=torch.float16)\n")
+
+# name: (what the issue's table calls it, ["python", ...] arguments, or a Python snippet printing NEED <bytes>)
+CALLS: dict[str, tuple[str, list[str] | str]] = {
+    "help": ("python -m colab_memopt --help", ["-m", "colab_memopt", "--help"]),
+    "plan_help": ("python -m colab_memopt plan --help", ["-m", "colab_memopt", "plan", "--help"]),
+    "recommend_help": ("python -m colab_memopt recommend --help", ["-m", "colab_memopt", "recommend", "--help"]),
+    "doctor_help": ("python -m colab_memopt doctor --help", ["-m", "colab_memopt", "doctor", "--help"]),
+    "context_help": ("python -m colab_memopt context --help", ["-m", "colab_memopt", "context", "--help"]),
+    "plan_trainer_8b_qlora": (
+        "cm.plan_trainer(SFTConfig(4 x 1024, fp16), model='llama-3.1-8b', lora=all-linear, bnb=nf4, target='t4')",
+        _SFT + "p = cm.plan_trainer(sft(per_device_train_batch_size=4, max_length=1024, fp16=True), model='llama-3.1-8b', "
+               "lora=LORA, bnb=NF4, target='t4')\nprint('NEED', p.device_need_bytes)\n"),
+    "fit_trainer_nb19_draft": (
+        "cm.fit_trainer on notebook 19's first draft (qwen2.5-1.5b QLoRA, 8 x 1024, bf16, no checkpointing)",
+        _SFT + "f = cm.fit_trainer(sft(per_device_train_batch_size=8, max_length=1024, bf16=True, "
+               "gradient_checkpointing=False), model='qwen2.5-1.5b', lora=LORA, bnb=BitsAndBytesConfig(load_in_4bit=True, "
+               "bnb_4bit_quant_type='nf4', bnb_4bit_compute_dtype=torch.bfloat16), target='t4')\n"
+               "print('NEED', (f.after or f.before).device_need_bytes)\nprint('PLANS', 1 + len(f.tried))\n"),
+    "doctor_8b_qlora": (
+        "doctor --model llama-3.1-8b --recipe lora_rank=16 quantization=nf4 precision=fp16-autocast --batch 4 --seq 1024",
+        ["-m", "colab_memopt", "doctor", "--model", "llama-3.1-8b", "--recipe", "lora_rank=16", "quantization=nf4",
+         "precision=fp16-autocast", "--batch", "4", "--seq", "1024", "--target", "t4"]),
+    "recommend_3b": ("recommend --model llama-3.2-3b --batch 4 --seq 1024 --target t4",
+                     ["-m", "colab_memopt", "recommend", "--model", "llama-3.2-3b", "--batch", "4", "--seq", "1024",
+                      "--target", "t4", "--json"]),
+    "context_8b_qlora": ("context --model llama-3.1-8b --mode qlora --target t4",
+                         ["-m", "colab_memopt", "context", "--model", "llama-3.1-8b", "--mode", "qlora", "--target", "t4",
+                          "--json"]),
+}
+
+
+def _need(stdout: str) -> int | None:
+    for line in stdout.splitlines():
+        if line.startswith("NEED "):
+            return int(line.split()[1])
+    try:
+        answer = json.loads(stdout)
+    except ValueError:
+        return None
+    for key in ("device_need_bytes",):
+        if isinstance(answer, dict) and isinstance(answer.get(key), int):
+            return answer[key]
+    return None
+
+
+def time_call(name: str, timeout_s: float) -> dict:
+    """Run one call in a fresh process; return its row."""
+    what, call = CALLS[name]
+    argv = [sys.executable, *call] if isinstance(call, list) else [sys.executable, "-c", call]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    load_before = os.getloadavg()[0]
+    start = time.perf_counter()
+    try:
+        run = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, env=env, timeout=timeout_s)
+        code, out, err = run.returncode, run.stdout, run.stderr
+    except subprocess.TimeoutExpired as exc:
+        code, out, err = None, exc.stdout or "", exc.stderr or ""
+        out, err = (out.decode() if isinstance(out, bytes) else out), (err.decode() if isinstance(err, bytes) else err)
+    wall = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    progress = [ln for ln in err.splitlines() if ": " in ln and not ln.startswith(("error", "warning", "W1", "["))
+                and ln.split(":")[0].strip() in ("plan", "plan_trainer", "fit_trainer", "recommend", "doctor", "context",
+                                                 "largest batch", "longest sequence")]
+    return {
+        "call": what, "exit_code": code, "timed_out": code is None, "wall_s": round(wall, 2),
+        "cpu_s": round((after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime), 2),
+        "load_1min_before": round(load_before, 2), "load_1min_after": round(os.getloadavg()[0], 2),
+        "device_need_bytes": _need(out), "progress_lines": len(progress), "first_progress_lines": progress[:3],
+        "stderr_tail": err.strip().splitlines()[-2:] if code not in (0, 1) else [],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--calls", nargs="+", default=list(CALLS), choices=list(CALLS))
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per call before it is stopped")
+    parser.add_argument("--out", default=str(OUT))
+    args = parser.parse_args()
+    out = Path(args.out)
+    data = json.loads(out.read_text()) if out.exists() else {"rows": {}}
+    data["machine"] = {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform(),
+                       "note": "shared with other engineers while measured: compare cpu_s, not wall_s; see the loads"}
+    for name in args.calls:
+        row = time_call(name, args.timeout)
+        row["measured_at"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+        data["rows"][name] = row
+        print(f"{name}: exit {row['exit_code']}, {row['wall_s']} s wall, {row['cpu_s']} s CPU, load "
+              f"{row['load_1min_before']}-{row['load_1min_after']}, need {row['device_need_bytes']}, "
+              f"{row['progress_lines']} progress lines", flush=True)
+        write_json(out, data)
+
+
+if __name__ == "__main__":
+    main()
