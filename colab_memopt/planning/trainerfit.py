@@ -339,6 +339,7 @@ def fit_trainer(
     headroom: float = DEFAULT_HEADROOM,
     max_plans: int = 24,
     dtype: Any = None,
+    prepare_model_for_kbit_training: bool | dict[str, Any] = False,
 ) -> TrainerFit:
     """Return the cheapest change to a Trainer's own settings that makes the run fit the target.
 
@@ -353,7 +354,8 @@ def fit_trainer(
     A change set that saves no more memory than one that did not fit is not planned, nor one whose need two plans
     differing only in `per_device_train_batch_size` predict (linear in it) over the limit. At most `max_plans` plans
     after the first; a built Trainer keeps its model's dtype and quantization. On failure the notes name the
-    smallest need reached and what to do next. Arguments as `plan_trainer`.
+    smallest need reached and what to do next. Arguments as `plan_trainer` (`prepare_model_for_kbit_training`: your
+    call of peft's function, planned in every change set).
 
     Example:
         >>> args = SFTConfig(per_device_train_batch_size=4, max_length=1024)
@@ -372,7 +374,8 @@ def fit_trainer(
         from colab_memopt.planning.hfconfig import read_lora
 
         lora = read_lora(lora)
-    kwargs = dict(model=model, lora=lora, target=tgt, seq_len=seq_len, headroom=headroom)
+    kwargs = dict(model=model, lora=lora, target=tgt, seq_len=seq_len, headroom=headroom,
+                  prepare_model_for_kbit_training=prepare_model_for_kbit_training)
     load0 = {k: v for k, v in dict(bnb=bnb, dtype=dtype).items() if v is not None}
     before = plan_trainer(trainer, **kwargs, **load0)
     real, args = _unwrap(trainer)
