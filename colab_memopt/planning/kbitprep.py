@@ -109,14 +109,15 @@ def float32_bytes(model: nn.Module) -> int:
     return total
 
 
-def plan_line(model: nn.Module, *, said: bool, own_checkpointing: bool) -> str:
+def plan_line(model: nn.Module, *, said: bool, own_checkpointing: bool, autocast: bool = True) -> str:
     """Return the plan's line about the call, in the user's words: said to the plan, or read from their model."""
     from colab_memopt.core.measure import format_bytes
 
     where = (f"{ARGUMENT}: planned with peft's own function" if said
              else f"your model went through {ARGUMENT} (read from its float32 weights)")
-    text = (f"{where}: embeddings, lm_head and norms in float32 (+{format_bytes(float32_bytes(model))} over 16 bits), "
-            "and lm_head's 16-bit copy each step")
+    text = f"{where}: embeddings, lm_head and norms in float32 (+{format_bytes(float32_bytes(model))} over 16 bits)"
+    if autocast:  # autocast casts the frozen float32 head to 16 bits at every forward and keeps the copy for backward
+        text += ", and lm_head's 16-bit copy each step"
     if own_checkpointing:
         text += "; its checkpointing stays on (use_reentrant=True: peft passes no use_reentrant)"
     return text

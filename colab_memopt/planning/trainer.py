@@ -186,6 +186,7 @@ def plan_trainer(
                     "Triton it scores only the trained positions in its own kernels: the plan is the most it can hold")
     # CUDA's fp16 autocast is traced as the CPU's bf16 autocast: fp16 weights are traced as bf16 ones (the same bytes)
     half = torch.bfloat16 if tgt.cuda and args.fp16 else None
+    autocasts = bool(args.bf16 or (args.fp16 and tgt.cuda))  # accelerate's autocast of the forward
     # the planner's own Trainer builds its accelerator from these settings: in accelerate's process-wide state,
     # which is put back as it was afterwards
     with _accelerate_state_kept(fresh=real_trainer is None), trainer_kept(real_trainer):
@@ -198,9 +199,9 @@ def plan_trainer(
                 own = not args.gradient_checkpointing and _checkpointing_on(holder.model)
                 if own:
                     recipe = recipe.with_(checkpointing="full")
-                warn.append(kbitprep.plan_line(holder.model, said=True, own_checkpointing=own))
+                warn.append(kbitprep.plan_line(holder.model, said=True, own_checkpointing=own, autocast=autocasts))
         elif kbitprep.prepared_signs(real_trainer.model):
-            warn.append(kbitprep.plan_line(real_trainer.model, said=False, own_checkpointing=False))
+            warn.append(kbitprep.plan_line(real_trainer.model, said=False, own_checkpointing=False, autocast=autocasts))
 
         # a user's own optimizer holds the real parameters: their names find the fake twins
         names = {id(p): n for n, p in holder.model.named_parameters()} if given_optimizer is not None else None
