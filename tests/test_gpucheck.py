@@ -720,3 +720,13 @@ def test_the_offline_install_is_one_pip_call_when_every_wheel_installs(tmp_path,
     assert result.status == "passed" and sorted(result.data["installed"]) == [
         "cm_fake_one-1.0-py3-none-any.whl", "cm_fake_two-1.0-py3-none-any.whl"]
     assert len(pips) == 1  # the one-call carry in one pip (2 s on the H100 machine), not one pip per package
+
+
+def test_a_step_that_measured_nan_is_still_recorded(tmp_path):
+    # results.json is strict JSON now (fileio): a NaN in a step's data is written as null, not refused
+    import json
+
+    gpurecord.write_outputs(tmp_path, "cpu", {}, [gpurecord.StepResult("grid", "failed", float("nan"), "x",
+                                                                       {"error_pct": float("inf"), "rows": [1.0, float("nan")]})])
+    step = json.loads((tmp_path / "results.json").read_text())["steps"][0]
+    assert step["seconds"] is None and step["data"] == {"error_pct": None, "rows": [1.0, None]}

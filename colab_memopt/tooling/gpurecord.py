@@ -55,6 +55,20 @@ def summary_table(label: str, steps: list[StepResult]) -> str:
     return "\n".join(lines)
 
 
+def _finite(value: Any) -> Any:
+    """Return `value` with every NaN or infinite float inside it as None (strict JSON has neither; a step that
+    measured one is still recorded)."""
+    import math
+
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
 def write_outputs(out: Path, label: str, info: dict[str, Any], steps: list[StepResult]) -> dict[str, Any]:
     """Merge `steps` into out/results.json (a step run again replaces its earlier result; others are kept, so
     each slice of make test-gpu adds to what earlier calls wrote) and rewrite claims.md from every notebook
@@ -75,7 +89,7 @@ def write_outputs(out: Path, label: str, info: dict[str, Any], steps: list[StepR
         old = old if isinstance(old, dict) else {}
         merged_steps = {s["step"]: s for s in old.get("steps", []) if isinstance(s, dict) and "step" in s}
         for s in steps:
-            merged_steps[s.step] = asdict(s)
+            merged_steps[s.step] = _finite(asdict(s))
         results_dir = out / "results"
         found = merge_results(results_dir) if results_dir.is_dir() and any(results_dir.glob("*.json")) else {}
         merged.update(found or {"notebooks": {}})
