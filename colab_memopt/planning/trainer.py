@@ -47,6 +47,7 @@ from colab_memopt.planning.trainertrace import (
     _buildable,
     _changed_args,
     _cpu_device_without_index,
+    _dtype_value,
     _fake_parameters,
     _fake_trainer,
     _model_dtype,
@@ -226,6 +227,9 @@ def plan_trainer(
         loaded = _frozen_dtype(real_trainer.model) if real_trainer is not None else _model_dtype(
             args, _resolve(model), model, dtype)
         recipe = _with_base_dtype(recipe, loaded, warn)
+        if recipe.lora_rank and isinstance(getattr(lora, "target_modules", None), str):  # a regex or 'all-linear'
+            matched = _matched_lora_targets(holder.model)
+            recipe = recipe.with_(lora_targets=matched or (lora.target_modules,))
         name = _model_name(holder.model, model)
         batch = micro * int(args.gradient_accumulation_steps)
         device_costs: list[Cost] = []
@@ -270,6 +274,12 @@ def plan_trainer(
     return result
 
 
+def _matched_lora_targets(model: Any) -> tuple[str, ...]:
+    """Return the module names (last part, as LoraConfig's target_modules lists them) peft put adapters on."""
+    names = getattr(model, "targeted_module_names", None) or []
+    return tuple(sorted({str(n).rsplit(".", 1)[-1] for n in names}))
+
+
 def _whole(name: str, value: Any) -> int:
     """Return `value` as an int if it is a whole number >= 1; else raise ValueError naming it."""
     import operator
@@ -297,6 +307,13 @@ def _check_args(args: Any, *, given: bool) -> None:
             raise ValueError(f"{name} must be a dict such as {{'use_reentrant': False}}, got {value!r}")
     if given and args.deepspeed:
         raise ValueError(_UNPLANNED["deepspeed"].format(value=args.deepspeed))
+    init = getattr(args, "model_init_kwargs", None)
+    if given and init is not None:  # checked for any model: one given as a config or a module does not read it (TRL)
+        if not isinstance(init, dict):
+            raise ValueError(f"model_init_kwargs must be a dict such as {{'dtype': 'float16'}}, got {init!r}")
+        for key in ("dtype", "torch_dtype"):
+            if key in init:
+                _dtype_value(init[key], f"model_init_kwargs[{key!r}]")
 
 
 def _unplanned_parallelism(args: Any) -> list[str]:

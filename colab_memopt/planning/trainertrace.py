@@ -191,10 +191,19 @@ def _example_fields(dataset: Any) -> dict[str, Any]:
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     try:
+        empty = hasattr(dataset, "__len__") and len(dataset) == 0
+    except Exception:  # noqa: BLE001 - a length it cannot give: read a row to learn more
+        empty = False
+    if empty:  # nothing to read: the collator's own fields only (the Trainer says what it does with no rows)
+        return {"input_ids": None}
+    try:
         with unset_fake_temporarily():
             example = next(iter(dataset)) if isinstance(dataset, torch.utils.data.IterableDataset) else dataset[0]
-    except Exception:  # noqa: BLE001 - a dataset the planner cannot index: the collator's own fields only
+    except StopIteration:  # an iterable dataset without rows
         return {"input_ids": None}
+    except Exception as exc:  # noqa: BLE001 - the run would stop at its first batch: say so now, naming the error
+        raise ValueError(f"cannot read a row of the train dataset: its first row raised {type(exc).__name__}: {exc} "
+                         "(the Trainer reads its rows the same way: fix the dataset)") from exc
     return dict(example) if isinstance(example, dict) or hasattr(example, "keys") else {"input_ids": None}
 
 
