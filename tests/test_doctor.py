@@ -317,3 +317,18 @@ def test_a_hub_ids_load_is_checked_from_the_hubs_headers(monkeypatch):
     finding = found.findings[found.codes.index("host-ram-load")]
     assert finding.severity == "warning" and "assumed: one shard" in finding.found
     loading.hub_shard_bytes.cache_clear()  # no fake answer left for later tests
+
+
+def test_sft_settings_that_do_not_fit_get_fit_trainer_as_the_fix():
+    """Trainer settings are answered in Trainer words: the fix is fit_trainer, which changes your SFTConfig."""
+    from peft import LoraConfig
+    from trl import SFTConfig
+
+    args = SFTConfig("/tmp/cm_doctor_small", per_device_train_batch_size=2, max_length=48, use_cpu=True, bf16=False,
+                     report_to=[])
+    small = {"name": "small-gpu", "device_bytes": 64 * 2**20, "host_bytes": 256 * 2**30, "cuda": False}
+    found = doctor("smollm2-135m", recipe=args, lora=LoraConfig(r=4, target_modules=["q_proj"]), target=small)
+    finding = found.findings[found.codes.index("does-not-fit")]
+    assert finding.fix.startswith("cm.fit_trainer(args, model=..., lora=..., bnb=...)") and "fit.apply(args)" in finding.fix
+    assert finding.details["need_bytes"] == found.plan.device_need_bytes > 64 * 2**20 and not found.ok
+    assert "at batch 2 x 48 tokens" in finding.found

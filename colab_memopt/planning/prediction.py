@@ -79,6 +79,7 @@ class Plan:
     warnings: list[str] = field(default_factory=list)
     optimizer_impl: str = "single-tensor"  # the optimizer implementation traced
     load_costs: list[Cost] = field(default_factory=list)  # the device at the peak of loading (CUDA, 4-bit bases)
+    defaults: list[str] = field(default_factory=list)  # the installed libraries' defaults assumed, with versions
 
     @property
     def device_need_bytes(self) -> int:
@@ -180,6 +181,7 @@ class Plan:
             "fits_run": self.fits_run,
             "seconds": self.seconds,
             "warnings": self.warnings,
+            "defaults": self.defaults,
             "estimate": self.method == "analytic",
             "estimate_error": self.estimate_error,
         }
@@ -270,4 +272,5 @@ class Plan:
         if self.max_batch is not None:
             lines.append(f"largest batch that fits: {self.max_batch}")
         lines += [f"warning: {w}" for w in self.warnings]
+        lines += [f"library default assumed: {d}" for d in self.defaults]
         return "\n".join(lines)

@@ -27,10 +27,17 @@ import torch
 from torch import nn
 
 from colab_memopt.core.progress import progress, say, shows_progress
+from colab_memopt.planning import kbitprep, libdefaults
 from colab_memopt.planning.faketrace import _Trace
 from colab_memopt.planning.prediction import Cost, Plan
-from colab_memopt.planning.targets import DEFAULT_HEADROOM, Target, check_headroom, cublas_workspace_bytes, get_target
-from colab_memopt.planning.untraced import MATH_ATTENTION_LINE, _host_costs, math_attention_cost, math_attention_warning
+from colab_memopt.planning.targets import DEFAULT_HEADROOM, Target, check_headroom, get_target
+from colab_memopt.planning.untraced import (
+    MATH_ATTENTION_LINE,
+    _host_costs,
+    cuda_workspace_costs,
+    math_attention_cost,
+    math_attention_warning,
+)
 from colab_memopt.planning.hfconfig import check_micro_batch, check_optim, trainer_recipe
 from colab_memopt.core.isolation import isolated, trainer_kept
 from colab_memopt.training.recipe import Recipe
@@ -41,6 +48,7 @@ from colab_memopt.planning.trainertrace import (
     _buildable,
     _changed_args,
     _cpu_device_without_index,
+    _dtype_value,
     _fake_parameters,
     _fake_trainer,
     _model_dtype,
@@ -90,6 +98,7 @@ def plan_trainer(
     headroom: float = DEFAULT_HEADROOM,
     find_max_batch: bool = False,
     dtype: Any = None,
+    prepare_model_for_kbit_training: bool | dict[str, Any] = False,
     **changes: Any,
 ) -> Plan:
     """Predict the peak memory of one optimizer step of a Hugging Face Trainer run on a target, without a GPU.
@@ -112,6 +121,10 @@ def plan_trainer(
             Default: what the run loads with none given: `SFTTrainer` given a model id loads it in SFTConfig's
             `model_init_kwargs` dtype, else fp32 (TRL's rule); a model you load yourself (`from_pretrained`,
             transformers 5) comes in its config's dtype. A Trainer's model is planned in the dtypes it holds.
+        prepare_model_for_kbit_training: with TrainingArguments and bnb: True where you call peft's
+            `prepare_model_for_kbit_training(model)` before training, or a dict of the keyword arguments you pass
+            it (`{"use_gradient_checkpointing": False}`); the installed peft's function is run on the planned
+            model (float32 embeddings, lm_head and norms; its checkpointing). A Trainer's model shows the call.
         **changes: TrainingArguments fields to change for this plan (what `fit_trainer` tries), e.g.
             `per_device_train_batch_size=2`; the arguments are rebuilt through their class, so what
             `TrainingArguments` refuses is refused (fp16 with bf16), and `deepspeed` / `fsdp`, which the
@@ -151,6 +164,7 @@ def plan_trainer(
         bnb = getattr(getattr(real_trainer.model, "config", None), "quantization_config", None)
         bnb = bnb if isinstance(bnb, dict) or type(bnb).__name__ == "BitsAndBytesConfig" else None
     bnb = _bnb_config(bnb)
+    prepare = kbitprep.prepare_kwargs(prepare_model_for_kbit_training, bnb=bnb, trainer_given=real_trainer is not None)
     seq = _whole("seq_len", seq_len) if seq_len is not None else seq_len_of(args)
     config = (getattr(real_trainer.model, "config", None) if real_trainer is not None
               else getattr(_resolve(model), "config", None))
@@ -179,6 +193,7 @@ def plan_trainer(
                     "Triton it scores only the trained positions in its own kernels: the plan is the most it can hold")
     # CUDA's fp16 autocast is traced as the CPU's bf16 autocast: fp16 weights are traced as bf16 ones (the same bytes)
     half = torch.bfloat16 if tgt.cuda and args.fp16 else None
+    autocasts = bool(args.bf16 or (args.fp16 and tgt.cuda))  # accelerate's autocast of the forward
     # the planner's own Trainer builds its accelerator from these settings: in accelerate's process-wide state,
     # which is put back as it was afterwards
     with _accelerate_state_kept(fresh=real_trainer is None), trainer_kept(real_trainer):
@@ -188,7 +203,14 @@ def plan_trainer(
                 "fake tensors (no weights loaded)")
             built = _buildable(args)
             with _cpu_device_without_index(built):  # the Trainer moves its model to args.device while it is built
-                holder = _fake_trainer(built, model, lora, bnb, seq, mode, dtype, half)
+                holder = _fake_trainer(built, model, lora, bnb, seq, mode, dtype, half, prepare)
+            if prepare is not None:  # peft's function leaves its own checkpointing on unless told not to
+                own = not args.gradient_checkpointing and _checkpointing_on(holder.model)
+                if own:
+                    recipe = recipe.with_(checkpointing="full")
+                warn.append(kbitprep.plan_line(holder.model, said=True, own_checkpointing=own, autocast=autocasts))
+        elif kbitprep.prepared_signs(real_trainer.model):
+            warn.append(kbitprep.plan_line(real_trainer.model, said=False, own_checkpointing=False, autocast=autocasts))
 
         # a user's own optimizer holds the real parameters: their names find the fake twins
         names = {id(p): n for n, p in holder.model.named_parameters()} if given_optimizer is not None else None
@@ -214,18 +236,25 @@ def plan_trainer(
         loaded = _frozen_dtype(real_trainer.model) if real_trainer is not None else _model_dtype(
             args, _resolve(model), model, dtype)
         recipe = _with_base_dtype(recipe, loaded, warn)
+        if recipe.lora_rank and isinstance(getattr(lora, "target_modules", None), str):  # a regex or 'all-linear'
+            matched = _matched_lora_targets(holder.model)
+            recipe = recipe.with_(lora_targets=matched or (lora.target_modules,))
         name = _model_name(holder.model, model)
         batch = micro * int(args.gradient_accumulation_steps)
         device_costs: list[Cost] = []
         if tgt.cuda:
-            workspace, source = cublas_workspace_bytes(tgt.compute_capability)
-            device_costs = [
-                Cost("CUDA context", tgt.cuda_context_bytes, tgt.context_source),
-                Cost("cuBLAS workspace", workspace, source, in_allocator=True),
-            ]
+            # both cuBLAS workspaces (forward's thread and the autograd thread) and cuBLASLt's, as `cm.plan` counts them
+            device_costs = [Cost("CUDA context", tgt.cuda_context_bytes, tgt.context_source),
+                            *cuda_workspace_costs(tgt.compute_capability)]
             if trace.hidden_bytes:
                 device_costs.append(math_attention_cost(trace.hidden_bytes, tgt))
                 warn.append(math_attention_warning(tgt))
+        if bnb is not None and tgt.cuda and getattr(bnb, "load_in_4bit", False):
+            from colab_memopt.planning.quantized import trainer_four_bit_costs
+
+            # bitsandbytes' CUDA gemm_4bit dequantizes the whole weight inside the op (forward; backward's recompute)
+            recomputes = bool(args.gradient_checkpointing) or _checkpointing_on(holder.model)
+            device_costs += trainer_four_bit_costs(holder.model, bnb, micro * seq, recomputes=recomputes, half=half)
         if bnb is not None:
             from colab_memopt.planning.quantized import quantization_scale_bytes
 
@@ -243,12 +272,21 @@ def plan_trainer(
             optimizer_impl=(f"your {type(given_optimizer).__name__} (optimizers=)" if given_optimizer is not None
                             and not any(n.startswith("your optimizers=") for n in trace_notes)
                             else f"the Trainer's optim={optim!r}") + (" (torch's CUDA choice)" if tgt.cuda else ""),
+            defaults=[*libdefaults.checkpointing_line(args, bool(args.gradient_checkpointing)),
+                      *libdefaults.loss_line(args, holder.model),
+                      *(libdefaults.load_dtype_line(args, model, dtype, loaded) if real_trainer is None else [])],
         )
         if find_max_batch:
             with fakes(), progress("largest batch"):
                 result.max_batch = _max_micro_batch(holder, args, seq, tgt, result, trace, mode, names)
     result.seconds = time.perf_counter() - start
     return result
+
+
+def _matched_lora_targets(model: Any) -> tuple[str, ...]:
+    """Return the module names (last part, as LoraConfig's target_modules lists them) peft put adapters on."""
+    names = getattr(model, "targeted_module_names", None) or []
+    return tuple(sorted({str(n).rsplit(".", 1)[-1] for n in names}))
 
 
 def _whole(name: str, value: Any) -> int:
@@ -278,6 +316,13 @@ def _check_args(args: Any, *, given: bool) -> None:
             raise ValueError(f"{name} must be a dict such as {{'use_reentrant': False}}, got {value!r}")
     if given and args.deepspeed:
         raise ValueError(_UNPLANNED["deepspeed"].format(value=args.deepspeed))
+    init = getattr(args, "model_init_kwargs", None)
+    if given and init is not None:  # checked for any model: one given as a config or a module does not read it (TRL)
+        if not isinstance(init, dict):
+            raise ValueError(f"model_init_kwargs must be a dict such as {{'dtype': 'float16'}}, got {init!r}")
+        for key in ("dtype", "torch_dtype"):
+            if key in init:
+                _dtype_value(init[key], f"model_init_kwargs[{key!r}]")
 
 
 def _unplanned_parallelism(args: Any) -> list[str]:
