@@ -46,15 +46,12 @@ def first_clause(text: str, limit: int) -> str:
     return head if len(head) <= limit else ""
 
 
-def warning_lines(warnings: Iterable[str], max_lines: int = 2, width: int = WIDTH) -> list[str]:
-    """Return one `warning:` entry per warning, wrapped, each cut to `max_lines` lines (the whole is in explain())."""
+def warning_lines(warnings: Iterable[str], width: int = WIDTH) -> list[str]:
+    """Return one `warning:` entry per warning, wrapped to `width` characters, never cut short: a warning says a
+    setting to change, and a cut one could drop the setting."""
     out: list[str] = []
     for w in warnings:
-        lines = wrap(w, first="warning: ", rest="  ", width=width)
-        if len(lines) > max_lines:
-            lines = wrap(short(w, max_lines * (width - 2) - len("warning: ") - 12), first="warning: ", rest="  ",
-                         width=width)[:max_lines]
-        out += lines
+        out += wrap(w, first="warning: ", rest="  ", width=width)
     return out
 
 

@@ -44,7 +44,7 @@ from colab_memopt.planning.planner import plan
 from colab_memopt.planning.prediction import describe_estimate_error
 from colab_memopt.planning.targets import DEFAULT_HEADROOM, TARGETS, Target, get_target
 from colab_memopt.training.recipe import Recipe
-from colab_memopt.core.console import quiet
+from colab_memopt.core.console import quiet, quiet_unless_verbose
 
 CODES = (
     "bf16-not-native", "fp16-trainable-params", "checkpointing-frozen-inputs", "adapters-not-training",
@@ -463,6 +463,7 @@ def check_deepspeed_ops(recipe: Recipe, cuda: bool) -> Finding | None:
     )
 
 
+@quiet_unless_verbose
 @isolated
 def doctor(
     model: Any,
@@ -491,7 +492,8 @@ def doctor(
         method: the planner's method ('auto', 'trace', 'analytic').
         probe: with adapters and no gradients yet, run one forward and backward on random tokens to see
             that every adapter gets a gradient (weights untouched, gradients cleared after).
-        verbose: print the checkup.
+        verbose: print the checkup, and show the libraries' warnings and log notes (torch's, transformers',
+            DeepSpeed's), which are hidden by default: they say nothing about your run.
 
     Example:
         >>> print(cm.doctor(model, opt, recipe, target="t4"))

@@ -31,6 +31,7 @@ from colab_memopt.planning.prediction import Cost, Plan
 from colab_memopt.planning.targets import DEFAULT_HEADROOM, Target, check_headroom, cublas_workspace_bytes, get_target
 from colab_memopt.planning.untraced import MATH_ATTENTION_LINE, _host_costs, math_attention_cost, math_attention_warning
 from colab_memopt.planning.hfconfig import check_optim, trainer_recipe
+from colab_memopt.core.console import quiet_unless_verbose
 from colab_memopt.core.isolation import isolated, trainer_kept
 from colab_memopt.training.recipe import Recipe
 from colab_memopt.planning.trainertrace import (
@@ -76,6 +77,7 @@ def _target(target: Any) -> Target:
     return get_target(target)
 
 
+@quiet_unless_verbose
 @isolated
 def plan_trainer(
     trainer: Any,
@@ -88,6 +90,7 @@ def plan_trainer(
     headroom: float = DEFAULT_HEADROOM,
     find_max_batch: bool = False,
     dtype: Any = None,
+    verbose: bool = False,
     **changes: Any,
 ) -> Plan:
     """Predict the peak memory of one optimizer step of a Hugging Face Trainer run on a target, without a GPU.
@@ -110,10 +113,18 @@ def plan_trainer(
             Default: what the run loads with none given: `SFTTrainer` given a model id loads it in SFTConfig's
             `model_init_kwargs` dtype, else fp32 (TRL's rule); a model you load yourself (`from_pretrained`,
             transformers 5) comes in its config's dtype. A Trainer's model is planned in the dtypes it holds.
+        verbose: show the libraries' warnings and log notes while planning (torch's, transformers', TRL's,
+            DeepSpeed's); hidden by default, as they say nothing about your run. The plan's own warnings are in
+            `plan.warnings` either way.
         **changes: TrainingArguments fields to change for this plan (what `fit_trainer` tries), e.g.
             `per_device_train_batch_size=2`; the arguments are rebuilt through their class, so what
             `TrainingArguments` refuses is refused (fp16 with bf16), and `deepspeed` / `fsdp`, which the
             plan does not model. A what-if leaves nothing on the Trainer or its model.
+
+    Planning on a machine without a GPU (a laptop, a CPU runtime): `SFTConfig(...)` / `TrainingArguments(...)` with
+    `bf16=True` or `fp16=True` (TRL's SFTConfig sets bf16 by default) raise inside TRL / transformers before this
+    function is reached ("Your setup doesn't support bf16/gpu"). Add `use_cpu=True` to the arguments there: it does
+    not change the plan (the target is planned, not this machine); drop it on Colab.
 
     Returns the same `Plan` as `cm.plan`: `batch` is the effective batch (per-device batch x
     accumulation steps), `recipe` the Recipe these settings amount to (`trainer_recipe`), and
@@ -191,9 +202,10 @@ def plan_trainer(
             return _fake_parameters(real_trainer.model, mode, half=half)
 
         if args.fp16 and (found := _half_trainable(holder.model)):
-            warn.append(f"{FP16_TRAP} {len(found)} trainable tensor(s) in "
-                        f"{' and '.join(sorted({str(d).removeprefix('torch.') for d in found.values()}))}: the GradScaler "
-                        "cannot unscale them on a GPU; planned in float32, as MemoryGuardCallback casts them")
+            dtypes = ' and '.join(sorted({str(d).removeprefix('torch.') for d in found.values()}))
+            warn.append(f"{FP16_TRAP} {len(found)} {dtypes} trainable tensor(s): add callbacks=[cm.MemoryGuardCallback()]")
+            warn.append(f"the GradScaler cannot unscale {dtypes} trainable tensors on a GPU: they are planned in float32, "
+                        "as MemoryGuardCallback casts them (planned)")
         micro = int(args.per_device_train_batch_size)
         warn += _position_limit(holder.model, seq)
         trace_notes: list[str] = []
@@ -230,7 +242,10 @@ def plan_trainer(
             model=name, batch=batch, seq_len=seq, recipe=recipe.to_dict(), target=tgt, method="trace",
             peak_bytes=trace.peak_bytes, by_category=trace.by_category, by_phase=trace.by_phase,
             by_phase_category=trace.phase_categories, device_costs=device_costs, host_costs=_host_costs(recipe, batch, seq),
-            headroom_fraction=headroom, analytic_peak_bytes=0, warnings=warn,
+            headroom_fraction=headroom, analytic_peak_bytes=0,
+            warnings=[w for w in warn if not is_derivation(w)], notes=[w for w in warn if is_derivation(w)],
+            next_call=("cm.fit_trainer(args, model=..., lora=..., target=...) finds the cheapest change that fits"
+                       if real_trainer is None else "cm.fit_trainer(trainer, target=...) finds the cheapest change that fits"),
             optimizer_impl=(f"your {type(given_optimizer).__name__} (optimizers=)" if given_optimizer is not None
                             and not any(n.startswith("your optimizers=") for n in trace_notes)
                             else f"the Trainer's optim={optim!r}") + (" (torch's CUDA choice)" if tgt.cuda else ""),
@@ -240,6 +255,21 @@ def plan_trainer(
                 result.max_batch = _max_micro_batch(holder, args, seq, tgt, result, trace, mode, names)
     result.seconds = time.perf_counter() - start
     return result
+
+
+# What plan_trainer says only to show how a figure was derived: a setting planned as it is set, a library's code path
+# traced in its place. Nothing there is for the user to change, so it goes to `plan.notes` (`explain()`), not to the
+# warnings printed first, which each name a setting to change or one the plan cannot follow.
+_DERIVATION_STARTS = ("fp16 autocast is traced as bf16", "TRL's fused LM head is traced", "the model loaded in ",
+                      "optim='adamw_torch_fused': planned with", "attention runs SDPA's math kernel")
+_DERIVATION_ENDS = ("(planned)", "planned as set", "planned as set)", "planned on the modules peft picks for it",
+                    "(traced)")
+
+
+def is_derivation(line: str) -> bool:
+    """Return whether a plan_trainer finding only says how a figure was derived (for `plan.notes`, not the warnings)."""
+    return (line.startswith(_DERIVATION_STARTS) or line.endswith(_DERIVATION_ENDS)
+            or "no step-time figure" in line or "step time counted as" in line)
 
 
 def _whole(name: str, value: Any) -> int:

@@ -20,6 +20,7 @@ import torch
 from colab_memopt.planning.prediction import Plan
 from colab_memopt.planning.targets import DEFAULT_HEADROOM, Target
 from colab_memopt.planning.hfconfig import trainer_recipe
+from colab_memopt.core.console import quiet_unless_verbose
 from colab_memopt.core.isolation import isolated
 from colab_memopt.planning.trainer import (
     FP16_TRAP,
@@ -327,6 +328,7 @@ def _saves_no_more(idx: tuple[int, ...], than: tuple[int, ...], dims: list[tuple
     return all(a <= b if ordered else a == b for a, b, (_, ordered) in zip(idx, than, dims))
 
 
+@quiet_unless_verbose
 @isolated
 def fit_trainer(
     trainer: Any,
@@ -339,6 +341,7 @@ def fit_trainer(
     headroom: float = DEFAULT_HEADROOM,
     max_plans: int = 24,
     dtype: Any = None,
+    verbose: bool = False,
 ) -> TrainerFit:
     """Return the cheapest change to a Trainer's own settings that makes the run fit the target.
 
@@ -353,7 +356,12 @@ def fit_trainer(
     A change set that saves no more memory than one that did not fit is not planned, nor one whose need two plans
     differing only in `per_device_train_batch_size` predict (linear in it) over the limit. At most `max_plans` plans
     after the first; a built Trainer keeps its model's dtype and quantization. On failure the notes name the
-    smallest need reached and what to do next. Arguments as `plan_trainer`.
+    smallest need reached and what to do next. Arguments as `plan_trainer` (`verbose=True` shows the libraries'
+    notes while planning, hidden by default).
+
+    Planning on a machine without a GPU: an `SFTConfig` with `bf16=True` or `fp16=True` (SFTConfig's default is bf16)
+    raises inside TRL ("Your setup doesn't support bf16/gpu"); add `use_cpu=True` there (it does not change the plan)
+    and drop it on Colab (`fit.apply(args)` keeps what your arguments hold).
 
     Example:
         >>> args = SFTConfig(per_device_train_batch_size=4, max_length=1024)

@@ -535,7 +535,23 @@ def _changed_args(args: Any, changes: dict[str, Any]) -> Any:
                 values[b] = changes[a]
     with warnings.catch_warnings(), _accelerate_state_kept():
         warnings.simplefilter("ignore")  # the aliases' deprecation notes
-        return dataclasses.replace(args, **values)
+        try:
+            return dataclasses.replace(args, **values)
+        except ValueError as err:
+            if NO_GPU_BF16 not in str(err):
+                raise
+            raise ValueError(no_gpu_message(type(args).__name__, changes)) from err
+
+
+NO_GPU_BF16 = "doesn't support bf16/gpu"  # what transformers' TrainingArguments says for bf16=True without a GPU
+
+
+def no_gpu_message(cls: str, changes: dict[str, Any]) -> str:
+    """Return our words for transformers' refusal of bf16=True on a machine without a GPU (planning only)."""
+    setting = ", ".join(f"{k}={v!r}" for k, v in changes.items() if k in ("bf16", "fp16")) or "bf16=True"
+    return (f"{cls}(..., {setting}) cannot be built on this machine without a GPU: TRL / transformers refuse "
+            f"bf16 there (\"Your setup doesn't support bf16/gpu\"). Planning on a machine without a GPU: add "
+            f"use_cpu=True to your {cls}(...); it does not change the plan; drop it on Colab")
 
 
 @contextlib.contextmanager
