@@ -1,8 +1,9 @@
-"""Shape what a person reads: lines of at most `WIDTH` characters, long notes cut short with the rest in `explain()`.
+"""Shape what a person reads: lines of at most `WIDTH` characters; a warning is wrapped, never cut short.
 
 Every printout (`Plan`, `Recommendation`, `LongestContext`, `TrainerFit`, the guard's summary, `doctor`) gives the
 answer first and one line per figure; the sources and derivations behind each figure are in its `explain()` (the
-command line's `--verbose`). These helpers keep those lines short without dropping a word from `explain()`.
+command line's `--verbose`). These helpers keep those lines short without dropping a word from `explain()`;
+`short` cuts a figure's note (never a warning, which names a setting to change) at a clause, with `MORE`.
 """
 
 from __future__ import annotations
