@@ -273,7 +273,7 @@ def test_plan_trainer_warnings_are_short_whole_and_a_plan_that_does_not_fit_name
     cut = [line for line in text.splitlines() if line.rstrip().endswith("...")]
     assert not cut, cut
     for derivation in ("traced as bf16", "TRL's fused LM head", "planned on the modules peft picks", "planned as set",
-                       "(planned)"):
+                       "SDPA's math kernel", "fused AdamW kernel"):
         assert derivation not in text, (derivation, text)
     assert all(w in p.explain() for w in p.warnings + p.notes)
     if precision == "bf16":  # a T4 has no native bf16: the setting to change, in SFTConfig words

@@ -271,7 +271,7 @@ def test_an_fp16_base_on_a_t4_is_planned_as_the_same_bytes_in_bf16(bf16_folder):
         # the plan's Recipe says the fp16 frozen base a T4 run keeps under fp16 autocast; bf16 it cannot say there
         assert from_trainer.recipe["base_dtype"] == before.recipe["base_dtype"] == (
             "fp16" if dtype == torch.float16 else None)
-        assert (dtype == torch.float16) != any("loaded in bfloat16" in w for w in before.warnings)
+        assert (dtype == torch.float16) != any("loaded in bfloat16" in w for w in before.notes)
         return from_trainer.by_category
 
     assert planned(torch.float16) == planned(torch.bfloat16)

@@ -261,15 +261,14 @@ def plan_trainer(
 # traced in its place. Nothing there is for the user to change, so it goes to `plan.notes` (`explain()`), not to the
 # warnings printed first, which each name a setting to change or one the plan cannot follow.
 _DERIVATION_STARTS = ("fp16 autocast is traced as bf16", "TRL's fused LM head is traced", "the model loaded in ",
-                      "optim='adamw_torch_fused': planned with", "attention runs SDPA's math kernel")
-_DERIVATION_ENDS = ("(planned)", "planned as set", "planned as set)", "planned on the modules peft picks for it",
-                    "(traced)")
+                      "optim='adamw_torch_fused': planned with", "attention runs SDPA's math kernel",
+                      "the GradScaler cannot unscale")
+_DERIVATION_ENDS = ("planned as set", "planned as set)", "planned on the modules peft picks for it")
 
 
 def is_derivation(line: str) -> bool:
     """Return whether a plan_trainer finding only says how a figure was derived (for `plan.notes`, not the warnings)."""
-    return (line.startswith(_DERIVATION_STARTS) or line.endswith(_DERIVATION_ENDS)
-            or "no step-time figure" in line or "step time counted as" in line)
+    return line.startswith(_DERIVATION_STARTS) or line.endswith(_DERIVATION_ENDS)
 
 
 def _whole(name: str, value: Any) -> int:
