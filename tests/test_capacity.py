@@ -223,3 +223,25 @@ def test_context_json_gives_llama_8b_qlora_49152_tokens_by_trace_within_colab_ho
     rows = {(r["model"], r["mode"], r["recipe_name"]): r for r in context["rows"]}
     for key, b in context["best"].items():
         assert not rows[(*key.split("/"), b["recipe_name"])].get("stale"), key
+
+
+def test_a_shipped_table_planned_for_another_t4_says_so():
+    """The T4 changed (14.56 GiB on 2026 Colab images, a 147 MiB CUDA context, one 5% margin): a table planned for
+    the older definition still ships, and says what it was planned for, so no notebook shows it as today's plan."""
+    from colab_memopt.planning.targets import DEFAULT_HEADROOM, get_target
+
+    t4 = get_target("t4")
+    today = {"name": "t4", "device_bytes": t4.device_bytes, "host_bytes": t4.host_bytes,
+             "cuda_context_bytes": t4.cuda_context_bytes, "headroom": DEFAULT_HEADROOM}
+    assert capacity.stale_target({"target": today}) is None
+    assert capacity.stale_target({"target": "t4", "device_bytes": t4.device_bytes, "host_bytes": t4.host_bytes,
+                                  "headroom": DEFAULT_HEADROOM}) is None  # capacity.json's flat form
+    older = capacity.stale_target({"target": {**today, "device_bytes": 15_826_954_485, "cuda_context_bytes": 768 * 2**20}})
+    assert older.startswith("planned for a t4 of 14.74 GiB total, 768.00 MiB CUDA context") and "14.56 GiB" in older
+    assert "margin 10%" not in older and "10% margin" in capacity.stale_target({"target": "t4", "headroom": 0.1})
+    assert "does not define" in capacity.stale_target({"target": "a100"})
+    for name in ("capacity", "context"):  # what ships: the marker is computed, never typed in
+        table = cm.capacity.shipped_table(name)
+        stored = {k: v for k, v in capacity._table_target(table).items() if k != "name" and v is not None}
+        now = {k: today[k] for k in stored}
+        assert (table["stale_target"] is None) == (stored == now), (name, stored, now)

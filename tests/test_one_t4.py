@@ -61,3 +61,57 @@ def test_the_command_line_prints_the_same_usable_t4(verb, capsys):
     assert f"{cm.format_bytes(USABLE)} usable" in out, out
     for stale in ("14.00 GiB", "13.27 GiB", "14.74 GiB"):
         assert stale not in out
+
+
+def _need(text: str) -> str:
+    import re
+
+    found = re.search(r"need ([\d.]+ [KMG]iB) of ([\d.]+ [KMG]iB) usable", text)
+    assert found, text
+    return found.group(0)
+
+
+def test_doctor_plans_a_trainer_run_as_plan_trainer_and_a_recipe_as_plan(capsys):
+    """issue 43.4 / 45.5: for one run, the doctor's device need is plan_trainer's (Trainer settings) or plan's
+    (a Recipe), figure for figure, in Python and on the command line."""
+    from peft import LoraConfig
+    from trl import SFTConfig
+
+    from colab_memopt.planning.doctor import doctor
+    from colab_memopt.tooling.cli import main
+
+    args = SFTConfig("/tmp/cm_one_t4_doctor", per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                     max_length=64, use_cpu=True, report_to=[], fp16=False)
+    lora = LoraConfig(r=8, target_modules=["q_proj", "v_proj"])
+    planned = cm.plan_trainer(args, model="smollm2-135m", lora=lora, target="t4")
+    checked = doctor("smollm2-135m", recipe=args, lora=lora, target="t4")
+    assert (checked.plan.device_need_bytes, checked.plan.device_limit_bytes, checked.plan.batch, checked.plan.seq_len) \
+        == (planned.device_need_bytes, planned.device_limit_bytes, 4, 64)
+    assert "does-not-fit" in checked.checked and _need(str(checked)) == _need(str(planned))
+    with pytest.raises(ValueError, match="batch=2: with a Trainer or TrainingArguments the batch is theirs"):
+        doctor("smollm2-135m", recipe=args, lora=lora, target="t4", batch=2)
+
+    recipe = cm.Recipe(precision="fp16-autocast", lora_rank=8, base_dtype="fp16", checkpointing="full")
+    argv = ["--model", "smollm2-135m", "--batch", "2", "--seq", "64", "--target", "t4", "--recipe",
+            "precision=fp16-autocast", "lora_rank=8", "base_dtype=fp16", "checkpointing=full"]
+    main(["plan", *argv, "--no-max-batch"])
+    plan_out = capsys.readouterr().out
+    main(["doctor", *argv])
+    doctor_out = capsys.readouterr().out
+    planned = cm.plan("smollm2-135m", 2, seq_len=64, recipe=recipe, target="t4", find_max_batch=False)
+    checked = doctor("smollm2-135m", recipe=recipe, target="t4", batch=2, seq_len=64)
+    assert checked.plan.device_need_bytes == planned.device_need_bytes
+    assert _need(doctor_out) == _need(plan_out) == _need(str(planned)) == _need(str(checked))
+
+
+def test_doctor_of_a_trainer_is_plan_trainer_of_it():
+    pytest.importorskip("trl")
+    from test_guard import sft
+
+    from colab_memopt.planning.doctor import doctor
+
+    trainer = sft(fp16=True)  # fp16 autocast with its GradScaler (loss scale 2**16), as on a T4
+    checked = doctor(trainer, target="t4", probe=False)
+    planned = cm.plan_trainer(trainer, target="t4")
+    assert checked.plan.device_need_bytes == planned.device_need_bytes and checked.plan.method == "trace"
+    assert checked.plan.recipe["precision"] == planned.recipe["precision"] == "fp16-autocast"

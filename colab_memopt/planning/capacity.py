@@ -627,4 +627,47 @@ def shipped_table(name: str) -> dict[str, Any] | None:
     if name not in ("capacity", "context"):
         raise ValueError(f"shipped_table takes 'capacity' or 'context', got {name!r}")
     path = RESULTS_DIR / f"{name}.json"
-    return json.loads(path.read_text()) if path.is_file() else None
+    if not path.is_file():
+        return None
+    table = json.loads(path.read_text())
+    table["stale_target"] = stale_target(table)
+    return table
+
+
+def _table_target(table: dict[str, Any]) -> dict[str, Any]:
+    """Return the target a shipped table was planned for: its name, device and host bytes, CUDA context, margin."""
+    stored = table.get("target")
+    if isinstance(stored, dict):  # context.json keeps the target whole
+        return dict(stored)
+    return {"name": stored, "device_bytes": table.get("device_bytes"), "host_bytes": table.get("host_bytes"),
+            "cuda_context_bytes": table.get("cuda_context_bytes"), "headroom": table.get("headroom")}
+
+
+def stale_target(table: dict[str, Any]) -> str | None:
+    """Return None where a shipped table was planned for today's definition of its target (total, host RAM, CUDA
+    context, margin); else one sentence saying what it was planned for and what the target is today.
+
+    A table planned for an older definition still says what fit then; its figures are not today's plan.
+    """
+    from colab_memopt.core.measure import format_bytes
+
+    then = _table_target(table)
+    try:
+        now_target = get_target(then.get("name") or "")
+    except ValueError:
+        return f"planned for a target this version does not define ({then.get('name')!r})"
+    now = {"device_bytes": now_target.device_bytes, "host_bytes": now_target.host_bytes,
+           "cuda_context_bytes": now_target.cuda_context_bytes, "headroom": DEFAULT_HEADROOM}
+    differ = [k for k, v in now.items() if then.get(k) is not None and then[k] != v]
+    if not differ:
+        return None
+
+    def says(d: dict[str, Any]) -> str:
+        parts = [f"{format_bytes(d['device_bytes'])} total" if d.get("device_bytes") else None,
+                 f"{format_bytes(d['cuda_context_bytes'])} CUDA context" if d.get("cuda_context_bytes") else None,
+                 f"{d['headroom']:.0%} margin" if d.get("headroom") is not None else None,
+                 f"{format_bytes(d['host_bytes'])} host RAM" if d.get("host_bytes") else None]
+        return ", ".join(p for p in parts if p)
+
+    return (f"planned for a {now_target.name} of {says(then)}; today's {now_target.name} is {says(now)}: "
+            "these rows are what fit then, not today's plan")

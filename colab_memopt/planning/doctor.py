@@ -11,15 +11,19 @@ what was found, why it matters and the fix, printed readably. The codes:
     checkpointing-frozen-inputs  LoRA with reentrant checkpointing whose inputs carry no gradient
                                  (peft#137, open-unlearning#178)
     adapters-not-training        after one step, an adapter without a gradient
-    does-not-fit                 the plan does not fit the target; the fix is the recommender's recipe
-    host-ram-load                host RAM too small for loading the weights the classic way: Colab
-                                 kills the runtime while the model loads (int8 weights: cm.load_int8)
+    does-not-fit                 the plan (cm.plan's, or cm.plan_trainer's for Trainer settings) does not
+                                 fit the target; the fix names the recommender or fit_trainer
+    host-ram-load                host RAM (a 4-bit load: also the GPU) too small for loading the weights,
+                                 from the checkpoint's files or hub headers (else assumed: a warning only);
+                                 Colab kills the runtime while the model loads (int8 weights: cm.load_int8)
     qlora-small-saving           QLoRA saves little over LoRA for this model and sequence (torchtune#2255)
     deepspeed-op-build           DeepSpeed ops built on first use: minutes and GBs of RAM (DeepSpeed#885)
 
 `model` is a built `nn.Module` (every check), a transformers `Trainer` / TRL `SFTTrainer` (its model,
 optimizer and settings), or anything `architectures.resolve_model` takes (a
-Hugging Face id, a folder, a config, one of our names: the checks that need no weights).
+Hugging Face id, a folder, a config, one of our names: the checks that need no weights). `recipe` is a
+`Recipe`, or your `TrainingArguments` / `SFTConfig` (with `lora=`, `bnb=`): a Trainer's run is planned by
+`plan_trainer`, a Recipe's by `plan`, so the doctor's need is the figure those print for the same run.
 """
 
 from __future__ import annotations
@@ -88,6 +92,7 @@ class Checkup:
     findings: list[Finding]
     checked: list[str]
     skipped: dict[str, str]  # check -> why it did not run
+    plan: Any = None  # the plan the fit check made: cm.plan's, or cm.plan_trainer's for Trainer settings
 
     @property
     def codes(self) -> list[str]:
@@ -102,15 +107,23 @@ class Checkup:
         return code in self.codes
 
     def to_dict(self) -> dict[str, Any]:
+        fit = None if self.plan is None else {"device_need_bytes": self.plan.device_need_bytes,
+                                              "device_limit_bytes": self.plan.device_limit_bytes}
         return {"model": self.model, "target": self.target, "ok": self.ok, "codes": self.codes,
-                "findings": [asdict(f) for f in self.findings], "checked": self.checked, "skipped": self.skipped}
+                "findings": [asdict(f) for f in self.findings], "checked": self.checked, "skipped": self.skipped,
+                "plan": fit}
 
     def __str__(self) -> str:
         head = f"doctor: {self.model} on {self.target}: " + (
             f"{len(self.findings)} finding(s)" if self.findings else "no pitfall found")
         from colab_memopt.core.wording import wrap
 
-        lines = [head, *[str(f) for f in self.findings]]
+        lines = [head]
+        if self.plan is not None and self.plan.fits_device:  # the figure plan / plan_trainer print for this run
+            p = self.plan  # (one that does not fit is does-not-fit's finding, with the same figures)
+            lines.append(f"the step fits: batch {p.batch} x {p.seq_len} tokens, need {format_bytes(p.device_need_bytes)} "
+                         f"of {format_bytes(p.device_limit_bytes)} usable ({p.method})")
+        lines += [str(f) for f in self.findings]
         lines += wrap(f"checked: {', '.join(self.checked)}")
         lines += [line for k, v in self.skipped.items() for line in wrap(f"not checked: {k} ({v})")]
         return "\n".join(lines)
@@ -329,53 +342,82 @@ def _spec(model: Any) -> Any:
 
 
 def check_fit(spec: Any, recipe: Recipe, batch: int, seq_len: int, tgt: Target, method: str,
-              headroom: float = DEFAULT_HEADROOM) -> tuple[Finding | None, Any]:
-    """does-not-fit: the planner's verdict; the fix is the recommender's recipe."""
+              headroom: float = DEFAULT_HEADROOM, *, model: Any = None) -> tuple[Finding | None, Any]:
+    """does-not-fit: the planner's verdict, the same plan as `cm.plan(model, batch, ...)` (`model`: what the user
+    named, else `spec`); the fix names the recommender, which searches the settings that fit (not run here: each
+    candidate is another trace)."""
     import warnings
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        p = plan(spec.build, batch, seq_len=seq_len, recipe=recipe, target=tgt, find_max_batch=False, method=method,
-                 headroom=headroom)
+        p = plan(spec if model is None else model, batch, seq_len=seq_len, recipe=recipe, target=tgt,
+                 find_max_batch=False, method=method, headroom=headroom)
     if p.fits_device:
         return None, p
-    from colab_memopt.planning.recommender import NoRecipeFits, recommend
+    named = tgt.name in TARGETS
+    fix = (f"cm.recommend({spec.name!r}, {batch}, seq_len={seq_len}, target="
+           f"{repr(tgt.name) if named else 'your target'}) finds the settings that fit with the shortest step"
+           + (f" (python -m colab_memopt recommend --model {spec.name} --batch {batch} --seq {seq_len} "
+              f"--target {tgt.name})" if named else ""))
+    return _does_not_fit(p, batch, seq_len, tgt, fix), p
 
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            rec = recommend(spec.name, batch, seq_len=seq_len, target=tgt, method=method, headroom=headroom)
-        fix = (f"the recommender's recipe ({rec.mode}): {rec.chosen.name}, need {format_bytes(rec.plan.device_need_bytes)} "
-               f"of {format_bytes(rec.plan.device_limit_bytes)}; "
-               f"cm.recommend({spec.name!r}, {batch}, seq_len={seq_len}, target={tgt.name!r}).recipe")
-        details = {"recommended": {k: v for k, v in rec.recipe.to_dict().items() if Recipe().to_dict()[k] != v}}
-    except NoRecipeFits as exc:
-        fix = f"no candidate recipe fits: {exc}"
-        details = {"recommended": None}
+
+def _does_not_fit(p: Any, batch: int, seq_len: int, tgt: Target, fix: str) -> Finding:
     return Finding(
         "does-not-fit", "error",
         f"the plan needs {format_bytes(p.device_need_bytes)} of device memory at batch {batch} x {seq_len} tokens; "
         f"{tgt.name} allows {format_bytes(p.device_limit_bytes)} ({p.method}"
         + (f"; an estimate, not traced: {describe_estimate_error(p.estimate_error)})" if p.estimate_error else ")"),
         "the first step would run out of memory",
-        fix, {"need_bytes": p.device_need_bytes, "limit_bytes": p.device_limit_bytes, "estimate": p.method == "analytic",
-              **details},
-    ), p
+        fix, {"need_bytes": p.device_need_bytes, "limit_bytes": p.device_limit_bytes, "estimate": p.method == "analytic"},
+    )
+
+
+def check_trainer_fit(run: Any, tgt: Target, seq_len: int | None, headroom: float, **given: Any
+                      ) -> tuple[Finding | None, Any]:
+    """does-not-fit for a Trainer-shaped run: the same plan as `cm.plan_trainer(run, **given, ...)` (`run`: a
+    Trainer, or TrainingArguments / SFTConfig with `given`'s model=, lora=, bnb=, dtype=)."""
+    import warnings
+
+    from colab_memopt.planning.trainer import plan_trainer
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        p = plan_trainer(run, target=tgt, seq_len=seq_len, headroom=headroom,
+                         **{k: v for k, v in given.items() if v is not None})
+    if p.fits_device:
+        return None, p
+    call = "cm.fit_trainer(trainer)" if not given else "cm.fit_trainer(args, model=..., lora=..., bnb=...)"
+    fix = (f"{call} tries the settings that save memory (fp16, checkpointing, a smaller per-device batch with "
+           "more accumulation, a 4-bit base) and returns the first that fits; fit.apply(args) writes them")
+    return _does_not_fit(p, p.batch, p.seq_len, tgt, fix), p
 
 
 def check_host_load(spec: Any, recipe: Recipe, tgt: Target, capability: tuple[int, int] | None,
                     headroom: float) -> Finding | None:
-    """host-ram-load: loading the weights the classic way needs more host RAM than the target has."""
+    """host-ram-load: loading the weights needs more host RAM (or, in 4 bits, device memory) than the target has.
+
+    The checkpoint's layout and dtype come from its files or the hub's headers where there are any; a built-in
+    name's is its published checkpoint's (dtype known, shards assumed); otherwise an assumption. A load that does
+    not fit by an assumed layout is a warning naming what was assumed, never an error. A 4-bit (QLoRA) load is
+    checked as transformers runs it: tensor by tensor, each quantized on the GPU as it arrives
+    (`loading.quantized_load_bytes`).
+    """
     from colab_memopt.training.loading import load_host_bytes
 
-    load = load_host_bytes(spec, recipe, "cuda" if tgt.cuda else "cpu", native_bf16=bool(capability and capability >= (8, 0)))
+    native = bool(capability and capability >= (8, 0))
     process = host_memory().rss_bytes
-    limit = int(tgt.host_bytes * (1 - headroom))
+    limit = tgt.host_usable_bytes(headroom)
+    four_bit = recipe.quantization in ("nf4", "fp4") and recipe.quantization_phase == "all"
+    if four_bit and recipe.weight_dtype != "int8":
+        return _check_four_bit_load(spec, recipe, tgt, native, process, limit, headroom)
+    load = load_host_bytes(spec, recipe, "cuda" if tgt.cuda else "cpu", native_bf16=native)
     if process + load.classic_host_bytes <= limit:
         return None
     lean_fits = process + load.host_bytes <= limit
+    assumed = f"; {load.layout}: give the model's Hugging Face id or folder to check its files" if load.assumed else ""
     if recipe.weight_dtype == "int8":  # loading.load_int8: one tensor at a time, quantized as it arrives
-        dtype = "torch.bfloat16" if capability and capability >= (8, 0) else "torch.float16"
+        dtype = "torch.bfloat16" if native else "torch.float16"
         fix = (f"cm.load_int8(path_or_id, dtype={dtype}) loads one tensor at a time to int8 on the "
                f"{'GPU' if tgt.cuda else 'CPU'}: {format_bytes(load.host_bytes)} of host RAM"
                + ("" if lean_fits else "; even that does not fit: free this process's memory (restart the runtime)"))
@@ -384,13 +426,50 @@ def check_host_load(spec: Any, recipe: Recipe, tgt: Target, capability: tuple[in
                f"{format_bytes(load.host_bytes)} of host RAM" + ("" if lean_fits else
                "; even that does not fit: save the checkpoint in smaller shards (max_shard_size) or in 16-bit"))
     return Finding(
-        "host-ram-load", "error" if not lean_fits else "warning",
-        f"loading {load.params / 1e6:.0f}M parameters (checkpoint {format_bytes(load.checkpoint_bytes)}) the classic way "
+        "host-ram-load", "error" if not (lean_fits or load.assumed) else "warning",
+        f"loading {load.params / 1e6:.0f}M parameters (checkpoint {format_bytes(load.checkpoint_bytes)} in "
+        f"{load.checkpoint_dtype}, largest shard {format_bytes(load.largest_shard_bytes)}) the classic way "
         f"needs {format_bytes(load.classic_host_bytes)} of host RAM on top of this process's {format_bytes(process)}; "
-        f"{tgt.name} has {format_bytes(limit)} usable",
+        f"{tgt.name} has {format_bytes(limit)} usable{assumed}",
         "host RAM runs out while the model loads, before the first step: Colab kills and restarts the runtime, "
         "everything in memory is lost, and no Python error names memory as the cause",
         fix, load.to_dict(),
+    )
+
+
+def _check_four_bit_load(spec: Any, recipe: Recipe, tgt: Target, native: bool, process: int, host_limit: int,
+                         headroom: float) -> Finding | None:
+    """host-ram-load for a 4-bit load: transformers' own path, tensor by tensor (loading.quantized_load_bytes)."""
+    from colab_memopt.techniques.architectures import ARCHITECTURES
+    from colab_memopt.training.loading import load_dtype, quantized_load_bytes
+
+    dtype = load_dtype(recipe, "cuda" if tgt.cuda else "cpu", native)
+    load = quantized_load_bytes(spec, device="cuda" if tgt.cuda else "cpu", dtype=dtype)
+    # a built-in name's shapes are its published config's, in its published dtype: a tensor-by-tensor load
+    # needs nothing else of the layout (the shards are mapped, not held)
+    assumed = load.source.startswith("assumed") and spec.name not in ARCHITECTURES
+    device_need = load.device_bytes + (tgt.cuda_context_bytes if tgt.cuda else 0)
+    device_limit = tgt.usable_bytes(headroom)
+    host_fits = process + load.host_anon_bytes <= host_limit
+    device_fits = not tgt.cuda or device_need <= device_limit
+    if host_fits and device_fits and not load.spikes:
+        return None
+    where = f"{format_bytes(device_need)} on the GPU (CUDA context included) of {format_bytes(device_limit)} usable, " \
+        if tgt.cuda else ""
+    found = (f"the 4-bit load of {load.model} ({load.checkpoint_dtype} checkpoint, quantized tensor by tensor) needs "
+             f"{where}{format_bytes(load.host_anon_bytes)} of host RAM on top of this process's {format_bytes(process)} "
+             f"of {format_bytes(host_limit)} usable")
+    if assumed:
+        found += f"; {load.source}: give the model's Hugging Face id or folder to check its files"
+    fix = load.fix or ("free this process's memory (restart the runtime) before loading" if not host_fits else
+                       f"a smaller model: its 4-bit weights and its {load.load_dtype} embeddings and head alone "
+                       "are more than the GPU holds")
+    return Finding(
+        "host-ram-load", "warning" if assumed or (host_fits and device_fits) else "error", found,
+        "memory runs out while the model loads, before the first step: on the host Colab restarts the runtime "
+        "without a Python error; on the GPU from_pretrained raises out of memory",
+        fix, {**load.__dict__, "device_need_bytes": device_need, "device_limit_bytes": device_limit,
+              "assumed": assumed},
     )
 
 
@@ -463,44 +542,86 @@ def check_deepspeed_ops(recipe: Recipe, cuda: bool) -> Finding | None:
     )
 
 
+def _is_training_args(value: Any) -> bool:
+    """Return whether `value` is transformers' TrainingArguments (TRL's SFTConfig too)."""
+    if value is None or isinstance(value, (Recipe, dict)):
+        return False
+    with quiet():
+        from transformers import TrainingArguments
+
+    return isinstance(value, TrainingArguments)
+
+
 @isolated
 def doctor(
     model: Any,
     optimizer: torch.optim.Optimizer | None = None,
-    recipe: Recipe | dict[str, Any] | None = None,
+    recipe: Any = None,
     target: str | Target | dict[str, Any] = "auto",
     *,
-    batch: int = 1,
+    batch: int | None = None,
     seq_len: int | None = None,
     headroom: float = DEFAULT_HEADROOM,
     method: str = "auto",
     probe: bool = True,
     verbose: bool = False,
+    lora: Any = None,
+    bnb: Any = None,
+    dtype: Any = None,
 ) -> Checkup:
     """Check a model, optimizer and recipe for the T4 pitfalls before the first step; return the findings.
 
     Args:
         model: a built `nn.Module` (all checks), a transformers `Trainer` / TRL `SFTTrainer` (its model and
-            optimizer; its settings are the recipe unless `recipe` is given), or a name, Hugging Face id, folder, config.json or
-            `PretrainedConfig` (the checks that need no weights: fit, host RAM, QLoRA, DeepSpeed, bf16).
+            optimizer; its settings are the recipe unless `recipe` is given), or a name, Hugging Face id, folder,
+            config.json or `PretrainedConfig` (the checks that need no weights: fit, host RAM, QLoRA, DeepSpeed, bf16).
         optimizer: the optimizer (its parameters' dtypes are checked with the model's).
-        recipe: the `Recipe` (or dict) that will train; None: plain fp32 AdamW.
+        recipe: the settings that will train: a `Recipe` (or dict; None: plain fp32 AdamW), or your
+            `TrainingArguments` / `SFTConfig` with `lora=` (a `LoraConfig`), `bnb=` (a `BitsAndBytesConfig`)
+            and `dtype=` as you give them to `cm.plan_trainer`.
         target: 'auto' (this GPU, else a T4), a target name ('t4', 'l4', ...), a `Target` or a dict.
-        batch, seq_len: the step planned (seq_len default: min(512, the model's maximum)).
+        batch, seq_len: the step planned (batch default 1; seq_len default: min(512, the model's maximum)); a
+            Trainer's or TrainingArguments' batch is theirs (per-device batch x accumulation) and its seq_len
+            SFTConfig's max_length unless given.
         headroom: fraction of device memory and host RAM kept free.
-        method: the planner's method ('auto', 'trace', 'analytic').
+        method: the planner's method ('auto', 'trace', 'analytic'); Trainer settings are always traced.
         probe: with adapters and no gradients yet, run one forward and backward on random tokens to see
             that every adapter gets a gradient (weights untouched, gradients cleared after).
         verbose: print the checkup.
 
+    The does-not-fit check is the plan `cm.plan` prints for a Recipe, and `cm.plan_trainer` for a Trainer or
+    TrainingArguments: the same figures.
+
     Example:
         >>> print(cm.doctor(model, opt, recipe, target="t4"))
+        >>> print(cm.doctor("llama-3.1-8b", recipe=SFTConfig(...), lora=LoraConfig(r=16), bnb=bnb, target="t4"))
     """
-    if hasattr(model, "args") and hasattr(model, "callback_handler"):  # a transformers Trainer
-        model, optimizer, recipe = _from_trainer(model, optimizer, recipe)
-    rec = recipe if isinstance(recipe, Recipe) else Recipe.from_dict(recipe or {})
-    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+    if batch is not None and (isinstance(batch, bool) or not isinstance(batch, int) or batch < 1):
         raise ValueError(f"batch must be an integer >= 1, got {batch!r}")
+    trainer = args = None
+    if hasattr(model, "args") and hasattr(model, "callback_handler"):  # a transformers Trainer
+        if recipe is None:
+            trainer = model
+        model, optimizer, recipe = _from_trainer(model, optimizer, recipe)
+    elif _is_training_args(recipe):
+        args = recipe
+        from colab_memopt.planning.hfconfig import read_lora, trainer_recipe
+        from colab_memopt.planning.trainer import _bnb_config
+
+        lora = read_lora(lora) if isinstance(lora, dict) else lora
+        bnb = _bnb_config(bnb)
+        recipe, _ = trainer_recipe(args, lora, bnb)
+    if (trainer is not None or args is not None) and batch is not None:
+        raise ValueError(f"batch={batch!r}: with a Trainer or TrainingArguments the batch is theirs "
+                         "(per_device_train_batch_size x gradient_accumulation_steps): leave batch out")
+    if args is None and (lora is not None or bnb is not None or dtype is not None):
+        raise ValueError("lora=, bnb= and dtype= go with TrainingArguments / SFTConfig given as recipe= "
+                         "(for a Recipe, use its fields: lora_rank=16, quantization='nf4', base_dtype='fp16')")
+    if recipe is not None and not isinstance(recipe, (Recipe, dict)):
+        raise TypeError(f"recipe must be a Recipe, a dict of its fields, or TrainingArguments / SFTConfig, got "
+                        f"{type(recipe).__name__}")
+    rec = recipe if isinstance(recipe, Recipe) else Recipe.from_dict(recipe or {})
+    batch = 1 if batch is None else batch
     tgt, capability = _target(target)
     module = model if isinstance(model, nn.Module) else None
     spec = _spec(model)
@@ -509,17 +630,17 @@ def doctor(
 
         rec = with_family_lora_targets(rec, spec.family)
     name = spec.name if spec is not None else type(model).__name__
-    if seq_len is None:
+    if seq_len is None and trainer is None and args is None:
         seq_len = min(512, spec.max_seq_len or 512) if spec is not None else 512
     findings: list[Finding | None] = []
     checked, skipped = [], {}
 
-    def run(code: str, fn: Any, *args: Any, needs: str | None = None) -> Any:
+    def run(code: str, fn: Any, *args: Any, needs: str | None = None, **kwargs: Any) -> Any:
         if needs:
             skipped[code] = needs
             return None
         checked.append(code)
-        result = fn(*args)
+        result = fn(*args, **kwargs)
         findings.append(result[0] if isinstance(result, tuple) else result)
         return result
 
@@ -532,18 +653,24 @@ def doctor(
     run("fp16-trainable-params", check_fp16_trainable, rec, module, needs=no_module)
     run("bf16-trainable-under-fp16", check_bf16_trainable_under_fp16, rec, module, needs=no_module)
     run("checkpointing-frozen-inputs", check_checkpointing_inputs, module, needs=no_module)
-    run("adapters-not-training", functools.partial(check_adapters_training, seq_len=min(seq_len, 16)), module, rec,
-        needs=no_module or (None if probe or (module is not None and any(p.grad is not None for _, p in _adapters(module)))
-                            else "probe=False and no gradients yet"))
+    run("adapters-not-training", functools.partial(check_adapters_training, seq_len=min(seq_len or 16, 16)), module,
+        rec, needs=no_module or (None if probe or (module is not None and any(p.grad is not None for _, p in _adapters(module)))
+                                 else "probe=False and no gradients yet"))
     no_spec = "needs a transformers config or one of our names" if spec is None else None
-    no_trace = rec.untraceable_reason
-    run("does-not-fit", check_fit, spec, rec, batch, seq_len, tgt, "analytic" if no_trace else method, headroom,
-        needs=no_spec)
+    if trainer is not None or args is not None:  # the run as plan_trainer plans it: the same figures
+        fitted = run("does-not-fit", check_trainer_fit, trainer if trainer is not None else args, tgt, seq_len, headroom,
+                     **({} if trainer is not None else {"model": model, "lora": lora, "bnb": bnb, "dtype": dtype}))
+        batch, seq_len = fitted[1].batch, fitted[1].seq_len
+    else:
+        no_trace = rec.untraceable_reason
+        fitted = run("does-not-fit", check_fit, spec, rec, batch, seq_len, tgt, "analytic" if no_trace else method, headroom,
+            needs=no_spec, model=model if isinstance(model, str) else None)
     run("host-ram-load", check_host_load, spec, rec, tgt, capability, headroom,
         needs=no_spec or (None if spec.config is not None else "the reference model is built, not loaded"))
     run("qlora-small-saving", check_qlora_saving, spec, rec, batch, seq_len, tgt, needs=no_spec)
     run("deepspeed-op-build", check_deepspeed_ops, rec, tgt.cuda)
-    result = Checkup(name, tgt.name, [f for f in findings if f is not None], checked, skipped)
+    result = Checkup(name, tgt.name, [f for f in findings if f is not None], checked, skipped,
+                     fitted[1] if fitted is not None else None)
     if verbose:
         print(result)
     return result

@@ -125,10 +125,18 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--method", default="auto", choices=["auto", "trace", "analytic"])
     c.add_argument("--json", action="store_true", help="print one JSON object")
     d = sub.add_parser("doctor", help="the T4 pitfalls of a model and recipe, found before the first step")
-    d.add_argument("--model", required=True, help="a name, a Hugging Face id, a local folder or a config.json")
+    d.add_argument("--model", default=None, help="a name, a Hugging Face id, a local folder or a config.json "
+                   "(with --training-args, default: the file's model_name_or_path)")
     d.add_argument("--recipe", nargs="*", default=[], metavar="FIELD=VALUE", help="recipe fields, e.g. precision=bf16-autocast")
     d.add_argument("--target", default="t4", help="a target name or auto (this GPU, else a T4)")
-    d.add_argument("--batch", type=int, default=1, help="sequences per step (default 1)")
+    d.add_argument("--batch", type=int, default=None, help="sequences per step (default 1; with --training-args, "
+                   "from the file)")
+    d.add_argument("--training-args", default=None, metavar="FILE",
+                   help="check a Trainer run: a TrainingArguments / SFTConfig JSON or YAML, planned as plan does")
+    d.add_argument("--lora", nargs="+", default=None, metavar="FILE|FIELD=VALUE", help="a peft LoraConfig file or fields")
+    d.add_argument("--bnb", nargs="+", default=None, metavar="FILE|FIELD=VALUE", help="a BitsAndBytesConfig file or fields")
+    d.add_argument("--dtype", default=None, choices=["auto", "float32", "float16", "bfloat16"],
+                   help="with --training-args: the dtype you load the model in (as plan's --dtype)")
     d.add_argument("--seq", type=int, default=None, help="tokens per sequence (default: min(512, the model's maximum))")
     d.add_argument("--method", default="auto", choices=["auto", "trace", "analytic"])
     d.add_argument("--json", action="store_true", help="print one JSON object")
@@ -252,10 +260,26 @@ def _context(args: argparse.Namespace) -> tuple[int, Any]:
 def _doctor(args: argparse.Namespace) -> tuple[int, Any]:
     from colab_memopt.planning.doctor import doctor
 
+    given: dict[str, Any] = {"recipe": _recipe_fields(args.recipe)}
+    model = args.model
+    if args.training_args is not None:  # the run as plan --training-args plans it
+        from colab_memopt.planning.hfconfig import read_training_config
+
+        if args.batch is not None or args.recipe:
+            raise ValueError("--training-args gives the batch and the settings: leave --batch and --recipe out")
+        cfg = read_training_config(args.training_args, lora=_file_or_fields(args.lora), bnb=_file_or_fields(args.bnb))
+        model = model or cfg.model
+        if model is None:
+            raise ValueError("--training-args: give --model (the file names no model_name_or_path)")
+        given = {"recipe": cfg.args, "lora": cfg.lora, "bnb": cfg.bnb, "dtype": args.dtype}
+    elif args.lora is not None or args.bnb is not None or args.dtype is not None:
+        raise ValueError("--lora, --bnb and --dtype go with --training-args (for a Recipe, use --recipe lora_rank=16 "
+                         "quantization=nf4 base_dtype=fp16)")
+    elif model is None:
+        raise ValueError("doctor needs --model (or --training-args FILE)")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        result = doctor(args.model, recipe=_recipe_fields(args.recipe), target=args.target, batch=args.batch,
-                        seq_len=args.seq, method=args.method)
+        result = doctor(model, target=args.target, batch=args.batch, seq_len=args.seq, method=args.method, **given)
     return (0 if result.ok else 1), result
 
 

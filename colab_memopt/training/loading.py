@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from colab_memopt.techniques.architectures import ModelSpec, resolve_model
+from colab_memopt.techniques.architectures import ARCHITECTURES, ModelSpec, resolve_model
 from colab_memopt.core.env import bf16_native, pick_device
 from colab_memopt.core.measure import HostPeak, format_bytes
 from colab_memopt.techniques.quantization import DEFAULT_LORA_TARGETS, add_lora, quantize_model
@@ -93,6 +93,8 @@ class LoadPlan:
     classic_host_bytes: int  # random fp32 init, then the whole state dict beside it, then .to(device)
     path: str
     notes: list[str] = field(default_factory=list)
+    layout: str = ""  # where the checkpoint's size and shards come from
+    assumed: bool = False  # whether that layout is an assumption (no files or hub headers read)
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -220,11 +222,26 @@ def load_host_bytes(model: Any, recipe: Recipe | None = None, device: str | torc
     ckpt_dtype = _checkpoint_dtype(spec.config)
     files = _weight_files(spec.path)
     notes = []
+    assumed = False
+    hub = None if files or not str(spec.source).startswith("Hugging Face config") else hub_shard_bytes(spec.name)
     if files:
         sizes = [p.stat().st_size for p in files]
         checkpoint, largest = sum(sizes), max(sizes)
+        layout = f"the weight files in {spec.path}"
+    elif hub:
+        checkpoint, largest = sum(hub), max(hub)
+        layout = f"the safetensors headers of {spec.name} on the hub ({len(hub)} shard(s))"
+    elif spec.name in ARCHITECTURES:  # a built-in name: its published checkpoint (its dtype in the config), in shards
+        checkpoint = params * _DTYPE_BYTES[ckpt_dtype]
+        largest = min(checkpoint, PUBLISHED_MAX_SHARD_BYTES)
+        assumed = True
+        layout = (f"assumed: the published checkpoint in {str(ckpt_dtype).removeprefix('torch.')}, in shards of at most "
+                  f"{PUBLISHED_MAX_SHARD_BYTES / 1e9:.0f} GB")
+        notes.append(f"no weight files here: {layout.removeprefix('assumed: ')} (not read)")
     else:
         checkpoint = largest = params * _DTYPE_BYTES[ckpt_dtype]
+        assumed = True
+        layout = f"assumed: one shard in {str(ckpt_dtype).removeprefix('torch.')} (the config's dtype, else float32)"
         notes.append("no weight files here: checkpoint size from the parameter count and the config's dtype, one shard assumed")
     dtype = load_dtype(recipe, dev.type, native_bf16)
     four_bit = recipe.quantization in ("nf4", "fp4") and recipe.quantization_phase == "all"
@@ -256,7 +273,27 @@ def load_host_bytes(model: Any, recipe: Recipe | None = None, device: str | torc
         path = "meta-device init, the model in host RAM, one shard read at a time"
     classic = params * 4 + checkpoint
     return LoadPlan(spec.name, params, checkpoint, largest, str(ckpt_dtype).removeprefix("torch."),
-                    str(dtype).removeprefix("torch."), str(dev), four_bit, host, classic, path, notes)
+                    str(dtype).removeprefix("torch."), str(dev), four_bit, host, classic, path, notes, layout, assumed)
+
+
+@functools.lru_cache(maxsize=32)
+def hub_shard_bytes(model_id: str) -> tuple[int, ...] | None:
+    """Return the bytes of each safetensors shard of a Hugging Face id, from the hub's headers (nothing downloaded);
+    None where the hub cannot be read (offline, gated, no safetensors). Asked once per id in a process: the
+    recommender and fit_trainer plan the same model many times."""
+    from colab_memopt.training.merge import _itemsize
+
+    if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes"):
+        return None
+    try:
+        from huggingface_hub import get_safetensors_metadata
+
+        meta = get_safetensors_metadata(model_id)
+    except Exception:  # noqa: BLE001 - offline, gated, or no safetensors: the layout is assumed, and said so
+        return None
+    shards = tuple(sum(math.prod(t.shape) * _itemsize(t.dtype) for t in f.tensors.values())
+                   for f in meta.files_metadata.values())
+    return shards or None
 
 
 # -- what from_pretrained(..., quantization_config=BitsAndBytesConfig(load_in_4bit=True)) holds -----------------------
@@ -266,6 +303,9 @@ def load_host_bytes(model: Any, recipe: Recipe | None = None, device: str | torc
 PUBLISHED_DTYPES = {"gpt2": "F32", "smollm2-135m": "BF16", "smollm2-360m": "BF16", "smollm2-1.7b": "BF16",
                     "qwen2.5-0.5b": "BF16", "qwen2.5-1.5b": "BF16", "llama-3.2-1b": "BF16", "llama-3.2-3b": "BF16",
                     "llama-3.1-8b": "BF16"}
+# The built-in names' published checkpoints were written by save_pretrained in shards of at most its default
+# max_shard_size then (5 GB); their files are not read here, so a plan of a name says this is assumed.
+PUBLISHED_MAX_SHARD_BYTES = 5 * 10**9
 # What a 4-bit load holds beside its tensors: the loader's bookkeeping, the allocator's rounding and the holes that
 # freed transients leave between the quantized weights (measured: benchmarks/qlora_load.py).
 QLORA_LOAD_OVERHEAD_BYTES = 32 * 2**20
