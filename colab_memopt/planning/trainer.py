@@ -38,6 +38,8 @@ from colab_memopt.planning.untraced import (
     math_attention_warning,
 )
 from colab_memopt.planning.hfconfig import check_optim, trainer_recipe
+from colab_memopt.planning.longtrace import activation_offload_cost, offloaded_inputs, trl_activation_offloading
+from colab_memopt.techniques.longcontext import LongContext, installed_long_context
 from colab_memopt.core.isolation import isolated, trainer_kept
 from colab_memopt.training.recipe import Recipe
 from colab_memopt.planning.trainertrace import (
@@ -97,6 +99,7 @@ def plan_trainer(
     find_max_batch: bool = False,
     dtype: Any = None,
     prepare_model_for_kbit_training: bool | dict[str, Any] = False,
+    long_context: Any = None,
     **changes: Any,
 ) -> Plan:
     """Predict the peak memory of one optimizer step of a Hugging Face Trainer run on a target, without a GPU.
@@ -123,6 +126,8 @@ def plan_trainer(
             `prepare_model_for_kbit_training(model)` before training, or a dict of the keyword arguments you pass
             it (`{"use_gradient_checkpointing": False}`); the installed peft's function is run on the planned
             model (float32 embeddings, lm_head and norms; its checkpointing). A Trainer's model shows the call.
+        long_context: with TrainingArguments: a `cm.LongContext`, planned as `cm.long_context(trainer, ...)` installs
+            it into the Trainer's model (a Trainer you called it on is planned as it holds it).
         **changes: TrainingArguments fields to change for this plan (what `fit_trainer` tries), e.g.
             `per_device_train_batch_size=2`; the arguments are rebuilt through their class, so what
             `TrainingArguments` refuses is refused (fp16 with bf16), and `deepspeed` / `fsdp`, which the
@@ -147,12 +152,15 @@ def plan_trainer(
     optim = check_optim(args.optim)
     if real_trainer is None and model is None:
         raise ValueError("plan_trainer(TrainingArguments) needs model= (a model id, folder, config or name)")
-    given = {k: v for k, v in dict(model=model, lora=lora, bnb=bnb, dtype=dtype).items() if v is not None}
+    given = {k: v for k, v in dict(model=model, lora=lora, bnb=bnb, dtype=dtype, long_context=long_context).items()
+             if v is not None}
     if real_trainer is not None and given:
         raise ValueError(f"a Trainer already holds its model, its peft adapters, their quantization and dtype: leave "
                          f"{' and '.join(f'{k}=' for k in given)} out")
     if real_trainer is None:
         _check_trainable_model(model)
+    if long_context is not None:
+        _check_long_context(long_context, args)
     if isinstance(lora, dict):
         from colab_memopt.planning.hfconfig import read_lora
 
@@ -196,6 +204,11 @@ def plan_trainer(
             built = _buildable(args)
             with _cpu_device_without_index(built):  # the Trainer moves its model to args.device while it is built
                 holder = _fake_trainer(built, model, lora, bnb, seq, mode, dtype, half, prepare)
+            if long_context is not None:
+                from colab_memopt.techniques.longcontext import long_context as install
+
+                with mode:
+                    install(holder.model, long_context)
             if prepare is not None:  # peft's function leaves its own checkpointing on unless told not to
                 own = not args.gradient_checkpointing and _checkpointing_on(holder.model)
                 if own:
@@ -219,7 +232,12 @@ def plan_trainer(
         micro = int(args.per_device_train_batch_size)
         warn += _position_limit(holder.model, seq)
         trace_notes: list[str] = []
-        with _args_of(holder, args), fakes(), _rows_kept(holder, args, trace_notes), _target_attention(tgt, args) as sdpa:
+        installed = installed_long_context(holder.model)
+        if installed is not None:
+            warn.append(installed.describe() + ": traced")
+        with _args_of(holder, args), fakes(), _rows_kept(holder, args, trace_notes), _target_attention(tgt, args) as sdpa, \
+                trl_activation_offloading(holder, args, cuda=tgt.cuda, notes=trace_notes) as emulated, \
+                offloaded_inputs(holder.model, cuda=tgt.cuda) as long_costs:
             trace, _n = _trace_step(holder, args, micro, seq, cuda=tgt.cuda, mode=mode, notes=trace_notes,
                                     param_names=names)
         trace.hidden_bytes = sdpa.hidden_bytes if sdpa is not None else 0
@@ -258,7 +276,8 @@ def plan_trainer(
         result = Plan(
             model=name, batch=batch, seq_len=seq, recipe=recipe.to_dict(), target=tgt, method="trace",
             peak_bytes=trace.peak_bytes, by_category=trace.by_category, by_phase=trace.by_phase,
-            by_phase_category=trace.phase_categories, device_costs=device_costs, host_costs=_host_costs(recipe, batch, seq),
+            by_phase_category=trace.phase_categories, device_costs=device_costs,
+            host_costs=_host_costs(recipe, batch, seq) + long_costs + activation_offload_cost(emulated),
             headroom_fraction=headroom, analytic_peak_bytes=0, warnings=warn,
             optimizer_impl=(f"your {type(given_optimizer).__name__} (optimizers=)" if given_optimizer is not None
                             and not any(n.startswith("your optimizers=") for n in trace_notes)
@@ -268,7 +287,7 @@ def plan_trainer(
                       *(libdefaults.load_dtype_line(args, model, dtype, loaded) if real_trainer is None else [])],
         )
         if find_max_batch:
-            with fakes():
+            with fakes(), trl_activation_offloading(holder, args, cuda=tgt.cuda, notes=[]):
                 result.max_batch = _max_micro_batch(holder, args, seq, tgt, result, trace, mode, names)
     result.seconds = time.perf_counter() - start
     return result
@@ -278,6 +297,15 @@ def _matched_lora_targets(model: Any) -> tuple[str, ...]:
     """Return the module names (last part, as LoraConfig's target_modules lists them) peft put adapters on."""
     names = getattr(model, "targeted_module_names", None) or []
     return tuple(sorted({str(n).rsplit(".", 1)[-1] for n in names}))
+
+
+def _check_long_context(value: Any, args: Any) -> None:
+    """Refuse a long_context= that is not a `LongContext`, or settings that checkpoint the layers themselves."""
+    if not isinstance(value, LongContext):
+        raise TypeError(f"long_context must be a cm.LongContext(...), got {type(value).__name__}")
+    if getattr(args, "activation_checkpointing", getattr(args, "gradient_checkpointing", False)):
+        raise ValueError("gradient_checkpointing=True with long_context=: cm.long_context checkpoints the layers "
+                         "itself, with their inputs in host RAM; set gradient_checkpointing=False")
 
 
 def _whole(name: str, value: Any) -> int:

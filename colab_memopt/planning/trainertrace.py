@@ -584,7 +584,10 @@ _UNPLANNED = {
 def _buildable(args: Any) -> Any:
     """Return the settings the planner's own Trainer is built with: what needs data it does not have (evaluation,
     a conversational dataset for assistant_only_loss) turned off; the training step is the same."""
-    off = {"eval_strategy": "no", "load_best_model_at_end": False, "eval_on_start": False, "assistant_only_loss": False}
+    # activation_offloading: TRL builds its CUDA hooks with the Trainer (and fails without a GPU); the plan traces
+    # them as CUDA runs them (`longtrace.trl_activation_offloading`)
+    off = {"eval_strategy": "no", "load_best_model_at_end": False, "eval_on_start": False, "assistant_only_loss": False,
+           "activation_offloading": False}
     changes = {k: v for k, v in off.items() if hasattr(args, k) and str(getattr(getattr(args, k), "value", getattr(args, k)))
                != str(v)}
     return _changed_args(args, changes) if changes else args
