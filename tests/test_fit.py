@@ -189,3 +189,24 @@ def test_batch_changes_are_predicted_from_two_plans_and_the_fit_confirmed():
     assert fit.fits and fit.changes == {"per_device_train_batch_size": 1, "gradient_accumulation_steps": 16}, str(fit)
     assert [c["per_device_train_batch_size"] for c, _, _ in fit.tried] == [8, 4, 1] and fit.predicted == 1
     assert fit.after.device_need_bytes == plans[1]
+
+
+def test_apply_refuses_settings_other_than_those_fitted_naming_the_field_and_both_values(model_id):
+    """Probe 4: a fit for per_device_train_batch_size=8 applied to settings with 16 returned 4 x 2 = 8 (the run's
+    effective batch halved, no word); applied to max_length=4096 where the fit planned 256, it kept 4096."""
+    args = sft(per_device_train_batch_size=8, bf16=False, fp16=True)
+    fit = trainerfit.fit_trainer(args, model=model_id, lora=lora(), target=small_t4(2**40), max_plans=1)
+    assert fit.apply(args).args.per_device_train_batch_size == 8  # the settings fitted: applied
+    assert fit.apply(sft(per_device_train_batch_size=8, bf16=False, fp16=True, learning_rate=1e-3)).args.learning_rate \
+        == 1e-3  # a field the fit did not plan: kept as given
+    for changed, text in [(dict(per_device_train_batch_size=16), "per_device_train_batch_size=16 where the fit planned 8"),
+                          (dict(max_length=4096), "max_length=4096 where the fit planned 256"),
+                          (dict(gradient_accumulation_steps=4), "gradient_accumulation_steps=4 where the fit planned 1"),
+                          (dict(fp16=False), "fp16=False where the fit planned True"),
+                          (dict(optim="adafactor"), "optim='adafactor' where the fit planned 'adamw_torch_fused'"),
+                          (dict(gradient_checkpointing=False), "gradient_checkpointing=False where the fit planned True")]:
+        with pytest.raises(ValueError, match=r"these settings are not the ones fitted: " + text.replace("(", r"\(")):
+            fit.apply(sft(**{**dict(per_device_train_batch_size=8, bf16=False, fp16=True), **changed}))
+    for wrong in (None, {"per_device_train_batch_size": 8}, SFTConfig):
+        with pytest.raises(TypeError, match="apply takes your TrainingArguments / SFTConfig"):
+            fit.apply(wrong)

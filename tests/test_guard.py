@@ -4,6 +4,7 @@ exception, and the fp16 traps (TRL's bf16 QLoRA adapters, fp16 adapters) fixed b
 from __future__ import annotations
 
 import logging
+import re
 import subprocess
 import sys
 import warnings
@@ -252,3 +253,63 @@ def test_after_the_run_the_guard_holds_neither_the_model_nor_the_optimizer():
     held = {id(o) for o in _reachable(guard)}
     assert id(trainer.model) not in held and id(trainer.optimizer) not in held
     assert guard.report["measured_bytes"] > 0
+
+
+def _between(small_batch: int, big_batch: int) -> dict:
+    """A target the run fits at `small_batch` per device and not at `big_batch` (planned here, not typed in)."""
+    from colab_memopt.planning import trainer as tr
+
+    roomy = dict(name="roomy", device_bytes=2**40, host_bytes=2**40, cuda=False)
+    args = SFTConfig("/tmp/colab_memopt_test_guard", per_device_train_batch_size=small_batch, max_length=48,
+                     use_cpu=True, bf16=False, optim="adamw_torch", report_to=[], gradient_checkpointing=False)
+    plans = [tr.plan_trainer(args, model=LlamaConfig(**DIMS), lora=LoraConfig(r=4, lora_alpha=8, target_modules=[
+        "q_proj", "v_proj"], task_type="CAUSAL_LM"), target=roomy, per_device_train_batch_size=b)
+        for b in (small_batch, big_batch)]
+    scale = plans[0].device_limit_bytes / 2**40  # the usable fraction of the device
+    assert plans[0].device_need_bytes < plans[1].device_need_bytes, plans
+    return dict(name="small", device_bytes=int((plans[0].device_need_bytes + plans[1].device_need_bytes) / 2 / scale),
+                host_bytes=2**40, cuda=False)
+
+
+def test_args_changed_on_a_built_trainer_are_refused_not_planned():
+    """Probe 4: after the guard stopped a run, the user set its changes on trainer.args; the guard planned micro-batches
+    of 2 and let the run start, while the Trainer (its batch fixed when it was built) ran batches of 8."""
+    small = _between(2, 8)
+    trainer = sft(per_device_train_batch_size=8, max_steps=1, bf16=False)
+    trainer.add_callback(cm.MemoryGuardCallback(target=small, verbose=False))
+    with pytest.raises(cm_guard.MemoryGuardError, match=r"(?s)will not fit small.*per_device_train_batch_size=.*"
+                                                        r"Then build a new Trainer with them") as stop:
+        train(trainer)
+    assert all(len(line) <= 100 for line in str(stop.value).splitlines()), str(stop.value)
+    trainer.args.per_device_train_batch_size = 2
+    trainer.args.gradient_accumulation_steps = 4
+    said = r"\s+".join(map(re.escape, ("trainer.args changed after the Trainer was built: per_device_train_batch_size "
+                                      "is 2 there, but the Trainer builds micro-batches of 8.").split()))
+    rebuild = r"\s+".join(map(re.escape, "build a new Trainer with fit.apply(args).args".split()))
+    with pytest.raises(cm_guard.MemoryGuardError, match=f"(?s){said}.*{rebuild}") as refused:
+        train(trainer)
+    assert all(len(line) <= 100 for line in str(refused.value).splitlines()), str(refused.value)
+    rebuilt = sft(per_device_train_batch_size=2, gradient_accumulation_steps=4, max_steps=1, bf16=False)
+    guard = cm.MemoryGuardCallback(target=small, verbose=False)
+    rebuilt.add_callback(guard)
+    train(rebuilt)  # the settings in a new Trainer: planned as they run, and they fit
+    assert guard.plan.fits and guard.plan.batch == 8
+
+
+def test_the_guard_plans_the_batch_auto_find_batch_size_lowered_and_names_a_changed_precision():
+    from types import SimpleNamespace
+
+    def args(**kw):
+        base = dict(per_device_train_batch_size=8, train_batch_size=8, n_gpu=1, auto_find_batch_size=False,
+                    fp16=False, bf16=False, mixed_precision="no")
+        return SimpleNamespace(**{**base, **kw})
+
+    assert cm_guard._built_batch(SimpleNamespace(_train_batch_size=8), args()) == {}
+    lowered = args(auto_find_batch_size=True)  # transformers halved the batch after an out-of-memory error
+    assert cm_guard._built_batch(SimpleNamespace(_train_batch_size=4), lowered) == {"per_device_train_batch_size": 4}
+    with pytest.raises(cm_guard.MemoryGuardError, match=r"fp16=True, bf16=False there, but\s+the\s+Trainer\s+runs\s+no\s+"
+                                                        r"mixed\s+precision"):
+        cm_guard._built_batch(SimpleNamespace(_train_batch_size=8), args(fp16=True))
+    with pytest.raises(cm_guard.MemoryGuardError, match=r"fp16=False, bf16=False there, but\s+the\s+Trainer\s+runs\s+bf16"):
+        cm_guard._built_batch(SimpleNamespace(_train_batch_size=8), args(mixed_precision="bf16"))
+    assert cm_guard._built_batch(SimpleNamespace(_train_batch_size=8), args(bf16=True, mixed_precision="bf16")) == {}

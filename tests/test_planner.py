@@ -741,7 +741,7 @@ def test_the_forward_dequantization_adds_to_the_forward_peak_not_to_a_backward_o
     assert ckpt.step_peak_bytes == max(ckpt.by_phase["forward"], ckpt.by_phase["backward"]) + dequant.bytes
     # the largest batch that fits counts the same way: the planned batch fits with 1 MiB to spare, and so is found
     tight = dict(name="tight", device_bytes=int((p.device_need_bytes + 2**20) / 0.95), host_bytes=2**40,
-                 compute_capability=(7, 5))
+                 compute_capability=(7, 5), cuda_context_bytes=planner.get_target("t4").cuda_context_bytes)
     fit = planner.plan(factory, 32, seq_len=64, recipe=rec, target=tight, find_max_batch=True)
     assert fit.fits_device and fit.max_batch >= 32
 
@@ -751,7 +751,7 @@ def test_qlora_load_peak_can_be_the_run_peak_and_says_whether_the_run_fits():
     p = planner.plan("gpt2-small", 1, seq_len=8, recipe={"quantization": "nf4", "lora_rank": 4}, target="t4", find_max_batch=False)
     assert p.run_peak_phase == "loading" and p.run_peak_bytes == p.load_need_bytes > p.device_need_bytes
     squeezed = dict(device_bytes=int((p.device_need_bytes + p.load_need_bytes) // 2 / 0.95), host_bytes=2**40,
-                    compute_capability=(7, 5))
+                    compute_capability=(7, 5), cuda_context_bytes=planner.get_target("t4").cuda_context_bytes)
     q = planner.plan("gpt2-small", 1, seq_len=8, recipe={"quantization": "nf4", "lora_rank": 4}, target=squeezed, find_max_batch=False)
     assert q.fits_device and not q.fits_run  # the step fits; loading (the whole fp32 model first) does not
     assert any(w.startswith("loading needs") and "load_model" in w for w in q.warnings)

@@ -144,7 +144,9 @@ def test_plan_from_settings_on_a_gpu_machine_keeps_the_fake_model_on_the_cpu(tmp
 
 
 def test_trainer_recipe_names_what_the_recipe_cannot_say():
+    # use_reentrant=True given: transformers 5 defaults to False (no note then); the note is for reentrant checkpoints
     args = TrainingArguments(output_dir="/tmp/x", fp16=True, gradient_checkpointing=True, optim="paged_adamw_8bit",
+                             gradient_checkpointing_kwargs={"use_reentrant": True},
                              gradient_accumulation_steps=4, learning_rate=2e-4, use_cpu=True, report_to=[])
     peft = LoraConfig(r=16, lora_dropout=0.1, bias="all", target_modules=["q_proj", "v_proj"], modules_to_save=["lm_head"])
     bnb = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,

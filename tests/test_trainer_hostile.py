@@ -291,3 +291,44 @@ def test_probe4_packing_plans_its_largest_batch_in_fp16():
                                       target=small, find_max_batch=True) for packing in (True, False)}
     assert plans[True].max_batch == plans[False].max_batch > 2, {k: p.max_batch for k, p in plans.items()}
     assert plans[True].peak_bytes == plans[False].peak_bytes  # the same full rows
+
+
+def test_probe4_a_regex_target_modules_gives_the_modules_peft_matched():
+    # plan.recipe["lora_targets"] was the reference GPT's defaults ('qkv', 'proj', 'up', 'down'), which a Llama lacks
+    plan = cm.plan_trainer(sft(), model=LlamaConfig(**CFG), target="cpu",
+                           lora=LoraConfig(r=4, target_modules=r".*\.(q|v)_proj", task_type="CAUSAL_LM"))
+    assert tuple(plan.recipe["lora_targets"]) == ("q_proj", "v_proj"), plan.recipe
+    assert any("target_modules=" in w and "(q|v)_proj" in w for w in plan.warnings)  # the regex is still named
+    listed = cm.plan_trainer(sft(), model=LlamaConfig(**CFG), target="cpu",
+                             lora=LoraConfig(r=4, target_modules=["v_proj", "q_proj"], task_type="CAUSAL_LM"))
+    assert tuple(listed.recipe["lora_targets"]) == ("q_proj", "v_proj") and listed.peak_bytes == plan.peak_bytes
+
+
+def test_probe4_an_impossible_model_init_dtype_is_refused_whatever_the_model():
+    # round 3 refused model_init_kwargs={'dtype': 'float8'} by name; probe 4 found it accepted with model=<a config>
+    # (TRL reads the field only for a model id, but the value is wrong for any model)
+    for model in (LlamaConfig(**CFG), "llama"):
+        with pytest.raises(ValueError, match=r"model_init_kwargs\['dtype'\] must be 'auto', 'float32', 'float16' or "
+                                             r"'bfloat16' .*got 'float8'"):
+            cm.plan_trainer(sft(model_init_kwargs={"dtype": "float8"}), model=model, target="cpu")
+    with pytest.raises(ValueError, match=r"model_init_kwargs must be a dict such as \{'dtype': 'float16'\}, got 'fp16'"):
+        cm.plan_trainer(sft(model_init_kwargs="fp16"), model=LlamaConfig(**CFG), target="cpu")
+
+
+class _BrokenRows(torch.utils.data.Dataset):
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        raise KeyError("text")
+
+
+def test_probe4_a_dataset_whose_rows_raise_is_named_not_a_missing_loss():
+    # the plan failed with transformers' "The model did not return a loss ... only the following keys: logits"
+    trainer = hf_trainer()
+    trainer.train_dataset = _BrokenRows()
+    with pytest.raises(ValueError, match=r"cannot read a row of the train dataset: its first row raised KeyError: "
+                                         r"'text'"):
+        cm.plan_trainer(trainer, target="cpu", seq_len=8)
+    trainer.train_dataset = Dataset.from_dict({"input_ids": [], "labels": []})  # no rows: still planned, as before
+    assert cm.plan_trainer(trainer, target="cpu", seq_len=8).peak_bytes > 0

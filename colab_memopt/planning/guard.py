@@ -60,6 +60,41 @@ FP16_FIX = ("cast them to float32 after SFTTrainer(...) and before train():\n"
             "        if p.requires_grad: p.data = p.data.float()")
 
 
+REBUILD = ("build a new Trainer with fit.apply(args).args, or with the changes set in your SFTConfig(...) / "
+           "TrainingArguments(...)")
+
+
+def _built_batch(trainer: Any, args: Any) -> dict[str, Any]:
+    """Return the changes that make `args` what the Trainer runs: {} where they agree, the per-device batch it
+    builds where `auto_find_batch_size` lowered it; raise MemoryGuardError where `trainer.args` was changed after
+    the Trainer was built (it fixes its batch and its mixed precision then: the plan would not be of its run)."""
+    import os
+
+    changed = []
+    built = getattr(trainer, "_train_batch_size", None)  # the batch its dataloader is built with, set at __init__
+    asked = getattr(args, "train_batch_size", None)  # per_device_train_batch_size x the GPUs
+    if isinstance(built, int) and isinstance(asked, int) and built != asked:
+        gpus = max(1, int(getattr(args, "n_gpu", 1) or 1))
+        if getattr(args, "auto_find_batch_size", False) and built < asked:  # halved after an out-of-memory error
+            return {"per_device_train_batch_size": max(1, built // gpus)}
+        changed.append(f"per_device_train_batch_size is {args.per_device_train_batch_size} there, but the Trainer "
+                       f"builds micro-batches of {built // gpus}")
+    mixed = getattr(args, "mixed_precision", None)  # set from fp16 / bf16 when the arguments are built
+    flags = "fp16" if args.fp16 else "bf16" if args.bf16 else None
+    if isinstance(mixed, str) and (flags or mixed) in ("fp16", "bf16") and mixed != (
+            flags or os.environ.get("ACCELERATE_MIXED_PRECISION", "no")):
+        changed.append(f"fp16={bool(args.fp16)}, bf16={bool(args.bf16)} there, but the Trainer runs "
+                       f"{'no mixed precision' if mixed == 'no' else mixed}")
+    if changed:
+        from colab_memopt.core.wording import wrap
+
+        lines = wrap("trainer.args changed after the Trainer was built: " + "; ".join(changed) + ".")
+        lines += wrap(f"Stopped before the first step (a Trainer fixes its batch and precision when it is built): "
+                      f"{REBUILD}.", rest="")
+        raise MemoryGuardError("\n".join(lines))
+    return {}
+
+
 def _tensors(*objects: Any) -> list[torch.Tensor]:
     return [t for t in tree_flatten(list(objects))[0] if isinstance(t, torch.Tensor)]
 
@@ -173,19 +208,23 @@ class MemoryGuardCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):  # type: ignore[no-untyped-def]
         self._reset()
         trainer = _running_trainer()
+        runs = _built_batch(trainer, trainer.args)  # plan what the Trainer runs, not what its args say now
         with quiet():  # the libraries' notes while planning (cm.quiet(verbose=True) around train() shows them)
             self._fix_trainable_dtypes(args, trainer.model)
-            self.plan = plan_trainer(trainer, target=self.target, headroom=self.headroom, seq_len=self.seq_len)
+            self.plan = plan_trainer(trainer, target=self.target, headroom=self.headroom, seq_len=self.seq_len, **runs)
             if not self.plan.fits:
                 fit = fit_trainer(trainer, target=self.target, headroom=self.headroom, seq_len=self.seq_len,
                                   max_plans=self.max_plans)
+                then = ("\nThen build a new Trainer with them: a built Trainer keeps its batch whatever trainer.args "
+                        "says." if fit.fits and fit.changes else "")
                 raise MemoryGuardError(
                     f"this run will not fit {self.target.name}: it needs {format_bytes(self.plan.device_need_bytes)} "
-                    f"of {format_bytes(self.plan.device_limit_bytes)} usable. Stopped before the first step.\n{fit}")
+                    f"of {format_bytes(self.plan.device_limit_bytes)} usable. Stopped before the first step.\n{fit}"
+                    + then)
             self.device = torch.device(args.device)
             on_gpu = self.device.type == "cuda"
             self.compare_plan = self.plan if on_gpu else plan_trainer(trainer, target=CPU_TARGET_NAME,
-                                                                      seq_len=self.seq_len)
+                                                                      seq_len=self.seq_len, **runs)
         optimizer = optimizer if optimizer is not None else trainer.optimizer
         if on_gpu:
             self._memory = LiveMemory(model, optimizer, device=self.device)

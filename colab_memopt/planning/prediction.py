@@ -83,6 +83,7 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     # what to call next where the plan does not fit (the call that finds settings that fit), e.g. 'cm.fit_trainer(...)'
     next_call: str = ""
+    defaults: list[str] = field(default_factory=list)  # the installed libraries' defaults assumed, with versions
 
     @property
     def device_need_bytes(self) -> int:
@@ -185,6 +186,7 @@ class Plan:
             "seconds": self.seconds,
             "warnings": self.warnings,
             "notes": self.notes,
+            "defaults": self.defaults,
             "estimate": self.method == "analytic",
             "estimate_error": self.estimate_error,
         }
@@ -277,6 +279,7 @@ class Plan:
         if self.max_batch is not None:
             lines.append(f"largest batch that fits: {self.max_batch}")
         lines += [f"warning: {w}" for w in self.warnings]
+        lines += [f"library default assumed: {d}" for d in self.defaults]
         lines += [f"note: {n}" for n in self.notes]
         if not self.fits and self.next_call:
             lines.append(f"next: {self.next_call}")

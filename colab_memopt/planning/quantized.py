@@ -344,21 +344,53 @@ def four_bit_step_costs(meta_model: nn.Module, spec: Any, recipe: Recipe, target
         return []
     numels = _four_bit_numels(meta_model)
     tokens = -(-batch // recipe.accumulation_steps) * seq_len
-    if not numels or tokens <= FOUR_BIT_FUSED_MAX_TOKENS:
+    if not numels:
         return []
     by_transformers, dtype = _four_bit_path(spec, recipe, target, meta_model)
-    nbytes = four_bit_dequant_bytes(max(numels), dtype.itemsize, nested=not by_transformers)
+    # in forward; in backward too where checkpointing recomputes the forward there
+    recomputes = recipe.checkpointing != "none" or recipe.compression_checkpointing
+    return four_bit_dequant_costs(max(numels), dtype, tokens, nested=not by_transformers, recomputes=recomputes)
+
+
+def four_bit_dequant_costs(numel: int, dtype: torch.dtype, tokens: int, *, nested: bool, recomputes: bool) -> list[Cost]:
+    """Return the in-step line of bitsandbytes' CUDA `gemm_4bit` dequantizing the largest 4-bit weight (`numel`
+    values) to `dtype` at `tokens` tokens per micro-batch (`four_bit_step_costs`); empty where the fused kernel
+    always runs. `nested`: double-quantized statistics (dequantized to fp32 twice); `recomputes`: checkpointing runs
+    the forward again in backward."""
+    if tokens <= FOUR_BIT_FUSED_MAX_TOKENS:
+        return []
+    nbytes = four_bit_dequant_bytes(numel, dtype.itemsize, nested=nested)
     when = (f"{tokens} tokens per micro-batch > {FOUR_BIT_FALLBACK_ABOVE_TOKENS}: always this path" if tokens > FOUR_BIT_FALLBACK_ABOVE_TOKENS
             else f"{tokens} tokens per micro-batch: the fused kernel or this path by a per-GPU heuristic "
                  "(_gemm_4bit_use_custom_cuda); planned as this path, an upper bound")
-    # in forward; in backward too where checkpointing recomputes the forward there
-    recomputes = recipe.checkpointing != "none" or recipe.compression_checkpointing
     return [Cost("4-bit dequantized weight", nbytes,
-                 f"{_BNB_CUDA_OPS} _dequant_linear_fallback: the largest 4-bit layer's weight ({max(numels):,} values) "
+                 f"{_BNB_CUDA_OPS} _dequant_linear_fallback: the largest 4-bit layer's weight ({numel:,} values) "
                  f"dequantized to {str(dtype).removeprefix('torch.')}"
-                 f"{' with its nested absmax in fp32 twice' if not by_transformers else ''} inside gemm_4bit, once per "
+                 f"{' with its nested absmax in fp32 twice' if nested else ''} inside gemm_4bit, once per "
                  f"layer call ({when}); not in the trace (the fake kernel allocates only the output)",
                  in_allocator=True, in_step=True, phases=("forward", "backward") if recomputes else ("forward",))]
+
+
+def trainer_four_bit_costs(model: nn.Module, bnb: Any, tokens: int, *, recomputes: bool,
+                           half: torch.dtype | None = None) -> list[Cost]:
+    """Return `four_bit_dequant_costs` for the 4-bit layers of a Trainer's model (traced stand-ins or bitsandbytes'
+    own): the largest layer's weight in its compute dtype (`bnb.bnb_4bit_compute_dtype` where a layer has none set;
+    `half` stands for float16, as traced), nested where its statistics are double-quantized
+    (`bnb_4bit_use_double_quant`)."""
+    try:
+        import bitsandbytes as bnb_lib
+    except ImportError:  # pragma: no cover - bitsandbytes is a dependency
+        return []
+    layers = [m for m in model.modules() if isinstance(m, bnb_lib.nn.Linear4bit)]
+    if not layers:
+        return []
+    largest = max(layers, key=lambda m: m.in_features * m.out_features)
+    dtype = getattr(largest, "compute_dtype", None) or getattr(bnb, "bnb_4bit_compute_dtype", None) or torch.float32
+    dtype = torch.float16 if dtype == half else dtype  # the run's float16, traced as `half`
+    state = getattr(largest.weight, "quant_state", None)
+    nested = bool(getattr(state, "nested", getattr(bnb, "bnb_4bit_use_double_quant", False)))
+    return four_bit_dequant_costs(largest.in_features * largest.out_features, dtype, tokens, nested=nested,
+                                  recomputes=recomputes)
 
 
 def four_bit_load_costs(meta_model: nn.Module, spec: Any, recipe: Recipe, target: Target, model_bytes: int) -> list[Cost]:

@@ -26,12 +26,21 @@ from typing import Any
 import torch
 from torch import nn
 
+from colab_memopt.planning import kbitprep, libdefaults
 from colab_memopt.planning.faketrace import _Trace
 from colab_memopt.planning.prediction import Cost, Plan
-from colab_memopt.planning.targets import DEFAULT_HEADROOM, Target, check_headroom, cublas_workspace_bytes, get_target
-from colab_memopt.planning.untraced import MATH_ATTENTION_LINE, _host_costs, math_attention_cost, math_attention_warning
+from colab_memopt.planning.targets import DEFAULT_HEADROOM, Target, check_headroom, get_target
+from colab_memopt.planning.untraced import (
+    MATH_ATTENTION_LINE,
+    _host_costs,
+    cuda_workspace_costs,
+    math_attention_cost,
+    math_attention_warning,
+)
 from colab_memopt.planning.hfconfig import check_optim, trainer_recipe
 from colab_memopt.core.console import quiet_unless_verbose
+from colab_memopt.planning.longtrace import activation_offload_cost, offloaded_inputs, trl_activation_offloading
+from colab_memopt.techniques.longcontext import LongContext, installed_long_context
 from colab_memopt.core.isolation import isolated, trainer_kept
 from colab_memopt.training.recipe import Recipe
 from colab_memopt.planning.trainertrace import (
@@ -41,6 +50,7 @@ from colab_memopt.planning.trainertrace import (
     _buildable,
     _changed_args,
     _cpu_device_without_index,
+    _dtype_value,
     _fake_parameters,
     _fake_trainer,
     _model_dtype,
@@ -91,6 +101,8 @@ def plan_trainer(
     find_max_batch: bool = False,
     dtype: Any = None,
     verbose: bool = False,
+    prepare_model_for_kbit_training: bool | dict[str, Any] = False,
+    long_context: Any = None,
     **changes: Any,
 ) -> Plan:
     """Predict the peak memory of one optimizer step of a Hugging Face Trainer run on a target, without a GPU.
@@ -116,6 +128,12 @@ def plan_trainer(
         verbose: show the libraries' warnings and log notes while planning (torch's, transformers', TRL's,
             DeepSpeed's); hidden by default, as they say nothing about your run. The plan's own warnings are in
             `plan.warnings` either way.
+        prepare_model_for_kbit_training: with TrainingArguments and bnb: True where you call peft's
+            `prepare_model_for_kbit_training(model)` before training, or a dict of the keyword arguments you pass
+            it (`{"use_gradient_checkpointing": False}`); the installed peft's function is run on the planned
+            model (float32 embeddings, lm_head and norms; its checkpointing). A Trainer's model shows the call.
+        long_context: with TrainingArguments: a `cm.LongContext`, planned as `cm.long_context(trainer, ...)` installs
+            it into the Trainer's model (a Trainer you called it on is planned as it holds it).
         **changes: TrainingArguments fields to change for this plan (what `fit_trainer` tries), e.g.
             `per_device_train_batch_size=2`; the arguments are rebuilt through their class, so what
             `TrainingArguments` refuses is refused (fp16 with bf16), and `deepspeed` / `fsdp`, which the
@@ -145,12 +163,15 @@ def plan_trainer(
     optim = check_optim(args.optim)
     if real_trainer is None and model is None:
         raise ValueError("plan_trainer(TrainingArguments) needs model= (a model id, folder, config or name)")
-    given = {k: v for k, v in dict(model=model, lora=lora, bnb=bnb, dtype=dtype).items() if v is not None}
+    given = {k: v for k, v in dict(model=model, lora=lora, bnb=bnb, dtype=dtype, long_context=long_context).items()
+             if v is not None}
     if real_trainer is not None and given:
         raise ValueError(f"a Trainer already holds its model, its peft adapters, their quantization and dtype: leave "
                          f"{' and '.join(f'{k}=' for k in given)} out")
     if real_trainer is None:
         _check_trainable_model(model)
+    if long_context is not None:
+        _check_long_context(long_context, args)
     if isinstance(lora, dict):
         from colab_memopt.planning.hfconfig import read_lora
 
@@ -160,6 +181,7 @@ def plan_trainer(
         bnb = getattr(getattr(real_trainer.model, "config", None), "quantization_config", None)
         bnb = bnb if isinstance(bnb, dict) or type(bnb).__name__ == "BitsAndBytesConfig" else None
     bnb = _bnb_config(bnb)
+    prepare = kbitprep.prepare_kwargs(prepare_model_for_kbit_training, bnb=bnb, trainer_given=real_trainer is not None)
     seq = _whole("seq_len", seq_len) if seq_len is not None else seq_len_of(args)
     recipe, notes = trainer_recipe(args, lora, bnb)
     given_optimizer = getattr(real_trainer, "optimizer", None)
@@ -184,6 +206,7 @@ def plan_trainer(
                     "Triton it scores only the trained positions in its own kernels: the plan is the most it can hold")
     # CUDA's fp16 autocast is traced as the CPU's bf16 autocast: fp16 weights are traced as bf16 ones (the same bytes)
     half = torch.bfloat16 if tgt.cuda and args.fp16 else None
+    autocasts = bool(args.bf16 or (args.fp16 and tgt.cuda))  # accelerate's autocast of the forward
     # the planner's own Trainer builds its accelerator from these settings: in accelerate's process-wide state,
     # which is put back as it was afterwards
     with _accelerate_state_kept(fresh=real_trainer is None), trainer_kept(real_trainer):
@@ -191,7 +214,19 @@ def plan_trainer(
         if holder is None:
             built = _buildable(args)
             with _cpu_device_without_index(built):  # the Trainer moves its model to args.device while it is built
-                holder = _fake_trainer(built, model, lora, bnb, seq, mode, dtype, half)
+                holder = _fake_trainer(built, model, lora, bnb, seq, mode, dtype, half, prepare)
+            if long_context is not None:
+                from colab_memopt.techniques.longcontext import long_context as install
+
+                with mode:
+                    install(holder.model, long_context)
+            if prepare is not None:  # peft's function leaves its own checkpointing on unless told not to
+                own = not args.gradient_checkpointing and _checkpointing_on(holder.model)
+                if own:
+                    recipe = recipe.with_(checkpointing="full")
+                warn.append(kbitprep.plan_line(holder.model, said=True, own_checkpointing=own, autocast=autocasts))
+        elif kbitprep.prepared_signs(real_trainer.model):
+            warn.append(kbitprep.plan_line(real_trainer.model, said=False, own_checkpointing=False, autocast=autocasts))
 
         # a user's own optimizer holds the real parameters: their names find the fake twins
         names = {id(p): n for n, p in holder.model.named_parameters()} if given_optimizer is not None else None
@@ -209,7 +244,12 @@ def plan_trainer(
         micro = int(args.per_device_train_batch_size)
         warn += _position_limit(holder.model, seq)
         trace_notes: list[str] = []
-        with _args_of(holder, args), fakes(), _rows_kept(holder, args, trace_notes), _target_attention(tgt, args) as sdpa:
+        installed = installed_long_context(holder.model)
+        if installed is not None:
+            warn.append(installed.describe() + ": traced")
+        with _args_of(holder, args), fakes(), _rows_kept(holder, args, trace_notes), _target_attention(tgt, args) as sdpa, \
+                trl_activation_offloading(holder, args, cuda=tgt.cuda, notes=trace_notes) as emulated, \
+                offloaded_inputs(holder.model, cuda=tgt.cuda) as long_costs:
             trace, _n = _trace_step(holder, args, micro, seq, cuda=tgt.cuda, mode=mode, notes=trace_notes,
                                     param_names=names)
         trace.hidden_bytes = sdpa.hidden_bytes if sdpa is not None else 0
@@ -217,18 +257,25 @@ def plan_trainer(
         loaded = _frozen_dtype(real_trainer.model) if real_trainer is not None else _model_dtype(
             args, _resolve(model), model, dtype)
         recipe = _with_base_dtype(recipe, loaded, warn)
+        if recipe.lora_rank and isinstance(getattr(lora, "target_modules", None), str):  # a regex or 'all-linear'
+            matched = _matched_lora_targets(holder.model)
+            recipe = recipe.with_(lora_targets=matched or (lora.target_modules,))
         name = _model_name(holder.model, model)
         batch = micro * int(args.gradient_accumulation_steps)
         device_costs: list[Cost] = []
         if tgt.cuda:
-            workspace, source = cublas_workspace_bytes(tgt.compute_capability)
-            device_costs = [
-                Cost("CUDA context", tgt.cuda_context_bytes, tgt.context_source),
-                Cost("cuBLAS workspace", workspace, source, in_allocator=True),
-            ]
+            # both cuBLAS workspaces (forward's thread and the autograd thread) and cuBLASLt's, as `cm.plan` counts them
+            device_costs = [Cost("CUDA context", tgt.cuda_context_bytes, tgt.context_source),
+                            *cuda_workspace_costs(tgt.compute_capability)]
             if trace.hidden_bytes:
                 device_costs.append(math_attention_cost(trace.hidden_bytes, tgt))
                 warn.append(math_attention_warning(tgt))
+        if bnb is not None and tgt.cuda and getattr(bnb, "load_in_4bit", False):
+            from colab_memopt.planning.quantized import trainer_four_bit_costs
+
+            # bitsandbytes' CUDA gemm_4bit dequantizes the whole weight inside the op (forward; backward's recompute)
+            recomputes = bool(args.gradient_checkpointing) or _checkpointing_on(holder.model)
+            device_costs += trainer_four_bit_costs(holder.model, bnb, micro * seq, recomputes=recomputes, half=half)
         if bnb is not None:
             from colab_memopt.planning.quantized import quantization_scale_bytes
 
@@ -241,7 +288,8 @@ def plan_trainer(
         result = Plan(
             model=name, batch=batch, seq_len=seq, recipe=recipe.to_dict(), target=tgt, method="trace",
             peak_bytes=trace.peak_bytes, by_category=trace.by_category, by_phase=trace.by_phase,
-            by_phase_category=trace.phase_categories, device_costs=device_costs, host_costs=_host_costs(recipe, batch, seq),
+            by_phase_category=trace.phase_categories, device_costs=device_costs,
+            host_costs=_host_costs(recipe, batch, seq) + long_costs + activation_offload_cost(emulated),
             headroom_fraction=headroom, analytic_peak_bytes=0,
             warnings=[w for w in warn if not is_derivation(w)], notes=[w for w in warn if is_derivation(w)],
             next_call=("cm.fit_trainer(args, model=..., lora=..., target=...) finds the cheapest change that fits"
@@ -249,9 +297,12 @@ def plan_trainer(
             optimizer_impl=(f"your {type(given_optimizer).__name__} (optimizers=)" if given_optimizer is not None
                             and not any(n.startswith("your optimizers=") for n in trace_notes)
                             else f"the Trainer's optim={optim!r}") + (" (torch's CUDA choice)" if tgt.cuda else ""),
+            defaults=[*libdefaults.checkpointing_line(args, bool(args.gradient_checkpointing)),
+                      *libdefaults.loss_line(args, holder.model),
+                      *(libdefaults.load_dtype_line(args, model, dtype, loaded) if real_trainer is None else [])],
         )
         if find_max_batch:
-            with fakes():
+            with fakes(), trl_activation_offloading(holder, args, cuda=tgt.cuda, notes=[]):
                 result.max_batch = _max_micro_batch(holder, args, seq, tgt, result, trace, mode, names)
     result.seconds = time.perf_counter() - start
     return result
@@ -269,6 +320,21 @@ _DERIVATION_ENDS = ("planned as set", "planned as set)", "planned on the modules
 def is_derivation(line: str) -> bool:
     """Return whether a plan_trainer finding only says how a figure was derived (for `plan.notes`, not the warnings)."""
     return line.startswith(_DERIVATION_STARTS) or line.endswith(_DERIVATION_ENDS)
+
+
+def _matched_lora_targets(model: Any) -> tuple[str, ...]:
+    """Return the module names (last part, as LoraConfig's target_modules lists them) peft put adapters on."""
+    names = getattr(model, "targeted_module_names", None) or []
+    return tuple(sorted({str(n).rsplit(".", 1)[-1] for n in names}))
+
+
+def _check_long_context(value: Any, args: Any) -> None:
+    """Refuse a long_context= that is not a `LongContext`, or settings that checkpoint the layers themselves."""
+    if not isinstance(value, LongContext):
+        raise TypeError(f"long_context must be a cm.LongContext(...), got {type(value).__name__}")
+    if getattr(args, "activation_checkpointing", getattr(args, "gradient_checkpointing", False)):
+        raise ValueError("gradient_checkpointing=True with long_context=: cm.long_context checkpoints the layers "
+                         "itself, with their inputs in host RAM; set gradient_checkpointing=False")
 
 
 def _whole(name: str, value: Any) -> int:
@@ -298,6 +364,13 @@ def _check_args(args: Any, *, given: bool) -> None:
             raise ValueError(f"{name} must be a dict such as {{'use_reentrant': False}}, got {value!r}")
     if given and args.deepspeed:
         raise ValueError(_UNPLANNED["deepspeed"].format(value=args.deepspeed))
+    init = getattr(args, "model_init_kwargs", None)
+    if given and init is not None:  # checked for any model: one given as a config or a module does not read it (TRL)
+        if not isinstance(init, dict):
+            raise ValueError(f"model_init_kwargs must be a dict such as {{'dtype': 'float16'}}, got {init!r}")
+        for key in ("dtype", "torch_dtype"):
+            if key in init:
+                _dtype_value(init[key], f"model_init_kwargs[{key!r}]")
 
 
 def _unplanned_parallelism(args: Any) -> list[str]:

@@ -48,6 +48,20 @@ _FULL_ADAM = ("adamw_torch", "adamw_torch_fused", "adamw_apex_fused", "adamw_any
               "paged_adamw_32bit")
 
 
+# The settings a fit planned: applying its changes to settings that differ in one of them gives a run it did not plan
+FITTED_FIELDS = ("per_device_train_batch_size", "gradient_accumulation_steps", "max_length", "fp16", "bf16", "optim",
+                 "gradient_checkpointing")
+
+
+def fitted_values(args: Any) -> dict[str, Any]:
+    """Return the values of `FITTED_FIELDS` in `args` (optim as its name; a field `args` lacks as None)."""
+    values = {}
+    for name in FITTED_FIELDS:
+        value = getattr(args, name, None)
+        values[name] = getattr(value, "value", value)  # transformers' OptimizerNames enum: its string
+    return values
+
+
 @dataclass
 class FittedSettings:
     """The settings to train with, from `TrainerFit.apply(args)`: pass each where your script loads and trains.
@@ -87,6 +101,7 @@ class TrainerFit:
     dtype: torch.dtype | None = None  # the dtype to load the model with, where the fit or you chose one
     skipped: int = 0  # change sets not planned: they save no more than one that did not fit
     predicted: int = 0  # change sets not planned: two plans that differ only in the batch predict they do not fit
+    fitted_on: dict[str, Any] = field(default_factory=dict)  # FITTED_FIELDS of the settings fitted (apply checks them)
 
     @property
     def fits(self) -> bool:
@@ -100,7 +115,9 @@ class TrainerFit:
     def apply(self, args: Any) -> FittedSettings:
         """Return the fitted settings: a new `args` (TrainingArguments / SFTConfig) with the changes, built through
         its class so that it is checked as yours was, and the LoraConfig, BitsAndBytesConfig and dtype to use.
-        `args` is not changed. Raise ValueError where nothing tried fits.
+        `args` is not changed. Raise ValueError where nothing tried fits, or where `args` differs from the settings
+        fitted in a field the fit planned (batch, accumulation, max_length, precision, optim, checkpointing): the
+        changes would not give the run that was planned; fit those settings instead.
 
         Example:
             >>> fit = cm.fit_trainer(args, model=model_id, lora=lora, target="t4")
@@ -108,6 +125,18 @@ class TrainerFit:
             >>> trainer = SFTTrainer(model=model_id, args=fitted.args, peft_config=fitted.lora,
             ...                      quantization_config=fitted.bnb, train_dataset=dataset)
         """
+        import dataclasses
+
+        if not dataclasses.is_dataclass(args) or isinstance(args, type) or not hasattr(
+                args, "per_device_train_batch_size"):
+            raise TypeError("apply takes your TrainingArguments / SFTConfig (the settings you fitted), "
+                            f"got {type(args).__name__ if args is not None else 'None'}")
+        given = fitted_values(args)
+        differ = [f"{k}={given[k]!r} where the fit planned {v!r}" for k, v in self.fitted_on.items()
+                  if k in given and given[k] != v]
+        if differ:
+            raise ValueError(f"these settings are not the ones fitted: {'; '.join(differ)}. Apply the fit to the "
+                             "settings you fitted, or fit these: cm.fit_trainer(args, ...)")
         if not self.fits:
             from colab_memopt.core.measure import format_bytes
 
@@ -342,6 +371,7 @@ def fit_trainer(
     max_plans: int = 24,
     dtype: Any = None,
     verbose: bool = False,
+    prepare_model_for_kbit_training: bool | dict[str, Any] = False,
 ) -> TrainerFit:
     """Return the cheapest change to a Trainer's own settings that makes the run fit the target.
 
@@ -356,8 +386,9 @@ def fit_trainer(
     A change set that saves no more memory than one that did not fit is not planned, nor one whose need two plans
     differing only in `per_device_train_batch_size` predict (linear in it) over the limit. At most `max_plans` plans
     after the first; a built Trainer keeps its model's dtype and quantization. On failure the notes name the
-    smallest need reached and what to do next. Arguments as `plan_trainer` (`verbose=True` shows the libraries'
-    notes while planning, hidden by default).
+    smallest need reached and what to do next. Arguments as `plan_trainer` (`prepare_model_for_kbit_training`: your
+    call of peft's function, planned in every change set; `verbose=True` shows the libraries' notes while planning,
+    hidden by default).
 
     Planning on a machine without a GPU: an `SFTConfig` with `bf16=True` or `fp16=True` (SFTConfig's default is bf16)
     raises inside TRL ("Your setup doesn't support bf16/gpu"); add `use_cpu=True` there (it does not change the plan)
@@ -380,17 +411,19 @@ def fit_trainer(
         from colab_memopt.planning.hfconfig import read_lora
 
         lora = read_lora(lora)
-    kwargs = dict(model=model, lora=lora, target=tgt, seq_len=seq_len, headroom=headroom)
+    kwargs = dict(model=model, lora=lora, target=tgt, seq_len=seq_len, headroom=headroom,
+                  prepare_model_for_kbit_training=prepare_model_for_kbit_training)
     load0 = {k: v for k, v in dict(bnb=bnb, dtype=dtype).items() if v is not None}
     before = plan_trainer(trainer, **kwargs, **load0)
     real, args = _unwrap(trainer)
+    fitted_on = fitted_values(args)
     if real_lora := (lora if lora is not None else _peft_config(getattr(trainer, "model", None))):
         lora = real_lora
     bnb = _bnb_config(bnb)
     kept = dict(lora=lora, bnb=bnb, dtype=_dtype_value(dtype, "dtype") if dtype is not None else None)
     base_cost = _slowdown(args, tgt, lora, bnb)
     if before.fits and not (args.bf16 and _native_half(tgt) == torch.float16):
-        return TrainerFit({}, before, before, 1.0, notes=_fp16_trap_notes(before), **kept)
+        return TrainerFit({}, before, before, 1.0, notes=_fp16_trap_notes(before), fitted_on=fitted_on, **kept)
     loaded = None if real is not None else _model_dtype(args, _resolve(model), model, dtype)
     dims = _dimensions(args, tgt, real, lora=lora, bnb=bnb, loaded=loaded,
                        sft_model_id=type(args).__name__ == "SFTConfig" and isinstance(model, str),
@@ -439,7 +472,7 @@ def fit_trainer(
                 f"effective batch kept: {changes['per_device_train_batch_size']} x {changes['gradient_accumulation_steps']} "
                 f"= {before.batch}"]
             return TrainerFit(changes, before, after, cost, tried, notes + _fp16_trap_notes(after), skipped=skipped,
-                              predicted=predicted, **use)
+                              predicted=predicted, fitted_on=fitted_on, **use)
         failed.append(idx)
     left = len(ranked) - len(tried) - skipped - predicted
     notes = [f"stopped after max_plans={max_plans} plans; {left} more change sets not tried (raise max_plans)"
@@ -457,4 +490,4 @@ def fit_trainer(
     else:
         notes.append("next: a smaller model, a shorter max_length, fewer LoRA target_modules, or a GPU with more memory")
     return TrainerFit({}, before, None, 1.0, tried, notes + _fp16_trap_notes(before), skipped=skipped,
-                      predicted=predicted, **kept)
+                      predicted=predicted, fitted_on=fitted_on, **kept)

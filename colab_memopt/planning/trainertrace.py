@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from colab_memopt.techniques.attention import traced_attention
+from colab_memopt.planning.cudapaths import as_on_cuda, cuda_path_note, forward_autocast
 from colab_memopt.planning.faketrace import _Trace, _fake_safe_module_to, _fake_safe_transformers
 from colab_memopt.planning.quantized import _fake_safe_bitsandbytes
 from colab_memopt.planning.targets import Target
@@ -190,10 +191,19 @@ def _example_fields(dataset: Any) -> dict[str, Any]:
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     try:
+        empty = hasattr(dataset, "__len__") and len(dataset) == 0
+    except Exception:  # noqa: BLE001 - a length it cannot give: read a row to learn more
+        empty = False
+    if empty:  # nothing to read: the collator's own fields only (the Trainer says what it does with no rows)
+        return {"input_ids": None}
+    try:
         with unset_fake_temporarily():
             example = next(iter(dataset)) if isinstance(dataset, torch.utils.data.IterableDataset) else dataset[0]
-    except Exception:  # noqa: BLE001 - a dataset the planner cannot index: the collator's own fields only
+    except StopIteration:  # an iterable dataset without rows
         return {"input_ids": None}
+    except Exception as exc:  # noqa: BLE001 - the run would stop at its first batch: say so now, naming the error
+        raise ValueError(f"cannot read a row of the train dataset: its first row raised {type(exc).__name__}: {exc} "
+                         "(the Trainer reads its rows the same way: fix the dataset)") from exc
     return dict(example) if isinstance(example, dict) or hasattr(example, "keys") else {"input_ids": None}
 
 
@@ -236,10 +246,10 @@ def _trace_step(trainer: Any, args: Any, batch: int, seq_len: int, *, cuda: bool
     names = param_names if param_names is not None else (
         {id(p): n for n, p in model.named_parameters()} if saved_optimizer is not None else {})
     restore_modules = _snapshot_modules(model)
-    # The run's autocast: accelerate autocasts fp16 and bf16 on CUDA, only bf16 on the CPU (an fp16 run there is fp32);
-    # CUDA's fp16 autocast is traced as CPU bf16 autocast (the same 2-byte activations).
-    autocasts = bool(args.bf16 or (args.fp16 and cuda))
-    autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if autocasts else contextlib.nullcontext
+    # The run's autocast: accelerate autocasts fp16 and bf16 on CUDA, only bf16 on the CPU (an fp16 run there is fp32),
+    # over the model's forward only (`cudapaths.forward_autocast`); CUDA's fp16 autocast is traced as CPU bf16
+    # autocast (the same 2-byte activations).
+    half = torch.bfloat16 if args.bf16 or (args.fp16 and cuda) else None
     try:
         _enable_checkpointing_as_the_trainer_does(model, args)
         with _fake_parameters(model, mode) if swap else contextlib.nullcontext(), mode, _ScalarMode(), _fake_safe_module_to(), \
@@ -261,10 +271,9 @@ def _trace_step(trainer: Any, args: Any, batch: int, seq_len: int, *, cuda: bool
             tokens = micro * grad_accum * seq_len
             tracker = TensorTracker(device=torch.device("cpu"), cuda_rounding=cuda)
             tracker.track_external(model, optimizer, *[t for b in inputs for t in b.values() if isinstance(t, torch.Tensor)])
-            with tracker:
+            with tracker, forward_autocast(model, half), as_on_cuda(cuda, half, model) as paths:
                 for batch_inputs in inputs[:2]:
-                    with autocast():
-                        trainer.training_step(model, batch_inputs, num_items_in_batch=torch.tensor(tokens))
+                    trainer.training_step(model, batch_inputs, num_items_in_batch=torch.tensor(tokens))
                 if args.max_grad_norm and args.max_grad_norm > 0:
                     torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
                 optimizer.step()
@@ -275,6 +284,8 @@ def _trace_step(trainer: Any, args: Any, batch: int, seq_len: int, *, cuda: bool
             setattr(trainer, k, v)
         model.train(saved_training)
         restore_modules()
+    if notes is not None:
+        notes += [n for n in cuda_path_note(paths, model) if n not in notes]
     trace = _Trace(
         tracker.peak_bytes,
         dict(tracker.peak_categories),
@@ -448,10 +459,11 @@ def _as_loaded(net: nn.Module, bnb: Any, mode: Any, half: torch.dtype | None = N
 
 
 def _fake_trainer(args: Any, model: Any, lora: Any, bnb: Any, seq_len: int, mode: Any, dtype: Any = None,
-                  half: torch.dtype | None = None) -> Any:
+                  half: torch.dtype | None = None, prepare: dict[str, Any] | None = None) -> Any:
     """Build the Trainer these settings would build, around a fake-tensor model (nothing allocated): the model
     in the dtype the run loads it in (`_model_dtype`; fp16 as `half` where given, as `_fake_parameters`),
-    quantized as `bnb` loads it."""
+    quantized as `bnb` loads it; `prepare`: the keyword arguments of the run's `prepare_model_for_kbit_training`
+    call (peft's own function run on the fake model after loading, `kbitprep.apply`), None where it makes none."""
     from datasets import Dataset
     from transformers import Trainer, default_data_collator
 
@@ -481,6 +493,10 @@ def _fake_trainer(args: Any, model: Any, lora: Any, bnb: Any, seq_len: int, mode
                 raise ValueError(f"BitsAndBytesConfig({kind}=True) without LoRA: the Trainer refuses to fine-tune a "
                                  "purely quantized model; give lora=LoraConfig(...)")
             _as_loaded(net, bnb, mode, half)
+            if prepare is not None:
+                from colab_memopt.planning import kbitprep
+
+                kbitprep.apply(net, prepare)
         if sft:
             from trl import SFTTrainer
 
@@ -584,7 +600,10 @@ _UNPLANNED = {
 def _buildable(args: Any) -> Any:
     """Return the settings the planner's own Trainer is built with: what needs data it does not have (evaluation,
     a conversational dataset for assistant_only_loss) turned off; the training step is the same."""
-    off = {"eval_strategy": "no", "load_best_model_at_end": False, "eval_on_start": False, "assistant_only_loss": False}
+    # activation_offloading: TRL builds its CUDA hooks with the Trainer (and fails without a GPU); the plan traces
+    # them as CUDA runs them (`longtrace.trl_activation_offloading`)
+    off = {"eval_strategy": "no", "load_best_model_at_end": False, "eval_on_start": False, "assistant_only_loss": False,
+           "activation_offloading": False}
     changes = {k: v for k, v in off.items() if hasattr(args, k) and str(getattr(getattr(args, k), "value", getattr(args, k)))
                != str(v)}
     return _changed_args(args, changes) if changes else args

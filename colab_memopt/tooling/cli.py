@@ -89,6 +89,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="plan a Trainer run: a TrainingArguments / SFTConfig JSON or YAML (a TRL CLI config too)")
     p.add_argument("--lora", nargs="+", default=None, metavar="FILE|FIELD=VALUE", help="a peft LoraConfig file or fields")
     p.add_argument("--bnb", nargs="+", default=None, metavar="FILE|FIELD=VALUE", help="a BitsAndBytesConfig file or fields")
+    p.add_argument("--prepare-model-for-kbit-training", nargs="*", default=None, metavar="FIELD=VALUE",
+                   help="with --training-args and --bnb: you call peft's prepare_model_for_kbit_training(model) before "
+                        "training (bare: its defaults; or the arguments you pass it, e.g. use_gradient_checkpointing=false)")
     p.add_argument("--dtype", default=None, choices=["auto", "float32", "float16", "bfloat16"],
                    help="with --training-args: the dtype you load the model in (default: as the run loads it: "
                         "model_init_kwargs' dtype, else fp32, for TRL given the model id; the config's for a model you load)")
@@ -194,6 +197,15 @@ def _file_or_fields(items: list[str] | None) -> Any:
     return items[0] if len(items) == 1 and "=" not in items[0] else inline_fields(items)
 
 
+def _kbit_preparation(items: list[str] | None) -> bool | dict[str, Any]:
+    """Return --prepare-model-for-kbit-training as plan_trainer takes it: False (not given), True (bare) or fields."""
+    from colab_memopt.planning.hfconfig import inline_fields
+
+    if items is None:
+        return False
+    return inline_fields(items) if items else True
+
+
 def _plan_trainer(args: argparse.Namespace) -> tuple[int, Any]:
     from colab_memopt.planning.hfconfig import read_training_config
     from colab_memopt.planning.trainer import plan_trainer
@@ -218,7 +230,8 @@ def _plan_trainer(args: argparse.Namespace) -> tuple[int, Any]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         result = plan_trainer(cfg.args, model=model, lora=cfg.lora, bnb=cfg.bnb, target=_target(args), seq_len=args.seq,
-                              find_max_batch=not args.no_max_batch, dtype=args.dtype)
+                              find_max_batch=not args.no_max_batch, dtype=args.dtype,
+                              prepare_model_for_kbit_training=_kbit_preparation(args.prepare_model_for_kbit_training))
     result.warnings += [f"read, no effect on memory: {k}" for k in cfg.ignored] + cfg.notes
     return (0 if result.fits else 1), result
 
@@ -230,6 +243,8 @@ def _plan(args: argparse.Namespace) -> tuple[int, Any]:
         return _plan_trainer(args)
     if args.lora is not None or args.bnb is not None:
         raise ValueError("--lora and --bnb go with --training-args (for a Recipe, use --recipe lora_rank=16 quantization=nf4)")
+    if args.prepare_model_for_kbit_training is not None:
+        raise ValueError("--prepare-model-for-kbit-training goes with --training-args and --bnb")
     if args.dtype is not None:
         raise ValueError("--dtype goes with --training-args (for a Recipe's frozen base, use --recipe base_dtype=fp16)")
     if args.model is None or args.batch is None:

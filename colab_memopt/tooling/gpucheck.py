@@ -59,6 +59,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from colab_memopt.core.fileio import atomic_write_text
 from colab_memopt.tooling.gpuplan import (
     LENT_STEPS,
     ONE_CALL_STEPS,
@@ -198,7 +199,7 @@ def preflight(out: Path, env: dict[str, str]) -> dict[str, Any]:
         "measured_note": f"context_bytes and cublas_workspace_bytes are this GPU's ({torch.cuda.get_device_name(0)}), "
                          "measured in a fresh process; under T4 emulation they are not a T4's figures",
     }
-    (out / "env.json").write_text(json.dumps(info, indent=2) + "\n")
+    atomic_write_text(out / "env.json", json.dumps(info, indent=2) + "\n")
     return info
 
 

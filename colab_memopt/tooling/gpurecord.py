@@ -9,7 +9,6 @@ summary table last and gives the exit status.
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -56,31 +55,54 @@ def summary_table(label: str, steps: list[StepResult]) -> str:
     return "\n".join(lines)
 
 
+def _finite(value: Any) -> Any:
+    """Return `value` with every NaN or infinite float inside it as None (strict JSON has neither; a step that
+    measured one is still recorded)."""
+    import math
+
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
 def write_outputs(out: Path, label: str, info: dict[str, Any], steps: list[StepResult]) -> dict[str, Any]:
     """Merge `steps` into out/results.json (a step run again replaces its earlier result; others are kept, so
     each slice of make test-gpu adds to what earlier calls wrote) and rewrite claims.md from every notebook
-    record so far; return the merged payload."""
+    record so far; return the merged payload.
+
+    Slices run side by side in separate processes: the read, merge and both writes happen under one lock
+    (`fileio.update_json`), each file replaced whole, so no writer loses another's result. A results.json that
+    is not valid JSON (cut short by a killed call) is kept aside as results.json.broken-<time>, named in a
+    warning, and the results recorded in a new one."""
+    from colab_memopt.core.fileio import atomic_write_text, update_json
     from colab_memopt.core.report import merge_results
     from colab_memopt.tooling.rollup import claims_markdown
 
     path = out / "results.json"
-    old = json.loads(path.read_text()) if path.exists() else {}
-    merged_steps = {s["step"]: s for s in old.get("steps", [])}
-    for s in steps:
-        merged_steps[s.step] = asdict(s)
-    results_dir = out / "results"
-    merged = merge_results(results_dir) if results_dir.is_dir() and any(results_dir.glob("*.json")) else {"notebooks": {}}
-    payload = {"label": label, "env": info or old.get("env", {}), "steps": list(merged_steps.values()),
-               "notebooks": merged.get("notebooks", {}),
-               "failed": [s["step"] for s in merged_steps.values() if s["status"] == "failed"],
-               "not_finished": [s["step"] for s in merged_steps.values() if s["status"] == NOT_FINISHED],
-               "not_run": [s["step"] for s in merged_steps.values() if s["status"] == NOT_RUN]}
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(payload, indent=2) + "\n")
-    tmp.replace(path)  # a call stopped mid-write keeps the previous file whole
-    claims = claims_markdown(merged) if merged.get("notebooks") else "(no notebook ran)\n"
-    (out / "claims.md").write_text(f"# Claims checked on {label}\n\nTimings are this GPU's, not a T4's, where it emulates one.\n\n{claims}")
-    return payload
+    merged: dict[str, Any] = {}
+
+    def update(old: Any) -> dict[str, Any]:
+        old = old if isinstance(old, dict) else {}
+        merged_steps = {s["step"]: s for s in old.get("steps", []) if isinstance(s, dict) and "step" in s}
+        for s in steps:
+            merged_steps[s.step] = _finite(asdict(s))
+        results_dir = out / "results"
+        found = merge_results(results_dir) if results_dir.is_dir() and any(results_dir.glob("*.json")) else {}
+        merged.update(found or {"notebooks": {}})
+        claims = claims_markdown(merged) if merged.get("notebooks") else "(no notebook ran)\n"
+        atomic_write_text(out / "claims.md", f"# Claims checked on {label}\n\nTimings are this GPU's, not a T4's, "
+                                             f"where it emulates one.\n\n{claims}")
+        return {"label": label, "env": info or old.get("env", {}), "steps": list(merged_steps.values()),
+                "notebooks": merged.get("notebooks", {}),
+                "failed": [s["step"] for s in merged_steps.values() if s["status"] == "failed"],
+                "not_finished": [s["step"] for s in merged_steps.values() if s["status"] == NOT_FINISHED],
+                "not_run": [s["step"] for s in merged_steps.values() if s["status"] == NOT_RUN]}
+
+    return update_json(path, update, empty={})
 
 
 MiB = 2**20
@@ -100,38 +122,46 @@ def write_archive(folder: Path, archive: Path, limit_bytes: int = ARCHIVE_LIMIT_
     import io
     import tarfile
 
-    tmp = archive.with_name(archive.name + ".tmp")
+    from colab_memopt.core.fileio import atomic_write
+
     sized = []
     for path in folder.rglob("*"):
         try:
-            if path.is_file() and path.name != LEFT_OUT and path.resolve() not in (archive.resolve(), tmp.resolve()):
+            if (path.is_file() and path.name != LEFT_OUT and not path.name.endswith((".partial", ".lock"))
+                    and not path.name.startswith(f".{archive.name}.") and path.resolve() != archive.resolve()):
                 sized.append((path.parent.name == "notebooks", path.stat().st_size, str(path), path))
         except OSError:  # a temporary file renamed meanwhile
             continue
     files = [entry[-1] for entry in sorted(sized)]
     archive.parent.mkdir(parents=True, exist_ok=True)
-    written, left_out, used = [], [], 4096  # the end-of-archive blocks and gzip's header
-    with tarfile.open(tmp, "w:gz") as tar:
-        for path in files:
-            try:
-                data = path.read_bytes()  # a log still being written: what it holds now
-            except OSError:
-                continue
-            cost = 512 + -(-len(data) // 512) * 512 + 64
-            if used + cost + 4096 > limit_bytes:
-                left_out.append(str(path.relative_to(folder)))
-                continue
-            info = tarfile.TarInfo(f"{folder.name}/{path.relative_to(folder)}")
-            info.size, info.mtime = len(data), int(time.time())
-            tar.addfile(info, io.BytesIO(data))
-            written.append(str(path.relative_to(folder)))
-            used += cost
-        if left_out:
-            note = ("left out to keep the archive under %d MiB:\n" % (limit_bytes // MiB) + "\n".join(left_out) + "\n").encode()
-            info = tarfile.TarInfo(f"{folder.name}/{LEFT_OUT}")
-            info.size, info.mtime = len(note), int(time.time())
-            tar.addfile(info, io.BytesIO(note))
-    tmp.replace(archive)
+    written: list[str] = []
+    left_out: list[str] = []
+
+    def save(tmp: Path) -> None:
+        used = 4096  # the end-of-archive blocks and gzip's header
+        with tarfile.open(tmp, "w:gz") as tar:
+            for path in files:
+                try:
+                    data = path.read_bytes()  # a log still being written: what it holds now
+                except OSError:
+                    continue
+                cost = 512 + -(-len(data) // 512) * 512 + 64
+                if used + cost + 4096 > limit_bytes:
+                    left_out.append(str(path.relative_to(folder)))
+                    continue
+                info = tarfile.TarInfo(f"{folder.name}/{path.relative_to(folder)}")
+                info.size, info.mtime = len(data), int(time.time())
+                tar.addfile(info, io.BytesIO(data))
+                written.append(str(path.relative_to(folder)))
+                used += cost
+            if left_out:
+                note = ("left out to keep the archive under %d MiB:\n" % (limit_bytes // MiB) + "\n".join(left_out)
+                        + "\n").encode()
+                info = tarfile.TarInfo(f"{folder.name}/{LEFT_OUT}")
+                info.size, info.mtime = len(note), int(time.time())
+                tar.addfile(info, io.BytesIO(note))
+
+    atomic_write(archive, save)
     return {"written": written, "left_out": left_out}
 
 
@@ -168,7 +198,9 @@ class Recorder:
     def finish(self, text: str) -> None:
         """Write the summary (summary.txt) and the archive a last time."""
         with self.lock:
-            (self.out / "summary.txt").write_text(text + "\n")
+            from colab_memopt.core.fileio import atomic_write_text
+
+            atomic_write_text(self.out / "summary.txt", text + "\n")
             self.save_archive()
 
 

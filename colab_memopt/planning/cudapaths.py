@@ -1,0 +1,154 @@
+"""What a CUDA run takes another path for, traced that way: a plan traces on fake CPU tensors.
+
+Where the libraries branch on the device, the trace of a CUDA target takes the CUDA branch, for the traced step
+only (`as_on_cuda`), on this thread only, and everything is put back afterwards:
+
+- dropout: torch runs the fused `native_dropout` for CUDA tensors (aten/src/ATen/native/Dropout.cpp,
+  `is_fused_kernel_acceptable`), which keeps a 1-byte bool mask for backward; on CPU tensors `dropout` is
+  `input * noise`, and the noise is kept in the input's dtype (4 bytes a value for peft's float32 adapters). The
+  model's `nn.Dropout` modules (peft's `lora_dropout`, GPT-2's) run `native_dropout` for the trace (their own
+  `forward` replaced on the instance, put back afterwards); a functional `F.dropout` in a model's code is traced
+  on the CPU's path.
+- the CUDA autocast flag: peft's LoRA on bitsandbytes layers (`tuners/lora/bnb.py`, `Linear4bit.forward` and
+  `Linear8bitLt.forward`) asks `torch.is_autocast_enabled()` with no device, which answers for CUDA. Under
+  accelerate's autocast on CUDA it is True and each adapter takes the layer's 16-bit input as it is; a CPU trace
+  would read False, and each adapter would make a float32 copy of the input and a 16-bit copy of that. Where the
+  run autocasts on CUDA, this thread's CUDA autocast flag is set for the trace (only CUDA tensors are cast by it;
+  the trace's are CPU fakes), as accelerate's `torch.autocast("cuda")` sets it in the run.
+
+And one that holds on every device (`forward_autocast`): accelerate autocasts the model's forward only
+(`Accelerator.prepare_model`: `convert_outputs_to_fp32(autocast(forward))`, on CUDA for fp16 and bf16 and on the
+CPU for bf16); backward runs outside it. Autocast keeps its 16-bit copy of each float32 weight that trains (the
+adapters) until the outermost autocast exits: at the end of the forward in the run, so the trace wraps the forward
+the same way, with accelerate's own wrapper.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class CudaPaths:
+    """What the trace of a CUDA target ran as CUDA runs it, counted while a step is traced."""
+
+    dropout_calls: int = 0  # training dropout calls run as native_dropout (a 1-byte mask)
+    autocast_flag: bool = False  # this thread's CUDA autocast flag was on (peft's bitsandbytes LoRA reads it)
+
+
+@contextlib.contextmanager
+def _native_dropout(model: nn.Module, paths: CudaPaths) -> Iterator[None]:
+    """Run `model`'s training `nn.Dropout` modules as torch runs them for CUDA tensors, `torch.native_dropout` (a
+    bool mask kept for backward), for the block: each module's own `forward` is replaced on the instance and put
+    back afterwards (nothing process-wide). An instance attribute, not a TorchFunctionMode: the mode would be off
+    while `backward()` runs (it handles that call), and checkpointing's recompute there would take the CPU path."""
+    replaced = []
+
+    def native(module: nn.Dropout) -> Any:
+        def forward(input: torch.Tensor) -> torch.Tensor:
+            # Dropout.cpp: fused for 0 < p < 1 and a non-empty input; in place (dropout_) never is
+            if not module.training or module.inplace or not 0.0 < module.p < 1.0 or input.numel() == 0:
+                return F.dropout(input, module.p, module.training, module.inplace)
+            paths.dropout_calls += 1
+            return torch.native_dropout(input, module.p, True)[0]
+        return forward
+
+    try:
+        for module in model.modules():
+            if type(module) is nn.Dropout and 0.0 < module.p < 1.0:
+                replaced.append((module, "forward" in vars(module), vars(module).get("forward")))
+                module.forward = native(module)
+        yield
+    finally:
+        for module, had, own in reversed(replaced):
+            if had:
+                module.forward = own
+            else:
+                vars(module).pop("forward", None)
+
+
+@contextlib.contextmanager
+def _cuda_autocast_flag(dtype: torch.dtype) -> Iterator[None]:
+    """Set this thread's CUDA autocast flag and dtype for the block (thread-local state); put back afterwards."""
+    enabled, was = torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")
+    try:
+        torch.set_autocast_enabled("cuda", True)
+        torch.set_autocast_dtype("cuda", dtype)
+        yield
+    finally:
+        torch.set_autocast_dtype("cuda", was)
+        torch.set_autocast_enabled("cuda", enabled)
+
+
+@contextlib.contextmanager
+def as_on_cuda(cuda: bool, autocast_dtype: torch.dtype | None, model: nn.Module) -> Iterator[CudaPaths | None]:
+    """Trace `model`'s step in the block as a CUDA run takes it: its dropout as `native_dropout`, and where the run
+    autocasts (`autocast_dtype`: the 16-bit dtype the trace autocasts in, None where the run does not autocast),
+    this thread's CUDA autocast flag on. Yields what it did (`CudaPaths`), None for a target that is not CUDA.
+
+    Example:
+        >>> with as_on_cuda(True, torch.bfloat16, model) as paths:
+        ...     step()
+        >>> paths.dropout_calls
+    """
+    if not cuda:
+        yield None
+        return
+    paths = CudaPaths(autocast_flag=autocast_dtype is not None)
+    with contextlib.ExitStack() as stack:
+        if autocast_dtype is not None:
+            stack.enter_context(_cuda_autocast_flag(autocast_dtype))
+        stack.enter_context(_native_dropout(model, paths))
+        yield paths
+
+
+@contextlib.contextmanager
+def forward_autocast(model: nn.Module, dtype: torch.dtype | None) -> Iterator[None]:
+    """Autocast `model`'s forward only, in `dtype` on the trace's CPU tensors, with its outputs converted to float32,
+    as accelerate's `prepare_model` wraps it (None: no autocast); the model's own forward is put back afterwards."""
+    if dtype is None:
+        yield
+        return
+    from accelerate.utils import convert_outputs_to_fp32
+
+    had, own = "forward" in vars(model), vars(model).get("forward")
+    model.forward = convert_outputs_to_fp32(torch.autocast("cpu", dtype=dtype)(model.forward))
+    try:
+        yield
+    finally:
+        if had:
+            model.forward = own
+        else:
+            vars(model).pop("forward", None)
+
+
+def _bnb_lora_layers(model: nn.Module) -> int:
+    """Return how many of `model`'s modules are peft LoRA layers over bitsandbytes' 4-bit or 8-bit layers."""
+    from colab_memopt.core.console import quiet
+
+    try:
+        with quiet():  # peft's import notes (torchao's): nothing about this run
+            from peft.tuners.lora import bnb as lora_bnb
+    except ImportError:  # pragma: no cover - peft is a dependency
+        return 0
+    kinds = tuple(getattr(lora_bnb, name) for name in ("Linear4bit", "Linear8bitLt") if hasattr(lora_bnb, name))
+    return sum(isinstance(m, kinds) for m in model.modules()) if kinds else 0
+
+
+def cuda_path_note(paths: CudaPaths | None, model: nn.Module) -> list[str]:
+    """Return the plan's line saying what was traced as CUDA runs it (none where nothing took another path)."""
+    if paths is None:
+        return []
+    parts = []
+    if paths.dropout_calls:
+        parts.append("dropout keeps a 1-byte mask per value (the CPU keeps 4-byte noise)")
+    if paths.autocast_flag and _bnb_lora_layers(model):
+        parts.append("LoRA on the quantized layers reads their 16-bit input as it is (no float32 copy)")
+    return [f"traced as CUDA runs it: {'; '.join(parts)}"] if parts else []

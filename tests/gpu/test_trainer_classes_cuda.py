@@ -1,0 +1,139 @@
+"""The first CUDA run's Trainer classes, plan against CUDA's allocator (issue 41, item 3; cuda_classes.md's GPU check).
+
+One small shape (a random Llama of SmolLM2-360M's shape, 2 x 512 tokens, LoRA r=16 on every linear, fp16 with the
+GradScaler): each class is planned from its settings before anything is loaded, then run for two Trainer steps on
+the device. The second step is measured from its start (`reset_peak_memory_stats`), with the allocator's memory
+history recorded; printed per class: the plan (`allocator_peak_bytes`: the traced peak, the step's transients and
+the workspaces), the allocated peak, the requested peak (before the allocator's rounding), the plan's categories
+at its peak, and the history's largest live blocks at the allocated peak. Asserted: the issue's goal, within
++1.5% of the allocated peak and never under it by more than 1%. The checkpointed classes and full fine-tuning were
+not explained on the CPU (-1.5% to -3.9%, +1.8% in the first run): this is where a GPU says why.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import pickle
+import warnings
+from typing import Any
+
+import pytest
+import torch
+
+SHAPE = dict(vocab_size=49152, hidden_size=960, intermediate_size=2560, num_hidden_layers=32, num_attention_heads=15,
+             num_key_value_heads=5, max_position_embeddings=2048, tie_word_embeddings=True)
+BATCH, SEQ = 2, 512
+CLASSES = ("full", "qlora_ckpt", "lora_fp16_ckpt", "qlora_nockpt", "qlora_prepared")
+
+
+def _settings(klass: str, out: str) -> dict[str, Any]:
+    from peft import LoraConfig
+    from transformers import BitsAndBytesConfig, TrainingArguments
+
+    ckpt = klass.endswith("ckpt") and not klass.endswith("nockpt") or klass == "qlora_prepared"
+    args = TrainingArguments(output_dir=out, fp16=True, per_device_train_batch_size=BATCH, gradient_checkpointing=ckpt,
+                             max_steps=2, logging_strategy="no", save_strategy="no", report_to=[], optim="adamw_torch",
+                             disable_tqdm=True)
+    lora = None if klass == "full" else LoraConfig(r=16, lora_alpha=32, lora_dropout=0.05, target_modules="all-linear",
+                                                   task_type="CAUSAL_LM")
+    bnb = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                             bnb_4bit_compute_dtype=torch.float16) if klass.startswith("qlora") else None
+    return dict(args=args, lora=lora, bnb=bnb, dtype=torch.float32 if klass == "full" else torch.float16,
+                prepare=klass == "qlora_prepared")
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    path = tmp_path_factory.mktemp("smollm2_360m_shape")
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(LlamaConfig(**SHAPE)).to(torch.float16).save_pretrained(path)
+    return str(path)
+
+
+def _largest_live_blocks(snapshot: dict[str, Any], top: int = 12) -> list[tuple[int, str]]:
+    """Return (bytes, top frame) of the largest blocks live at the end of the recorded trace's allocated peak."""
+    live: dict[int, tuple[int, str]] = {}
+    best: dict[int, tuple[int, str]] = {}
+    now = peak = 0
+    for trace in snapshot.get("device_traces", []):
+        for event in trace:
+            frames = event.get("frames") or [{}]
+            where = next((f"{f.get('filename', '?').rsplit('/', 1)[-1]}:{f.get('line', '?')} {f.get('name', '')}"
+                          for f in frames if "torch/" not in f.get("filename", "torch/")), "?")
+            if event["action"] == "alloc":
+                live[event["addr"]] = (event["size"], where)
+                now += event["size"]
+                if now > peak:
+                    peak, best = now, dict(live)
+            elif event["action"] in ("free_requested", "free_completed") and event["addr"] in live:
+                now -= live.pop(event["addr"])[0]
+    return sorted(best.values(), reverse=True)[:top]
+
+
+@pytest.mark.parametrize("klass", CLASSES)
+def test_each_trainer_class_is_planned_within_the_goal_of_cuda_s_allocator(cuda, folder, tmp_path, klass):
+    pytest.importorskip("bitsandbytes")
+    from datasets import Dataset
+    from peft import get_peft_model, prepare_model_for_kbit_training
+    from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, default_data_collator
+
+    import colab_memopt as cm
+
+    s = _settings(klass, str(tmp_path / "out"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = cm.plan_trainer(s["args"], model=folder, lora=s["lora"], bnb=s["bnb"], dtype=s["dtype"], target="t4",
+                               seq_len=SEQ, prepare_model_for_kbit_training=s["prepare"])
+    gc.collect()
+    torch.cuda.empty_cache()
+    baseline = torch.cuda.memory_allocated()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=s["dtype"], quantization_config=s["bnb"],
+                                                     device_map={"": 0})
+        if s["prepare"]:
+            model = prepare_model_for_kbit_training(model)
+        if s["lora"] is not None:
+            model = get_peft_model(model, s["lora"])
+    data = Dataset.from_dict({"input_ids": [[1] * SEQ] * 4, "labels": [[1] * SEQ] * 4})
+    seen: dict[str, Any] = {}
+
+    class SecondStep(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):  # noqa: ANN001, ANN003
+            if state.global_step == 1:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                torch.cuda.memory._record_memory_history(max_entries=200000)
+
+        def on_step_end(self, args, state, control, **kw):  # noqa: ANN001, ANN003
+            if state.global_step == 2:
+                torch.cuda.synchronize()
+                stats = torch.cuda.memory_stats()
+                seen.update(allocated=stats["allocated_bytes.all.peak"] - baseline,
+                            requested=stats["requested_bytes.all.peak"] - baseline,
+                            snapshot=torch.cuda.memory._snapshot())
+                torch.cuda.memory._record_memory_history(enabled=None)
+
+    trainer = Trainer(model=model, args=s["args"], train_dataset=data, data_collator=default_data_collator,
+                      callbacks=[SecondStep()])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.train()
+    planned, allocated, requested = plan.allocator_peak_bytes, seen["allocated"], seen["requested"]
+    error = (planned - allocated) / allocated
+    print(f"\n{klass}: plan {planned:,d}  allocated {allocated:,d}  requested {requested:,d}  "
+          f"plan-allocated {error:+.2%}  peak phase {max(plan.by_phase, key=plan.by_phase.get)}")
+    print(f"  plan at its peak: {plan.by_category}; device lines {[(c.name, c.bytes) for c in plan.device_costs]}")
+    for nbytes, where in _largest_live_blocks(seen["snapshot"]):
+        print(f"  live at the allocated peak: {nbytes:>14,d}  {where}")
+    out = os.environ.get("CM_GPU_OUT")
+    if out:  # the whole history, for a closer look
+        with open(os.path.join(out, f"trainer_class_{klass}.pickle"), "wb") as f:
+            pickle.dump(seen["snapshot"], f)
+    del trainer, model
+    gc.collect()
+    torch.cuda.empty_cache()
+    assert -0.01 <= error <= 0.015, (klass, planned, allocated, requested)
