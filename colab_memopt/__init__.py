@@ -57,6 +57,7 @@ _DEFINED_IN = {name: module for module, names in {
     "chat": ("MergeCost", "merge_cost", "to_messages"),
     "merge": ("MergeResult", "merge_adapter"),
     "guard": ("MemoryGuardCallback",),
+    "longcontext": ("LongContext", "installed_long_context", "long_context"),
 }.items() for name in names}
 
 
@@ -126,6 +127,9 @@ __all__ = [
     "to_messages",
     "MergeResult",
     "merge_adapter",
+    "LongContext",
+    "installed_long_context",
+    "long_context",
     "GPT",
     "MODEL_SIZES",
     "T4_TOTAL_BYTES",

@@ -207,7 +207,9 @@ def test_resolving_and_building_a_transformers_model_prints_nothing():
 # Modules whose library imports are not yet under quiet(): planner, trainer and recommender (being split: their
 # plan_trainer and fit_trainer get quiet_unless_verbose there), hfconfig and the command line (the CLI hides the
 # libraries' notes itself without --verbose), gpucheck (it runs on a GPU machine and reports what it imports).
-NOT_YET_QUIET = {"planner", "trainer", "recommender", "hfconfig", "cli", "gpucheck"}
+# trainertrace and trainerfit build and trace the Trainer for plan_trainer and fit_trainer only, which run inside
+# quiet_unless_verbose (tests "a script calling plan_trainer prints nothing" above).
+NOT_YET_QUIET = {"planner", "trainer", "recommender", "hfconfig", "cli", "gpucheck", "trainertrace", "trainerfit"}
 NOISY = ("peft", "trl", "deepspeed", "torchao", "transformers")
 
 
@@ -242,3 +244,32 @@ def test_the_package_imports_the_noisy_libraries_inside_quiet():
             if not quiet_here:
                 loud.append(f"{path.relative_to(REPO)}:{node.lineno}: {ast.unparse(node)}")
     assert not loud, "imported outside quiet():\n" + "\n".join(loud)
+
+
+QUIET_PLAN_SCRIPT = """
+import sys
+import colab_memopt as cm
+with cm.quiet():  # the imports' notes (torchao, torch), as the README and notebook 19 teach
+    from peft import LoraConfig
+    from trl import SFTConfig
+    args = SFTConfig(output_dir="{out}", per_device_train_batch_size=2, max_length=32, use_cpu=True, report_to=[])
+config = cm.architectures.small_config("llama")
+lora = LoraConfig(r=4, target_modules="all-linear")
+plan = cm.plan_trainer(args, model=config, lora=lora, target="t4")
+print("planned", plan.fits, flush=True)
+sys.stderr.write("VERBOSE\\n")
+sys.stderr.flush()
+cm.plan_trainer(args, model=config, lora=lora, target="t4", verbose=True)
+print("planned again", flush=True)
+"""
+
+
+def test_a_script_calling_plan_trainer_prints_nothing_from_the_libraries_unless_verbose(tmp_path):
+    """Newcomer review 4, finding 8: every plan_trainer call in a user's script printed torch's "Accessing the data
+    pointer of FakeTensor is deprecated ... almost definitely a bug in your code" and transformers' renames; the
+    libraries' notes are hidden inside plan_trainer by default and shown with verbose=True."""
+    run = _python(QUIET_PLAN_SCRIPT.format(out=tmp_path))
+    assert run.returncode == 0 and run.stdout.splitlines() == ["planned True", "planned again"], run.stderr[-3000:]
+    quiet_part, _, verbose_part = run.stderr.partition("VERBOSE\n")
+    assert quiet_part == "", quiet_part
+    assert verbose_part.strip(), "verbose=True showed none of the libraries' notes"

@@ -197,7 +197,8 @@ def test_plan_and_fit_of_bf16_adapters_under_fp16_count_float32_and_name_the_fix
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         before = tr.plan_trainer(trainer, target="t4")
-    assert any(w.startswith("fp16=True with 8 trainable tensor(s) in bfloat16") for w in before.warnings), before.warnings
+    assert any(w.startswith("fp16=True with 8 bfloat16 trainable tensor(s): add callbacks=[cm.MemoryGuardCallback()]")
+               for w in before.warnings), before.warnings
     assert trainable_dtypes(trainer) == {torch.bfloat16}  # planning changed nothing
     fit = trainerfit.fit_trainer(trainer, target="t4")
     assert trainerfit.FP16_TRAP_NOTE in fit.notes and len(trainerfit.FP16_TRAP_NOTE) <= 100
@@ -215,7 +216,8 @@ def test_plan_and_fit_of_bf16_adapters_under_fp16_count_float32_and_name_the_fix
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         planned = tr.plan_trainer(args, model=LlamaConfig(**DIMS), lora=lora, bnb=nf4, target="t4")
-    assert any(w.startswith("fp16=True with 8 trainable tensor(s) in bfloat16") for w in planned.warnings), planned.warnings
+    assert any(w.startswith("fp16=True with 8 bfloat16 trainable tensor(s): add callbacks=[cm.MemoryGuardCallback()]")
+               for w in planned.warnings), planned.warnings
 
 
 def _reachable(root, limit: int = 200_000) -> list:

@@ -3,6 +3,7 @@ import warnings
 
 import pytest
 
+import colab_memopt as cm
 from colab_memopt.tooling.cli import main
 from colab_memopt.planning.costs import TECHNIQUES, TechniqueCosts
 from colab_memopt.techniques.models import build_model
@@ -341,3 +342,35 @@ def test_finetune_lr_follows_the_mode_ten_times_apart():
         finetune_lr(Recipe(optimizer="lomo", precision="fp16"))
     with pytest.raises(TypeError, match="recipe must be a Recipe"):
         finetune_lr({"lora_rank": 16})
+
+
+@pytest.mark.parametrize("optimizer, package", [("badam", "badam"), ("galore_adamw8bit", "galore-torch"),
+                                                ("apollo_mini", "apollo-torch"), ("adamw", None), ("adamw8bit", None)])
+def test_an_optimizer_from_another_package_comes_with_its_install_line_and_the_call_that_builds_it(optimizer, package):
+    """Newcomer review 4, finding 6: recommend answered optimizer='badam' for full fine-tuning of a 1B model with no
+    install line (BAdam is not in the colab extra) and no word on how to build the optimizer it passes."""
+    import ast
+
+    from colab_memopt.planning.hfconfig import recipe_settings
+
+    settings = recipe_settings(cm.Recipe(optimizer=optimizer), 4, 64)
+    assert settings["install"] == ([f"pip install {package}"] if package else [])
+    if optimizer == "badam":  # no Trainer optim: the one call that builds it, valid Python
+        line = next(m for m in settings["not_expressible"] if m.startswith("optimizer='badam'"))
+        call = line[line.index("opt = "):line.index(" for args")]
+        ast.parse(call)
+        assert "cm.make_optimizer('badam', model.parameters(), lr=args.learning_rate, model=model)" in call
+        assert "optimizers=(opt, None)" in line
+
+
+def test_recommend_prints_the_install_line_before_the_settings():
+    from dataclasses import replace
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        rec = cm.recommend("tiny", 2, seq_len=32, mode="full", target="t4")
+    rec = replace(rec, chosen=replace(rec.chosen, recipe=rec.recipe.with_(optimizer="badam")))
+    lines = str(rec).splitlines()
+    assert lines[1] == "install first: pip install badam" and lines[2].startswith("write these settings"), lines[:3]
+    assert any("cm.make_optimizer('badam'" in line for line in lines)
+    assert all(len(line) <= 100 for line in lines)

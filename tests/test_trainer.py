@@ -112,7 +112,7 @@ def test_fp16_is_planned_as_the_16_bit_autocast_it_runs_on_a_t4():
     fp32 = tr.plan_trainer(trainer, target="t4")
     assert fp16.peak_bytes == bf16.peak_bytes < fp32.peak_bytes
     assert fp16.recipe["precision"] == "fp16-autocast"
-    assert any("fp16 autocast is traced as bf16" in w for w in fp16.warnings)
+    assert any("fp16 autocast is traced as bf16" in w for w in fp16.notes)
     bf16_t4 = tr.plan_trainer(trainer, target="t4", bf16=True)
     assert any("no native bf16" in w for w in bf16_t4.warnings)
 
@@ -377,3 +377,21 @@ def test_plan_trainer_plans_grouped_query_attention_as_a_t4_runs_it(flash_flag):
     # math holds the (B, heads, T, T) scores and softmax per layer for backward; flash on an A100 holds O(T)
     assert t4_fp16.peak_bytes > 2 * a100_bf16.peak_bytes, (t4_fp16.peak_bytes, a100_bf16.peak_bytes)
     assert t4.peak_bytes == 82_278_400, t4.peak_bytes  # 78.47 MiB (+16 MiB in-step), whatever the flag
+
+
+def test_bf16_asked_of_a_plan_on_a_machine_without_a_gpu_says_to_add_use_cpu(tmp_path, monkeypatch):
+    """Newcomer review 4, finding 9: transformers refuses bf16=True without a GPU ("Your setup doesn't support
+    bf16/gpu. You need to assign use_cpu ..."); where that happens inside plan_trainer (a what-if, fit_trainer's
+    changes), our error says what to do in the user's words."""
+    import transformers.training_args
+
+    from trl import SFTConfig
+
+    # a machine without a bf16 GPU, as transformers sees it (this one has none; a GPU machine is made to look so)
+    monkeypatch.setattr(transformers.training_args, "is_torch_bf16_gpu_available", lambda: False)
+
+    args = SFTConfig(output_dir=str(tmp_path), per_device_train_batch_size=1, max_length=16, report_to=[], bf16=False)
+    with pytest.raises(ValueError, match=r"add use_cpu=True to your SFTConfig\(\.\.\.\); it does not change the plan; "
+                                         r"drop it on Colab") as err:
+        cm.plan_trainer(args, model=cm.architectures.small_config("llama"), target="t4", bf16=True)
+    assert "SFTConfig(..., bf16=True) cannot be built on this machine without a GPU" in str(err.value)

@@ -152,7 +152,7 @@ def test_lora_on_a_bf16_base_is_planned_as_loaded_before_loading_and_from_the_tr
     assert before.recipe["base_dtype"] == "bf16"  # LoRA's bf16 frozen base under bf16 autocast: a Recipe says it
     plain = tr.plan_trainer(train_args(), model=bf16_folder, lora=lora(), target="cpu", seq_len=SEQ)
     assert plain.recipe["base_dtype"] is None
-    assert any(w.startswith("the model loaded in bfloat16: planned as loaded") for w in plain.warnings)
+    assert any(w.startswith("the model loaded in bfloat16: planned as loaded") for w in plain.notes)
 
 
 def test_the_load_dtype_of_a_plan_from_settings(bf16_folder):
@@ -271,7 +271,7 @@ def test_an_fp16_base_on_a_t4_is_planned_as_the_same_bytes_in_bf16(bf16_folder):
         # the plan's Recipe says the fp16 frozen base a T4 run keeps under fp16 autocast; bf16 it cannot say there
         assert from_trainer.recipe["base_dtype"] == before.recipe["base_dtype"] == (
             "fp16" if dtype == torch.float16 else None)
-        assert (dtype == torch.float16) != any("loaded in bfloat16" in w for w in before.warnings)
+        assert (dtype == torch.float16) != any("loaded in bfloat16" in w for w in before.notes)
         return from_trainer.by_category
 
     assert planned(torch.float16) == planned(torch.bfloat16)

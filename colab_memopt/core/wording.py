@@ -1,8 +1,9 @@
-"""Shape what a person reads: lines of at most `WIDTH` characters, long notes cut short with the rest in `explain()`.
+"""Shape what a person reads: lines of at most `WIDTH` characters; a warning is wrapped, never cut short.
 
 Every printout (`Plan`, `Recommendation`, `LongestContext`, `TrainerFit`, the guard's summary, `doctor`) gives the
 answer first and one line per figure; the sources and derivations behind each figure are in its `explain()` (the
-command line's `--verbose`). These helpers keep those lines short without dropping a word from `explain()`.
+command line's `--verbose`). These helpers keep those lines short without dropping a word from `explain()`;
+`short` cuts a figure's note (never a warning, which names a setting to change) at a clause, with `MORE`.
 """
 
 from __future__ import annotations
@@ -46,15 +47,12 @@ def first_clause(text: str, limit: int) -> str:
     return head if len(head) <= limit else ""
 
 
-def warning_lines(warnings: Iterable[str], max_lines: int = 2, width: int = WIDTH) -> list[str]:
-    """Return one `warning:` entry per warning, wrapped, each cut to `max_lines` lines (the whole is in explain())."""
+def warning_lines(warnings: Iterable[str], width: int = WIDTH) -> list[str]:
+    """Return one `warning:` entry per warning, wrapped to `width` characters, never cut short: a warning says a
+    setting to change, and a cut one could drop the setting."""
     out: list[str] = []
     for w in warnings:
-        lines = wrap(w, first="warning: ", rest="  ", width=width)
-        if len(lines) > max_lines:
-            lines = wrap(short(w, max_lines * (width - 2) - len("warning: ") - 12), first="warning: ", rest="  ",
-                         width=width)[:max_lines]
-        out += lines
+        out += wrap(w, first="warning: ", rest="  ", width=width)
     return out
 
 

@@ -131,8 +131,11 @@ def forward_autocast(model: nn.Module, dtype: torch.dtype | None) -> Iterator[No
 
 def _bnb_lora_layers(model: nn.Module) -> int:
     """Return how many of `model`'s modules are peft LoRA layers over bitsandbytes' 4-bit or 8-bit layers."""
+    from colab_memopt.core.console import quiet
+
     try:
-        from peft.tuners.lora import bnb as lora_bnb
+        with quiet():  # peft's import notes (torchao's): nothing about this run
+            from peft.tuners.lora import bnb as lora_bnb
     except ImportError:  # pragma: no cover - peft is a dependency
         return 0
     kinds = tuple(getattr(lora_bnb, name) for name in ("Linear4bit", "Linear8bitLt") if hasattr(lora_bnb, name))

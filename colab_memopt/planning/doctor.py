@@ -49,7 +49,7 @@ from colab_memopt.planning.planner import plan
 from colab_memopt.planning.prediction import describe_estimate_error
 from colab_memopt.planning.targets import DEFAULT_HEADROOM, TARGETS, Target, get_target
 from colab_memopt.training.recipe import Recipe
-from colab_memopt.core.console import quiet
+from colab_memopt.core.console import quiet, quiet_unless_verbose
 
 CODES = (
     "bf16-not-native", "fp16-trainable-params", "checkpointing-frozen-inputs", "adapters-not-training",
@@ -568,6 +568,7 @@ _CHECK_WORDS = {
 
 
 @shows_progress("doctor")
+@quiet_unless_verbose
 @isolated
 def doctor(
     model: Any,
@@ -603,7 +604,8 @@ def doctor(
         method: the planner's method ('auto', 'trace', 'analytic'); Trainer settings are always traced.
         probe: with adapters and no gradients yet, run one forward and backward on random tokens to see
             that every adapter gets a gradient (weights untouched, gradients cleared after).
-        verbose: print the checkup.
+        verbose: print the checkup, and show the libraries' warnings and log notes (torch's, transformers',
+            DeepSpeed's), which are hidden by default: they say nothing about your run.
 
     The does-not-fit check is the plan `cm.plan` prints for a Recipe, and `cm.plan_trainer` for a Trainer or
     TrainingArguments: the same figures.

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from colab_memopt.core.console import quiet
 from colab_memopt.techniques.attention import traced_attention
 from colab_memopt.training.recipe import Recipe
 from colab_memopt.core.tracker import PHASES, TensorTracker
@@ -160,7 +161,9 @@ def _fake_safe_low_state(recipe: Recipe) -> Iterator[None]:
     base = recipe.optimizer.removesuffix("_in_backward")
     if base in ("torchao_adamw8bit", "torchao_adamw4bit"):
         from torch._subclasses.fake_tensor import unset_fake_temporarily
-        from torchao.optim import subclass_4bit, subclass_8bit
+
+        with quiet():  # torchao's import notes (CUDA extensions a CPU build cannot load): nothing about this run
+            from torchao.optim import subclass_4bit, subclass_8bit
 
         with unset_fake_temporarily():
             for module in (subclass_8bit, subclass_4bit):
@@ -200,7 +203,8 @@ def _fake_safe_transformers() -> Iterator[None]:
     phi3, gpt_neox; tests/test_architectures.py checks it).
     """
     try:
-        from transformers import masking_utils
+        with quiet():  # transformers' submodule imports torch's and torchao's notes with it
+            from transformers import masking_utils
     except ImportError:  # pragma: no cover - transformers is a dependency
         yield
         return

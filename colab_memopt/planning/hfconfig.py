@@ -548,7 +548,8 @@ def recipe_settings(recipe: Recipe | dict[str, Any], batch: int, seq_len: int) -
     """Return a `Recipe` (at an effective `batch` of `seq_len` tokens) as Hugging Face settings.
 
     {'training_args': SFTConfig / TrainingArguments fields, 'lora': LoraConfig fields or None,
-    'bnb': BitsAndBytesConfig fields or None, 'not_expressible': the recipe fields they cannot say}.
+    'bnb': BitsAndBytesConfig fields or None, 'not_expressible': the recipe fields they cannot say, 'install': the
+    pip lines for the packages the recipe's optimizer needs (BAdam, GaLore, APOLLO, torchao, LOMO), else []}.
     A recipe that checkpoints always gets `gradient_checkpointing=True`: every n-th layer and offloaded
     checkpoints go in `gradient_checkpointing_kwargs` where the installed Trainer takes them
     (`trainer_checkpointing_keys`); otherwise the note says what checkpointing every layer changes.
@@ -569,10 +570,16 @@ def recipe_settings(recipe: Recipe | dict[str, Any], batch: int, seq_len: int) -
         missing.append(f"accumulation_steps={rec.accumulation_steps} at batch {batch}: gradient_accumulation_steps="
                        f"{accumulation} of {micro} keeps the batch of {batch} (the Trainer's micro-batches are equal; "
                        f"the recipe's largest was {largest}, so each step holds no more)")
+    install: list[str] = []
+    package = optimizer_package(rec.optimizer)
+    if package is not None:
+        install.append(f"pip install {package}")
     if rec.optimizer in _RECIPE_TO_OPTIM:
         args["optim"] = _RECIPE_TO_OPTIM[rec.optimizer]
     else:
-        missing.append(f"optimizer={rec.optimizer!r} (no Trainer optim; pass it with optimizers=(opt, None))")
+        missing.append(f"optimizer={rec.optimizer!r}: no Trainer optim; build it and pass it to the trainer: "
+                       f"opt = cm.make_optimizer({rec.optimizer!r}, model.parameters(), lr=args.learning_rate, "
+                       "model=model) for args = SFTConfig(...) above; SFTTrainer(..., optimizers=(opt, None))")
     if rec.optimizer_rank is not None:
         missing.append(f"optimizer_rank={rec.optimizer_rank} (the Trainer sets GaLore's / APOLLO's rank through "
                        f"optim_args, e.g. optim_args='rank={rec.optimizer_rank}')")
@@ -616,7 +623,25 @@ def recipe_settings(recipe: Recipe | dict[str, Any], batch: int, seq_len: int) -
     for name, value in rec.changed().items():
         if name not in said:
             missing.append(f"{name}={value!r}")
-    return {"training_args": args, "lora": lora, "bnb": bnb, "not_expressible": missing}
+    return {"training_args": args, "lora": lora, "bnb": bnb, "not_expressible": missing, "install": install}
+
+
+# The optimizers a recipe may name whose code is in a package of their own (name prefix -> pip name): neither torch,
+# transformers nor bitsandbytes has them. transformers' optim='galore_adamw...', 'apollo_adamw', 'lomo' and 'adalomo'
+# import the same packages.
+_OPTIMIZER_PACKAGES = {"badam": "badam", "galore": "galore-torch", "apollo": "apollo-torch", "torchao": "torchao",
+                       "lomo": "lomo-optim", "adalomo": "lomo-optim"}
+
+
+def optimizer_package(optimizer: str) -> str | None:
+    """Return the pip name of the package a recipe's optimizer needs beyond torch, transformers and bitsandbytes
+    ('badam' -> 'badam', 'galore_adamw8bit' -> 'galore-torch'), or None where it needs none."""
+    base = optimizer.removesuffix("_in_backward")
+    for prefix, pip_name in _OPTIMIZER_PACKAGES.items():
+        if base == prefix or base.startswith(prefix + "_"):
+            return pip_name
+    return None
+
 
 
 def save_example_chat_model(family: str, folder: str | Any) -> str:

@@ -22,7 +22,10 @@ ARGUMENT = "prepare_model_for_kbit_training"
 
 
 def _function() -> Any:
-    from peft import prepare_model_for_kbit_training
+    from colab_memopt.core.console import quiet
+
+    with quiet():  # peft's import notes (torchao's): nothing about this run
+        from peft import prepare_model_for_kbit_training
 
     return prepare_model_for_kbit_training
 

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from colab_memopt.core.console import quiet
+
 
 def _version(module: str) -> str:
     import importlib.metadata
@@ -78,13 +80,15 @@ def load_dtype_line(args: Any, model: Any, dtype: Any, loaded: torch.dtype) -> l
         if kwargs.get("dtype", kwargs.get("torch_dtype")) is not None:
             return []
         try:
-            from trl.trainer.utils import create_model_from_path
+            with quiet():  # TRL's import notes: nothing about this run
+                from trl.trainer.utils import create_model_from_path
         except ImportError:  # pragma: no cover - an older TRL
             return [f"load dtype: {name}, TRL {_version('trl')}'s default for a model id (model_init_kwargs names none)"]
         read = _source_default(create_model_from_path, r"""kwargs\.get\(["']dtype["'],\s*["'](\w+)["']\)""")
         said = f"TRL {_version('trl')}'s default for a model id" + ("" if read else " (its documented rule)")
         return [f"load dtype: {read or name}, {said}; set model_init_kwargs={{'dtype': ...}} to change it"]
-    from transformers import PreTrainedModel
+    with quiet():  # transformers' modeling module imports torchao: its notes say nothing here
+        from transformers import PreTrainedModel
 
     read = _source_default(PreTrainedModel.from_pretrained, r"""if dtype is None:\s*dtype = ["'](\w+)["']""")
     how = f"from_pretrained default dtype={read!r}" if read else "from_pretrained default"

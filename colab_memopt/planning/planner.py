@@ -452,6 +452,8 @@ def plan(
         by_phase_category=trace.phase_categories, device_costs=device_costs, host_costs=_host_costs(rec, batch, seq_len, sum(p.numel() for p in estimate._unique(meta_model.parameters()))),
         headroom_fraction=headroom,
         analytic_peak_bytes=analytic.peak_bytes, warnings=warn, optimizer_impl=impl if used == "trace" else "analytic",
+        next_call=(f"cm.recommend({repr(model_factory_arg) if isinstance(model_factory_arg, str) else 'model'}, "
+                   f"{batch}, seq_len={seq_len}, target={tgt.name!r}) picks settings that fit"),
     )
     result.host_costs += _load_costs(spec, rec, tgt)
     if used == "trace":

@@ -79,6 +79,10 @@ class Plan:
     warnings: list[str] = field(default_factory=list)
     optimizer_impl: str = "single-tensor"  # the optimizer implementation traced
     load_costs: list[Cost] = field(default_factory=list)  # the device at the peak of loading (CUDA, 4-bit bases)
+    # how a figure was derived, where nothing is for you to change (a setting planned as set): in explain() only
+    notes: list[str] = field(default_factory=list)
+    # what to call next where the plan does not fit (the call that finds settings that fit), e.g. 'cm.fit_trainer(...)'
+    next_call: str = ""
     defaults: list[str] = field(default_factory=list)  # the installed libraries' defaults assumed, with versions
 
     @property
@@ -181,6 +185,7 @@ class Plan:
             "fits_run": self.fits_run,
             "seconds": self.seconds,
             "warnings": self.warnings,
+            "notes": self.notes,
             "defaults": self.defaults,
             "estimate": self.method == "analytic",
             "estimate_error": self.estimate_error,
@@ -229,6 +234,8 @@ class Plan:
         if self.estimate_error:
             lines += wrap(estimate_line(self.estimate_error))
         lines += warning_lines(self.warnings)
+        if not self.fits and self.next_call:
+            lines += wrap(self.next_call, first="next: ", rest="  ")
         lines.append("where each figure comes from: plan.explain() (command line: --verbose)")
         return "\n".join(lines)
 
@@ -273,4 +280,7 @@ class Plan:
             lines.append(f"largest batch that fits: {self.max_batch}")
         lines += [f"warning: {w}" for w in self.warnings]
         lines += [f"library default assumed: {d}" for d in self.defaults]
+        lines += [f"note: {n}" for n in self.notes]
+        if not self.fits and self.next_call:
+            lines.append(f"next: {self.next_call}")
         return "\n".join(lines)

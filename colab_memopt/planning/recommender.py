@@ -215,7 +215,7 @@ class Recommendation:
     def __str__(self) -> str:
         """Return the answer first: the verdict, the settings to write, the need against the limit, one line per
         figure (at most 100 characters); `explain()` has the reasoning and every candidate."""
-        from colab_memopt.core.wording import call_lines, estimate_line, short, warning_lines, wrap
+        from colab_memopt.core.wording import call_lines, estimate_line, warning_lines, wrap
 
         c, p = self.chosen, self.plan
         mode = _MODE_WORDS.get(self.mode, self.mode)
@@ -223,6 +223,8 @@ class Recommendation:
         lines = wrap(f"{self.model}, batch {self.batch} x {self.seq_len} tokens on {self.target.name}: {mode} fits, "
                      f"need {format_bytes(p.device_need_bytes)} of {format_bytes(p.device_limit_bytes)} usable{how}")
         settings = self.trainer_settings()
+        for line in settings.get("install", []):
+            lines.append(f"install first: {line}")
         lines.append("write these settings (TRL's SFTConfig):")
         lines += call_lines("SFTConfig", settings["training_args"])
         if settings["lora"]:
@@ -243,7 +245,8 @@ class Recommendation:
             lines.append(f"LoRA vs QLoRA, {both}: LoRA {format_bytes(d['lora'])}, QLoRA "
                          f"{format_bytes(d['qlora'])}: " + (f"QLoRA saves {format_bytes(saved)}, slower" if saved > 0
                                                              else f"QLoRA needs {format_bytes(-saved)} more"))
-        lines += [short(r, 100) for r in self.passed_over]
+        for r in self.passed_over:
+            lines += wrap(r)
         lines += warning_lines(self.warnings)
         lines.append(f"why, and the {len(self.candidates)} candidates: rec.explain() (command line: --verbose)")
         return "\n".join(lines)

@@ -39,6 +39,9 @@ from colab_memopt.planning.untraced import (
     math_attention_warning,
 )
 from colab_memopt.planning.hfconfig import check_micro_batch, check_optim, trainer_recipe
+from colab_memopt.core.console import quiet_unless_verbose
+from colab_memopt.planning.longtrace import activation_offload_cost, offloaded_inputs, trl_activation_offloading
+from colab_memopt.techniques.longcontext import LongContext, installed_long_context
 from colab_memopt.core.isolation import isolated, trainer_kept
 from colab_memopt.training.recipe import Recipe
 from colab_memopt.planning.trainertrace import (
@@ -86,6 +89,7 @@ def _target(target: Any) -> Target:
 
 
 @shows_progress("plan_trainer", nested=False)
+@quiet_unless_verbose
 @isolated
 def plan_trainer(
     trainer: Any,
@@ -98,7 +102,9 @@ def plan_trainer(
     headroom: float = DEFAULT_HEADROOM,
     find_max_batch: bool = False,
     dtype: Any = None,
+    verbose: bool = False,
     prepare_model_for_kbit_training: bool | dict[str, Any] = False,
+    long_context: Any = None,
     **changes: Any,
 ) -> Plan:
     """Predict the peak memory of one optimizer step of a Hugging Face Trainer run on a target, without a GPU.
@@ -121,14 +127,24 @@ def plan_trainer(
             Default: what the run loads with none given: `SFTTrainer` given a model id loads it in SFTConfig's
             `model_init_kwargs` dtype, else fp32 (TRL's rule); a model you load yourself (`from_pretrained`,
             transformers 5) comes in its config's dtype. A Trainer's model is planned in the dtypes it holds.
+        verbose: show the libraries' warnings and log notes while planning (torch's, transformers', TRL's,
+            DeepSpeed's); hidden by default, as they say nothing about your run. The plan's own warnings are in
+            `plan.warnings` either way.
         prepare_model_for_kbit_training: with TrainingArguments and bnb: True where you call peft's
             `prepare_model_for_kbit_training(model)` before training, or a dict of the keyword arguments you pass
             it (`{"use_gradient_checkpointing": False}`); the installed peft's function is run on the planned
             model (float32 embeddings, lm_head and norms; its checkpointing). A Trainer's model shows the call.
+        long_context: with TrainingArguments: a `cm.LongContext`, planned as `cm.long_context(trainer, ...)` installs
+            it into the Trainer's model (a Trainer you called it on is planned as it holds it).
         **changes: TrainingArguments fields to change for this plan (what `fit_trainer` tries), e.g.
             `per_device_train_batch_size=2`; the arguments are rebuilt through their class, so what
             `TrainingArguments` refuses is refused (fp16 with bf16), and `deepspeed` / `fsdp`, which the
             plan does not model. A what-if leaves nothing on the Trainer or its model.
+
+    Planning on a machine without a GPU (a laptop, a CPU runtime): `SFTConfig(...)` / `TrainingArguments(...)` with
+    `bf16=True` or `fp16=True` (TRL's SFTConfig sets bf16 by default) raise inside TRL / transformers before this
+    function is reached ("Your setup doesn't support bf16/gpu"). Add `use_cpu=True` to the arguments there: it does
+    not change the plan (the target is planned, not this machine); drop it on Colab.
 
     Returns the same `Plan` as `cm.plan`: `batch` is the effective batch (per-device batch x
     accumulation steps), `recipe` the Recipe these settings amount to (`trainer_recipe`), and
@@ -149,12 +165,15 @@ def plan_trainer(
     optim = check_optim(args.optim)
     if real_trainer is None and model is None:
         raise ValueError("plan_trainer(TrainingArguments) needs model= (a model id, folder, config or name)")
-    given = {k: v for k, v in dict(model=model, lora=lora, bnb=bnb, dtype=dtype).items() if v is not None}
+    given = {k: v for k, v in dict(model=model, lora=lora, bnb=bnb, dtype=dtype, long_context=long_context).items()
+             if v is not None}
     if real_trainer is not None and given:
         raise ValueError(f"a Trainer already holds its model, its peft adapters, their quantization and dtype: leave "
                          f"{' and '.join(f'{k}=' for k in given)} out")
     if real_trainer is None:
         _check_trainable_model(model)
+    if long_context is not None:
+        _check_long_context(long_context, args)
     if isinstance(lora, dict):
         from colab_memopt.planning.hfconfig import read_lora
 
@@ -204,6 +223,11 @@ def plan_trainer(
             built = _buildable(args)
             with _cpu_device_without_index(built):  # the Trainer moves its model to args.device while it is built
                 holder = _fake_trainer(built, model, lora, bnb, seq, mode, dtype, half, prepare)
+            if long_context is not None:
+                from colab_memopt.techniques.longcontext import long_context as install
+
+                with mode:
+                    install(holder.model, long_context)
             if prepare is not None:  # peft's function leaves its own checkpointing on unless told not to
                 own = not args.gradient_checkpointing and _checkpointing_on(holder.model)
                 if own:
@@ -221,14 +245,20 @@ def plan_trainer(
             return _fake_parameters(real_trainer.model, mode, half=half)
 
         if args.fp16 and (found := _half_trainable(holder.model)):
-            warn.append(f"{FP16_TRAP} {len(found)} trainable tensor(s) in "
-                        f"{' and '.join(sorted({str(d).removeprefix('torch.') for d in found.values()}))}: the GradScaler "
-                        "cannot unscale them on a GPU; planned in float32, as MemoryGuardCallback casts them")
+            dtypes = ' and '.join(sorted({str(d).removeprefix('torch.') for d in found.values()}))
+            warn.append(f"{FP16_TRAP} {len(found)} {dtypes} trainable tensor(s): add callbacks=[cm.MemoryGuardCallback()]")
+            warn.append(f"the GradScaler cannot unscale {dtypes} trainable tensors on a GPU: they are planned in float32, "
+                        "as MemoryGuardCallback casts them (planned)")
         micro = int(args.per_device_train_batch_size)
         warn += _position_limit(holder.model, seq)
         trace_notes: list[str] = []
         say(f"tracing one training step: batch {micro} x {seq:,} tokens")
-        with _args_of(holder, args), fakes(), _rows_kept(holder, args, trace_notes), _target_attention(tgt, args) as sdpa:
+        installed = installed_long_context(holder.model)
+        if installed is not None:
+            warn.append(installed.describe() + ": traced")
+        with _args_of(holder, args), fakes(), _rows_kept(holder, args, trace_notes), _target_attention(tgt, args) as sdpa, \
+                trl_activation_offloading(holder, args, cuda=tgt.cuda, notes=trace_notes) as emulated, \
+                offloaded_inputs(holder.model, cuda=tgt.cuda) as long_costs:
             trace, _n = _trace_step(holder, args, micro, seq, cuda=tgt.cuda, mode=mode, notes=trace_notes,
                                     param_names=names)
         trace.hidden_bytes = sdpa.hidden_bytes if sdpa is not None else 0
@@ -267,8 +297,12 @@ def plan_trainer(
         result = Plan(
             model=name, batch=batch, seq_len=seq, recipe=recipe.to_dict(), target=tgt, method="trace",
             peak_bytes=trace.peak_bytes, by_category=trace.by_category, by_phase=trace.by_phase,
-            by_phase_category=trace.phase_categories, device_costs=device_costs, host_costs=_host_costs(recipe, batch, seq),
-            headroom_fraction=headroom, analytic_peak_bytes=0, warnings=warn,
+            by_phase_category=trace.phase_categories, device_costs=device_costs,
+            host_costs=_host_costs(recipe, batch, seq) + long_costs + activation_offload_cost(emulated),
+            headroom_fraction=headroom, analytic_peak_bytes=0,
+            warnings=[w for w in warn if not is_derivation(w)], notes=[w for w in warn if is_derivation(w)],
+            next_call=("cm.fit_trainer(args, model=..., lora=..., target=...) finds the cheapest change that fits"
+                       if real_trainer is None else "cm.fit_trainer(trainer, target=...) finds the cheapest change that fits"),
             optimizer_impl=(f"your {type(given_optimizer).__name__} (optimizers=)" if given_optimizer is not None
                             and not any(n.startswith("your optimizers=") for n in trace_notes)
                             else f"the Trainer's optim={optim!r}") + (" (torch's CUDA choice)" if tgt.cuda else ""),
@@ -277,16 +311,39 @@ def plan_trainer(
                       *(libdefaults.load_dtype_line(args, model, dtype, loaded) if real_trainer is None else [])],
         )
         if find_max_batch:
-            with fakes(), progress("largest batch"):
+            with fakes(), trl_activation_offloading(holder, args, cuda=tgt.cuda, notes=[]), progress("largest batch"):
                 result.max_batch = _max_micro_batch(holder, args, seq, tgt, result, trace, mode, names)
     result.seconds = time.perf_counter() - start
     return result
+
+
+# What plan_trainer says only to show how a figure was derived: a setting planned as it is set, a library's code path
+# traced in its place. Nothing there is for the user to change, so it goes to `plan.notes` (`explain()`), not to the
+# warnings printed first, which each name a setting to change or one the plan cannot follow.
+_DERIVATION_STARTS = ("fp16 autocast is traced as bf16", "TRL's fused LM head is traced", "the model loaded in ",
+                      "optim='adamw_torch_fused': planned with", "attention runs SDPA's math kernel",
+                      "the GradScaler cannot unscale")
+_DERIVATION_ENDS = ("planned as set", "planned as set)", "planned on the modules peft picks for it")
+
+
+def is_derivation(line: str) -> bool:
+    """Return whether a plan_trainer finding only says how a figure was derived (for `plan.notes`, not the warnings)."""
+    return line.startswith(_DERIVATION_STARTS) or line.endswith(_DERIVATION_ENDS)
 
 
 def _matched_lora_targets(model: Any) -> tuple[str, ...]:
     """Return the module names (last part, as LoraConfig's target_modules lists them) peft put adapters on."""
     names = getattr(model, "targeted_module_names", None) or []
     return tuple(sorted({str(n).rsplit(".", 1)[-1] for n in names}))
+
+
+def _check_long_context(value: Any, args: Any) -> None:
+    """Refuse a long_context= that is not a `LongContext`, or settings that checkpoint the layers themselves."""
+    if not isinstance(value, LongContext):
+        raise TypeError(f"long_context must be a cm.LongContext(...), got {type(value).__name__}")
+    if getattr(args, "activation_checkpointing", getattr(args, "gradient_checkpointing", False)):
+        raise ValueError("gradient_checkpointing=True with long_context=: cm.long_context checkpoints the layers "
+                         "itself, with their inputs in host RAM; set gradient_checkpointing=False")
 
 
 def _whole(name: str, value: Any) -> int:

@@ -20,6 +20,7 @@ import torch
 from colab_memopt.planning.prediction import Plan
 from colab_memopt.planning.targets import DEFAULT_HEADROOM, Target
 from colab_memopt.planning.hfconfig import trainer_recipe
+from colab_memopt.core.console import quiet_unless_verbose
 from colab_memopt.core.isolation import isolated
 from colab_memopt.core.progress import say, shows_progress
 from colab_memopt.planning.trainer import (
@@ -358,6 +359,7 @@ def _saves_no_more(idx: tuple[int, ...], than: tuple[int, ...], dims: list[tuple
 
 
 @shows_progress("fit_trainer")
+@quiet_unless_verbose
 @isolated
 def fit_trainer(
     trainer: Any,
@@ -370,6 +372,7 @@ def fit_trainer(
     headroom: float = DEFAULT_HEADROOM,
     max_plans: int = 24,
     dtype: Any = None,
+    verbose: bool = False,
     prepare_model_for_kbit_training: bool | dict[str, Any] = False,
 ) -> TrainerFit:
     """Return the cheapest change to a Trainer's own settings that makes the run fit the target.
@@ -386,7 +389,12 @@ def fit_trainer(
     differing only in `per_device_train_batch_size` predict (linear in it) over the limit. At most `max_plans` plans
     after the first; a built Trainer keeps its model's dtype and quantization. On failure the notes name the
     smallest need reached and what to do next. Arguments as `plan_trainer` (`prepare_model_for_kbit_training`: your
-    call of peft's function, planned in every change set).
+    call of peft's function, planned in every change set; `verbose=True` shows the libraries' notes while planning,
+    hidden by default).
+
+    Planning on a machine without a GPU: an `SFTConfig` with `bf16=True` or `fp16=True` (SFTConfig's default is bf16)
+    raises inside TRL ("Your setup doesn't support bf16/gpu"); add `use_cpu=True` there (it does not change the plan)
+    and drop it on Colab (`fit.apply(args)` keeps what your arguments hold).
 
     Example:
         >>> args = SFTConfig(per_device_train_batch_size=4, max_length=1024)

@@ -564,7 +564,23 @@ def _changed_args(args: Any, changes: dict[str, Any]) -> Any:
                 values[b] = changes[a]
     with warnings.catch_warnings(), _accelerate_state_kept():
         warnings.simplefilter("ignore")  # the aliases' deprecation notes
-        return dataclasses.replace(args, **values)
+        try:
+            return dataclasses.replace(args, **values)
+        except ValueError as err:
+            if NO_GPU_BF16 not in str(err):
+                raise
+            raise ValueError(no_gpu_message(type(args).__name__, changes)) from err
+
+
+NO_GPU_BF16 = "doesn't support bf16/gpu"  # what transformers' TrainingArguments says for bf16=True without a GPU
+
+
+def no_gpu_message(cls: str, changes: dict[str, Any]) -> str:
+    """Return our words for transformers' refusal of bf16=True on a machine without a GPU (planning only)."""
+    setting = ", ".join(f"{k}={v!r}" for k, v in changes.items() if k in ("bf16", "fp16")) or "bf16=True"
+    return (f"{cls}(..., {setting}) cannot be built on this machine without a GPU: TRL / transformers refuse "
+            f"bf16 there (\"Your setup doesn't support bf16/gpu\"). Planning on a machine without a GPU: add "
+            f"use_cpu=True to your {cls}(...); it does not change the plan; drop it on Colab")
 
 
 @contextlib.contextmanager
@@ -597,7 +613,10 @@ _UNPLANNED = {
 def _buildable(args: Any) -> Any:
     """Return the settings the planner's own Trainer is built with: what needs data it does not have (evaluation,
     a conversational dataset for assistant_only_loss) turned off; the training step is the same."""
-    off = {"eval_strategy": "no", "load_best_model_at_end": False, "eval_on_start": False, "assistant_only_loss": False}
+    # activation_offloading: TRL builds its CUDA hooks with the Trainer (and fails without a GPU); the plan traces
+    # them as CUDA runs them (`longtrace.trl_activation_offloading`)
+    off = {"eval_strategy": "no", "load_best_model_at_end": False, "eval_on_start": False, "assistant_only_loss": False,
+           "activation_offloading": False}
     changes = {k: v for k, v in off.items() if hasattr(args, k) and str(getattr(getattr(args, k), "value", getattr(args, k)))
                != str(v)}
     return _changed_args(args, changes) if changes else args

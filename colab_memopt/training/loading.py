@@ -359,9 +359,10 @@ def _bnb_4bit_targets(net: nn.Module, skip_modules: list[str] | None) -> set[str
     (`replace_with_bnb_linear`: every nn.Linear or Conv1D but `get_keys_to_not_convert`'s output embedding, tied and
     last modules, or only `llm_int8_skip_modules` where given, and `_keep_in_fp32_modules`)."""
     try:
-        from transformers.pytorch_utils import Conv1D
-        from transformers.quantizers.base import get_keys_to_not_convert
-        from transformers.quantizers.quantizers_utils import should_convert_module
+        with quiet():  # transformers' submodules import torchao, whose notes say nothing about this load
+            from transformers.pytorch_utils import Conv1D
+            from transformers.quantizers.base import get_keys_to_not_convert
+            from transformers.quantizers.quantizers_utils import should_convert_module
 
         skip = list(get_keys_to_not_convert(net)) if skip_modules is None else list(skip_modules)
     except (ImportError, AttributeError):  # another transformers: the output embedding only
@@ -685,7 +686,8 @@ def _adapter_folder(adapter: Any) -> Path:
 
 def read_adapter_config(adapter: str | os.PathLike[str]) -> Any:
     """Return the peft LoraConfig of an adapter folder; refuse one load_model cannot rebuild, naming what to use."""
-    from peft import LoraConfig
+    with quiet():  # peft's import notes (torchao's): nothing about this adapter
+        from peft import LoraConfig
 
     from colab_memopt.core.fileio import read_json
 
@@ -709,7 +711,8 @@ def read_adapter_config(adapter: str | os.PathLike[str]) -> Any:
 def load_adapter_weights(model: nn.Module, adapter: str | os.PathLike[str]) -> None:
     """Load an adapter folder's trained LoRA weights into the adapters `model` holds (`add_lora`'s); refuse, naming
     them, tensors the model has no place for or adapters the folder does not fill."""
-    from peft import set_peft_model_state_dict
+    with quiet():  # peft's import notes (torchao's): nothing about this adapter
+        from peft import set_peft_model_state_dict
 
     folder = _adapter_folder(adapter)
     files = [folder / name for name in ("adapter_model.safetensors", "adapter_model.bin") if (folder / name).is_file()]

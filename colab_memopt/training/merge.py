@@ -190,7 +190,10 @@ def _pattern_value(patterns: Mapping[str, Any], module: str, default: Any) -> An
     """Return peft's per-module rank or alpha: the first pattern key that matches the module's name's end."""
     if not patterns:
         return default
-    from peft.utils.other import get_pattern_key  # imported only here: peft imports transformers (seconds)
+    from colab_memopt.core.console import quiet
+
+    with quiet():  # imported only here: peft imports transformers (seconds) and torchao, whose notes say nothing
+        from peft.utils.other import get_pattern_key
 
     key = get_pattern_key(list(patterns), module)
     return patterns.get(key, default)

@@ -1,0 +1,64 @@
+"""How long a context an 8B QLoRA `SFTTrainer` run takes on a T4, planned by trace with settings a Trainer user writes.
+
+    python benchmarks/trainer_long_context.py SEQ:INTERVAL [SEQ:INTERVAL ...]
+
+Plans (`cm.plan_trainer`, target 't4', 14.56 GiB, Colab's host RAM) Llama-3.1-8B's shape (random weights on fake
+tensors) loaded in 4 bits (nf4, fp16 compute, double quantization) with LoRA r=16 on all linear layers, batch 1,
+fp16=True, TRL's loss as installed, `gradient_checkpointing=False` and `cm.LongContext(checkpoint_interval=INTERVAL)`
+(offloaded layer inputs, MLP and RMSNorm by tiles of 4,096 tokens, K/V repeated before SDPA), for each SEQ:INTERVAL.
+Writes benchmarks/results/trainer_long_context.json (one row per length: fits, device need and limit, host need and
+limit, by category, planning seconds on this CPU). One process per row is not needed: rows run in turn.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+import colab_memopt as cm
+
+OUT = Path(__file__).resolve().parent / "results" / "trainer_long_context.json"
+
+
+def plan_row(seq: int, interval: int) -> dict:
+    from peft import LoraConfig
+    from transformers import BitsAndBytesConfig
+    from trl import SFTConfig
+
+    args = SFTConfig(output_dir="/tmp/colab_memopt_long_context", per_device_train_batch_size=1, max_length=seq,
+                     use_cpu=True, gradient_checkpointing=False, fp16=True, report_to=[],
+                     model_init_kwargs={"dtype": "float16"})
+    lora = LoraConfig(r=16, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM")
+    bnb = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float16,
+                             bnb_4bit_use_double_quant=True)
+    start = time.perf_counter()
+    p = cm.plan_trainer(args, model="llama-3.1-8b", lora=lora, bnb=bnb, target="t4",
+                        long_context=cm.LongContext(checkpoint_interval=interval))
+    return {"seq_len": seq, "checkpoint_interval": interval, "fits": p.fits, "fits_device": p.fits_device,
+            "fits_host": p.fits_host, "device_need_bytes": p.device_need_bytes,
+            "device_limit_bytes": p.device_limit_bytes, "host_need_bytes": p.host_need_bytes,
+            "host_limit_bytes": p.host_limit_bytes, "by_category": p.by_category,
+            "host_costs": {c.name: c.bytes for c in p.host_costs}, "plan_seconds": round(time.perf_counter() - start, 1)}
+
+
+def main(argv: list[str]) -> None:
+    for spec in argv:
+        seq, interval = (int(x) for x in spec.split(":"))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            row = plan_row(seq, interval)
+        print(json.dumps({k: v for k, v in row.items() if k != "by_category"}))
+        rows = json.loads(OUT.read_text())["rows"] if OUT.exists() else []  # read now: another run may have written
+        rows = [r for r in rows if (r["seq_len"], r["checkpoint_interval"]) != (seq, interval)] + [row]
+        rows.sort(key=lambda r: (r["seq_len"], r["checkpoint_interval"]))
+        OUT.write_text(json.dumps({"machine": "2-core shared CPU, fake tensors", "target": "t4", "rows": rows},
+                                  indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
