@@ -1,3 +1,4 @@
+import os
 import sys
 
 import pytest
@@ -166,3 +167,39 @@ def test_zero_engine_applies_the_recipe_and_measure_step_reads_its_buffers():
         assert abs(got["held"]["optimizer_state"] - 12 * 120_576) <= 16  # (and the step counter)
         assert got["measured"]["parameters"] == got["held"]["parameters"] == 4 * 120_576
         assert got["peak"] >= 4 * zero.DEFAULT_BUCKET_ELEMENTS  # the reduce bucket, whatever the model's size
+
+
+def test_a_lock_left_by_a_cut_short_op_build_is_removed_and_a_fresh_one_kept(tmp_path, monkeypatch):
+    """A cpu_adam build killed part-way (a restarted runtime) leaves `lock` in its build folder, and torch's loader
+    waits on it without a limit: notebook 10 hung on one here. A leftover is removed, naming it; a build in progress
+    (a young lock) is left alone; no lock, nothing done."""
+    import os
+    import time
+    import warnings
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    assert zero.build_directory("cpu_adam") == tmp_path / "cpu_adam"
+    assert zero.clear_stale_build_lock("cpu_adam") is None  # no folder, no lock: nothing created either
+    assert not (tmp_path / "cpu_adam").exists()
+    lock = tmp_path / "cpu_adam" / "lock"
+    lock.parent.mkdir()
+    lock.touch()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert zero.clear_stale_build_lock("cpu_adam") is None and lock.exists()  # a build in progress
+    old = time.time() - zero.STALE_BUILD_LOCK_SECONDS - 60
+    os.utime(lock, (old, old))
+    with pytest.warns(UserWarning, match=r"removed .*cpu_adam/lock: a build of DeepSpeed's cpu_adam was cut short 16 min"):
+        assert zero.clear_stale_build_lock("cpu_adam") == lock
+    assert not lock.exists()
+
+
+def test_the_default_build_folder_is_torchs(monkeypatch):
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    import torch.utils.cpp_extension as cpp
+
+    expected = cpp._get_build_directory("cm_probe_op", False)  # torch's own (it creates the folder: removed after)
+    try:
+        assert str(zero.build_directory("cm_probe_op")) == expected
+    finally:
+        os.rmdir(expected)

@@ -14,6 +14,7 @@ import json
 import os
 import tempfile
 import time
+import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -225,6 +226,51 @@ def init_distributed(rank: int = 0, world_size: int = 1, port: int | None = None
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
 
 
+# torch's JIT loader waits without a limit while a `lock` file sits in the op's build folder; a build killed part-way
+# (a restarted runtime, an interrupted cell) leaves it, and every later run waits forever. A cpu_adam build takes about
+# 45 s to 3 min on 2 cores (FACTS.md): a lock 15 minutes old is a leftover.
+STALE_BUILD_LOCK_SECONDS = 900
+
+
+def build_directory(op: str) -> Path:
+    """Return the folder torch's JIT loader builds a DeepSpeed op in, named as torch.utils.cpp_extension names it
+    (TORCH_EXTENSIONS_DIR/<op>, else ~/.cache/torch_extensions/py3XX_<accelerator>/<op>); nothing is created."""
+    import sys
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if root is None:
+        from torch.utils.cpp_extension import get_default_build_root
+
+        if torch.version.hip is not None:
+            accelerator = f"rocm{torch.version.hip.replace('.', '')}"
+        elif torch.version.cuda is not None:
+            accelerator = f"cu{torch.version.cuda.replace('.', '')}"
+        else:
+            accelerator = "cpu"
+        python = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
+        root = os.path.join(get_default_build_root(), f"{python}_{accelerator}")
+    return Path(root) / op
+
+
+def clear_stale_build_lock(op: str = "cpu_adam", *, older_than_s: float = STALE_BUILD_LOCK_SECONDS) -> Path | None:
+    """Remove the lock a cut-short build of a DeepSpeed op left behind; return its path, or None where there is none.
+
+    A lock older than `older_than_s` seconds is a leftover (a build in progress is younger): removed with a warning
+    naming it, so the op builds again instead of DeepSpeed waiting on it forever. A younger lock is left alone.
+    """
+    lock = build_directory(op) / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return None
+    if age < older_than_s:
+        return None
+    lock.unlink(missing_ok=True)
+    warnings.warn(f"removed {lock}: a build of DeepSpeed's {op} was cut short {age / 60:.0f} min ago and left it "
+                  "(DeepSpeed would wait on it forever); the op builds again now", stacklevel=2)
+    return lock
+
+
 def initialize(model: torch.nn.Module, recipe: ZeroFields, **config_kwargs: Any) -> tuple[Any, Any]:
     """Wrap the model in a DeepSpeed engine for the recipe; return (engine, the engine's optimizer).
 
@@ -242,6 +288,7 @@ def initialize(model: torch.nn.Module, recipe: ZeroFields, **config_kwargs: Any)
         with quiet():  # the library's import notes (torchao's, DeepSpeed's): nothing about this run
             from deepspeed.ops.adam import DeepSpeedCPUAdam
 
+        clear_stale_build_lock("cpu_adam")
         optimizer = DeepSpeedCPUAdam(params, lr=recipe.lr, weight_decay=0.01, adamw_mode=True)
     else:
         optimizer = torch.optim.AdamW(params, lr=recipe.lr, weight_decay=0.01)
