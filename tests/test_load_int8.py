@@ -319,30 +319,32 @@ def test_probe4_too_little_host_ram_is_said_before_any_file_is_read(tied, tmp_pa
     folder = _save(small_config("llama", hidden_size=512, intermediate_size=1536, vocab_size=8192,
                                 num_hidden_layers=6), tmp_path / "big", "2GB")
     assert (folder / "model.safetensors").stat().st_size > 40e6
-    code = textwrap.dedent(f"""
-        import resource, psutil, torch, accelerate, transformers, colab_memopt as cm
-        from colab_memopt import loading
-        from colab_memopt.techniques import int8train
-        recipe = cm.Recipe(weight_dtype="int8", optimizer="adalomo", precision="bf16")
-        loading.load_host_bytes({str(folder)!r}, recipe, "cpu")  # the libraries imported before the limit
-        transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained({str(folder)!r}).__class__(
-            vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=1, num_attention_heads=1))
-        limit = psutil.Process().memory_info().vms + 24 * 2**20
-        resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
-        for load in (lambda: cm.load_int8({str(folder)!r}, device="cpu"),
-                     lambda: cm.load_model({str(folder)!r}, recipe, "cpu")):
+    lines, outputs = [], []
+    for call in ("cm.load_int8({folder!r}, device='cpu')", "cm.load_model({folder!r}, recipe, 'cpu')"):
+        # each load in its own process with 24 MiB left: a first load's imports would eat the second one's room
+        code = textwrap.dedent(f"""
+            import resource, psutil, torch, accelerate, transformers, colab_memopt as cm
+            from colab_memopt import loading
+            from colab_memopt.techniques import int8train
+            recipe = cm.Recipe(weight_dtype="int8", optimizer="adalomo", precision="bf16")
+            loading.load_host_bytes({str(folder)!r}, recipe, "cpu")  # the libraries imported before the limit
+            transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained({str(folder)!r}).__class__(
+                vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=1, num_attention_heads=1))
+            limit = psutil.Process().memory_info().vms + 24 * 2**20
+            resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
             try:
-                load()
+                {call.format(folder=str(folder))}
                 print("loaded")
             except MemoryError as exc:
                 print("MemoryError:", exc)
             except Exception as exc:
                 print(type(exc).__name__ + ":", exc)
-    """)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
-    lines = [line for line in out.stdout.splitlines() if line.startswith(("MemoryError", "ValueError", "loaded"))]
-    assert len(lines) == 2, out.stdout + out.stderr[-2000:]
+        """)
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                             env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
+        outputs.append(out.stdout + out.stderr[-2000:])
+        lines += [line for line in out.stdout.splitlines() if line.startswith(("MemoryError", "ValueError", "loaded"))]
+    assert len(lines) == 2, "\n".join(outputs)
     for line in lines:
         assert re.match(r"MemoryError: loading \S+ to cpu needs about .* of host RAM and this process has .* left",
                         line), line

@@ -298,7 +298,8 @@ def test_probe4_a_regex_target_modules_gives_the_modules_peft_matched():
     plan = cm.plan_trainer(sft(), model=LlamaConfig(**CFG), target="cpu",
                            lora=LoraConfig(r=4, target_modules=r".*\.(q|v)_proj", task_type="CAUSAL_LM"))
     assert tuple(plan.recipe["lora_targets"]) == ("q_proj", "v_proj"), plan.recipe
-    assert any("target_modules=" in w and "(q|v)_proj" in w for w in plan.warnings)  # the regex is still named
+    # the regex is still named, in the plan's notes (how it was planned: explain())
+    assert any("target_modules=" in w and "(q|v)_proj" in w for w in plan.notes) and "(q|v)_proj" in plan.explain()
     listed = cm.plan_trainer(sft(), model=LlamaConfig(**CFG), target="cpu",
                              lora=LoraConfig(r=4, target_modules=["v_proj", "q_proj"], task_type="CAUSAL_LM"))
     assert tuple(listed.recipe["lora_targets"]) == ("q_proj", "v_proj") and listed.peak_bytes == plan.peak_bytes

@@ -100,11 +100,11 @@ def cast_weights(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     """Cast `model`'s floating-point parameters and saved buffers to `dtype`, as `from_pretrained(dtype=...)` loads
     them: buffers a checkpoint does not hold (rotary tables' `inv_freq`) keep their dtype, so the model computes as
     it does when its saved weights are loaded again. Return the model."""
-    kept = [(m, name, buf) for m in model.modules() for name, buf in m._buffers.items()
+    kept = [(m, name, buf, buf.dtype) for m in model.modules() for name, buf in m._buffers.items()
             if name in m._non_persistent_buffers_set and buf is not None and buf.is_floating_point()]
     model.to(dtype)
-    for m, name, buf in kept:
-        m._buffers[name] = buf.to(m._buffers[name].device)
+    for m, name, buf, was in kept:  # the dtype it had, not the tensor's: a planner's fake .to() casts in place
+        m._buffers[name] = buf.to(m._buffers[name].device, dtype=was)
     return model
 
 

@@ -345,7 +345,8 @@ def checkpoint_layout(spec: ModelSpec, net: nn.Module, dtype: torch.dtype | None
     value = values.get("dtype") or values.get("torch_dtype")
     value = getattr(torch, value, None) if isinstance(value, str) else value
     if isinstance(value, torch.dtype) and value in ST_NAMES:
-        st, why = ST_NAMES[value], "the config's dtype"
+        st = ST_NAMES[value]
+        why = "as published" if PUBLISHED_DTYPES.get(spec.name) == st else "the config's dtype"  # built-in names carry it
     elif spec.name in PUBLISHED_DTYPES:
         st, why = PUBLISHED_DTYPES[spec.name], "as published"
     else:
