@@ -159,7 +159,12 @@ def test_a_resave_keeps_other_files_and_drops_the_earlier_saves_shards(base, tmp
 
 
 def _save_until_killed(model: torch.nn.Module, out: Path, recipe: cm.Recipe, pipe: int) -> None:
-    """In a forked child: change the trainable weights and save them, again and again; one byte per finished save."""
+    """In a forked child: change the trainable weights and save them, again and again; one byte per finished save.
+
+    No progress bars here: tqdm's write lock is a multiprocessing lock shared with the parent across the fork, and a
+    child killed while holding it (a save's bar) would leave the parent's next from_pretrained waiting on it forever.
+    """
+    transformers.utils.logging.disable_progress_bar()
     try:
         while True:
             with torch.no_grad():
