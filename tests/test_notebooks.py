@@ -192,6 +192,12 @@ STDERR_ALLOWED: tuple[tuple[str, str], ...] = (
      "name, the only one the transformers on Colab knows (5.x accepts it until v6), and peft calls the older one"),
     (r"^\s*(plan|plan_trainer|fit_trainer|recommend|doctor|context|longest sequence|largest batch): ",
      "the package's progress lines: a planning call that runs past 2 s says which plan or check it is on"),
+    (r"UserWarning: Paged optimizers are not supported on CPU\. Falling back to non-paged",
+     "bitsandbytes pages optimizer state on CUDA only: a run on a machine without a GPU says it falls back "
+     "(not shown on Colab's T4)"),
+    (r"mem_tracker\.py:\d+: UserWarning: Expected a tensor or a traceable wrapper-subclass of tensor, but got",
+     "torch's memory tracker notes an optimizer state entry that holds no tensor; nothing to act on (to be "
+     "silenced where the package measures, not yet done)"),
 )
 
 
