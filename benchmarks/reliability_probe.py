@@ -1090,6 +1090,7 @@ def load_rows(fast: bool = True) -> None:
     global GROUP
     GROUP = "load"
     from colab_memopt import loading
+    from colab_memopt.training import checkpoints
     from colab_memopt.techniques.architectures import small_config
 
     def corrupt(row, name, content):
@@ -1125,12 +1126,12 @@ def load_rows(fast: bool = True) -> None:
         "device must be 'cpu' or 'cuda', got 'tpu'")
 
     def low_ram():
-        saved = loading._host_room_bytes
-        loading._host_room_bytes = lambda: 300 * 2**20
+        saved = checkpoints._host_room_bytes
+        checkpoints._host_room_bytes = lambda: 300 * 2**20
         try:
             return cm.load_model("smollm2-135m", None, "cpu")
         finally:
-            loading._host_room_bytes = saved
+            checkpoints._host_room_bytes = saved
     err(219, "load_model('smollm2-135m', None, 'cpu') with 300 MiB of host RAM left", low_ram,
         r"needs about .* of host RAM and this process has 300.00 MiB left", exc=MemoryError)
     del small_config

@@ -770,9 +770,9 @@ def test_qlora_plan_lines_only_where_cuda_runs_a_4bit_base():
 
 
 def test_qlora_from_a_checkpoint_is_quantized_per_tensor_while_loading(monkeypatch):
-    import colab_memopt.training.loading as loading
+    import colab_memopt.training.checkpoints as checkpoints
 
-    monkeypatch.setattr(loading, "has_weights", lambda spec: True)  # as for a hub id: transformers quantizes on load
+    monkeypatch.setattr(checkpoints, "has_weights", lambda spec: True)  # as for a hub id: transformers quantizes on load
     p = planner.plan("small", 2, seq_len=64, recipe={"quantization": "nf4", "lora_rank": 4}, target="t4", find_max_batch=False)
     names = [c.name for c in p.load_costs]
     assert names == ["CUDA context", "loaded 4-bit model", "weight being quantized"]

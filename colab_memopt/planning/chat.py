@@ -273,7 +273,7 @@ def merge_cost(model: Any, dtype: torch.dtype | str = torch.float16, *, r: int =
         tensors = [(k, ST_NAMES.get(p.dtype, "F32"), tuple(p.shape)) for k, p in params.items()]
         source = "the model in memory, its tensors in the dtypes it holds"
     else:
-        from colab_memopt.training.loading import checkpoint_layout
+        from colab_memopt.training.loadplan import checkpoint_layout
 
         tensors, source = checkpoint_layout(spec, net, dtype)
     shard = merge_bytes(tensors, [f"{name}.weight" for name, _ in layers], adapter_bytes, dtype, source)

@@ -404,7 +404,7 @@ def check_host_load(spec: Any, recipe: Recipe, tgt: Target, capability: tuple[in
     checked as transformers runs it: tensor by tensor, each quantized on the GPU as it arrives
     (`loading.quantized_load_bytes`).
     """
-    from colab_memopt.training.loading import load_host_bytes
+    from colab_memopt.training.loadplan import load_host_bytes
 
     native = bool(capability and capability >= (8, 0))
     process = host_memory().rss_bytes
@@ -442,7 +442,7 @@ def _check_four_bit_load(spec: Any, recipe: Recipe, tgt: Target, native: bool, p
                          headroom: float) -> Finding | None:
     """host-ram-load for a 4-bit load: transformers' own path, tensor by tensor (loading.quantized_load_bytes)."""
     from colab_memopt.techniques.architectures import ARCHITECTURES
-    from colab_memopt.training.loading import load_dtype, quantized_load_bytes
+    from colab_memopt.training.loadplan import load_dtype, quantized_load_bytes
 
     dtype = load_dtype(recipe, "cuda" if tgt.cuda else "cpu", native)
     load = quantized_load_bytes(spec, device="cuda" if tgt.cuda else "cpu", dtype=dtype)

@@ -654,7 +654,7 @@ def save_example_chat_model(family: str, folder: str | Any) -> str:
 
     from colab_memopt.techniques import architectures
 
-    from colab_memopt.training import loading
+    from colab_memopt.training.saving import save_random_model
 
     folder = Path(folder)
     vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2, **{chr(i): i for i in range(32, 127)}, "\n": 127}
@@ -665,6 +665,6 @@ def save_example_chat_model(family: str, folder: str | Any) -> str:
                                "{% if add_generation_prompt %}assistant: {% endif %}")
     from colab_memopt.core.fileio import replace_files
 
-    loading.save_random_model(architectures.small_config(family, vocab_size=128, eos_token_id=1, bos_token_id=1), folder)
+    save_random_model(architectures.small_config(family, vocab_size=128, eos_token_id=1, bos_token_id=1), folder)
     replace_files(folder, lambda tmp: tokenizer.save_pretrained(tmp))  # each file whole, the model's files kept
     return str(folder)

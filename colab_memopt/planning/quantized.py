@@ -312,7 +312,8 @@ def _four_bit_numels(meta_model: nn.Module) -> list[int]:
 
 def _four_bit_path(spec: Any, recipe: Recipe, target: Target, meta_model: nn.Module) -> tuple[bool, torch.dtype]:
     """Return (quantized by transformers while loading, the dtype the weights are quantized from and computed in)."""
-    from colab_memopt.training.loading import has_weights, load_dtype
+    from colab_memopt.training.checkpoints import has_weights
+    from colab_memopt.training.loadplan import load_dtype
     from colab_memopt.techniques.precision import BASE_DTYPES
     from colab_memopt.training.presets import BF16_TARGETS
     from colab_memopt.techniques.quantization import linear_layers

@@ -126,7 +126,8 @@ _PINNED_NOTE = ("; each a pinned copy stored in pieces of power-of-two bytes, wh
 def _load_costs(spec: Any, recipe: Recipe, target: Target) -> list[Cost]:
     """Return the host RAM of loading a checkpoint (a hub id, or a folder with weights), by `loading.load_model`'s path;
     with int8 weights by `loading.load_int8`'s, for our names too (their published checkpoints are 16 GB at 8B)."""
-    from colab_memopt.training.loading import has_weights, load_host_bytes
+    from colab_memopt.training.checkpoints import has_weights
+    from colab_memopt.training.loadplan import load_host_bytes
     from colab_memopt.training.presets import BF16_TARGETS
 
     if not has_weights(spec) and not (recipe.weight_dtype == "int8" and spec.config is not None):

@@ -99,25 +99,16 @@ def read_header(path: str | Path) -> tuple[list[TensorEntry], dict[str, str]]:
 
 
 def shard_files(folder: str | Path) -> list[Path]:
-    """Return a safetensors checkpoint's shard files in the order its index names them (or its one file)."""
+    """Return a safetensors checkpoint's shard files, sorted by name (or its one file)."""
+    from colab_memopt.training.checkpoints import no_safetensors, safetensors_index
+
     folder = Path(folder)
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        data = read_json(index)
-        weight_map = data.get("weight_map") if isinstance(data, dict) else None
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise ValueError(f"{index} has no 'weight_map': not a sharded checkpoint's index (a truncated download?)")
-        names = sorted(set(map(str, weight_map.values())))
-        missing = [n for n in names if not (folder / n).is_file()]
-        if missing:
-            raise ValueError(f"{index} names shard(s) {missing[:4]} that are not in {folder} (a partial download?)")
-        return [folder / n for n in names]
+    weight_map = safetensors_index(folder)
+    if weight_map is not None:
+        return [folder / n for n in sorted(set(weight_map.values()))]
     if (folder / "model.safetensors").is_file():
         return [folder / "model.safetensors"]
-    found = sorted(p.name for p in folder.iterdir() if p.suffix in WEIGHT_SUFFIXES) if folder.is_dir() else []
-    raise ValueError(f"{folder} holds no model.safetensors or model.safetensors.index.json"
-                     + (f" (found {found[:4]}: the merge reads safetensors checkpoints; save_pretrained writes them)"
-                        if found else ""))
+    raise no_safetensors(folder, "the merge", WEIGHT_SUFFIXES)
 
 
 def base_folder(base: str | os.PathLike[str]) -> Path:
