@@ -374,3 +374,71 @@ def test_recommend_prints_the_install_line_before_the_settings():
     assert lines[1] == "install first: pip install badam" and lines[2].startswith("write these settings"), lines[:3]
     assert any("cm.make_optimizer('badam'" in line for line in lines)
     assert all(len(line) <= 100 for line in lines)
+
+
+# -- what recommend prints is the run it planned -----------------------------------------------------------------------
+
+def _printed_calls(text: str) -> dict[str, dict]:
+    """Return the SFTConfig / LoraConfig / BitsAndBytesConfig calls a printout holds, each as the keywords it passes
+    (the printed code run as written, with each class replaced by a function that returns its keywords)."""
+    import re
+
+    calls = {}
+    for name in ("SFTConfig", "LoraConfig", "BitsAndBytesConfig"):
+        start = text.find(f"{name}(")
+        if start < 0:
+            continue
+        depth, end = 0, start
+        for end in range(start, len(text)):
+            depth += {"(": 1, ")": -1}.get(text[end], 0)
+            if depth == 0 and text[end] == ")":
+                break
+        code = re.sub(r"\s+", " ", text[start:end + 1])
+        calls[name] = eval(code, {name: lambda **kw: kw})  # noqa: S307 - our own printout
+    return calls
+
+
+def _printed_need(text: str) -> int:
+    import re
+
+    value, unit = re.search(r"need\s+([\d.]+)\s+(KiB|MiB|GiB)\s+of", text).groups()
+    return int(float(value) * {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30}[unit])
+
+
+@pytest.fixture(scope="module")
+def llama_folder(tmp_path_factory):
+    """A tiny Llama saved as a model folder: the route of a model id (SFTTrainer loads it by model_init_kwargs)."""
+    from transformers import LlamaConfig
+
+    path = tmp_path_factory.mktemp("rec") / "tiny-llama"
+    LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=512).save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.parametrize("mode", ["full", "lora", "qlora"])
+def test_every_printed_setting_applied_as_printed_plans_to_the_printed_need(llama_folder, mode):
+    """Issue 46: the SFTConfig, LoraConfig and BitsAndBytesConfig recommend prints, run as printed and planned with
+    plan_trainer, need what recommend printed (within 1%; the printout rounds to 0.01 MiB). recommend plans its
+    own loop first; SFTTrainer's step holds more (its loss and the metrics it computes from the logits)."""
+    from colab_memopt.planning.hfconfig import read_training_config
+
+    pytest.importorskip("trl")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        rec = recommend(llama_folder, 4, seq_len=128, target="t4", mode=mode)
+    text = str(rec)
+    calls = _printed_calls(text)
+    assert "SFTConfig" in calls and ("LoraConfig" in calls) == (mode != "full") and ("BitsAndBytesConfig" in calls) == (mode == "qlora"), text
+    assert "what no Trainer setting says" not in text, text  # every setting of this recipe is a Trainer setting
+    config = read_training_config(calls["SFTConfig"], lora=calls.get("LoraConfig"), bnb=calls.get("BitsAndBytesConfig"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        again = cm.plan_trainer(config.args, model=llama_folder, lora=config.lora, bnb=config.bnb, target="t4")
+    printed = _printed_need(text)
+    assert abs(again.device_need_bytes - printed) <= 0.01 * printed, (again.device_need_bytes, printed, text)
+    assert again.fits
+    # LoRA against QLoRA side by side: both planned as the SFTTrainer runs them, so the chosen one's figure is its need
+    if mode != "full":
+        d = rec.lora_vs_qlora
+        assert d["method"] == "traced" and d[mode] == rec.plan.device_need_bytes

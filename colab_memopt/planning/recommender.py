@@ -97,6 +97,7 @@ class Candidate:
     plan: Plan | None = None
     analytic_host_bytes: int = 0  # host RAM the recipe adds (offloaded checkpoints), screened against host_limit_bytes
     host_limit_bytes: int | None = None
+    as_trainer: bool = False  # whether `plan` is its printed Trainer settings planned by plan_trainer
 
     @property
     def need_bytes(self) -> int:
@@ -165,14 +166,7 @@ class Recommendation:
     def trainer_settings(self) -> dict[str, Any]:
         """Return the chosen recipe as Trainer settings: {'training_args': SFTConfig fields, 'lora': LoraConfig fields
         or None, 'bnb': BitsAndBytesConfig fields or None, 'not_expressible': what they cannot say} (`trainer.recipe_settings`)."""
-        from colab_memopt.planning.hfconfig import recipe_settings
-
-        settings = recipe_settings(self.recipe, self.batch, self.seq_len)
-        # The recipe's lr is the planner's default (lr plays no part in memory): a Trainer gets the rate for its mode
-        # (2e-4 for LoRA / QLoRA adapters, 2e-5 for full fine-tuning; `finetune_lr`), never 1e-3 for a full fine-tune.
-        if self.recipe.lr == Recipe().lr and self.recipe.optimizer.startswith(_ADAM_LIKE_PREFIXES):
-            settings["training_args"]["learning_rate"] = finetune_lr(self.recipe)
-        return settings
+        return trainer_settings(self.recipe, self.batch, self.seq_len)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -217,7 +211,7 @@ class Recommendation:
         figure (at most 100 characters); `explain()` has the reasoning and every candidate."""
         from colab_memopt.core.wording import call_lines, estimate_line, warning_lines, wrap
 
-        c, p = self.chosen, self.plan
+        p = self.plan
         mode = _MODE_WORDS.get(self.mode, self.mode)
         how = "" if p.method == "trace" else " (ESTIMATE, not traced)"
         lines = wrap(f"{self.model}, batch {self.batch} x {self.seq_len} tokens on {self.target.name}: {mode} fits, "
@@ -446,18 +440,24 @@ def _longest_context_round(factory: Any, arch: str | None, batch: int, seq_len: 
 
 
 def _side_by_side(chosen: Candidate, meta_model: nn.Module, batch: int, seq_len: int, fixed: int, *, model: Any = None,
-                  target: Any = None, headroom: float = DEFAULT_HEADROOM, method: str = "auto") -> dict[str, Any] | None:
+                  target: Any = None, headroom: float = DEFAULT_HEADROOM, method: str = "auto",
+                  trainer_model: Any = None) -> dict[str, Any] | None:
     """Return LoRA's and QLoRA's needs for the chosen recipe, planned the same way (QLoRA often saves less than
     expected): {'lora', 'qlora': bytes, 'method': 'traced' or 'analytic estimate', 'line': the reasoning line}.
 
-    The other one is traced when the chosen one was (trace against trace); where it cannot be, or the chosen one is
-    an estimate, both are the analytic estimate: never a trace against an estimate."""
+    The other one is traced when the chosen one was (trace against trace), as the SFTTrainer runs its printed settings
+    where the chosen one was (`trainer_model`); where it cannot be, or the chosen one is an estimate, both are the
+    analytic estimate: never a trace against an estimate."""
     r = chosen.recipe
     if not r.lora_rank:
         return None
     other = r.with_(quantization=None) if r.quantization is not None else r.with_(quantization="nf4")
     need, other_need, how = None, None, "analytic estimate"
-    if chosen.plan is not None and chosen.plan.method == "trace" and model is not None and method != "analytic":
+    if trainer_model is not None:
+        other_plan = _trainer_plan(trainer_model, other, batch, seq_len, target, headroom)
+        if other_plan is not None and other_plan.method == "trace":
+            need, other_need, how = chosen.plan.device_need_bytes, other_plan.device_need_bytes, "traced"
+    elif chosen.plan is not None and chosen.plan.method == "trace" and model is not None and method != "analytic":
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
@@ -516,6 +516,8 @@ def _recommend_mode(
     limit = int(tgt.device_bytes * (1 - headroom))
     fixed = tgt.cuda_context_bytes if tgt.cuda else 0
     arch = name if not callable(model) else None  # named, id, folder or config: LoRA targets by family
+    # A transformers model (a name, an id, a folder or a config): the printed settings are planned with plan_trainer
+    trainer_model = model if not callable(model) and architectures.resolve_model(model).config is not None else None
     host_limit = int(tgt.host_bytes * (1 - headroom))
 
     def screened(recipes: list[Recipe]) -> list[Candidate]:
@@ -588,6 +590,18 @@ def _recommend_mode(
             if method != "analytic" and c.plan.method == "analytic":
                 why = next((w for w in c.plan.warnings if "analytic estimate" in w), "the step was not traced")
                 reasoning.append(f"  fell back from the trace to the analytic estimate: {why}")
+            if c.plan.fits and trainer_model is not None and c.plan.method == "trace":
+                # What is printed is SFTConfig / LoraConfig / BitsAndBytesConfig: plan those as the SFTTrainer runs
+                # them (its loss, its metrics on the logits, its dtype rules), and answer with that plan.
+                say(f"{_MODE_WORDS.get(mode, mode)}: plan {planned} as your SFTTrainer runs it: {c.name}")
+                loop_need = c.plan.device_need_bytes
+                as_trainer = _trainer_plan(trainer_model, c.recipe, batch, seq_len, tgt, headroom)
+                if as_trainer is not None:
+                    c.plan, c.as_trainer = as_trainer, True
+                    reasoning.append(f"  its printed settings, planned as the SFTTrainer runs them (plan_trainer): need "
+                                     f"{format_bytes(c.plan.device_need_bytes)} (colab_memopt's own loop: "
+                                     f"{format_bytes(loop_need)}) -> " + ("fits" if c.plan.fits else
+                                                                          f"short by {format_bytes(c.short_bytes)}"))
             if c.plan.fits:
                 found = c
                 break
@@ -632,11 +646,41 @@ def _recommend_mode(
     reasoning.append(f"chosen: {chosen.name}, step time x{chosen.slowdown.ratio:.2f} of an fp32 AdamW step"
                      + (f" (not measured: {chosen.slowdown.unmeasured}, counted as 1.0)" if chosen.slowdown.unmeasured else ""))
     side = _side_by_side(chosen, meta_model, batch, seq_len, fixed, model=factory if callable(model) else model,
-                         target=tgt, headroom=headroom, method=method)
+                         target=tgt, headroom=headroom, method=method,
+                         trainer_model=trainer_model if chosen.as_trainer else None)
     if side:
         reasoning.append(side["line"])
     return Recommendation(name, batch, seq_len, mode, objective, tgt, chosen, cands, costs.device, reasoning, costs,
                           lora_vs_qlora={k: v for k, v in side.items() if k != "line"} if side else None)
+
+
+def trainer_settings(recipe: Recipe, batch: int, seq_len: int) -> dict[str, Any]:
+    """Return a recipe as the Trainer settings `recommend` prints (`hfconfig.recipe_settings`), with the learning
+    rate for its mode: the recipe's lr is the planner's default (lr plays no part in memory), so a Trainer gets
+    2e-4 for LoRA / QLoRA adapters and 2e-5 for full fine-tuning (`finetune_lr`), never 1e-3 for a full fine-tune."""
+    from colab_memopt.planning.hfconfig import recipe_settings
+
+    settings = recipe_settings(recipe, batch, seq_len)
+    if recipe.lr == Recipe().lr and recipe.optimizer.startswith(_ADAM_LIKE_PREFIXES):
+        settings["training_args"]["learning_rate"] = finetune_lr(recipe)
+    return settings
+
+
+def _trainer_plan(model: Any, recipe: Recipe, batch: int, seq_len: int, target: Target, headroom: float) -> Plan | None:
+    """Return the plan of `recipe`'s printed settings as TRL's SFTTrainer runs them (`plan_trainer` on the SFTConfig,
+    LoraConfig and BitsAndBytesConfig `recommend` prints), or None where those settings cannot say the whole recipe
+    (the printout then names what colab_memopt's own loop adds, and the loop's plan stands)."""
+    from colab_memopt.planning.hfconfig import read_training_config
+    from colab_memopt.planning.trainer import plan_trainer
+
+    settings = trainer_settings(recipe, batch, seq_len)
+    if settings["not_expressible"] or settings["install"]:  # a package this machine may not have: the loop's plan
+        return None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the plan keeps its own warnings; the arguments' deprecation notes are ours
+        config = read_training_config(dict(settings["training_args"]), lora=settings["lora"], bnb=settings["bnb"])
+        return plan_trainer(config.args, model=model, lora=config.lora, bnb=config.bnb, target=target,
+                            headroom=headroom)
 
 
 # Starting learning rates for fine-tuning a pretrained model with an AdamW-like optimizer, by what trains:
