@@ -23,6 +23,11 @@ from trl import SFTConfig  # noqa: E402
 
 import colab_memopt as cm  # noqa: E402
 from colab_memopt.core.isolation import neutral_process_state, throwaway_scaler, trainer_kept  # noqa: E402
+from colab_memopt.techniques.architectures import small_config  # noqa: E402
+
+# The settings planned below: a small Llama in bf16 (as the built-in names load), 4 layers (the modes are what is
+# tested; a 30-layer model only made each plan take 20 s)
+LLAMA = small_config("llama", num_hidden_layers=4, dtype="bfloat16")
 
 
 def _scaled_sft(**changes):
@@ -211,7 +216,7 @@ def unplanned():
     args = SFTConfig("/tmp/cm_isolation", per_device_train_batch_size=2, max_length=64, use_cpu=True, bf16=False,
                      fp16=True, report_to=[])
     lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
-    trainer_plan = cm.plan_trainer(args, model="smollm2-135m", lora=lora, target="t4")
+    trainer_plan = cm.plan_trainer(args, model=LLAMA, lora=lora, target="t4")
     return plan.peak_bytes, trainer_plan.step_peak_bytes, args, lora
 
 
@@ -220,7 +225,7 @@ def test_a_plan_depends_only_on_its_arguments_not_on_the_process_modes(state, un
     bytes_plan, bytes_trainer, args, lora = unplanned
     with _STATES[state]():
         got = cm.plan("small", 4, seq_len=128, target="t4", find_max_batch=False, method="trace").peak_bytes
-        got_trainer = cm.plan_trainer(args, model="smollm2-135m", lora=lora, target="t4").step_peak_bytes
+        got_trainer = cm.plan_trainer(args, model=LLAMA, lora=lora, target="t4").step_peak_bytes
         still = (torch.get_default_dtype(), torch.is_grad_enabled(), torch.is_inference_mode_enabled())
     assert got == bytes_plan
     assert got_trainer == bytes_trainer
@@ -255,7 +260,7 @@ def test_settings_plans_keep_the_rngs_although_a_trainer_seeds_the_process(unpla
     torch.manual_seed(1)
     random.seed(1)
     python_before = random.getstate()
-    cm.plan_trainer(args, model="smollm2-135m", lora=lora, target="t4")
+    cm.plan_trainer(args, model=LLAMA, lora=lora, target="t4")
     assert torch.equal(torch.rand(4), expected)
     assert random.getstate() == python_before
 
@@ -272,6 +277,6 @@ def test_settings_plan_leaves_the_arguments_as_given(unplanned):
     _, _, args, lora = unplanned
     before = {k: repr(v) for k, v in vars(args).items()}
     lora_before = repr(lora)
-    cm.plan_trainer(args, model="smollm2-135m", lora=lora, target="t4", per_device_train_batch_size=1)
+    cm.plan_trainer(args, model=LLAMA, lora=lora, target="t4", per_device_train_batch_size=1)
     assert {k: repr(v) for k, v in vars(args).items()} == before and repr(lora) == lora_before
     assert isinstance(args, TrainingArguments)

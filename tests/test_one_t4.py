@@ -71,35 +71,40 @@ def _need(text: str) -> str:
     return found.group(0)
 
 
-def test_doctor_plans_a_trainer_run_as_plan_trainer_and_a_recipe_as_plan(capsys):
+def test_doctor_plans_a_trainer_run_as_plan_trainer_and_a_recipe_as_plan(capsys, tmp_path):
     """issue 43.4 / 45.5: for one run, the doctor's device need is plan_trainer's (Trainer settings) or plan's
     (a Recipe), figure for figure, in Python and on the command line."""
     from peft import LoraConfig
     from trl import SFTConfig
 
     from colab_memopt.planning.doctor import doctor
+    from colab_memopt.techniques.architectures import small_config
     from colab_memopt.tooling.cli import main
+
+    # a small Llama saved as a model folder (the route of a model id): the figures, not the model's size, are tested
+    small_config("llama", num_hidden_layers=4, dtype="bfloat16").save_pretrained(tmp_path / "llama")
+    model = str(tmp_path / "llama")
 
     args = SFTConfig("/tmp/cm_one_t4_doctor", per_device_train_batch_size=2, gradient_accumulation_steps=2,
                      max_length=64, use_cpu=True, report_to=[], fp16=False)
     lora = LoraConfig(r=8, target_modules=["q_proj", "v_proj"])
-    planned = cm.plan_trainer(args, model="smollm2-135m", lora=lora, target="t4")
-    checked = doctor("smollm2-135m", recipe=args, lora=lora, target="t4")
+    planned = cm.plan_trainer(args, model=model, lora=lora, target="t4")
+    checked = doctor(model, recipe=args, lora=lora, target="t4")
     assert (checked.plan.device_need_bytes, checked.plan.device_limit_bytes, checked.plan.batch, checked.plan.seq_len) \
         == (planned.device_need_bytes, planned.device_limit_bytes, 4, 64)
     assert "does-not-fit" in checked.checked and _need(str(checked)) == _need(str(planned))
     with pytest.raises(ValueError, match="batch=2: with a Trainer or TrainingArguments the batch is theirs"):
-        doctor("smollm2-135m", recipe=args, lora=lora, target="t4", batch=2)
+        doctor(model, recipe=args, lora=lora, target="t4", batch=2)
 
     recipe = cm.Recipe(precision="fp16-autocast", lora_rank=8, base_dtype="fp16", checkpointing="full")
-    argv = ["--model", "smollm2-135m", "--batch", "2", "--seq", "64", "--target", "t4", "--recipe",
+    argv = ["--model", model, "--batch", "2", "--seq", "64", "--target", "t4", "--recipe",
             "precision=fp16-autocast", "lora_rank=8", "base_dtype=fp16", "checkpointing=full"]
     main(["plan", *argv, "--no-max-batch"])
     plan_out = capsys.readouterr().out
     main(["doctor", *argv])
     doctor_out = capsys.readouterr().out
-    planned = cm.plan("smollm2-135m", 2, seq_len=64, recipe=recipe, target="t4", find_max_batch=False)
-    checked = doctor("smollm2-135m", recipe=recipe, target="t4", batch=2, seq_len=64)
+    planned = cm.plan(model, 2, seq_len=64, recipe=recipe, target="t4", find_max_batch=False)
+    checked = doctor(model, recipe=recipe, target="t4", batch=2, seq_len=64)
     assert checked.plan.device_need_bytes == planned.device_need_bytes
     assert _need(doctor_out) == _need(plan_out) == _need(str(planned)) == _need(str(checked))
 
