@@ -195,9 +195,6 @@ STDERR_ALLOWED: tuple[tuple[str, str], ...] = (
     (r"UserWarning: Paged optimizers are not supported on CPU\. Falling back to non-paged",
      "bitsandbytes pages optimizer state on CUDA only: a run on a machine without a GPU says it falls back "
      "(not shown on Colab's T4)"),
-    (r"mem_tracker\.py:\d+: UserWarning: Expected a tensor or a traceable wrapper-subclass of tensor, but got",
-     "torch's memory tracker notes an optimizer state entry that holds no tensor; nothing to act on (to be "
-     "silenced where the package measures, not yet done)"),
 )
 
 

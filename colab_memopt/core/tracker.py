@@ -21,7 +21,9 @@ after an error, which would make an emulated OOM leak; `LiveBytesMode` has no su
 
 from __future__ import annotations
 
+import contextlib
 import math
+import warnings
 import weakref
 from typing import Any
 
@@ -155,7 +157,8 @@ class TensorTracker(MemTracker):
     def track_external(self, *external: Any) -> None:
         self._round_like_cuda(True)
         try:
-            super().track_external(*external)
+            with _quiet_storage_walk():
+                super().track_external(*external)
         finally:
             self._round_like_cuda(False)
 
@@ -167,14 +170,17 @@ class TensorTracker(MemTracker):
             raise ValueError(f"category must be one of {CATEGORIES}, got {category!r}")
         self._round_like_cuda(True)
         try:
-            for t in tensors:
-                if isinstance(t, torch.Tensor) and not t.is_meta and t.untyped_storage().nbytes():
-                    self._update_and_maybe_create_winfos(t, reftype)
+            with _quiet_storage_walk():
+                for t in tensors:
+                    if isinstance(t, torch.Tensor) and not t.is_meta and t.untyped_storage().nbytes():
+                        self._update_and_maybe_create_winfos(t, reftype)
         finally:
             self._round_like_cuda(False)
 
     def __enter__(self) -> TensorTracker:
         self._round_like_cuda(True)
+        self._quiet = _quiet_storage_walk()
+        self._quiet.__enter__()
         return super().__enter__()
 
     def __exit__(self, *args: Any) -> None:
@@ -182,6 +188,9 @@ class TensorTracker(MemTracker):
             super().__exit__(*args)
         finally:
             self._round_like_cuda(False)
+            quiet, self._quiet = getattr(self, "_quiet", None), None
+            if quiet is not None:
+                quiet.__exit__(None, None, None)
 
     def _update_peak_stats(self, peak_state: Any) -> None:
         # Called after every operation. MemTracker's own version also rescans every module's
@@ -262,6 +271,17 @@ class TensorTracker(MemTracker):
         if module in self.memory_tracking and not self._mod_tracker.is_bw:
             del self.memory_tracking[module]
         super()._pre_fw_hook(module, inputs)
+
+
+@contextlib.contextmanager
+def _quiet_storage_walk() -> Any:
+    """Hide the one note torch's MemTracker gives while it walks a tensor's storages: "Expected a tensor or a traceable
+    wrapper-subclass of tensor, but got ..." (torch.distributed._tools.common_utils.get_untyped_storages), for an
+    object it skips and counts as nothing. It says nothing a user can act on; every other warning stays."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Expected a tensor or a traceable wrapper-subclass of tensor",
+                                category=UserWarning)
+        yield
 
 
 # The CUDA caching allocator rounds every block up to 512 bytes; MemTracker counts the same way.
