@@ -273,7 +273,8 @@ def test_cli_doctor_of_training_args_prints_plan_trainers_need(tmp_path, capsys)
     config = tmp_path / "sft.yaml"
     config.write_text(f"output_dir: {tmp_path / 'out'}\nper_device_train_batch_size: 2\nmax_length: 48\n"
                       "use_cpu: true\nbf16: false\nreport_to: []\nuse_peft: true\nlora_r: 4\nlora_target_modules: [q_proj, v_proj]\n")
-    argv = ["--model", "smollm2-135m", "--training-args", str(config), "--target", "t4"]
+    small_config("llama", num_hidden_layers=4, dtype="bfloat16").save_pretrained(tmp_path / "llama")  # its size is not tested
+    argv = ["--model", str(tmp_path / "llama"), "--training-args", str(config), "--target", "t4"]
     assert cli(["plan", *argv, "--no-max-batch"]) == 0
     plan_out = capsys.readouterr().out
     assert cli(["doctor", *argv]) == 0

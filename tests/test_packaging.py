@@ -58,7 +58,9 @@ def test_recommend_works_from_the_installed_wheel_outside_the_repo(wheel, tmp_pa
     code = ("import colab_memopt as cm, sys; "
             "assert str(cm.__file__).startswith(sys.prefix), cm.__file__; "
             "assert not any('__editable__' in type(f).__module__ for f in sys.meta_path), sys.meta_path; "
-            "r = cm.recommend('smollm2-135m', 1, seq_len=256); print(r.recipe); print('OK')")
+            "from colab_memopt.techniques.architectures import small_config; "
+            "small_config('llama').save_pretrained('llama'); "  # a transformers model: the SFTTrainer's plan too
+            "r = cm.recommend('llama', 1, seq_len=64); print(r.recipe); print('OK')")
     run = subprocess.run([py, "-c", code], cwd=tmp_path, env=_clean_env(), capture_output=True, text=True, timeout=300)
     assert run.returncode == 0 and run.stdout.strip().endswith("OK"), run.stderr[-3000:]
 
