@@ -1,13 +1,16 @@
 """Recommend a recipe: the one that fits a target with headroom at the least expected slowdown.
 
-`recommend` enumerates candidate recipes (`candidate_recipes`: the product of `CANDIDATE_AXES`, the
-training mode's fields and the accumulation steps that divide the batch), screens them all with the
-analytic estimate (one model built on the meta device, milliseconds per recipe), then confirms the
-cheapest ones that pass with the planner (`plan`: a trace on fake tensors where the step can be
-traced) until one fits. The slowdown of each candidate is the product of its techniques' step-time
-ratios from the cost table of the target's device class (`costs.costs_for_target`: measured on that
-class, or published priors with their citations until measured), never a constant typed in and never
-a CPU measurement for a CUDA target; the result names the table and each row's source.
+`recommend` enumerates candidate recipes (`candidate_recipes`: the product of `CANDIDATE_AXES`, the training
+mode's fields and the accumulation steps that divide the batch), screens them all with the analytic estimate
+(one model built on the meta device, milliseconds per recipe), then confirms the cheapest ones that pass with
+the planner (`plan`: a trace on fake tensors where the step can be traced) until one fits. For a transformers
+model (a name, an id, a folder or a config), a candidate that fits is planned once more as what `recommend`
+prints, the SFTConfig / LoraConfig / BitsAndBytesConfig run by TRL's SFTTrainer (`plan_trainer`): its loss and
+the metrics it computes from the logits hold more than the package's own loop, and the answer is that plan, or
+the next candidate where it does not fit. The slowdown of each candidate is the product of its techniques'
+step-time ratios from the cost table of the target's device class (`costs.costs_for_target`: measured on that
+class, or published priors with their citations until measured), never a constant typed in and never a CPU
+measurement for a CUDA target; the result names the table and each row's source.
 
 The defaults a practitioner would pick: on a CUDA target every candidate computes in the target's autocast
 precision (fp16 + GradScaler on a T4, bf16 where native) unless `half_precision=False`, and LoRA and
