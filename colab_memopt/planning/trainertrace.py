@@ -207,11 +207,13 @@ def _example_fields(dataset: Any) -> dict[str, Any]:
     return dict(example) if isinstance(example, dict) or hasattr(example, "keys") else {"input_ids": None}
 
 
-def _synthetic_batch(trainer: Any, batch: int, seq_len: int) -> dict[str, Any]:
-    """Return one batch the Trainer's own collator makes from `batch` examples of `seq_len` tokens (every position
-    a trained token: the most the run can hold), with the per-token fields the Trainer's dataset yields (labels
-    included), each a list or a tensor as the dataset gives it."""
-    fields = _example_fields(trainer.train_dataset)
+# Micro-batches of up to this many examples are made by the Trainer's collator from that many examples; a larger one
+# from two collations of a few examples, each field's shape carried to the batch (the collator's own loop over
+# 100,000 examples under the fake mode took minutes; the bytes depend on the shapes only).
+_COLLATED_DIRECTLY = 8
+
+
+def _collate(trainer: Any, batch: int, seq_len: int, fields: dict[str, Any]) -> dict[str, Any]:
     examples = []
     for _ in range(batch):
         ex: dict[str, Any] = {}
@@ -220,8 +222,35 @@ def _synthetic_batch(trainer: Any, batch: int, seq_len: int) -> dict[str, Any]:
                 like = fields.get(name)
                 ex[name] = (torch.ones(seq_len, dtype=like.dtype) if isinstance(like, torch.Tensor) else [1] * seq_len)
         examples.append(ex)
-    out = trainer.data_collator(examples)
-    return dict(out)
+    return dict(trainer.data_collator(examples))
+
+
+def _synthetic_batch(trainer: Any, batch: int, seq_len: int) -> dict[str, Any]:
+    """Return one batch the Trainer's own collator makes from `batch` examples of `seq_len` tokens (every position
+    a trained token: the most the run can hold), with the per-token fields the Trainer's dataset yields (labels
+    included), each a list or a tensor as the dataset gives it.
+
+    Above `_COLLATED_DIRECTLY` examples, the collator makes batches of 2 and 4 and every field's shape is carried to
+    `batch` (each dimension grows by the same amount per example: along the batch, or along the one packed row of
+    a padding-free collator); where a field is not such a tensor, the collator makes the whole batch."""
+    fields = _example_fields(trainer.train_dataset)
+    if batch <= _COLLATED_DIRECTLY:
+        return _collate(trainer, batch, seq_len, fields)
+    two, four = _collate(trainer, 2, seq_len, fields), _collate(trainer, 4, seq_len, fields)
+    out: dict[str, Any] = {}
+    for name, value in four.items():
+        small = two.get(name)
+        if not (isinstance(value, torch.Tensor) and isinstance(small, torch.Tensor) and small.dim() == value.dim()
+                and small.dtype == value.dtype):
+            return _collate(trainer, batch, seq_len, fields)
+        shape = []
+        for at_two, at_four in zip(small.shape, value.shape):
+            grows, rest = divmod(at_four - at_two, 2)
+            if rest or at_two - 2 * grows < 0:
+                return _collate(trainer, batch, seq_len, fields)
+            shape.append(at_two + grows * (batch - 2))
+        out[name] = value.new_ones(shape)
+    return out
 
 
 def _trace_step(trainer: Any, args: Any, batch: int, seq_len: int, *, cuda: bool, mode: Any = None,
