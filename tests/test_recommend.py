@@ -405,28 +405,34 @@ def _printed_need(text: str) -> int:
     return int(float(value) * {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30}[unit])
 
 
-@pytest.fixture(scope="module")
-def llama_folder(tmp_path_factory):
-    """A tiny Llama saved as a model folder: the route of a model id (SFTTrainer loads it by model_init_kwargs)."""
-    from transformers import LlamaConfig
+def _family_folder(tmp_path_factory, family: str) -> str:
+    """A small model of a family of the built-in names (gpt2; SmolLM2 and Llama: llama; Qwen2.5: qwen2) saved as a
+    model folder: the route of a model id (SFTTrainer loads it by model_init_kwargs)."""
+    from colab_memopt.techniques.architectures import small_config
 
-    path = tmp_path_factory.mktemp("rec") / "tiny-llama"
-    LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=512).save_pretrained(path)
+    path = tmp_path_factory.mktemp("rec") / f"small-{family}"
+    small_config(family, hidden_size=256, intermediate_size=1024, num_hidden_layers=2).save_pretrained(path)
     return str(path)
 
 
-@pytest.mark.parametrize("mode", ["full", "lora", "qlora"])
-def test_every_printed_setting_applied_as_printed_plans_to_the_printed_need(llama_folder, mode):
+@pytest.fixture(scope="module")
+def llama_folder(tmp_path_factory):
+    return _family_folder(tmp_path_factory, "llama")
+
+
+@pytest.mark.parametrize("family_mode", ["llama-full", "llama-lora", "llama-qlora", "qwen2-lora", "gpt2-full"])
+def test_every_printed_setting_applied_as_printed_plans_to_the_printed_need(tmp_path_factory, llama_folder, family_mode):
     """Issue 46: the SFTConfig, LoraConfig and BitsAndBytesConfig recommend prints, run as printed and planned with
     plan_trainer, need what recommend printed (within 1%; the printout rounds to 0.01 MiB). recommend plans its
     own loop first; SFTTrainer's step holds more (its loss and the metrics it computes from the logits)."""
     from colab_memopt.planning.hfconfig import read_training_config
 
     pytest.importorskip("trl")
+    family, mode = family_mode.split("-")
+    folder = llama_folder if family == "llama" else _family_folder(tmp_path_factory, family)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        rec = recommend(llama_folder, 4, seq_len=128, target="t4", mode=mode)
+        rec = recommend(folder, 4, seq_len=128, target="t4", mode=mode)
     text = str(rec)
     calls = _printed_calls(text)
     assert "SFTConfig" in calls and ("LoraConfig" in calls) == (mode != "full") and ("BitsAndBytesConfig" in calls) == (mode == "qlora"), text
@@ -434,7 +440,7 @@ def test_every_printed_setting_applied_as_printed_plans_to_the_printed_need(llam
     config = read_training_config(calls["SFTConfig"], lora=calls.get("LoraConfig"), bnb=calls.get("BitsAndBytesConfig"))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        again = cm.plan_trainer(config.args, model=llama_folder, lora=config.lora, bnb=config.bnb, target="t4")
+        again = cm.plan_trainer(config.args, model=folder, lora=config.lora, bnb=config.bnb, target="t4")
     printed = _printed_need(text)
     assert abs(again.device_need_bytes - printed) <= 0.01 * printed, (again.device_need_bytes, printed, text)
     assert again.fits
