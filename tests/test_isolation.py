@@ -280,3 +280,25 @@ def test_settings_plan_leaves_the_arguments_as_given(unplanned):
     cm.plan_trainer(args, model=LLAMA, lora=lora, target="t4", per_device_train_batch_size=1)
     assert {k: repr(v) for k, v in vars(args).items()} == before and repr(lora) == lora_before
     assert isinstance(args, TrainingArguments)
+
+
+def test_a_plan_reads_and_leaves_no_bitsandbytes_optimizer_override():
+    """transformers' Trainer registers its embeddings for 32-bit state in bitsandbytes' process-wide GlobalOptimManager
+    whenever it builds an 8-bit optimizer; every later 8-bit optimizer reads them by parameter position. A plan left
+    them behind (a GaLore 8-bit optimizer built afterwards kept 32-bit state), and read the caller's."""
+    bnb = pytest.importorskip("bitsandbytes")
+    manager = bnb.optim.GlobalOptimManager.get_instance()
+    args = SFTConfig("/tmp/cm_isolation_bnb", per_device_train_batch_size=2, max_length=32, use_cpu=True, bf16=False,
+                     report_to=[], optim="adamw_8bit")
+    saved = dict(vars(manager))
+    try:
+        manager.initialize()
+        clean = cm.plan_trainer(args, model=LLAMA, target="t4").step_peak_bytes
+        assert manager.index2config == {} and manager.module_weight_config_triple == []  # the plan registered none
+        stale = {(0, 1): {"optim_bits": 32}}
+        manager.index2config.update(stale)
+        assert cm.plan_trainer(args, model=LLAMA, target="t4").step_peak_bytes == clean  # and read none
+        assert manager.index2config == stale and manager.module_weight_config_triple == []
+    finally:
+        manager.initialize()
+        vars(manager).update(saved)

@@ -13,6 +13,20 @@ from colab_memopt.techniques.optimizers import OPTIMIZERS
 
 warnings.filterwarnings("ignore", message=".*kernels.*")
 
+@pytest.fixture(autouse=True)
+def _fresh_bitsandbytes_overrides():
+    """Each test builds its optimizers as a fresh process does. A real Trainer with an 8-bit optimizer, run earlier in
+    this worker, registers its embeddings for 32-bit state in bitsandbytes' process-wide GlobalOptimManager, which
+    every later 8-bit optimizer reads by parameter position: GaLore's 8-bit state then grew (full suite, once)."""
+    bnb = pytest.importorskip("bitsandbytes")
+    manager = bnb.optim.GlobalOptimManager.get_instance()
+    saved = dict(vars(manager))
+    manager.initialize()
+    yield
+    manager.initialize()
+    vars(manager).update(saved)
+
+
 NAMES = ["galore_adamw8bit", "galore_adamw8bit_in_backward", "apollo", "apollo_mini", "torchao_adamw8bit",
          "torchao_adamw4bit", "badam"]
 

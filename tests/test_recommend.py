@@ -448,3 +448,18 @@ def test_every_printed_setting_applied_as_printed_plans_to_the_printed_need(tmp_
     if mode != "full":
         d = rec.lora_vs_qlora
         assert d["method"] == "traced" and d[mode] == rec.plan.device_need_bytes
+
+
+def test_settings_that_cannot_be_planned_as_the_trainer_runs_them_keep_the_loops_plan_and_say_why(llama_folder, monkeypatch):
+    from colab_memopt.planning import recommender
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("TRL could not build this trainer")
+
+    monkeypatch.setattr(recommender, "_trainer_plan", broken)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        rec = recommend(llama_folder, 4, seq_len=128, target="t4", mode="lora")
+    assert rec.plan.fits and not rec.chosen.as_trainer
+    assert any("could not be planned as the SFTTrainer runs them (RuntimeError: TRL could not build this trainer)" in r
+               for r in rec.reasoning), rec.reasoning

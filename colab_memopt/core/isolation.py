@@ -5,7 +5,8 @@ A plan is a pure function of what the user gave. Two context managers make it so
 - `neutral_process_state()`: the trace runs with gradients on, outside inference mode, with autocast off, float32
   as the default dtype and the CPU as the default device, whatever the caller's code set; the RNG states (torch's,
   CUDA's where it is initialised, Python's `random` and numpy's) are put back afterwards, so a plan that builds a
-  Trainer (which seeds the process) or a data collator (which draws masks) changes no later draw of the run.
+  Trainer (which seeds the process) or a data collator (which draws masks) changes no later draw of the run; and
+  bitsandbytes' process-wide optimizer overrides, which a Trainer's 8-bit optimizer registers, are as they were.
 - `trainer_kept(trainer)`: a real Trainer's step is traced with a throwaway GradScaler in place of its own (the
   scaler creates its scale lazily, on its first `scale()`: a traced step would leave it a fake tensor, and every
   later step would then train nothing); its `args` fields, `state`, `control`, callbacks, optimizer and scheduler
@@ -76,6 +77,7 @@ def neutral_process_state() -> Iterator[None]:
         stack.enter_context(torch.inference_mode(False))
         stack.enter_context(torch.enable_grad())
         stack.enter_context(_autocast_off())
+        stack.enter_context(_bnb_overrides_kept())
         try:
             torch.set_default_dtype(torch.float32)
             if old_device is not None and old_device != torch.device("cpu"):
@@ -88,6 +90,34 @@ def neutral_process_state() -> Iterator[None]:
 
 
 _AUTOCAST_DEVICES = ("cpu", "cuda")
+
+
+@contextlib.contextmanager
+def _bnb_overrides_kept() -> Iterator[None]:
+    """Run the block with bitsandbytes' optimizer overrides as a fresh process has them (none); put the caller's back.
+
+    transformers' Trainer registers every embedding for 32-bit optimizer state in bitsandbytes' process-wide
+    `GlobalOptimManager` each time it builds an 8-bit optimizer, and every later 8-bit optimizer of the process reads
+    those overrides by parameter position (`index2config`), whatever its model. A plan that builds a Trainer left them
+    behind: a GaLore 8-bit optimizer built afterwards kept 32-bit state where it should keep 8-bit."""
+    import sys
+
+    def manager() -> Any:
+        module = sys.modules.get("bitsandbytes.optim.optimizer")
+        return getattr(getattr(module, "GlobalOptimManager", None), "_instance", None)
+
+    before = manager()
+    saved = dict(vars(before)) if before is not None else None
+    if before is not None:
+        before.initialize()
+    try:
+        yield
+    finally:
+        after = manager()
+        if after is not None:
+            after.initialize()  # what the plan registered goes
+            if saved is not None:
+                vars(after).update(saved)
 
 
 @contextlib.contextmanager

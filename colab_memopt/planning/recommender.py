@@ -598,7 +598,12 @@ def _recommend_mode(
                 # them (its loss, its metrics on the logits, its dtype rules), and answer with that plan.
                 say(f"{_MODE_WORDS.get(mode, mode)}: plan {planned} as your SFTTrainer runs it: {c.name}")
                 loop_need = c.plan.device_need_bytes
-                as_trainer = _trainer_plan(trainer_model, c.recipe, batch, seq_len, tgt, headroom)
+                try:
+                    as_trainer = _trainer_plan(trainer_model, c.recipe, batch, seq_len, tgt, headroom)
+                except Exception as exc:  # noqa: BLE001 - the loop's plan stands, and the reasoning says why
+                    as_trainer = None
+                    reasoning.append(f"  its printed settings could not be planned as the SFTTrainer runs them "
+                                     f"({type(exc).__name__}: {' '.join(str(exc).split())[:200]}): the plan above stands")
                 if as_trainer is not None:
                     c.plan, c.as_trainer = as_trainer, True
                     reasoning.append(f"  its printed settings, planned as the SFTTrainer runs them (plan_trainer): need "
