@@ -451,12 +451,12 @@ def test_every_printed_setting_applied_as_printed_plans_to_the_printed_need(tmp_
 
 
 def test_settings_that_cannot_be_planned_as_the_trainer_runs_them_keep_the_loops_plan_and_say_why(llama_folder, monkeypatch):
-    from colab_memopt.planning import recommender
+    from colab_memopt.planning import trainer
 
     def broken(*args, **kwargs):
         raise RuntimeError("TRL could not build this trainer")
 
-    monkeypatch.setattr(recommender, "_trainer_plan", broken)
+    monkeypatch.setattr(trainer, "plan_trainer", broken)  # the chosen recipe's plan and LoRA vs QLoRA's both
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         rec = recommend(llama_folder, 4, seq_len=128, target="t4", mode="lora")

@@ -457,7 +457,7 @@ def _side_by_side(chosen: Candidate, meta_model: nn.Module, batch: int, seq_len:
     other = r.with_(quantization=None) if r.quantization is not None else r.with_(quantization="nf4")
     need, other_need, how = None, None, "analytic estimate"
     if trainer_model is not None:
-        other_plan = _trainer_plan(trainer_model, other, batch, seq_len, target, headroom)
+        other_plan, _ = _trainer_plan(trainer_model, other, batch, seq_len, target, headroom)
         if other_plan is not None and other_plan.method == "trace":
             need, other_need, how = chosen.plan.device_need_bytes, other_plan.device_need_bytes, "traced"
     elif chosen.plan is not None and chosen.plan.method == "trace" and model is not None and method != "analytic":
@@ -507,7 +507,8 @@ def _recommend_mode(
     # The same checks, in the same words, as plan's: a sequence the model cannot take is refused here too.
     from colab_memopt.techniques import architectures
 
-    limit = architectures.resolve_model(model).max_seq_len
+    spec = architectures.resolve_model(model)
+    limit = spec.max_seq_len
     if limit is not None:
         seq_len = check_seq_len(limit if seq_len is None else seq_len, limit, name)
         meta_model = shape_model(factory)
@@ -520,7 +521,7 @@ def _recommend_mode(
     fixed = tgt.cuda_context_bytes if tgt.cuda else 0
     arch = name if not callable(model) else None  # named, id, folder or config: LoRA targets by family
     # A transformers model (a name, an id, a folder or a config): the printed settings are planned with plan_trainer
-    trainer_model = model if not callable(model) and architectures.resolve_model(model).config is not None else None
+    trainer_model = model if not callable(model) and spec.config is not None else None
     host_limit = int(tgt.host_bytes * (1 - headroom))
 
     def screened(recipes: list[Recipe]) -> list[Candidate]:
@@ -598,13 +599,10 @@ def _recommend_mode(
                 # them (its loss, its metrics on the logits, its dtype rules), and answer with that plan.
                 say(f"{_MODE_WORDS.get(mode, mode)}: plan {planned} as your SFTTrainer runs it: {c.name}")
                 loop_need = c.plan.device_need_bytes
-                try:
-                    as_trainer = _trainer_plan(trainer_model, c.recipe, batch, seq_len, tgt, headroom)
-                except Exception as exc:  # noqa: BLE001 - the loop's plan stands, and the reasoning says why
-                    as_trainer = None
-                    reasoning.append(f"  its printed settings could not be planned as the SFTTrainer runs them "
-                                     f"({type(exc).__name__}: {' '.join(str(exc).split())[:200]}): the plan above stands")
-                if as_trainer is not None:
+                as_trainer, why_not = _trainer_plan(trainer_model, c.recipe, batch, seq_len, tgt, headroom)
+                if as_trainer is None:
+                    reasoning.append(f"  its printed settings {why_not}: the plan above stands")
+                else:
                     c.plan, c.as_trainer = as_trainer, True
                     reasoning.append(f"  its printed settings, planned as the SFTTrainer runs them (plan_trainer): need "
                                      f"{format_bytes(c.plan.device_need_bytes)} (colab_memopt's own loop: "
@@ -674,21 +672,28 @@ def trainer_settings(recipe: Recipe, batch: int, seq_len: int) -> dict[str, Any]
     return settings
 
 
-def _trainer_plan(model: Any, recipe: Recipe, batch: int, seq_len: int, target: Target, headroom: float) -> Plan | None:
-    """Return the plan of `recipe`'s printed settings as TRL's SFTTrainer runs them (`plan_trainer` on the SFTConfig,
-    LoraConfig and BitsAndBytesConfig `recommend` prints), or None where those settings cannot say the whole recipe
-    (the printout then names what colab_memopt's own loop adds, and the loop's plan stands)."""
+def _trainer_plan(model: Any, recipe: Recipe, batch: int, seq_len: int, target: Target,
+                  headroom: float) -> tuple[Plan | None, str]:
+    """Return (the plan of `recipe`'s printed settings as TRL's SFTTrainer runs them, ''): `plan_trainer` on the
+    SFTConfig, LoraConfig and BitsAndBytesConfig `recommend` prints; or (None, why not) where those settings cannot
+    say the whole recipe, need a package to install first, or cannot be planned (the loop's plan then stands)."""
     from colab_memopt.planning.hfconfig import read_training_config
     from colab_memopt.planning.trainer import plan_trainer
 
     settings = trainer_settings(recipe, batch, seq_len)
-    if settings["not_expressible"] or settings["install"]:  # a package this machine may not have: the loop's plan
-        return None
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the plan keeps its own warnings; the arguments' deprecation notes are ours
-        config = read_training_config(dict(settings["training_args"]), lora=settings["lora"], bnb=settings["bnb"])
-        return plan_trainer(config.args, model=model, lora=config.lora, bnb=config.bnb, target=target,
-                            headroom=headroom)
+    if settings["not_expressible"]:
+        return None, "do not say the whole recipe (the printout names what colab_memopt's own loop adds)"
+    if settings["install"]:
+        return None, f"need {', '.join(settings['install'])} first (not planned as the SFTTrainer runs them)"
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the plan keeps its own warnings; the arguments' deprecation notes are ours
+            config = read_training_config(dict(settings["training_args"]), lora=settings["lora"], bnb=settings["bnb"])
+            return plan_trainer(config.args, model=model, lora=config.lora, bnb=config.bnb, target=target,
+                                headroom=headroom), ""
+    except Exception as exc:  # noqa: BLE001 - the loop's plan stands, and the reasoning says why
+        return None, (f"could not be planned as the SFTTrainer runs them "
+                      f"({type(exc).__name__}: {' '.join(str(exc).split())[:200]})")
 
 
 # Starting learning rates for fine-tuning a pretrained model with an AdamW-like optimizer, by what trains:
