@@ -23,6 +23,7 @@ from colab_memopt.techniques.attention import traced_attention
 from colab_memopt.training.recipe import Recipe
 from colab_memopt.core.tracker import PHASES, TensorTracker
 from colab_memopt.training.train import make_train_step
+from colab_memopt.planning.cudapaths import cuda_autocast_policy
 from colab_memopt.planning.quantized import _fake_safe_bitsandbytes, _int8_as_on_cuda
 
 
@@ -309,6 +310,10 @@ def _fake_safe_scalers(recipe: Recipe) -> Iterator[None]:
             setattr(owner, name, value)
 
 
+def _cuda_policy(on: bool) -> contextlib.AbstractContextManager[None]:
+    return cuda_autocast_policy() if on else contextlib.nullcontext()
+
+
 class _Tracer:
     """Build the model once under fake tensors, warm it up, then trace steps at any batch size."""
 
@@ -326,9 +331,11 @@ class _Tracer:
         self._cache: dict[int, _Trace] = {}
         # On a CUDA target bitsandbytes' 8-bit layers run LLM.int8's kernels, traced with no outlier column.
         self.int8_as_on_cuda = cuda_rounding and recipe.quantization == "bnb_int8" and recipe.quantization_phase == "all"
+        # On a CUDA target an autocast recipe keeps float32 where CUDA's autocast does (softmax, LayerNorm, ...).
+        self.cuda_autocast = cuda_rounding and recipe.precision.endswith("-autocast")
         with self.mode, _fake_safe_module_to(), _fake_safe_bitsandbytes(self.mode, recipe, cuda=cuda_rounding), \
                 _fake_safe_transformers(), _fake_safe_lomo(recipe), _fake_safe_low_state(recipe), _fake_safe_scalers(recipe), \
-                traced_attention(capability):
+                traced_attention(capability), _cuda_policy(self.cuda_autocast):
             model = model_factory()
             self.model, self.optimizer = recipe.build(model)
             set_optimizer_impl(self.optimizer, optimizer_impl)
@@ -361,7 +368,7 @@ class _Tracer:
     def _trace(self, batch: int) -> _Trace:
         with self.mode, _fake_safe_transformers(), _fake_safe_lomo(self.recipe), _fake_safe_low_state(self.recipe), \
                 _fake_safe_scalers(self.recipe), _int8_as_on_cuda() if self.int8_as_on_cuda else contextlib.nullcontext(), \
-                traced_attention(self.capability) as sdpa:
+                traced_attention(self.capability) as sdpa, _cuda_policy(self.cuda_autocast):
             step = self._step(batch)
             scaler = getattr(step, "scaler", None)
             if isinstance(scaler, torch.amp.GradScaler) and scaler.is_enabled():
