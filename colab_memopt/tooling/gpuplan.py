@@ -235,7 +235,7 @@ def print_plan(root: Path = REPO_ROOT) -> int:
         problems.append(f"the longest slice is estimated at {longest:.0f} s, over the {room:.0f} s the deadline leaves")
     covered = sum(i.name.startswith("notebook") for i in items)
     lines = [
-        "make test-gpu in one call on a lent GPU machine (nvidia-h100-x1), from the checkout's root:",
+        "make test-gpu in one call on a lent GPU machine (an H100 or H200), from the checkout's root:",
         f"  timeout_s: {CALL_LIMIT_SECONDS}",
         f'  carry: ["{CARRY}"]',
         f"  command ({len(command)} of {COMMAND_LIMIT_CHARS} characters):",
@@ -252,7 +252,7 @@ def print_plan(root: Path = REPO_ROOT) -> int:
         f"  deadline {settings.deadline_seconds:.0f} s after the start ({settings.setup_seconds:.0f} s of it to install "
         "and preflight),",
         "  then the unfinished items are killed and recorded 'not finished'. Estimated seconds",
-        "  (tests/notebook_parameters_t4.yaml; estimates, not measurements), notebooks by number:",
+        "  (tests/notebook_parameters_t4.yaml; from an earlier run, not this one), notebooks by number:",
     ]
     for k, s in enumerate(slices, 1):
         short = [(i.name.removeprefix("notebook ")[:2] if i.name.startswith("notebook ") else i.name) for i in s]
