@@ -21,7 +21,8 @@ import torch
 from colab_memopt.techniques.architectures import ModelSpec
 from colab_memopt.core.measure import format_bytes
 
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+# The weight files transformers loads (the merge skips more formats: merge.ANY_WEIGHT_SUFFIXES)
+LOADED_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 _DTYPE_BYTES = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 2}
 # safetensors' dtype names load_int8 quantizes or keeps (16-bit and fp32 floats)
 SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
@@ -31,7 +32,7 @@ def _weight_files(folder: str | None) -> list[Path]:
     """Return a folder's weight files; a sharded checkpoint's index must find every shard it names."""
     if folder is None:
         return []
-    files = sorted(p for p in Path(folder).iterdir() if p.suffix in WEIGHT_SUFFIXES and p.is_file())
+    files = sorted(p for p in Path(folder).iterdir() if p.suffix in LOADED_WEIGHT_SUFFIXES and p.is_file())
     for index in sorted(Path(folder).glob("*.index.json")):
         from colab_memopt.core.fileio import read_json
 
@@ -164,7 +165,7 @@ def safetensors_index(folder: str | Path) -> dict[str, str] | None:
     return weight_map
 
 
-def no_safetensors(folder: Path, reader: str, suffixes: tuple[str, ...] = WEIGHT_SUFFIXES) -> ValueError:
+def no_safetensors(folder: Path, reader: str, suffixes: tuple[str, ...] = LOADED_WEIGHT_SUFFIXES) -> ValueError:
     """Return the error for a folder without a safetensors checkpoint, naming the weight files it has instead."""
     found = sorted(p.name for p in folder.iterdir() if p.suffix in suffixes) if folder.is_dir() else []
     return ValueError(f"{folder} holds no model.safetensors or model.safetensors.index.json"

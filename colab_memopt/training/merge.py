@@ -49,8 +49,9 @@ DTYPE_NAMES = {"float16": torch.float16, "fp16": torch.float16, "bfloat16": torc
 SLICE_BYTES = 64 * 2**20
 # What the merge holds beside its tensors: headers, the module-free bookkeeping, the allocator's rounding.
 MERGE_OVERHEAD_BYTES = 16 * 2**20
-# Files of a checkpoint folder that are weights (not copied: the merged shards replace them)
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".onnx")
+# Weight files of any format in a checkpoint folder (not copied: the merged shards replace them); the loaders read
+# only checkpoints.LOADED_WEIGHT_SUFFIXES
+ANY_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".onnx")
 # Tokenizer files the adapter's folder may hold (TRL saves the tokenizer it trained with beside the adapter)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json")
@@ -108,7 +109,7 @@ def shard_files(folder: str | Path) -> list[Path]:
         return [folder / n for n in sorted(set(weight_map.values()))]
     if (folder / "model.safetensors").is_file():
         return [folder / "model.safetensors"]
-    raise no_safetensors(folder, "the merge", WEIGHT_SUFFIXES)
+    raise no_safetensors(folder, "the merge", ANY_WEIGHT_SUFFIXES)
 
 
 def base_folder(base: str | os.PathLike[str]) -> Path:
@@ -515,7 +516,7 @@ def merge_adapter(base: str | os.PathLike[str], adapter_dir: str | os.PathLike[s
         for p in sorted(src_folder.iterdir()):
             if not p.is_file() or p.name == "config.json" or p.name.startswith("."):
                 continue
-            if src_folder == folder and (p.suffix in WEIGHT_SUFFIXES or p.name.endswith(".index.json")):
+            if src_folder == folder and (p.suffix in ANY_WEIGHT_SUFFIXES or p.name.endswith(".index.json")):
                 continue
             if src_folder == adapter.folder and p.name not in TOKENIZER_FILES:
                 continue
