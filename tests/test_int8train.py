@@ -41,7 +41,7 @@ def test_quantize_int8_holds_one_fp32_copy_of_a_chunk_and_rounds_each_group_to_n
     NVIDIA H200 emulating a T4 measured load_int8 at 12,409,344 B beyond the loaded int8 model, 5.9x its largest fp16
     tensor (tests/gpu/test_features_cuda.py). Counted here with LiveBytesMode (the bytes CUDA allocates for the same
     ops, bar its 512-byte rounding): beyond the input and the outputs, one fp32 chunk and its per-group min and max.
-    The values are round(w / (absmax / 127)) per group of the whole tensor, bit for bit; an fp32 input is not changed."""
+    The values are round(w / (absmax / 127)) per group of the whole tensor, bit for bit; an fp32 input is kept."""
     import sys
 
     from colab_memopt.core.tracker import LiveBytesMode
