@@ -114,8 +114,10 @@ def test_each_trainer_class_is_planned_within_the_goal_of_cuda_s_allocator(cuda,
     class FirstStepWithOptimizerState(TrainerCallback):
         """Measure the first step that begins with the optimizer's state (what the plan holds), then stop."""
 
+        trainer: Any = None
+
         def on_step_begin(self, args, state, control, **kw):  # noqa: ANN001, ANN003
-            if "step" not in seen and len(trainer.optimizer.state) > 0:  # AdamW's state: made at its first update
+            if "step" not in seen and len(self.trainer.optimizer.state) > 0:  # AdamW's state: made at its first update
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
                 torch.cuda.memory._record_memory_history(max_entries=200000)
@@ -131,8 +133,10 @@ def test_each_trainer_class_is_planned_within_the_goal_of_cuda_s_allocator(cuda,
                 torch.cuda.memory._record_memory_history(enabled=None)
                 control.should_training_stop = True
 
+    measure = FirstStepWithOptimizerState()
     trainer = Trainer(model=model, args=s["args"], train_dataset=data, data_collator=default_data_collator,
-                      callbacks=[FirstStepWithOptimizerState()])
+                      callbacks=[measure])
+    measure.trainer = trainer
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.train()
