@@ -12,6 +12,7 @@ from colab_memopt.techniques.int8train import (
     int8_weights,
     make_int8_optimizer,
     quantize_int8,
+    quantize_int8_transient_bytes,
     quantize_model_int8,
     stochastic_round_int8,
 )
@@ -30,6 +31,41 @@ def test_stochastic_rounding_onto_the_int8_grid_is_unbiased():
     assert torch.allclose(mean, x, atol=0.01), mean
     assert set(draws[..., -1].unique().tolist()) == {3.0}  # a value on the grid stays put
     assert (draws[..., 0] >= 0).all() and (draws[..., 0] <= 1).all()  # only the two neighbours
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape, group_size", [((4096, 256), 128), ((8192, 1024), 128), ((300, 200), 128),
+                                               ((7, 384), 100)])
+def test_quantize_int8_holds_one_fp32_copy_of_a_chunk_and_rounds_each_group_to_nearest(dtype, shape, group_size):
+    """quantize_int8 works on one fp32 copy of a row chunk, in place. It held three at once before 2026-11-28, when an
+    NVIDIA H200 emulating a T4 measured load_int8 at 12,409,344 B beyond the loaded int8 model, 5.9x its largest fp16
+    tensor (tests/gpu/test_features_cuda.py). Counted here with LiveBytesMode (the bytes CUDA allocates for the same
+    ops, bar its 512-byte rounding): beyond the input and the outputs, one fp32 chunk and its per-group min and max.
+    The values are round(w / (absmax / 127)) per group of the whole tensor, bit for bit; an fp32 input is kept."""
+    import sys
+
+    from colab_memopt.core.tracker import LiveBytesMode
+    from colab_memopt.techniques.int8train import CHUNK_ELEMENTS, QMAX
+
+    rows, cols = shape
+    g = group_size if cols % group_size == 0 else cols  # a group size that does not divide the row: whole rows
+    weight = (torch.randn(shape, generator=torch.Generator().manual_seed(0)) * 0.02).to(dtype)
+    weight[0] = 0.0  # an all-zero group: the smallest normal scale, all values 0
+    weight[1, ::3] = -0.0
+    before = weight.clone()
+    with LiveBytesMode(sys.maxsize, device=torch.device("cpu")) as mode:
+        mode.track(weight)
+        base = mode.live
+        q, scale = quantize_int8(weight, group_size)
+        transient = mode.peak - base - (q.nbytes + scale.nbytes)
+    chunk = min(rows, CHUNK_ELEMENTS // cols) * cols
+    assert 4 * chunk <= transient <= quantize_int8_transient_bytes(rows, cols, group_size), (transient, chunk)
+    assert quantize_int8_transient_bytes(rows, cols, group_size) == 4 * chunk + 2 * 4 * (chunk // g)
+    w = weight.float().view(rows, cols // g, g)
+    s = (w.abs().amax(-1) / QMAX).clamp(min=torch.finfo(torch.float32).tiny)
+    assert torch.equal(scale, s)
+    assert torch.equal(q, torch.round(w / s[..., None]).clamp(-QMAX, QMAX).to(torch.int8).view(rows, cols))
+    assert torch.equal(weight, before)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

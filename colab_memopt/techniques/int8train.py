@@ -61,6 +61,7 @@ INT8_RULES = ("lomo", "adalomo")
 GROUP_SIZE = 128  # values of a row per fp32 scale (falls back to whole rows where it does not divide them)
 QMAX = 127
 CHUNK_ELEMENTS = 2**22  # values per fp32 chunk of an update: 16 MiB per fp32 copy
+QUANTIZE_FP32_COPIES = 1  # fp32 copies of a chunk quantize_int8 holds at once (3 before 2026-11-28)
 FP16_INIT_SCALE = 2.0**16
 GROWTH_INTERVAL = 1000
 ADALOMO_EPS = (1e-30, 1e-3)  # lomo_optim.AdaLomo's defaults
@@ -100,11 +101,29 @@ def quantize_int8(weight: torch.Tensor, group_size: int = GROUP_SIZE) -> tuple[t
     if weight.is_meta:  # the layout only (loading.load_int8's skeleton): meta ops run in Python, seconds per model
         return q, scale
     for r in _row_chunks(rows, cols):
-        w = weight[r].float().view(-1, cols // g, g)  # (rows, groups, g)
-        s = (w.abs().amax(-1) / QMAX).clamp_(min=torch.finfo(torch.float32).tiny)
+        # one fp32 copy of the chunk, worked on in place (a copy even of an fp32 weight, which is never modified)
+        w = weight[r].to(torch.float32, copy=True).view(-1, cols // g, g)  # (rows, groups, g)
+        low, high = torch.aminmax(w, dim=-1)  # the absolute max without an abs() copy of the chunk: the same value
+        s = torch.maximum(high, low.neg_(), out=high).div_(QMAX).clamp_(min=torch.finfo(torch.float32).tiny)
+        del low, high  # s is `high`, divided in place
         scale[r] = s
-        q[r] = torch.round(w / s[..., None]).clamp_(-QMAX, QMAX).to(torch.int8).view(-1, cols)
+        q[r] = w.div_(s[..., None]).round_().clamp_(-QMAX, QMAX).view(-1, cols)  # the int8 cast happens in the copy
+        del w, s
     return q, scale
+
+
+def quantize_int8_transient_bytes(rows: int, cols: int, group_size: int = GROUP_SIZE) -> int:
+    """Return the most bytes `quantize_int8` of a (rows, cols) weight allocates beyond its input and its two outputs.
+
+    One fp32 copy of a row chunk (`QUANTIZE_FP32_COPIES`; the chunk is `CHUNK_ELEMENTS` values of whole rows, at
+    least one row, at most the weight) and the chunk's per-group min and max in fp32. Measured equal on the CPU
+    (tests/test_int8train.py); CUDA rounds each allocation up to 512 bytes. A load that quantizes one tensor on the
+    device (`load_int8`) holds, beyond the int8 weights loaded before it: the 16-bit tensor, these bytes and the
+    tensor's own int8 values and scales.
+    """
+    g = _group(cols, group_size)
+    values = min(rows, max(1, CHUNK_ELEMENTS // max(1, cols))) * cols
+    return QUANTIZE_FP32_COPIES * 4 * values + 2 * 4 * (values // g)
 
 
 def _row_chunks(rows: int, cols: int, chunk_elements: int = CHUNK_ELEMENTS) -> list[slice]:

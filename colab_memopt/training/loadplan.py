@@ -141,10 +141,12 @@ def load_host_bytes(model: Any, recipe: Recipe | None = None, device: str | torc
                 tensor = safetensors_largest_bytes(spec.path)
             except MemoryError:  # no room even to map the headers: the config's figure, and the room check says so
                 notes.append("the files' headers could not be mapped (no memory left): tensor size from the config")
-        from colab_memopt.techniques.int8train import CHUNK_ELEMENTS, int8_weight_bytes
+        from colab_memopt.techniques.int8train import int8_weight_bytes, quantize_int8_transient_bytes
 
-        values = max(p.numel() for p in shape.parameters())
-        chunk = 3 * 4 * min(CHUNK_ELEMENTS, values)  # quantize_int8's fp32 row chunk, its scaled copy, the rounded one
+        # quantize_int8's transient beyond the tensor and its int8 output (one fp32 row chunk and its per-group min and
+        # max), the most of any weight's
+        chunk = max(quantize_int8_transient_bytes(p.shape[0], p.numel() // max(1, p.shape[0]))
+                    for p in shape.parameters() if p.dim() == 2)
         dtype = torch.int8
         if dev.type == "cuda":
             host = tensor + LOAD_INT8_OVERHEAD_BYTES

@@ -106,8 +106,17 @@ def test_load_int8_quantizes_on_the_gpu_one_tensor_at_a_time(cuda, tmp_path):
     held = torch.cuda.memory_allocated() - base
     peak = torch.cuda.max_memory_allocated() - base
     assert held > 0
-    # beyond the loaded model: the 16-bit tensor being quantized and its transients, a few times one tensor at most
-    assert peak - held <= 4 * largest + 2**20, (peak, held, largest)
+    # beyond the loaded model: the 16-bit tensor being quantized, quantize_int8's transient (one fp32 copy of a row
+    # chunk and the chunk's per-group min and max) and the tensor's own int8 values and scales, each allocation rounded
+    # up to 512 bytes. 2026-11-28, an NVIDIA H200 emulating a T4, three fp32 copies then: (peak, held, largest) =
+    # (16875520, 4466176, 2097152), 12,409,344 B beyond; the CPU count of the same load gives 4,054,528 with one copy.
+    from colab_memopt.techniques.int8train import Int8Embedding, Int8Linear, quantize_int8_transient_bytes
+
+    rows, cols = max((tuple(m.qweight.shape) for m in model.modules() if isinstance(m, (Int8Linear, Int8Embedding))),
+                     key=lambda s: s[0] * s[1])
+    assert rows * cols * 2 == largest  # the largest tensor is a quantized one (4096 x 256)
+    bound = largest + quantize_int8_transient_bytes(rows, cols) + rows * cols + rows * cols // 128 * 4 + 4 * 512
+    assert peak - held <= bound, (peak, held, largest, bound)
     on_cpu = cm.load_int8(folder, dtype=torch.float16, device="cpu")
     x = torch.randint(0, 4096, (1, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
