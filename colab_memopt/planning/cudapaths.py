@@ -149,8 +149,9 @@ def _fp32_result_kernel(op: Any) -> Any:
             if keyword and kwargs.get("dtype") is None:
                 kwargs = {**kwargs, "dtype": torch.float32}
             elif not keyword and (len(args) <= index or args[index] is None):
-                args = (*args, *[None] * (index + 1 - len(args)))
-                args = (*args[:index], torch.float32, *args[index + 1:])
+                padded = [*args, *[None] * (index + 1 - len(args))]
+                padded[index] = torch.float32
+                args = tuple(padded)
         with _exclude_autocast_cpu():
             return op(*args, **kwargs)
     return kernel

@@ -122,7 +122,8 @@ def quantize_int8_transient_bytes(rows: int, cols: int, group_size: int = GROUP_
     tensor's own int8 values and scales.
     """
     g = _group(cols, group_size)
-    values = min(rows, max(1, CHUNK_ELEMENTS // max(1, cols))) * cols
+    chunks = _row_chunks(rows, cols)
+    values = (chunks[0].stop - chunks[0].start) * cols if chunks else 0  # the first chunk is the largest
     return QUANTIZE_FP32_COPIES * 4 * values + 2 * 4 * (values // g)
 
 
