@@ -14,6 +14,10 @@ What it adds to MemTracker:
   optimizer state, re-filed by MemTracker's own post-step hook. Likewise autocast's 16-bit copies
   of the weights, kept for backward, are temporaries, not activations.
 
+With `units` (each repeated block's module and its unit's index: `planning.stack`), it also records the step's
+timeline: after every operation that changes the live bytes, the phase, the unit whose forward or backward runs, the
+operation and the live bytes per category (`timeline`), which a trace of a few blocks extrapolates to the whole stack.
+
 `LiveBytesMode` is the lean counterpart used by `MemoryBudget`: live bytes only, no module hooks.
 MemTracker's module hooks (`register_multi_grad_hook`) keep an aborted forward's activations alive
 after an error, which would make an emulated OOM leak; `LiveBytesMode` has no such hooks.
@@ -44,6 +48,7 @@ CATEGORIES = (
     "other",
 )
 PHASES = ("forward", "backward", "optimizer")
+_PHASE_INDEX = {p: i for i, p in enumerate(PHASES)}
 
 _CATEGORY_OF = {
     _MemRefType.PARAM: "parameters",
@@ -83,10 +88,19 @@ class TensorTracker(MemTracker):
         device: count only storage on this device; None counts every device together.
         cuda_rounding: count every storage as the CUDA caching allocator would (rounded up to 512
             bytes), also on the CPU and under fake tensors: what the planner uses for a CUDA target.
+        units: {id(block module): unit index} of a stack of repeated blocks: record the `timeline`,
+            one event per operation: (phase index in PHASES, the unit running or -1, the operation,
+            the live bytes per category in CATEGORIES' order).
     """
 
-    def __init__(self, *, device: torch.device | None = None, cuda_rounding: bool = False) -> None:
+    def __init__(self, *, device: torch.device | None = None, cuda_rounding: bool = False,
+                 units: dict[int, int] | None = None) -> None:
         super().__init__()
+        self.units = units
+        self.timeline: list[tuple[int, int, Any, tuple[int, ...]]] | None = [] if units is not None else None
+        self._unit = -1  # the unit whose forward or backward runs now (-1: none)
+        self._unit_in_bw = False  # the unit was entered in backward: left when backward ends
+        self._func: Any = None
         self.device = device
         self.cuda_rounding = cuda_rounding
         self._saved_winfo_cls: Any = None
@@ -210,6 +224,15 @@ class TensorTracker(MemTracker):
                     if ref != _TOTAL_KEY:
                         cats[_CATEGORY_OF[ref]] += nbytes
         phase = self.phase
+        if self.timeline is not None:
+            if self._unit_in_bw and phase != "backward":  # backward ended: no block runs now
+                self._unit, self._unit_in_bw = -1, False
+            event = (_PHASE_INDEX[phase], self._unit, self._func, tuple(cats.values()))
+            last = self.timeline[-1] if self.timeline else None
+            # an operation that leaves every byte as it was (a metadata query, a view) tells nothing: not recorded
+            # (how many of those run can differ between two depths: torch's prim.device, in bitsandbytes' layers)
+            if last is None or last[0] != event[0] or last[1] != event[1] or last[3] != event[3]:
+                self.timeline.append(event)
         if live > self.phase_peaks.get(phase, 0):
             self.phase_peaks[phase] = live
             self.phase_peak_categories[phase] = cats
@@ -260,6 +283,7 @@ class TensorTracker(MemTracker):
         # Autocast casts each weight to 16 bits in forward and keeps the copy for backward. MemTracker
         # files it as an activation; it is a copy of a weight for the step's duration: a temporary.
         self._casting_param = func is torch.ops.aten._to_copy.default and bool(args) and self._is_parameter(args[0])
+        self._func = func
         try:
             return super().__torch_dispatch__(func, types, args, kwargs)
         finally:
@@ -270,7 +294,22 @@ class TensorTracker(MemTracker):
         # accumulation and OOM retries do exactly that; we only need each module's latest forward.
         if module in self.memory_tracking and not self._mod_tracker.is_bw:
             del self.memory_tracking[module]
+        if self.units is not None and id(module) in self.units:  # a block's forward (or its recomputation)
+            self._unit = self.units[id(module)]
+            self._unit_in_bw = self._mod_tracker.is_bw
         super()._pre_fw_hook(module, inputs)
+
+    def _post_fw_hook(self, module: torch.nn.Module, inputs: Any, outputs: Any) -> None:
+        # In forward, a block's end leaves no block running; a recomputation inside backward stays in its block's
+        # backward.
+        if self.units is not None and id(module) in self.units and not self._mod_tracker.is_bw:
+            self._unit = -1
+        super()._post_fw_hook(module, inputs, outputs)
+
+    def _pre_bw_hook(self, module: torch.nn.Module, args: Any) -> None:
+        if self.units is not None and module is not None and id(module) in self.units:  # a block's backward begins
+            self._unit, self._unit_in_bw = self.units[id(module)], True
+        super()._pre_bw_hook(module, args)
 
 
 @contextlib.contextmanager

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -106,6 +106,8 @@ class _Trace:
     phase_categories: dict[str, dict[str, int]]
     activation_peak: int = 0
     hidden_bytes: int = 0  # the largest buffer freed inside one op, unseen by the trace (math attention's scores)
+    # (phase, unit, op, bytes per category) after every op, where the tracker followed a stack's units (stack.py)
+    timeline: list[tuple[int, int, Any, tuple[int, ...]]] | None = field(default=None, repr=False)
 
 
 @contextlib.contextmanager
@@ -318,7 +320,8 @@ class _Tracer:
     """Build the model once under fake tensors, warm it up, then trace steps at any batch size."""
 
     def __init__(self, model_factory: Callable[[], nn.Module], recipe: Recipe, seq_len: int, *, cuda_rounding: bool, batch: int = 1,
-                 optimizer_impl: str = "single-tensor", capability: tuple[int, int] | None = None) -> None:
+                 optimizer_impl: str = "single-tensor", capability: tuple[int, int] | None = None,
+                 period: int | None = None) -> None:
         from torch._subclasses.fake_tensor import FakeTensorMode
         from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
@@ -340,6 +343,12 @@ class _Tracer:
             self.model, self.optimizer = recipe.build(model)
             set_optimizer_impl(self.optimizer, optimizer_impl)
             self.batches = _FakeBatches(_vocab_size(self.model))
+            # a stack's units (`stack.py`): each trace records its timeline, which the fast path carries to the stack
+            self.units = None
+            if period is not None:
+                from colab_memopt.planning.stack import units_of
+
+                self.units = units_of(self.model, period)
             # A warm-up creates the optimizer state and the gradients, as a real warm-up step does. Where the
             # optimizer steps after backward, one optimizer step on zero gradients does it without the forward
             # and backward (half a plan's time on a big model; tests/test_planner.py pins the peaks to
@@ -374,7 +383,7 @@ class _Tracer:
             if isinstance(scaler, torch.amp.GradScaler) and scaler.is_enabled():
                 # a real warm-up step leaves the GradScaler's scale and growth tracker allocated (8 bytes)
                 scaler._lazy_init_scale_growth_tracker(torch.device("cpu"))
-            tracker = TensorTracker(device=torch.device("cpu"), cuda_rounding=self.cuda_rounding)
+            tracker = TensorTracker(device=torch.device("cpu"), cuda_rounding=self.cuda_rounding, units=self.units)
             tracker.track_external(self.model, self.optimizer)
             with tracker:
                 step()
@@ -385,4 +394,5 @@ class _Tracer:
             {p: dict(c) for p, c in tracker.phase_peak_categories.items()},
             tracker.category_peaks["activations"],
             sdpa.hidden_bytes if sdpa is not None else 0,
+            tracker.timeline,
         )

@@ -22,6 +22,7 @@ the trace (`faketrace`), bitsandbytes' layers (`quantized`) and the lines a trac
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 import warnings
@@ -37,6 +38,7 @@ from colab_memopt.core.measure import format_bytes
 from colab_memopt.core.progress import progress, say, shows_progress
 from colab_memopt.training.recipe import Recipe
 from colab_memopt.planning.faketrace import _TRACE_CACHE, _TRACE_CACHE_SIZE, _Trace, _Tracer, shape_model
+from colab_memopt.planning.stack import STACK_UNITS, NotRepeating, StackTracer, stack_shape
 from colab_memopt.planning.prediction import Cost, Plan, step_peak_with_transients
 from colab_memopt.planning.quantized import (
     _int8_outlier_warning,
@@ -419,12 +421,14 @@ def plan(
                 trace, scales, int8_warning = _TRACE_CACHE[cache_key]
             else:
                 say(f"building {name} on fake tensors (no weights loaded)")
-                tracer = _Tracer(model_factory, rec, seq_len, cuda_rounding=tgt.cuda, batch=batch,
-                                 optimizer_impl=impl, capability=capability)
+                tracer = _make_tracer(spec, meta_model, rec, seq_len, cuda_rounding=tgt.cuda, batch=batch,
+                                      optimizer_impl=impl, capability=capability)
                 say(f"tracing one training step: batch {batch} x {seq_len:,} tokens")
                 trace = tracer.trace(batch)
                 # what the plan reads from the traced model, kept beside a cached trace
-                scales = quantization_scale_bytes(tracer.model, cuda_rounding=tgt.cuda)
+                scale_bytes = functools.partial(quantization_scale_bytes, cuda_rounding=tgt.cuda)
+                scales = (tracer.extrapolated_count(scale_bytes) if isinstance(tracer, StackTracer)
+                          else scale_bytes(tracer.model))
                 int8_warning = (_int8_outlier_warning(tracer.model, batch, seq_len, rec, tgt)
                                 if tracer.int8_as_on_cuda else None)
                 if cache_key is not None:
@@ -492,6 +496,26 @@ def plan(
                                           seq_len, device_costs, tgt, warn)
     result.seconds = time.perf_counter() - start
     return result
+
+
+def _make_tracer(spec: Any, meta_model: nn.Module, rec: Recipe, seq_len: int, **kwargs: Any) -> Any:
+    """Return the step's tracer: a `stack.StackTracer` (two shallow copies traced, the rest of the blocks counted)
+    where the model is a deep stack of repeating blocks and the recipe treats them alike, else a `_Tracer` of the
+    whole model."""
+    if not _FAST_STACK:
+        return _Tracer(spec.build, rec, seq_len, **kwargs)
+    try:
+        shape = stack_shape(meta_model, rec)
+    except NotRepeating:
+        return _Tracer(spec.build, rec, seq_len, **kwargs)
+    say(f"{shape.n_blocks} blocks alike: tracing {shape.depth(STACK_UNITS[0])} and {shape.depth(STACK_UNITS[1])}, "
+        "counting the rest")
+    return StackTracer(spec, shape, lambda factory, period: _Tracer(factory, rec, seq_len, period=period, **kwargs))
+
+
+# Whether plans of deep models trace two shallow copies and count the rest of the stack (tests turn it off to
+# compare with the whole trace).
+_FAST_STACK = True
 
 
 def _max_batch(result: Plan, trace: Any, tracer: Any, meta_model: nn.Module, rec: Recipe, batch: int, seq_len: int,

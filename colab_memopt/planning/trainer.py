@@ -30,6 +30,7 @@ from colab_memopt.core.progress import progress, say, shows_progress
 from colab_memopt.planning import kbitprep, libdefaults
 from colab_memopt.planning.faketrace import _Trace
 from colab_memopt.planning.prediction import Cost, Plan
+from colab_memopt.planning.stack import STACK_UNITS, NotRepeating
 from colab_memopt.planning.targets import DEFAULT_HEADROOM, Target, check_headroom, get_target
 from colab_memopt.planning.untraced import (
     MATH_ATTENTION_LINE,
@@ -216,13 +217,21 @@ def plan_trainer(
     # the planner's own Trainer builds its accelerator from these settings: in accelerate's process-wide state,
     # which is put back as it was afterwards
     with _accelerate_state_kept(fresh=real_trainer is None), trainer_kept(real_trainer):
-        holder, mode = real_trainer, _new_mode()
+        holder, mode, stack = real_trainer, _new_mode(), None
         if holder is None:
             say(f"building {model if isinstance(model, str) else getattr(model, 'model_type', None) or 'the model'} on "
                 "fake tensors (no weights loaded)")
             built = _buildable(args)
+            shape = _stack_shape(model, args, lora, long_context)
             with _cpu_device_without_index(built):  # the Trainer moves its model to args.device while it is built
-                holder = _fake_trainer(built, model, lora, bnb, seq, mode, dtype, half, prepare)
+                if shape is not None:  # two shallow copies, traced; the rest of the stack counted
+                    say(f"{shape.n_blocks} blocks alike: tracing {shape.depth(STACK_UNITS[0])} and "
+                        f"{shape.depth(STACK_UNITS[1])}, counting the rest")
+                    stack = _StackHolders(shape, *(_fake_trainer(built, model, lora, bnb, seq, mode, dtype, half, prepare,
+                                                                 blocks=shape.depth(k)) for k in STACK_UNITS))
+                    holder = stack.large
+                else:
+                    holder = _fake_trainer(built, model, lora, bnb, seq, mode, dtype, half, prepare)
             if long_context is not None:
                 from colab_memopt.techniques.longcontext import long_context as install
 
@@ -246,7 +255,8 @@ def plan_trainer(
 
         if args.fp16 and (found := _half_trainable(holder.model)):
             dtypes = ' and '.join(sorted({str(d).removeprefix('torch.') for d in found.values()}))
-            warn.append(f"{FP16_TRAP} {len(found)} {dtypes} trainable tensor(s): add callbacks=[cm.MemoryGuardCallback()]")
+            count = stack.count(lambda h: len(_half_trainable(h.model))) if stack is not None else len(found)
+            warn.append(f"{FP16_TRAP} {count} {dtypes} trainable tensor(s): add callbacks=[cm.MemoryGuardCallback()]")
             warn.append(f"the GradScaler cannot unscale {dtypes} trainable tensors on a GPU: they are planned in float32, "
                         "as MemoryGuardCallback casts them (planned)")
         micro = int(args.per_device_train_batch_size)
@@ -256,12 +266,24 @@ def plan_trainer(
         installed = installed_long_context(holder.model)
         if installed is not None:
             warn.append(installed.describe() + ": traced")
-        with _args_of(holder, args), fakes(), _rows_kept(holder, args, trace_notes), _target_attention(tgt, args) as sdpa, \
-                trl_activation_offloading(holder, args, cuda=tgt.cuda, notes=trace_notes) as emulated, \
-                offloaded_inputs(holder.model, cuda=tgt.cuda) as long_costs:
-            trace, _n = _trace_step(holder, args, micro, seq, cuda=tgt.cuda, mode=mode, notes=trace_notes,
-                                    param_names=names)
-        trace.hidden_bytes = sdpa.hidden_bytes if sdpa is not None else 0
+        trace = None
+        if stack is not None:
+            try:
+                trace = stack.trace(args, micro, seq, tgt, mode, trace_notes)
+                emulated, long_costs = None, []
+            except NotRepeating as exc:  # the whole model, traced as without the count
+                say(f"the blocks do not repeat as counting needs ({exc}): tracing all {stack.shape.n_blocks}")
+                stack, trace_notes = None, []
+                with _cpu_device_without_index(built):
+                    holder = _fake_trainer(built, model, lora, bnb, seq, mode, dtype, half, prepare)
+        if trace is None:
+            with _args_of(holder, args), fakes(), _rows_kept(holder, args, trace_notes), \
+                    _target_attention(tgt, args) as sdpa, \
+                    trl_activation_offloading(holder, args, cuda=tgt.cuda, notes=trace_notes) as emulated, \
+                    offloaded_inputs(holder.model, cuda=tgt.cuda) as long_costs:
+                trace, _n = _trace_step(holder, args, micro, seq, cuda=tgt.cuda, mode=mode, notes=trace_notes,
+                                        param_names=names)
+            trace.hidden_bytes = sdpa.hidden_bytes if sdpa is not None else 0
         warn += trace_notes
         loaded = _frozen_dtype(real_trainer.model) if real_trainer is not None else _model_dtype(
             args, _resolve(model), model, dtype)
@@ -289,7 +311,8 @@ def plan_trainer(
             from colab_memopt.planning.quantized import quantization_scale_bytes
 
             with mode:
-                scales = quantization_scale_bytes(holder.model, cuda_rounding=tgt.cuda)
+                scales = (stack.count(lambda h: quantization_scale_bytes(h.model, cuda_rounding=tgt.cuda))
+                          if stack is not None else quantization_scale_bytes(holder.model, cuda_rounding=tgt.cuda))
             if scales:
                 device_costs.append(Cost("quantization scales", scales,
                                          "bitsandbytes' absmax and row scales kept beside the quantized weights (outside the "
@@ -312,7 +335,7 @@ def plan_trainer(
         )
         if find_max_batch:
             with fakes(), trl_activation_offloading(holder, args, cuda=tgt.cuda, notes=[]), progress("largest batch"):
-                result.max_batch = _max_micro_batch(holder, args, seq, tgt, result, trace, mode, names)
+                result.max_batch = _max_micro_batch(holder, args, seq, tgt, result, trace, mode, names, stack)
     result.seconds = time.perf_counter() - start
     return result
 
@@ -505,13 +528,16 @@ def _model_name(net: Any, given: Any) -> str:
 
 
 def _max_micro_batch(trainer: Any, args: Any, seq_len: int, tgt: Target, plan: Plan, trace: _Trace, mode: Any,
-                     param_names: dict[int, str] | None = None) -> int:
+                     param_names: dict[int, str] | None = None, stack: _StackHolders | None = None) -> int:
     """Return the largest per_device_train_batch_size that fits: linear in the batch from two traces, then confirmed."""
     budget = plan.device_limit_bytes - sum(c.bytes for c in plan.device_costs if c.name != MATH_ATTENTION_LINE)
     micro = int(args.per_device_train_batch_size)
 
     def peak(b: int) -> int:
         changed = _changed_args(args, {"per_device_train_batch_size": b})
+        if stack is not None:
+            counted = stack.trace(changed, b, seq_len, tgt, mode, [])
+            return counted.peak_bytes + counted.hidden_bytes
         # traced as the plan's own step is: a padding-free (packing) collator's row as full rows, whose sizes are
         # known (its sequence starts come from `nonzero()`, a size no fake tensor knows)
         with _args_of(trainer, changed), _rows_kept(trainer, changed, []), _target_attention(tgt, args) as sdpa:
@@ -541,6 +567,56 @@ def _max_micro_batch(trainer: Any, args: Any, seq_len: int, tgt: Target, plan: P
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if known(mid) <= budget else (lo, mid)
     return int(lo)
+
+
+def _stack_shape(model: Any, args: Any, lora: Any, long_context: Any) -> Any:
+    """Return the `stack.StackShape` a planner-built Trainer's model is traced with (two shallow copies, the rest of
+    its blocks counted), or None where the whole model is traced: few blocks, blocks that do not repeat, a model
+    given as a factory, long-context offload or TRL's activation offloading (each counted per block on the host)."""
+    if not _FAST_STACK or long_context is not None or getattr(args, "activation_offloading", False):
+        return None
+    from colab_memopt.planning.faketrace import shape_model
+    from colab_memopt.planning.stack import NotRepeating, shape_of
+    from colab_memopt.techniques import architectures
+
+    spec = architectures.resolve_model(model)
+    if spec.source == "factory":
+        return None
+    try:
+        shape = shape_of(shape_model(spec.build))
+    except NotRepeating:
+        return None
+    return shape if shape.worth_it else None
+
+
+# Whether planner-built Trainers of deep models trace two shallow copies and count the rest of the stack (tests turn
+# it off to compare with the whole trace).
+_FAST_STACK = True
+
+
+class _StackHolders:
+    """Two planner-built Trainers of a model's first few blocks (`stack.STACK_UNITS` units): their steps traced and
+    carried to the whole stack (`stack.extrapolate`)."""
+
+    def __init__(self, shape: Any, small: Any, large: Any) -> None:
+        self.shape, self.small, self.large = shape, small, large
+
+    def trace(self, args: Any, micro: int, seq: int, tgt: Target, mode: Any, notes: list[str]) -> _Trace:
+        from colab_memopt.planning.stack import extrapolate
+
+        traces, hidden = [], 0
+        for holder in (self.small, self.large):
+            with _args_of(holder, args), _rows_kept(holder, args, notes), _target_attention(tgt, args) as sdpa:
+                traces.append(_trace_step(holder, args, micro, seq, cuda=tgt.cuda, mode=mode, notes=notes,
+                                          period=self.shape.period)[0])
+            hidden = max(hidden, sdpa.hidden_bytes if sdpa is not None else 0)
+        trace = extrapolate(*traces, self.shape)
+        trace.hidden_bytes = hidden
+        return trace
+
+    def count(self, fn: Any) -> int:
+        """Return `fn(holder)` for the whole model: affine in the depth, from the two copies."""
+        return self.shape.extrapolate(fn(self.small), fn(self.large))
 
 
 def _half_trainable(model: Any) -> dict[str, torch.dtype]:

@@ -254,7 +254,8 @@ def _synthetic_batch(trainer: Any, batch: int, seq_len: int) -> dict[str, Any]:
 
 
 def _trace_step(trainer: Any, args: Any, batch: int, seq_len: int, *, cuda: bool, mode: Any = None,
-                notes: list[str] | None = None, param_names: dict[int, str] | None = None) -> tuple[_Trace, int]:
+                notes: list[str] | None = None, param_names: dict[int, str] | None = None,
+                period: int | None = None) -> tuple[_Trace, int]:
     """Trace the Trainer's step on fake tensors; return (the trace, the number of trainable parameters).
 
     `mode`: the fake-tensor mode a planner-built Trainer's model lives in (its parameters are fake already);
@@ -262,7 +263,8 @@ def _trace_step(trainer: Any, args: Any, batch: int, seq_len: int, *, cuda: bool
     steps (the user's own, `optimizers=(opt, None)`, as a twin over the fake parameters); checkpointing is what
     the Trainer's `train()` leaves on: the model's own, or the settings' `gradient_checkpointing`; every flag and
     hook that enabling it adds is taken off afterwards. `notes`: what the trace could not run as given is added.
-    `param_names`: {id: name} of the real parameters, where they are swapped for fakes before this is called."""
+    `param_names`: {id: name} of the real parameters, where they are swapped for fakes before this is called.
+    `period`: the trace records its timeline by units of that many blocks (`stack.py`), for the stack count."""
     grad_accum = int(args.gradient_accumulation_steps)
     micro = int(args.per_device_train_batch_size)
     model = trainer.model
@@ -301,7 +303,12 @@ def _trace_step(trainer: Any, args: Any, batch: int, seq_len: int, *, cuda: bool
             inputs = [_synthetic_batch(trainer, micro, seq_len) for _ in range(min(grad_accum, _BUILT_BATCHES))]
             unbuilt = (grad_accum - len(inputs)) * tensors_bytes(inputs[-1].values(), cuda_rounding=cuda)
             tokens = micro * grad_accum * seq_len
-            tracker = TensorTracker(device=torch.device("cpu"), cuda_rounding=cuda)
+            units = None
+            if period is not None:
+                from colab_memopt.planning.stack import units_of
+
+                units = units_of(model, period)
+            tracker = TensorTracker(device=torch.device("cpu"), cuda_rounding=cuda, units=units)
             tracker.track_external(model, optimizer, *[t for b in inputs for t in b.values() if isinstance(t, torch.Tensor)])
             with tracker, forward_autocast(model, half), as_on_cuda(cuda, half, model) as paths:
                 for batch_inputs in inputs[:2]:
@@ -329,8 +336,19 @@ def _trace_step(trainer: Any, args: Any, batch: int, seq_len: int, *, cuda: bool
         {p: tracker.phase_peaks[p] + unbuilt if tracker.phase_peaks.get(p) else 0 for p in PHASES},
         phase_categories,
         tracker.category_peaks["activations"],
+        timeline=_with_unbuilt(tracker.timeline, unbuilt),
     )
     return trace, n_trainable
+
+
+def _with_unbuilt(timeline: list[Any] | None, unbuilt: int) -> list[Any] | None:
+    """Return the timeline with the micro-batches not built counted in every line ("other"), as in the trace."""
+    if timeline is None or not unbuilt:
+        return timeline
+    from colab_memopt.core.tracker import CATEGORIES
+
+    other = CATEGORIES.index("other")
+    return [(ph, unit, func, (*cats[:other], cats[other] + unbuilt, *cats[other + 1:])) for ph, unit, func, cats in timeline]
 
 
 # Micro-batches built and traced per step: the first, and the second, which runs with the gradients already there;
@@ -501,17 +519,24 @@ def _as_loaded(net: nn.Module, bnb: Any, mode: Any, half: torch.dtype | None = N
 
 
 def _fake_trainer(args: Any, model: Any, lora: Any, bnb: Any, seq_len: int, mode: Any, dtype: Any = None,
-                  half: torch.dtype | None = None, prepare: dict[str, Any] | None = None) -> Any:
+                  half: torch.dtype | None = None, prepare: dict[str, Any] | None = None, blocks: int | None = None) -> Any:
     """Build the Trainer these settings would build, around a fake-tensor model (nothing allocated): the model
     in the dtype the run loads it in (`_model_dtype`; fp16 as `half` where given, as `_fake_parameters`),
     quantized as `bnb` loads it; `prepare`: the keyword arguments of the run's `prepare_model_for_kbit_training`
-    call (peft's own function run on the fake model after loading, `kbitprep.apply`), None where it makes none."""
+    call (peft's own function run on the fake model after loading, `kbitprep.apply`), None where it makes none.
+    `blocks`: only the model's first that many blocks (`stack.shallow_factory`), for the stack count."""
+    import dataclasses
+
     from datasets import Dataset
     from transformers import Trainer, default_data_collator
 
     from colab_memopt.techniques import architectures
 
     spec = architectures.resolve_model(model)
+    if blocks is not None:
+        from colab_memopt.planning.stack import shallow_factory
+
+        spec = dataclasses.replace(spec, build=shallow_factory(spec, blocks))
     dtype = _model_dtype(args, spec, model, dtype)
     dtype = half if half is not None and dtype == torch.float16 else dtype
     sft = type(args).__name__ == "SFTConfig"

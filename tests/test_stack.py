@@ -1,0 +1,170 @@
+"""Trace what repeats once (`colab_memopt.planning.stack`): a deep model's plan from two shallow traces, the rest of
+its blocks counted, equals the trace of every block, for each family the package builds and each mode, on the
+recipe path (`cm.plan`) and on the Trainer path (`cm.plan_trainer`); where the blocks do not repeat, every block is
+traced and the plan says so in its progress."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import colab_memopt as cm
+from colab_memopt.planning import planner, stack
+from colab_memopt.planning import trainer as trainer_mod
+from colab_memopt.planning.faketrace import shape_model
+from colab_memopt.techniques.models import GPTConfig, build_model
+
+# Nine blocks: the two shallow traces (3 and 5 blocks) are fewer than the whole, as the fast path needs. Thirteen
+# where every second block is checkpointed: units of two blocks, traced at 5 and 9 blocks.
+DEPTH = 9
+DEPTH_BY_TWO = 13
+
+
+def _hf_config(family: str, depth: int = DEPTH) -> object:
+    import transformers
+
+    common = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=depth, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256)
+    if family == "llama":
+        return transformers.LlamaConfig(**common, tie_word_embeddings=True)
+    if family == "qwen2":
+        return transformers.Qwen2Config(**common)
+    if family == "gpt2":
+        return transformers.GPT2Config(vocab_size=512, n_embd=64, n_layer=depth, n_head=4, n_positions=256)
+    raise ValueError(family)
+
+
+def _reference(depth: int = DEPTH) -> nn.Module:
+    return build_model(GPTConfig(n_layer=depth, d_model=64, n_head=4, seq_len=128, vocab_size=512), device=None)
+
+
+def _model(family: str, depth: int = DEPTH) -> object:
+    return (lambda: _reference(depth)) if family == "reference" else _hf_config(family, depth)
+
+
+# A device small enough that the largest batch is a few sequences (a tiny model on a T4 takes thousands).
+SMALL_GPU = cm.Target(name="small-gpu", device_bytes=40 * 2**20, host_bytes=2**34, cuda_context_bytes=0,
+                      compute_capability=(7, 5))
+
+
+# What each mode turns on, as a Recipe's fields (LoRA targets from each family's own names).
+MODES = {
+    "full fp32": {},
+    "fp16 autocast, checkpointing": {"precision": "fp16-autocast", "checkpointing": "full"},
+    "every 2nd block checkpointed": {"checkpointing": "every_n", "checkpoint_interval": 2, "precision": "bf16-autocast"},
+    "QLoRA nf4, checkpointing": {"lora_rank": 8, "quantization": "nf4", "precision": "fp16-autocast", "checkpointing": "full"},
+    "tiled MLP, chunked loss": {"mlp_tile_tokens": 32, "loss_chunk_tokens": 32, "checkpointing": "full"},
+    "accumulation 4, 8-bit AdamW": {"accumulation_steps": 4, "optimizer": "adamw8bit"},
+    "LOMO in bf16": {"optimizer": "lomo", "precision": "bf16"},
+}
+# Each family with every mode would be many minutes: every mode on llama (the flagship's family), and each other
+# family with one mode that changes its step (LoRA on a 16-bit base and an int8 base are QLoRA's path with other layers).
+CASES = ([("llama", mode) for mode in MODES]
+         + [("reference", "every 2nd block checkpointed"), ("qwen2", "QLoRA nf4, checkpointing"), ("gpt2", "full fp32")])
+
+
+def _figures(p: cm.Plan) -> tuple:
+    return (p.peak_bytes, p.by_category, p.by_phase, p.by_phase_category, [(c.name, c.bytes) for c in p.device_costs],
+            [(c.name, c.bytes) for c in p.host_costs if c.name != "this process"], p.max_batch)  # (its RSS, measured)
+
+
+def _both(monkeypatch: pytest.MonkeyPatch, module: object, run: object) -> tuple[tuple, tuple]:
+    out = []
+    for fast in (False, True):
+        monkeypatch.setattr(module, "_FAST_STACK", fast)
+        planner._TRACE_CACHE.clear()
+        out.append(_figures(run()))
+    return out[0], out[1]
+
+
+def _lora_targets(family: str) -> tuple[str, ...]:
+    return {"gpt2": ("c_attn", "c_proj"), "reference": ("qkv", "proj")}.get(family, ("q_proj", "v_proj"))
+
+
+@pytest.mark.parametrize(("family", "mode"), CASES, ids=[f"{f}-{m}" for f, m in CASES])
+def test_the_counted_stack_plans_what_the_whole_trace_plans(monkeypatch: pytest.MonkeyPatch, family: str,
+                                                             mode: str) -> None:
+    recipe = dict(MODES[mode])
+    if recipe.get("lora_rank"):
+        recipe["lora_targets"] = _lora_targets(family)
+    depth, traced = (DEPTH_BY_TWO, "5 and 9") if recipe.get("checkpoint_interval") == 2 else (DEPTH, "3 and 5")
+    said: list[str] = []
+    monkeypatch.setattr(planner, "say", said.append)
+    batch = max(2, recipe.get("accumulation_steps", 1))
+    whole, counted = _both(monkeypatch, planner, lambda: cm.plan(_model(family, depth), batch, seq_len=64, recipe=recipe,
+                                                                target="t4", find_max_batch=False, method="trace"))
+    assert any(f"{depth} blocks alike: tracing {traced}" in line for line in said), said
+    assert counted == whole  # every figure, to the byte (the issue asks for 0.1%)
+
+
+def test_the_largest_batch_search_counts_the_stack_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    whole, counted = _both(monkeypatch, planner, lambda: cm.plan(_model("llama"), 2, seq_len=64, target=SMALL_GPU,
+                                                                recipe={"precision": "fp16-autocast"}))
+    assert whole[-1] > 2 and counted == whole
+
+
+def _sft(**kwargs: object) -> object:
+    from trl import SFTConfig
+
+    return SFTConfig(output_dir="/tmp/colab-memopt-stack", max_length=64, use_cpu=True, report_to=[], **kwargs)
+
+
+def _trainer_cases() -> dict[str, dict[str, object]]:
+    from peft import LoraConfig
+    from transformers import BitsAndBytesConfig
+
+    return {
+        "QLoRA, fp16, checkpointing": dict(
+            args=_sft(per_device_train_batch_size=2, fp16=True, gradient_checkpointing=True),
+            lora=LoraConfig(r=8, target_modules="all-linear", task_type="CAUSAL_LM"),
+            bnb=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float16)),
+        "full, fp16, accumulation 4": dict(args=_sft(per_device_train_batch_size=1, gradient_accumulation_steps=4, fp16=True),
+                                           lora=None, bnb=None),
+    }
+
+
+@pytest.mark.parametrize("case", ["QLoRA, fp16, checkpointing", "full, fp16, accumulation 4"])
+def test_plan_trainer_counts_the_stack_as_its_whole_trace(monkeypatch: pytest.MonkeyPatch, case: str) -> None:
+    c = _trainer_cases()[case]
+    said: list[str] = []
+    monkeypatch.setattr(trainer_mod, "say", said.append)
+    whole, counted = _both(monkeypatch, trainer_mod, lambda: cm.plan_trainer(
+        c["args"], model=_hf_config("llama"), lora=c["lora"], bnb=c["bnb"],
+        target=SMALL_GPU if case.startswith("QLoRA") else "t4", find_max_batch=case.startswith("QLoRA")))
+    assert any(f"{DEPTH} blocks alike" in line for line in said), said
+    assert counted == whole
+
+
+def test_blocks_that_differ_are_traced_every_one() -> None:
+    model = _reference
+    built = shape_model(model)
+    assert stack.structural_period(built) == 1
+
+    def uneven() -> nn.Module:  # every block but the fourth has a wider MLP: no period repeats
+        net = _reference()
+        net.blocks[3].mlp = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64))
+        return net
+
+    with pytest.raises(stack.NotRepeating, match="not alike"):
+        stack.structural_period(shape_model(uneven))
+    assert cm.plan(uneven, 2, seq_len=64, find_max_batch=False, method="trace").method == "trace"
+
+
+def test_a_recipe_that_treats_the_blocks_unalike_is_traced_whole() -> None:
+    for fields, why in (({"layer_offload_active": 2}, "layer offload"),
+                        ({"checkpointing": "offload"}, "offloaded checkpoints")):
+        with pytest.raises(stack.NotRepeating, match=why):
+            stack.recipe_period(cm.Recipe(**fields))
+    assert stack.recipe_period(cm.Recipe(checkpointing="every_n", checkpoint_interval=3)) == 3
+
+
+def test_the_shape_carries_a_count_affine_in_the_depth_and_refuses_one_that_is_not() -> None:
+    shape = stack.StackShape(32)
+    assert (shape.depth(3), shape.depth(5)) == (3, 5) and shape.worth_it
+    assert shape.extrapolate(300, 500) == 3200  # 100 per block
+    with pytest.raises(stack.NotRepeating):
+        shape.extrapolate(300, 501)
+    assert not stack.StackShape(7).worth_it  # 3 + 5 blocks traced: more than the whole
+    two = stack.StackShape(33, period=2)  # units of two blocks, the last unit one block
+    assert (two.n_units, two.last_unit_blocks, two.depth(3), two.depth(5)) == (17, 1, 5, 9)
