@@ -168,3 +168,21 @@ def test_the_shape_carries_a_count_affine_in_the_depth_and_refuses_one_that_is_n
     assert not stack.StackShape(7).worth_it  # 3 + 5 blocks traced: more than the whole
     two = stack.StackShape(33, period=2)  # units of two blocks, the last unit one block
     assert (two.n_units, two.last_unit_blocks, two.depth(3), two.depth(5)) == (17, 1, 5, 9)
+
+
+def test_a_stack_whose_traces_do_not_repeat_is_traced_whole_and_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*args: object) -> None:
+        raise stack.NotRepeating("a pass through the blocks went to unit 4 where unit 3 of 5 was next")
+
+    run = lambda: cm.plan(_model("gpt2"), 2, seq_len=64, target="t4", find_max_batch=False, method="trace")  # noqa: E731
+    monkeypatch.setattr(planner, "_FAST_STACK", False)
+    whole = _figures(run())
+    said: list[str] = []
+    monkeypatch.setattr(stack, "say", said.append, raising=False)
+    monkeypatch.setattr(stack, "extrapolate", refuse)
+    monkeypatch.setattr(planner, "_FAST_STACK", True)
+    planner._TRACE_CACHE.clear()
+    p = run()
+    assert _figures(p) == whole
+    assert any("do not repeat" in line and f"tracing all {DEPTH}" in line for line in said), said
+    assert not any("the rest counted" in n for n in p.notes)

@@ -398,7 +398,7 @@ def plan(
                     "and builds the T x T scores (planned so); use fp16-autocast")
 
     used = "analytic"
-    trace = None
+    trace = tracer = None
     states = sum(analytic.by_category.get(k, 0) for k in ("parameters", "gradients", "optimizer_state"))
     if method == "auto" and states > HOPELESS_FACTOR * tgt.device_bytes and not rec.uses_deepspeed \
             and not rec.layer_offload_active and rec.optimizer_state_offload == "keep":
@@ -460,6 +460,8 @@ def plan(
                    f"{batch}, seq_len={seq_len}, target={tgt.name!r}) picks settings that fit"),
     )
     result.host_costs += _load_costs(spec, rec, tgt)
+    if used == "trace" and isinstance(tracer, StackTracer) and tracer.full is None:
+        result.notes.append(tracer.shape.describe())
     if used == "trace":
         if scales:
             device_costs.append(Cost("quantization scales", scales,
@@ -502,7 +504,8 @@ def _make_tracer(spec: Any, meta_model: nn.Module, rec: Recipe, seq_len: int, **
     """Return the step's tracer: a `stack.StackTracer` (two shallow copies traced, the rest of the blocks counted)
     where the model is a deep stack of repeating blocks and the recipe treats them alike, else a `_Tracer` of the
     whole model."""
-    if not _FAST_STACK:
+    # (LLM.int8 traced as on CUDA: its warning counts the outlier columns of every 8-bit layer of the whole model)
+    if not _FAST_STACK or (kwargs.get("cuda_rounding") and rec.quantization == "bnb_int8"):
         return _Tracer(spec.build, rec, seq_len, **kwargs)
     try:
         shape = stack_shape(meta_model, rec)

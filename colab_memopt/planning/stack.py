@@ -36,6 +36,7 @@ from typing import Any
 
 from torch import nn
 
+from colab_memopt.core.progress import say
 from colab_memopt.core.tracker import CATEGORIES, PHASES
 
 # The depths traced, in units: the first unit, middle units, the last unit. Three middle units at the larger depth
@@ -411,8 +412,6 @@ class StackTracer:
                 self._cache[batch] = extrapolate(self.small.trace(batch), self.large.trace(batch), self.shape)
                 return self._cache[batch]
             except NotRepeating as exc:
-                from colab_memopt.core.progress import say
-
                 self.why_not = str(exc)
                 say(f"the blocks do not repeat as counting needs ({exc}): tracing all {self.shape.n_blocks}")
                 self.full = self._make(self.spec.build, None)

@@ -222,16 +222,19 @@ def plan_trainer(
             say(f"building {model if isinstance(model, str) else getattr(model, 'model_type', None) or 'the model'} on "
                 "fake tensors (no weights loaded)")
             built = _buildable(args)
+
+            def build(blocks: int | None = None, built: Any = built) -> Any:  # None: the whole model
+                with _cpu_device_without_index(built):  # the Trainer moves its model to args.device while it is built
+                    return _fake_trainer(built, model, lora, bnb, seq, mode, dtype, half, prepare, blocks=blocks)
+
             shape = _stack_shape(model, args, lora, long_context)
-            with _cpu_device_without_index(built):  # the Trainer moves its model to args.device while it is built
-                if shape is not None:  # two shallow copies, traced; the rest of the stack counted
-                    say(f"{shape.n_blocks} blocks alike: tracing {shape.depth(STACK_UNITS[0])} and "
-                        f"{shape.depth(STACK_UNITS[1])}, counting the rest")
-                    stack = _StackHolders(shape, *(_fake_trainer(built, model, lora, bnb, seq, mode, dtype, half, prepare,
-                                                                 blocks=shape.depth(k)) for k in STACK_UNITS))
-                    holder = stack.large
-                else:
-                    holder = _fake_trainer(built, model, lora, bnb, seq, mode, dtype, half, prepare)
+            if shape is not None:  # two shallow copies, traced; the rest of the stack counted
+                say(f"{shape.n_blocks} blocks alike: tracing {shape.depth(STACK_UNITS[0])} and "
+                    f"{shape.depth(STACK_UNITS[1])}, counting the rest")
+                stack = _StackHolders(shape, build)
+                holder = stack.large  # its model's per-layer facts: the largest layer, the LoRA targets
+            else:
+                holder = build()
             if long_context is not None:
                 from colab_memopt.techniques.longcontext import long_context as install
 
@@ -266,17 +269,10 @@ def plan_trainer(
         installed = installed_long_context(holder.model)
         if installed is not None:
             warn.append(installed.describe() + ": traced")
-        trace = None
         if stack is not None:
-            try:
-                trace = stack.trace(args, micro, seq, tgt, mode, trace_notes)
-                emulated, long_costs = None, []
-            except NotRepeating as exc:  # the whole model, traced as without the count
-                say(f"the blocks do not repeat as counting needs ({exc}): tracing all {stack.shape.n_blocks}")
-                stack, trace_notes = None, []
-                with _cpu_device_without_index(built):
-                    holder = _fake_trainer(built, model, lora, bnb, seq, mode, dtype, half, prepare)
-        if trace is None:
+            trace = stack.trace(args, micro, seq, tgt, mode, trace_notes)
+            emulated, long_costs = None, []
+        else:
             with _args_of(holder, args), fakes(), _rows_kept(holder, args, trace_notes), \
                     _target_attention(tgt, args) as sdpa, \
                     trl_activation_offloading(holder, args, cuda=tgt.cuda, notes=trace_notes) as emulated, \
@@ -333,6 +329,8 @@ def plan_trainer(
                       *libdefaults.loss_line(args, holder.model),
                       *(libdefaults.load_dtype_line(args, model, dtype, loaded) if real_trainer is None else [])],
         )
+        if stack is not None and stack.whole is None:
+            result.notes.append(stack.shape.describe())
         if find_max_batch:
             with fakes(), trl_activation_offloading(holder, args, cuda=tgt.cuda, notes=[]), progress("largest batch"):
                 result.max_batch = _max_micro_batch(holder, args, seq, tgt, result, trace, mode, names, stack)
@@ -596,22 +594,34 @@ _FAST_STACK = True
 
 class _StackHolders:
     """Two planner-built Trainers of a model's first few blocks (`stack.STACK_UNITS` units): their steps traced and
-    carried to the whole stack (`stack.extrapolate`)."""
+    carried to the whole stack (`stack.extrapolate`); where the blocks turn out not to repeat, the whole model's
+    Trainer is built and traced instead, saying why. `build(blocks)` builds the Trainer (None: the whole model)."""
 
-    def __init__(self, shape: Any, small: Any, large: Any) -> None:
-        self.shape, self.small, self.large = shape, small, large
+    def __init__(self, shape: Any, build: Any) -> None:
+        self.shape, self.build = shape, build
+        self.small, self.large = (build(shape.depth(k)) for k in STACK_UNITS)
+        self.whole: Any = None
 
     def trace(self, args: Any, micro: int, seq: int, tgt: Target, mode: Any, notes: list[str]) -> _Trace:
         from colab_memopt.planning.stack import extrapolate
 
-        traces, hidden = [], 0
-        for holder in (self.small, self.large):
-            with _args_of(holder, args), _rows_kept(holder, args, notes), _target_attention(tgt, args) as sdpa:
-                traces.append(_trace_step(holder, args, micro, seq, cuda=tgt.cuda, mode=mode, notes=notes,
-                                          period=self.shape.period)[0])
-            hidden = max(hidden, sdpa.hidden_bytes if sdpa is not None else 0)
-        trace = extrapolate(*traces, self.shape)
-        trace.hidden_bytes = hidden
+        if self.whole is None:
+            try:
+                traces = [self._trace(h, args, micro, seq, tgt, mode, notes) for h in (self.small, self.large)]
+                trace = extrapolate(*traces, self.shape)
+                trace.hidden_bytes = max(t.hidden_bytes for t in traces)
+                return trace
+            except NotRepeating as exc:
+                say(f"the blocks do not repeat as counting needs ({exc}): tracing all {self.shape.n_blocks}")
+                self.whole = self.build(None)
+        return self._trace(self.whole, args, micro, seq, tgt, mode, notes, period=None)
+
+    def _trace(self, holder: Any, args: Any, micro: int, seq: int, tgt: Target, mode: Any, notes: list[str],
+               period: Any = "stack") -> _Trace:
+        with _args_of(holder, args), _rows_kept(holder, args, notes), _target_attention(tgt, args) as sdpa:
+            trace = _trace_step(holder, args, micro, seq, cuda=tgt.cuda, mode=mode, notes=notes,
+                                period=self.shape.period if period == "stack" else None)[0]
+        trace.hidden_bytes = sdpa.hidden_bytes if sdpa is not None else 0
         return trace
 
     def count(self, fn: Any) -> int:
