@@ -321,7 +321,7 @@ class _Tracer:
 
     def __init__(self, model_factory: Callable[[], nn.Module], recipe: Recipe, seq_len: int, *, cuda_rounding: bool, batch: int = 1,
                  optimizer_impl: str = "single-tensor", capability: tuple[int, int] | None = None,
-                 period: int | None = None) -> None:
+                 units_of: Callable[[nn.Module], dict[int, int]] | None = None) -> None:
         from torch._subclasses.fake_tensor import FakeTensorMode
         from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
@@ -343,12 +343,9 @@ class _Tracer:
             self.model, self.optimizer = recipe.build(model)
             set_optimizer_impl(self.optimizer, optimizer_impl)
             self.batches = _FakeBatches(_vocab_size(self.model))
-            # a stack's units (`stack.py`): each trace records its timeline, which the fast path carries to the stack
-            self.units = None
-            if period is not None:
-                from colab_memopt.planning.stack import units_of
-
-                self.units = units_of(self.model, period)
+            # a stack's units (`units_of`: `stack.units_of`): each trace records its timeline, which the stack count
+            # carries to the whole stack
+            self.units = units_of(self.model) if units_of is not None else None
             # A warm-up creates the optimizer state and the gradients, as a real warm-up step does. Where the
             # optimizer steps after backward, one optimizer step on zero gradients does it without the forward
             # and backward (half a plan's time on a big model; tests/test_planner.py pins the peaks to

@@ -513,7 +513,7 @@ def _make_tracer(spec: Any, meta_model: nn.Module, rec: Recipe, seq_len: int, **
         return _Tracer(spec.build, rec, seq_len, **kwargs)
     say(f"{shape.n_blocks} blocks alike: tracing {shape.depth(STACK_UNITS[0])} and {shape.depth(STACK_UNITS[1])}, "
         "counting the rest")
-    return StackTracer(spec, shape, lambda factory, period: _Tracer(factory, rec, seq_len, period=period, **kwargs))
+    return StackTracer(spec, shape, lambda factory, units_of: _Tracer(factory, rec, seq_len, units_of=units_of, **kwargs))
 
 
 # Whether plans of deep models trace two shallow copies and count the rest of the stack (tests turn it off to

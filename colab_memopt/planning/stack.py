@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -393,11 +394,13 @@ class StackTracer:
     as the largest layer), `int8_as_on_cuda`, and `extrapolated_count(fn)` for a count of the model (quantization
     scales) carried to the whole stack."""
 
-    def __init__(self, spec: Any, shape: StackShape, make_tracer: Callable[[Callable[[], nn.Module], int | None], Any]) -> None:
+    def __init__(self, spec: Any, shape: StackShape,
+                 make_tracer: Callable[[Callable[[], nn.Module], Callable[[nn.Module], dict[int, int]] | None], Any]) -> None:
         self.spec, self.shape, self._make = spec, shape, make_tracer
         small, large = (shape.depth(k) for k in STACK_UNITS)
-        self.small = make_tracer(shallow_factory(spec, small), shape.period)
-        self.large = make_tracer(shallow_factory(spec, large), shape.period)
+        units = functools.partial(units_of, period=shape.period)
+        self.small = make_tracer(shallow_factory(spec, small), units)
+        self.large = make_tracer(shallow_factory(spec, large), units)
         self.model = self.large.model
         self.int8_as_on_cuda = self.large.int8_as_on_cuda
         self.full: Any = None  # the whole model's tracer, where the blocks do not repeat
