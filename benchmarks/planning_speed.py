@@ -93,9 +93,19 @@ def _need(stdout: str) -> int | None:
     return None
 
 
-def time_call(name: str, timeout_s: float) -> dict:
-    """Run one call in a fresh process; return its row."""
+# Put before a call (`--whole`): plans trace every block, as before the stack count (`planning/stack.py`).
+_WHOLE = ("from colab_memopt.planning import planner as _p, trainer as _t\n"
+          "_p._FAST_STACK = _t._FAST_STACK = False\n")
+
+
+def time_call(name: str, timeout_s: float, *, whole: bool = False) -> dict:
+    """Run one call in a fresh process; return its row (`whole`: every block traced, for the bytes to compare)."""
     what, call = CALLS[name]
+    if whole and isinstance(call, list):  # the command line, run as `python -m` runs it, after the switch
+        call = _WHOLE + f"import runpy, sys\nsys.argv = {['colab_memopt', *call[2:]]!r}\n" \
+            "runpy.run_module('colab_memopt', run_name='__main__', alter_sys=True)\n"
+    elif whole:
+        call = _WHOLE + call
     argv = [sys.executable, *call] if isinstance(call, list) else [sys.executable, "-c", call]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -126,14 +136,24 @@ def main() -> None:
     parser.add_argument("--calls", nargs="+", default=list(CALLS), choices=list(CALLS))
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per call before it is stopped")
     parser.add_argument("--out", default=str(OUT))
+    parser.add_argument("--whole", nargs="*", default=[], choices=list(CALLS),
+                        help="also run these calls with every block traced (rows NAME@whole): the bytes to compare")
     args = parser.parse_args()
     out = Path(args.out)
     data = json.loads(out.read_text()) if out.exists() else {"rows": {}}
     data["machine"] = {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform(),
                        "note": "shared with other engineers while measured: compare cpu_s, not wall_s; see the loads"}
-    for name in args.calls:
-        row = time_call(name, args.timeout)
+    for name, whole in [(n, False) for n in args.calls] + [(n, True) for n in args.whole]:
+        row = time_call(name, args.timeout, whole=whole)
         row["measured_at"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+        if whole:
+            name = f"{name}@whole"
+            row["call"] += " (every block traced)"
+        elif isinstance(data["rows"].get(f"{name}@whole"), dict):
+            data["rows"].pop(f"{name}@whole")  # measured with an older tree: run --whole again to compare
+        fast = data["rows"].get(name.removesuffix("@whole")) if whole else None
+        if fast and fast.get("device_need_bytes") and row["device_need_bytes"]:
+            row["counted_vs_whole"] = round(fast["device_need_bytes"] / row["device_need_bytes"] - 1, 6)
         data["rows"][name] = row
         print(f"{name}: exit {row['exit_code']}, {row['wall_s']} s wall, {row['cpu_s']} s CPU, load "
               f"{row['load_1min_before']}-{row['load_1min_after']}, need {row['device_need_bytes']}, "
