@@ -57,6 +57,8 @@ MODES = {
     "tiled MLP, chunked loss": {"mlp_tile_tokens": 32, "loss_chunk_tokens": 32, "checkpointing": "full"},
     "accumulation 4, 8-bit AdamW": {"accumulation_steps": 4, "optimizer": "adamw8bit"},
     "LOMO in bf16": {"optimizer": "lomo", "precision": "bf16"},
+    "offloaded checkpoints, tiled, chunked": {"checkpointing": "offload", "mlp_tile_tokens": 32, "loss_chunk_tokens": 32,
+                                              "precision": "fp16-autocast"},
 }
 # Each family with every mode would be many minutes: every mode on llama (the flagship's family), and each other
 # family with one mode that changes its step (LoRA on a 16-bit base and an int8 base are QLoRA's path with other layers).
@@ -153,7 +155,7 @@ def test_blocks_that_differ_are_traced_every_one() -> None:
 
 def test_a_recipe_that_treats_the_blocks_unalike_is_traced_whole() -> None:
     for fields, why in (({"layer_offload_active": 2}, "layer offload"),
-                        ({"checkpointing": "offload"}, "offloaded checkpoints")):
+                        ({"checkpointing": "offload", "offload_keep_blocks": 2}, "split")):
         with pytest.raises(stack.NotRepeating, match=why):
             stack.recipe_period(cm.Recipe(**fields))
     assert stack.recipe_period(cm.Recipe(checkpointing="every_n", checkpoint_interval=3)) == 3

@@ -484,9 +484,13 @@ def plan(
                         "on the device (loading.load_model with a hub id or a saved folder)")
     if rec.checkpointing == "offload":  # the checkpointed blocks' inputs wait in host RAM
         if used == "trace":
-            offloader = checkpoint_offloader(tracer.model)
+            def held(model: nn.Module) -> int:
+                offloader = checkpoint_offloader(model)
+                return offloader.peak_pinned_host_bytes if tgt.cuda else offloader.peak_host_bytes
+
             result.host_costs.append(Cost("offloaded checkpoints",
-                                          offloader.peak_pinned_host_bytes if tgt.cuda else offloader.peak_host_bytes,
+                                          tracer.extrapolated_count(held) if isinstance(tracer, StackTracer)
+                                          else held(tracer.model),
                                           "traced: one block input per block (checkpointing.CheckpointOffloader)" + _PINNED_NOTE * tgt.cuda))
         else:
             result.host_costs.append(Cost("offloaded checkpoints",

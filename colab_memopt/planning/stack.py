@@ -375,10 +375,10 @@ def recipe_period(recipe: Any) -> int:
     N); raise NotRepeating for what the fast path does not count (offload across the stack, DeepSpeed)."""
     if recipe.uses_deepspeed or recipe.zero_stage:
         raise NotRepeating("DeepSpeed's step")
-    if recipe.layer_offload_active or recipe.offload_keep_blocks:
+    if recipe.layer_offload_active:
         raise NotRepeating("layer offload (a window of blocks on the device)")
-    if recipe.checkpointing == "offload":
-        raise NotRepeating("offloaded checkpoints (their host bytes are counted per block)")
+    if recipe.offload_keep_blocks:
+        raise NotRepeating("offloaded checkpoints split (the last blocks kept on the device)")
     if recipe.phase_offload or recipe.optimizer_state_offload != "keep":
         raise NotRepeating("optimizer state offloaded")
     if recipe.checkpointing in ("every_n", "segments"):
