@@ -188,3 +188,39 @@ def test_a_stack_whose_traces_do_not_repeat_is_traced_whole_and_says_so(monkeypa
     assert _figures(p) == whole
     assert any("do not repeat" in line and f"tracing all {DEPTH}" in line for line in said), said
     assert not any("the rest counted" in n for n in p.notes)
+
+
+def test_a_shallow_copy_unlike_the_models_first_blocks_is_refused() -> None:
+    from colab_memopt.techniques import architectures
+
+    spec = architectures.resolve_model(_hf_config("llama"))
+    meta = shape_model(spec.build)
+    shape = stack.shape_of(meta)
+    stack.check_shallow(spec, meta, shape)  # a copy of 3 or 5 blocks is the model's first 3 or 5
+    wider = _hf_config("llama")
+    wider.intermediate_size = 192  # a config whose copies would build other blocks than the model has
+    with pytest.raises(stack.NotRepeating, match="not the model's first 3 blocks"):
+        stack.check_shallow(architectures.resolve_model(wider), meta, shape)
+
+
+def test_a_factorys_model_cut_to_a_few_blocks_keeps_its_own_config_object() -> None:
+    """A model from a factory is built whole and cut: its transformers config is the same object, with fewer layers
+    and its attention implementation as built (a copy of it had none, and transformers said so on stderr)."""
+    config = _hf_config("llama")
+
+    def factory() -> nn.Module:
+        from peft import LoraConfig, get_peft_model
+        from transformers import AutoModelForCausalLM
+
+        return get_peft_model(AutoModelForCausalLM.from_config(config), LoraConfig(r=4, target_modules=["q_proj"]))
+
+    from colab_memopt.techniques import architectures
+
+    whole = factory()
+    cut = stack.shallow_factory(architectures.resolve_model(factory), 3)()
+    base = cut.get_base_model()
+    assert len(stack.block_stack(cut)[2]) == 3 and base.config.num_hidden_layers == 3
+    assert all(m.config is base.config for m in base.modules() if hasattr(m, "config") and not callable(m.config))
+    assert base.config._attn_implementation == whole.get_base_model().config._attn_implementation is not None
+    reference = stack.shallow_factory(architectures.resolve_model(_reference), 3)()
+    assert reference.config.n_layer == 3 and len(reference.blocks) == 3

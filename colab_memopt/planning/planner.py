@@ -512,7 +512,7 @@ def _make_tracer(spec: Any, meta_model: nn.Module, rec: Recipe, seq_len: int, **
     if not _FAST_STACK or (kwargs.get("cuda_rounding") and rec.quantization == "bnb_int8"):
         return _Tracer(spec.build, rec, seq_len, **kwargs)
     try:
-        shape = stack_shape(meta_model, rec)
+        shape = stack_shape(meta_model, rec, spec)
     except NotRepeating:
         return _Tracer(spec.build, rec, seq_len, **kwargs)
     say(f"{shape.n_blocks} blocks alike: tracing {shape.depth(STACK_UNITS[0])} and {shape.depth(STACK_UNITS[1])}, "

@@ -127,18 +127,23 @@ def _signature(block: nn.Module, layer_type: Any = None) -> tuple[Any, ...]:
     return tuple(parts)
 
 
-def structural_period(model: nn.Module) -> int:
-    """Return the least period with which the model's blocks repeat (1: all alike); raise NotRepeating where none
-    up to a third of the stack does (each kind must appear in the first, a middle and the last unit)."""
+def _signatures(model: nn.Module) -> list[tuple[Any, ...]]:
+    """Return the `_signature` of each block of the model's stack, in order."""
     _, _, stack = block_stack(model)
     config = getattr(model, "config", None)
     types = getattr(config, "layer_types", None)
     types = list(types) if isinstance(types, (list, tuple)) and len(types) == len(stack) else [None] * len(stack)
-    sigs = [_signature(b, t) for b, t in zip(stack, types)]
+    return [_signature(b, t) for b, t in zip(stack, types)]
+
+
+def structural_period(model: nn.Module) -> int:
+    """Return the least period with which the model's blocks repeat (1: all alike); raise NotRepeating where none
+    up to a third of the stack does (each kind must appear in the first, a middle and the last unit)."""
+    sigs = _signatures(model)
     for period in range(1, len(sigs) // 3 + 1):
         if all(sigs[i] == sigs[i + period] for i in range(len(sigs) - period)):
             return period
-    raise NotRepeating(f"its {len(stack)} blocks are not alike, nor repeat with a period")
+    raise NotRepeating(f"its {len(sigs)} blocks are not alike, nor repeat with a period")
 
 
 def shape_of(model: nn.Module, period: int = 1) -> StackShape:
@@ -164,7 +169,8 @@ def truncate(model: nn.Module, blocks: int) -> nn.Module:
         if config is None:
             continue
         if id(config) not in shallow:
-            if dataclasses.is_dataclass(config) and not isinstance(config, type):  # the reference model's (frozen)
+            frozen = dataclasses.is_dataclass(config) and config.__dataclass_params__.frozen  # type: ignore[union-attr]
+            if frozen and not isinstance(config, type):  # the reference model's GPTConfig: a copy with fewer layers
                 fields = {f.name for f in dataclasses.fields(config)}
                 shallow[id(config)] = dataclasses.replace(config, **{k: blocks for k in ("n_layer", "num_hidden_layers")
                                                                      if k in fields})
@@ -430,10 +436,26 @@ class StackTracer:
         return self.shape.extrapolate(count(self.small.model), count(self.large.model))
 
 
-def stack_shape(meta_model: nn.Module, recipe: Any) -> StackShape:
+def stack_shape(meta_model: nn.Module, recipe: Any, spec: Any = None) -> StackShape:
     """Return the StackShape the fast path traces `meta_model` with under `recipe`; raise NotRepeating where it does
-    not apply or would trace as many blocks as the whole."""
+    not apply or would trace as many blocks as the whole. With `spec` (the model's `architectures.ModelSpec`), also
+    check that the shallow copies it builds are the whole model's first blocks (`check_shallow`)."""
     shape = shape_of(meta_model, recipe_period(recipe))
     if not shape.worth_it:
         raise NotRepeating(f"{shape.n_blocks} blocks: the whole stack is as quick to trace")
+    if spec is not None:
+        check_shallow(spec, meta_model, shape)
     return shape
+
+
+def check_shallow(spec: Any, meta_model: nn.Module, shape: StackShape) -> None:
+    """Raise NotRepeating unless each shallow copy of `spec` (built on the meta device) has, block for block, the
+    whole model's first blocks: a config whose layers depend on their count (a window from some layer on, the
+    first layers dense in a mixture of experts) would otherwise plan other blocks than the model has."""
+    from colab_memopt.planning.faketrace import shape_model
+
+    whole = _signatures(meta_model)
+    for units in STACK_UNITS:
+        blocks = shape.depth(units)
+        if _signatures(shape_model(shallow_factory(spec, blocks))) != whole[:blocks]:
+            raise NotRepeating(f"a copy of {blocks} blocks is not the model's first {blocks} blocks")
