@@ -68,7 +68,8 @@ CASES = ([("llama", mode) for mode in MODES]
 
 def _figures(p: cm.Plan) -> tuple:
     return (p.peak_bytes, p.by_category, p.by_phase, p.by_phase_category, [(c.name, c.bytes) for c in p.device_costs],
-            [(c.name, c.bytes) for c in p.host_costs if c.name != "this process"], p.max_batch)  # (its RSS, measured)
+            [(c.name, c.bytes) for c in p.host_costs if c.name != "this process"], p.max_batch,  # (its RSS, measured)
+            p.warnings)
 
 
 def _both(monkeypatch: pytest.MonkeyPatch, module: object, run: object) -> tuple[tuple, tuple]:
@@ -133,6 +134,7 @@ def test_plan_trainer_counts_the_stack_as_its_whole_trace(monkeypatch: pytest.Mo
     monkeypatch.setattr(trainer_mod, "say", said.append)
     whole, counted = _both(monkeypatch, trainer_mod, lambda: cm.plan_trainer(
         c["args"], model=_hf_config("llama"), lora=c["lora"], bnb=c["bnb"],
+        prepare_model_for_kbit_training=case.startswith("QLoRA"),  # its float32 norms, counted per block too
         target=SMALL_GPU if case.startswith("QLoRA") else "t4", find_max_batch=case.startswith("QLoRA")))
     assert any(f"{DEPTH} blocks alike" in line for line in said), said
     assert counted == whole

@@ -112,13 +112,16 @@ def float32_bytes(model: nn.Module) -> int:
     return total
 
 
-def plan_line(model: nn.Module, *, said: bool, own_checkpointing: bool, autocast: bool = True) -> str:
-    """Return the plan's line about the call, in the user's words: said to the plan, or read from their model."""
+def plan_line(model: nn.Module, *, said: bool, own_checkpointing: bool, autocast: bool = True,
+              extra_bytes: int | None = None) -> str:
+    """Return the plan's line about the call, in the user's words: said to the plan, or read from their model
+    (`extra_bytes`: `float32_bytes` of the whole model, where `model` is a shallow copy of it)."""
     from colab_memopt.core.measure import format_bytes
 
     where = (f"{ARGUMENT}: planned with peft's own function" if said
              else f"your model went through {ARGUMENT} (read from its float32 weights)")
-    text = f"{where}: embeddings, lm_head and norms in float32 (+{format_bytes(float32_bytes(model))} over 16 bits)"
+    extra = float32_bytes(model) if extra_bytes is None else extra_bytes
+    text = f"{where}: embeddings, lm_head and norms in float32 (+{format_bytes(extra)} over 16 bits)"
     if autocast:  # autocast casts the frozen float32 head to 16 bits at every forward and keeps the copy for backward
         text += ", and lm_head's 16-bit copy each step"
     if own_checkpointing:

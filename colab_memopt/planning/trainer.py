@@ -244,7 +244,9 @@ def plan_trainer(
                 own = not args.gradient_checkpointing and _checkpointing_on(holder.model)
                 if own:
                     recipe = recipe.with_(checkpointing="full")
-                warn.append(kbitprep.plan_line(holder.model, said=True, own_checkpointing=own, autocast=autocasts))
+                extra = stack.count(lambda h: kbitprep.float32_bytes(h.model)) if stack is not None else None
+                warn.append(kbitprep.plan_line(holder.model, said=True, own_checkpointing=own, autocast=autocasts,
+                                               extra_bytes=extra))
         elif kbitprep.prepared_signs(real_trainer.model):
             warn.append(kbitprep.plan_line(real_trainer.model, said=False, own_checkpointing=False, autocast=autocasts))
 
