@@ -1,6 +1,6 @@
 """How long the planning calls take, whole (imports included), each in a fresh process: issue 43's table.
 
-    python benchmarks/planning_speed.py [--calls help plan_trainer_8b_qlora ...] [--out FILE]
+    python benchmarks/planning_speed.py [--calls help plan_trainer_8b_qlora ...] [--whole plan_trainer_8b_qlora ...] [--out FILE]
 
 Writes benchmarks/results/planning_speed.json (rows of the calls run are replaced, the others kept). Each call runs in
 its own Python process, as a user's first call does; the row records its wall seconds, its CPU seconds (user + system
