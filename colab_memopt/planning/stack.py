@@ -26,7 +26,6 @@ them out of order), `NotRepeating` says why and the planner traces every block i
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import functools
@@ -188,17 +187,6 @@ def _set_layers(config: Any, blocks: int) -> None:
     types = getattr(config, "layer_types", None)
     if isinstance(types, (list, tuple)):
         config.layer_types = list(types)[:blocks]
-
-
-@contextlib.contextmanager
-def truncated(model: nn.Module, blocks: int) -> Iterator[None]:
-    """Run the model with the first `blocks` blocks of its stack, for the duration; the whole stack comes back."""
-    parent, name, stack = block_stack(model)
-    parent._modules[name] = nn.ModuleList(list(stack)[:blocks])
-    try:
-        yield
-    finally:
-        parent._modules[name] = stack
 
 
 def shallow_factory(spec: Any, blocks: int) -> Callable[[], nn.Module]:
@@ -410,7 +398,6 @@ class StackTracer:
         self.model = self.large.model
         self.int8_as_on_cuda = self.large.int8_as_on_cuda
         self.full: Any = None  # the whole model's tracer, where the blocks do not repeat
-        self.why_not: str | None = None
         self._cache: dict[int, Any] = {}
 
     def trace(self, batch: int) -> Any:
@@ -421,7 +408,6 @@ class StackTracer:
                 self._cache[batch] = extrapolate(self.small.trace(batch), self.large.trace(batch), self.shape)
                 return self._cache[batch]
             except NotRepeating as exc:
-                self.why_not = str(exc)
                 say(f"the blocks do not repeat as counting needs ({exc}): tracing all {self.shape.n_blocks}")
                 self.full = self._make(self.spec.build, None)
                 self.model = self.full.model
@@ -436,11 +422,12 @@ class StackTracer:
         return self.shape.extrapolate(count(self.small.model), count(self.large.model))
 
 
-def stack_shape(meta_model: nn.Module, recipe: Any, spec: Any = None) -> StackShape:
-    """Return the StackShape the fast path traces `meta_model` with under `recipe`; raise NotRepeating where it does
-    not apply or would trace as many blocks as the whole. With `spec` (the model's `architectures.ModelSpec`), also
-    check that the shallow copies it builds are the whole model's first blocks (`check_shallow`)."""
-    shape = shape_of(meta_model, recipe_period(recipe))
+def stack_shape(meta_model: nn.Module, recipe: Any = None, spec: Any = None) -> StackShape:
+    """Return the StackShape the fast path traces `meta_model` with under `recipe` (None: blocks treated alike, as a
+    Trainer does); raise NotRepeating where it does not apply or would trace as many blocks as the whole. With `spec`
+    (the model's `architectures.ModelSpec`), also check that the shallow copies it builds are the whole model's first
+    blocks (`check_shallow`)."""
+    shape = shape_of(meta_model, recipe_period(recipe) if recipe is not None else 1)
     if not shape.worth_it:
         raise NotRepeating(f"{shape.n_blocks} blocks: the whole stack is as quick to trace")
     if spec is not None:

@@ -576,21 +576,16 @@ def _stack_shape(model: Any, args: Any, lora: Any, long_context: Any) -> Any:
     if not _FAST_STACK or long_context is not None or getattr(args, "activation_offloading", False):
         return None
     from colab_memopt.planning.faketrace import shape_model
-    from colab_memopt.planning.stack import NotRepeating, check_shallow, shape_of
+    from colab_memopt.planning.stack import stack_shape
     from colab_memopt.techniques import architectures
 
     spec = architectures.resolve_model(model)
     if spec.source == "factory":
         return None
     try:
-        meta = shape_model(spec.build)
-        shape = shape_of(meta)
-        if not shape.worth_it:
-            return None
-        check_shallow(spec, meta, shape)
+        return stack_shape(shape_model(spec.build), spec=spec)
     except NotRepeating:
         return None
-    return shape
 
 
 # Whether planner-built Trainers of deep models trace two shallow copies and count the rest of the stack (tests turn
