@@ -617,6 +617,19 @@ def test_fp16_lomo_is_traced_in_fp16_and_says_so(optimizer):
     assert any("two backward passes" in w for w in plan.warnings)
 
 
+def test_fp16_autocast_says_how_it_was_traced_as_a_note_not_a_warning():
+    """On a CUDA target the trace takes CUDA's autocast lists (softmax, layer_norm, ... in float32): a note says so;
+    nothing warns that CPU autocast keeps them in fp16, which the trace no longer does there."""
+    recipe = cm.Recipe(precision="fp16-autocast")
+    t4 = planner.plan(lambda: cm.build_model("tiny"), 2, seq_len=32, recipe=recipe, target="t4", find_max_batch=False)
+    cpu = planner.plan(lambda: cm.build_model("tiny"), 2, seq_len=32, recipe=recipe, target=CPU_TARGET,
+                       find_max_batch=False)
+    assert not any("autocast" in w for w in t4.warnings + cpu.warnings), t4.warnings + cpu.warnings
+    assert any("CUDA's autocast lists" in n for n in t4.notes), t4.notes
+    assert any("GradScaler" in n for n in cpu.notes) and not any("CUDA" in n for n in cpu.notes), cpu.notes
+    assert "note: fp16 autocast traced" in t4.explain()
+
+
 def _tiny_t5():
     from transformers import T5Config, T5ForConditionalGeneration
 

@@ -387,10 +387,11 @@ def plan(
         if rec.optimizer in ("lomo", "adalomo") and rec.weight_dtype is None:  # (int8train's rules do not clip)
             warn.append(f"{rec.optimizer} in fp16 runs two backward passes, the first with the graph retained (the "
                         "global norm, which finds overflows before any weight changes): both are traced")
+    notes: list[str] = []
     if rec.precision == "fp16-autocast" or rec.eval_precision == "fp16-autocast":
-        warn.append("fp16 autocast is traced in CPU fp16 autocast with the GradScaler taking a clean step; CUDA "
-                    "autocast runs softmax, log_softmax, layer_norm and sum in fp32 where CPU autocast keeps fp16 "
-                    "(naive attention on CUDA holds a 4-byte softmax per score, not 2)")
+        notes.append("fp16 autocast traced with its GradScaler taking a clean step (a skipped overflowing step holds "
+                     "less)" + ("; with CUDA's autocast lists: softmax, log_softmax, layer_norm, sum and the losses "
+                            "in float32, as on the GPU" if tgt.cuda and rec.precision == "fp16-autocast" else ""))
     uses_bf16 = "bf16" in (rec.precision, rec.eval_precision or "") or rec.precision == "bf16-autocast"
     if tgt.cuda and uses_bf16 and tgt.compute_capability is not None and tuple(tgt.compute_capability) < (8, 0):
         warn.append(f"{tgt.name} (sm_{tgt.compute_capability[0]}{tgt.compute_capability[1]}) has no native bf16: its "
@@ -460,6 +461,7 @@ def plan(
                    f"{batch}, seq_len={seq_len}, target={tgt.name!r}) picks settings that fit"),
     )
     result.host_costs += _load_costs(spec, rec, tgt)
+    result.notes += notes
     if used == "trace" and isinstance(tracer, StackTracer) and tracer.full is None:
         result.notes.append(tracer.shape.describe())
     if used == "trace":
