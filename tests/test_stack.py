@@ -140,6 +140,28 @@ def test_plan_trainer_counts_the_stack_as_its_whole_trace(monkeypatch: pytest.Mo
     assert counted == whole
 
 
+def test_plan_trainer_counts_every_nth_layer_checkpointed_in_units_of_n(monkeypatch: pytest.MonkeyPatch) -> None:
+    """transformers' `every_n_layers` checkpoints layers 0, n, 2n, ...: the blocks repeat in units of n, counted so
+    (two shallow copies of 5 and 9 blocks, not copies whose blocks are checkpointed otherwise than the whole's)."""
+    from peft import LoraConfig
+
+    from colab_memopt.planning.hfconfig import trainer_checkpointing_keys
+
+    if "every_n_layers" not in trainer_checkpointing_keys():
+        pytest.skip("this transformers' Trainer checkpoints every layer or none")
+    args = _sft(per_device_train_batch_size=2, fp16=True, gradient_checkpointing=True,
+                gradient_checkpointing_kwargs={"use_reentrant": False, "every_n_layers": 2})
+    said: list[str] = []
+    monkeypatch.setattr(trainer_mod, "say", said.append)
+    whole, counted = _both(monkeypatch, trainer_mod, lambda: cm.plan_trainer(
+        args, model=_hf_config("llama", DEPTH_BY_TWO), lora=LoraConfig(r=8, target_modules="all-linear",
+                                                                      task_type="CAUSAL_LM"),
+        target="t4", find_max_batch=False))
+    assert any(f"{DEPTH_BY_TWO} blocks alike: tracing 5 and 9" in line for line in said), said
+    assert not any("do not repeat" in line for line in said), said
+    assert counted == whole
+
+
 def test_blocks_that_differ_are_traced_every_one() -> None:
     model = _reference
     built = shape_model(model)

@@ -422,12 +422,12 @@ class StackTracer:
         return self.shape.extrapolate(count(self.small.model), count(self.large.model))
 
 
-def stack_shape(meta_model: nn.Module, recipe: Any = None, spec: Any = None) -> StackShape:
-    """Return the StackShape the fast path traces `meta_model` with under `recipe` (None: blocks treated alike, as a
-    Trainer does); raise NotRepeating where it does not apply or would trace as many blocks as the whole. With `spec`
-    (the model's `architectures.ModelSpec`), also check that the shallow copies it builds are the whole model's first
-    blocks (`check_shallow`)."""
-    shape = shape_of(meta_model, recipe_period(recipe) if recipe is not None else 1)
+def stack_shape(meta_model: nn.Module, recipe: Any = None, spec: Any = None, *, period: int = 1) -> StackShape:
+    """Return the StackShape the fast path traces `meta_model` with under `recipe` (None: blocks treated alike but
+    for `period`, the blocks a Trainer's `every_n_layers` checkpointing repeats with); raise NotRepeating where it does
+    not apply or would trace as many blocks as the whole. With `spec` (the model's `architectures.ModelSpec`), also
+    check that the shallow copies it builds are the whole model's first blocks (`check_shallow`)."""
+    shape = shape_of(meta_model, math.lcm(period, recipe_period(recipe) if recipe is not None else 1))
     if not shape.worth_it:
         raise NotRepeating(f"{shape.n_blocks} blocks: the whole stack is as quick to trace")
     if spec is not None:

@@ -583,9 +583,19 @@ def _stack_shape(model: Any, args: Any, lora: Any, long_context: Any) -> Any:
     if spec.source == "factory":
         return None
     try:
-        return stack_shape(shape_model(spec.build), spec=spec)
+        return stack_shape(shape_model(spec.build), spec=spec, period=_checkpointed_every(args))
     except NotRepeating:
         return None
+
+
+def _checkpointed_every(args: Any) -> int:
+    """Return the n of the settings' `every_n_layers` checkpointing (layers 0, n, 2n, ... checkpointed: the blocks
+    repeat in units of n), 1 where every layer or none is checkpointed."""
+    if not getattr(args, "activation_checkpointing", getattr(args, "gradient_checkpointing", False)):
+        return 1
+    kwargs = getattr(args, "activation_checkpointing_kwargs", getattr(args, "gradient_checkpointing_kwargs", None)) or {}
+    every = kwargs.get("every_n_layers", 1) if isinstance(kwargs, dict) else 1
+    return every if isinstance(every, int) and not isinstance(every, bool) and every >= 1 else 1
 
 
 # Whether planner-built Trainers of deep models trace two shallow copies and count the rest of the stack (tests turn
