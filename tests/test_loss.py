@@ -258,6 +258,48 @@ def test_trace_equals_measurement_to_the_byte(chunk):
     assert report.peak_bytes - inputs == _trace_transient(300, 700, 32, chunk)[0]
 
 
+@pytest.mark.parametrize(("dtype", "frozen_head"), [(torch.float32, False), (torch.bfloat16, False), (torch.float32, True)],
+                         ids=["fp32 head (by chunks)", "bf16 head (by vocabulary blocks)", "frozen head"])
+def test_a_trace_of_the_first_rounds_only_peaks_where_every_round_measured_does(dtype, frozen_head):
+    """The planner traces the chunked loss's first two rounds (`first_rounds_traced`): every later round allocates
+    what they do. Its peak is the measured step's, which runs all 19 (300 tokens by 16), for each of backward's loops."""
+    from colab_memopt.techniques.loss import first_rounds_traced
+
+    def step_of(h, w, y):
+        return make_loss_step(h, w, y, chunk_tokens=16)
+
+    gen = torch.Generator().manual_seed(0)
+    h = torch.randn(300, 32, generator=gen).to(dtype).requires_grad_()
+    w = torch.randn(700, 32, generator=gen).to(dtype).requires_grad_(not frozen_head)
+    y = torch.randint(0, 700, (300,), generator=gen)
+    measured = measure_step(step_of(h, w, y), track=[h, w, y], device="cpu", repeat=1).peak_bytes
+    every = chunked_cross_entropy(h, w, y, chunk_tokens=16)
+    with first_rounds_traced():  # real tensors: every round, the same loss as without it
+        assert torch.equal(chunked_cross_entropy(h, w, y, chunk_tokens=16), every)
+    mms = []
+    with FakeTensorMode():
+        fh = torch.empty(300, 32, dtype=dtype, requires_grad=True)
+        fw = torch.empty(700, 32, dtype=dtype, requires_grad=not frozen_head)
+        fy = torch.randint(0, 700, (300,))
+        step = step_of(fh, fw, fy)
+        step()  # warm-up, as measure_step does
+        tracker = TensorTracker(device=torch.device("cpu"))
+        tracker.track_external(fh, fw, fy)
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        with tracker, first_rounds_traced():
+            class Count(TorchDispatchMode):
+                def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                    if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.addmm_.default):
+                        mms.append(func)
+                    return func(*args, **(kwargs or {}))
+
+            with Count():
+                step()
+    assert tracker.peak_bytes == measured
+    assert 0 < len(mms) <= 10  # two rounds of each loop, not 19
+
+
 def test_chunk_memory_grows_with_the_chunk_not_the_tokens():
     # transient = what the loss holds beyond its inputs and their gradients: the chunk's fp32 logits
     v = 1000

@@ -31,7 +31,7 @@ from typing import Any
 
 from torch import nn
 
-from colab_memopt.planning import estimate
+from colab_memopt.planning import estimate, faketrace
 from colab_memopt.techniques.checkpointing import checkpoint_offloader
 from colab_memopt.core.isolation import isolated
 from colab_memopt.core.measure import format_bytes
@@ -131,17 +131,18 @@ def _linear_max_batch(trace: _Trace, batch: int, budget_bytes: int) -> int:
     return int(best) if best != math.inf else _BATCH_CAP
 
 
-# The max-batch search traces at most this many loop rounds of the chunked loss and tiled MLPs per step (or 4x the
-# asked batch's): their trace time grows with the batch (about 0.1 s a round on a CPU), other ops' does not.
+# The max-batch search traces at most this many loop rounds of the tiled MLPs per step (or 4x the asked batch's):
+# their trace time grows with the batch (about 0.1 s a round on a CPU), other ops' does not. (The chunked loss's
+# loops are traced by their first rounds, `faketrace._FIRST_ROUNDS`: no bound needed.)
 _SEARCH_LOOP_ROUNDS = 32
 
 
 def _search_batch_cap(meta_model: nn.Module, rec: Recipe, batch: int, seq_len: int) -> int | None:
     """Return the largest batch the max-batch search may trace (None: no bound needed): where the recipe loops over
-    tokens (loss_chunk_tokens, mlp_tile_tokens) a trace runs a round per chunk or tile, so its time grows with the
-    batch; the bound keeps each trace at most `_SEARCH_LOOP_ROUNDS` rounds (or 4x the asked batch's)."""
+    tokens (mlp_tile_tokens) a trace runs a round per tile, so its time grows with the batch; the bound keeps each
+    trace at most `_SEARCH_LOOP_ROUNDS` rounds (or 4x the asked batch's)."""
     per_sample = 0.0
-    if isinstance(rec.loss_chunk_tokens, int):
+    if isinstance(rec.loss_chunk_tokens, int) and not faketrace._FIRST_ROUNDS:  # (its first rounds only, otherwise)
         per_sample += seq_len / rec.loss_chunk_tokens
     if rec.mlp_tile_tokens is not None:
         from colab_memopt.techniques.tiling import find_mlps
@@ -552,7 +553,7 @@ def _max_batch(result: Plan, trace: Any, tracer: Any, meta_model: nn.Module, rec
             )
             if not converged and cap is not None and guess == cap:
                 warn.append(f"max_batch {guess} is the largest batch searched, and it fits: a larger one's trace "
-                            "would run more rounds of the chunked loss / tiled MLP than the search allows "
+                            "would run more rounds of the tiled MLP than the search allows "
                             f"({_SEARCH_LOOP_ROUNDS}, or 4x batch {batch}'s); plan a larger batch to check it")
             elif not converged:
                 warn.append(f"max_batch {guess} is the largest traced batch that fits; the search stopped before the boundary")
