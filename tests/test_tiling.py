@@ -121,6 +121,38 @@ def test_tiled_mlp_lowers_the_checkpointed_step_on_a_llama(corpus):
     assert tiled.by_category["activations"] < full.by_category["activations"]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_tiled_norm_traced_by_its_first_tiles_peaks_where_every_tile_measured_does(dtype):
+    """The planner's trace runs a tiled RMSNorm's first two tiles of the seven here (`loss.first_rounds_traced`: the
+    rest allocate what they do, into buffers made before the loop); the step measured runs all seven, the last short."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from colab_memopt.core.measure import measure_step
+    from colab_memopt.core.tracker import TensorTracker
+    from colab_memopt.techniques.loss import first_rounds_traced
+    from colab_memopt.techniques.tiling import tiled_rms_norm
+
+    def step_of(x, w):
+        def step():
+            x.grad = w.grad = None
+            tiled_rms_norm(x, w, 1e-6, 40).float().sum().backward()
+        return step
+
+    x = torch.randn(2, 128, 64, generator=torch.Generator().manual_seed(0)).to(dtype).requires_grad_()  # 256 tokens
+    w = torch.ones(64, dtype=dtype, requires_grad=True)
+    measured = measure_step(step_of(x, w), track=[x, w], device="cpu", repeat=1).peak_bytes
+    with FakeTensorMode():
+        fx = torch.empty(2, 128, 64, dtype=dtype, requires_grad=True)
+        fw = torch.empty(64, dtype=dtype, requires_grad=True)
+        step = step_of(fx, fw)
+        step()  # warm-up, as measure_step does
+        tracker = TensorTracker(device=torch.device("cpu"))
+        tracker.track_external(fx, fw)
+        with tracker, first_rounds_traced():
+            step()
+    assert tracker.peak_bytes == measured
+
+
 def test_split_checkpoints_keep_the_last_blocks_on_the_device(corpus):
     factory = lambda: cm.build_model("tiny", n_layer=4)  # noqa: E731
     for keep in (0, 1, 3):

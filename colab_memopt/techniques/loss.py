@@ -125,10 +125,10 @@ def _gathered(*tensors: torch.Tensor | None) -> Any:
     return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
 
 
-# A trace on fake tensors (the planner's) runs only the first rounds of each loop over chunks: every round allocates
-# what the first does and frees it before the next (the outputs go into buffers made before the loop; the last round,
-# smaller, holds less), so the loop's peak is its first rounds'. Thousands of rounds at long context were most of a
-# plan's time. Real tensors always run every round.
+# A trace on fake tensors (the planner's) runs only the first rounds of each loop over chunks (this loss's, the tiled
+# RMSNorm's): every round allocates what the first does and frees it before the next (the outputs go into buffers made
+# before the loop; the last round, smaller, holds less), so the loop's peak is its first rounds'. Thousands of rounds
+# at long context were most of a plan's time. Real tensors always run every round.
 _TRACED = threading.local()
 
 
@@ -143,7 +143,7 @@ def first_rounds_traced(rounds: int = 2) -> Iterator[None]:
         _TRACED.rounds = was
 
 
-def _rounds(stop: int, step: int, tensor: torch.Tensor) -> range:
+def chunk_starts(stop: int, step: int, tensor: torch.Tensor) -> range:
     """Return range(0, stop, step): all of it, or its first rounds for a fake tensor in `first_rounds_traced`."""
     from torch._subclasses.fake_tensor import FakeTensor
 
@@ -182,7 +182,7 @@ class ChunkedCrossEntropy(torch.autograd.Function):
             safe_labels = torch.where(valid, labels, 0)  # ignored rows read class 0, then count 0
             lse = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)  # (N,) kept for backward
             loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
-            for start in _rounds(hidden.shape[0], chunk_tokens, hidden):
+            for start in chunk_starts(hidden.shape[0], chunk_tokens, hidden):
                 end = min(start + chunk_tokens, hidden.shape[0])
                 logits = F.linear(hidden[start:end].to(cdt), w_c, b_c).float()  # (C, V) fp32, one chunk's
                 target = logits.gather(1, safe_labels[start:end, None]).squeeze(1)  # (C,)
@@ -228,7 +228,7 @@ class ChunkedCrossEntropy(torch.autograd.Function):
             grad_weight = (torch.empty_like(weight) if w_by_blocks else torch.zeros_like(weight)) if need_w else None
             grad_bias = torch.zeros(vocab, dtype=torch.float32, device=hidden.device) if need_b else None  # (V,) fp32
             if need_h or need_b or (need_w and not w_by_blocks):
-                for start in _rounds(n_tokens, chunk_tokens, hidden):
+                for start in chunk_starts(n_tokens, chunk_tokens, hidden):
                     end = min(start + chunk_tokens, n_tokens)
                     h_c = hidden[start:end].to(cdt)  # (C, H)
                     logits = F.linear(h_c, w_c, b_c).float()  # (C, V) fp32
@@ -246,7 +246,7 @@ class ChunkedCrossEntropy(torch.autograd.Function):
             if w_by_blocks:
                 h_all = hidden.to(cdt)  # (N, H); no copy when the dtypes agree
                 block = max(1, chunk_tokens * vocab // max(n_tokens, 1))  # (N, block) holds a chunk's logits' values
-                for v0 in _rounds(vocab, block, hidden):
+                for v0 in chunk_starts(vocab, block, hidden):
                     v1 = min(v0 + block, vocab)
                     logits = F.linear(h_all, w_c[v0:v1], None if b_c is None else b_c[v0:v1]).float()  # (N, B) fp32
                     grad_logits = logits.sub_(lse[:, None]).exp_()

@@ -53,6 +53,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from colab_memopt.techniques.checkpointing import find_blocks
+from colab_memopt.techniques.loss import chunk_starts
 from colab_memopt.core.console import quiet
 
 __all__ = ["MLP_NAMES", "apply_tiled_mlp", "apply_tiled_norm", "check_tile_tokens", "find_mlps", "find_rmsnorms",
@@ -175,7 +176,7 @@ class _TiledRMSNorm(torch.autograd.Function):
         flat = x.reshape(-1, x.shape[-1])  # (tokens, hidden)
         out = torch.empty(flat.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
         rstd = torch.empty(flat.shape[0], 1, dtype=torch.float32, device=x.device)  # (tokens, 1)
-        for start in range(0, flat.shape[0], tile):
+        for start in chunk_starts(flat.shape[0], tile, flat):
             xf = flat[start:start + tile].float()
             r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
             rstd[start:start + tile] = r
@@ -192,7 +193,7 @@ class _TiledRMSNorm(torch.autograd.Function):
         grad_x = torch.empty_like(flat)
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if ctx.needs_input_grad[1] else None
         w = weight.float()
-        for start in range(0, flat.shape[0], tile):
+        for start in chunk_starts(flat.shape[0], tile, flat):
             r = rstd[start:start + tile]
             xhat = flat[start:start + tile].float() * r
             gt = g[start:start + tile].float()
