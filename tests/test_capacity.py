@@ -245,3 +245,30 @@ def test_a_shipped_table_planned_for_another_t4_says_so():
         stored = {k: v for k, v in capacity._table_target(table).items() if k != "name" and v is not None}
         now = {k: today[k] for k in stored}
         assert (table["stale_target"] is None) == (stored == now), (name, stored, now)
+
+
+@pytest.mark.parametrize("need", [
+    lambda u: 1000 * u,  # linear: the line lands on the boundary
+    lambda u: 1000 * u + 40 * u * u,  # bends up (the gallop from a poor guess took 12 plans on a curve like it)
+    lambda u: 20000 * (u ** 0.5),  # bends down
+    lambda u: 1000 * u + (30000 if u > 40 else 0),  # a step (a recipe that changes with the length)
+], ids=["linear", "bends up", "bends down", "steps"])
+@pytest.mark.parametrize("start", [1, 17, 60, 128])
+def test_the_secant_search_finds_the_boundary_in_few_plans(need, start):
+    """`_secant_search` (the longest sequence's): the longest length whose need is under the limit, as a scan finds
+    it, from any first guess, in few plans; nothing fits, everything fits, and a plan budget too small are said."""
+    from colab_memopt.planning.capacity import _secant_search
+
+    for limit in (400, 55_000, 10**9):
+        planned: list[int] = []
+
+        def fits(u: int) -> bool:
+            planned.append(u)
+            return need(u) <= limit
+
+        units, converged = _secant_search(fits, lambda u: limit - need(u), start, 128, 16)
+        expected = max((u for u in range(1, 129) if need(u) <= limit), default=0)
+        assert (units, converged) == (expected, True), (limit, planned)
+        assert len(planned) == len(set(planned)) <= 10, planned  # never the same length twice
+    units, converged = _secant_search(lambda u: need(u) <= 55_000, lambda u: 55_000 - need(u), 1, 128, 2)
+    assert not converged and units == 2  # two plans (1 and 2 tokens' steps) fit: the boundary is not found yet

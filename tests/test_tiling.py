@@ -121,6 +121,52 @@ def test_tiled_mlp_lowers_the_checkpointed_step_on_a_llama(corpus):
     assert tiled.by_category["activations"] < full.by_category["activations"]
 
 
+@pytest.mark.parametrize("tokens", [200, 256], ids=["short last tile", "tiles alike"])
+@pytest.mark.parametrize(("autocast", "lora"), [(False, False), (True, False), (True, True)],
+                         ids=["fp32", "bf16 autocast", "LoRA, bf16 autocast"])
+def test_a_tiled_mlp_traced_by_four_of_its_tiles_peaks_where_every_tile_measured_does(tokens, autocast, lora):
+    """The planner's trace runs a tiled MLP's first two and last two tiles (`tiling.traced_tiles`; the others hold
+    their output and input gradient, `_HeldTile`); the step measured runs all 8 (7 of 32 and one of 8, or 8 of 32):
+    forward peaks in one of the last two tiles, backward in one of the first two (in fp32 the second: the first
+    moves the parameters' summed gradients out of autograd's buffer as it goes)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from colab_memopt.core.measure import measure_step
+    from colab_memopt.core.tracker import TensorTracker
+    from colab_memopt.techniques.loss import first_rounds_traced
+
+    def step_of(mlp, x):
+        def step():
+            x.grad = None
+            mlp.zero_grad(set_to_none=True)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                out = mlp(x)
+            out.float().square().sum().backward()
+        return step
+
+    def tiled_mlp():
+        model = _tiny_llama()
+        if lora:  # the adapters' gradients summed over the tiles, the base frozen
+            model = cm.Recipe(lora_rank=4, lora_targets=("gate_proj", "up_proj", "down_proj")).build(model)[0]
+        mlp = next(m for m in model.modules() if type(m).__name__ == "LlamaMLP")
+        mlp.forward = cm.tiling.tiled(mlp.forward, 32)
+        return mlp
+
+    mlp, x = tiled_mlp(), torch.randn(1, tokens, 64, requires_grad=True)
+    measured = measure_step(step_of(mlp, x), model=mlp, track=[x], device="cpu", repeat=1).peak_bytes
+    from colab_memopt.planning.faketrace import _fake_safe_module_to
+
+    with FakeTensorMode(), _fake_safe_module_to():  # (peft moves its adapters as the planner's trace lets it)
+        fake, fx = tiled_mlp(), torch.empty(1, tokens, 64, requires_grad=True)
+        step = step_of(fake, fx)
+        step()  # warm-up, as measure_step does
+        tracker = TensorTracker(device=torch.device("cpu"))
+        tracker.track_external(fake, fx)
+        with tracker, first_rounds_traced():
+            step()
+    assert tracker.peak_bytes == measured
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_tiled_norm_traced_by_its_first_tiles_peaks_where_every_tile_measured_does(dtype):
     """The planner's trace runs a tiled RMSNorm's first two tiles of the seven here (`loss.first_rounds_traced`: the

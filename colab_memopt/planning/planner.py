@@ -132,8 +132,9 @@ def _linear_max_batch(trace: _Trace, batch: int, budget_bytes: int) -> int:
 
 
 # The max-batch search traces at most this many loop rounds of the tiled MLPs per step (or 4x the asked batch's):
-# their trace time grows with the batch (about 0.1 s a round on a CPU), other ops' does not. (The chunked loss's
-# loops are traced by their first rounds, `faketrace._FIRST_ROUNDS`: no bound needed.)
+# their trace time grows with the batch, other ops' does not (four tiles of each MLP run, the others are held, one op
+# each: `tiling.traced_tiles`). The chunked loss's loops are traced by their first rounds (`faketrace._FIRST_ROUNDS`):
+# no bound needed.
 _SEARCH_LOOP_ROUNDS = 32
 
 

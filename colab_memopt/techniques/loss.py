@@ -143,13 +143,20 @@ def first_rounds_traced(rounds: int = 2) -> Iterator[None]:
         _TRACED.rounds = was
 
 
-def chunk_starts(stop: int, step: int, tensor: torch.Tensor) -> range:
-    """Return range(0, stop, step): all of it, or its first rounds for a fake tensor in `first_rounds_traced`."""
+def first_rounds_only(tensor: torch.Tensor) -> int | None:
+    """Return how many first rounds a loop over `tensor`'s chunks runs: None (all) but for a fake tensor inside
+    `first_rounds_traced`."""
     from torch._subclasses.fake_tensor import FakeTensor
 
-    starts = range(0, stop, step)
     rounds = getattr(_TRACED, "rounds", None)
-    return starts[:rounds] if rounds is not None and isinstance(tensor, FakeTensor) else starts
+    return rounds if rounds is not None and isinstance(tensor, FakeTensor) else None
+
+
+def chunk_starts(stop: int, step: int, tensor: torch.Tensor) -> range:
+    """Return range(0, stop, step): all of it, or its first rounds for a fake tensor in `first_rounds_traced`."""
+    starts = range(0, stop, step)
+    rounds = first_rounds_only(tensor)
+    return starts if rounds is None else starts[:rounds]
 
 
 class ChunkedCrossEntropy(torch.autograd.Function):

@@ -19,7 +19,8 @@ accumulated (one accumulation per step, so hooks that fire on accumulation, as a
 inside backward, fire once). Autocast state and the RNG state (LoRA dropout) are restored by
 `checkpoint` for each recomputation. LoRA (peft) and QLoRA (bitsandbytes) layers inside the MLP are
 ordinary submodules and are tiled with it. Plain PyTorch, so it runs on the CPU, on a T4 and under the
-planner's fake tensors (the trace is exact).
+planner's fake tensors (the trace is exact; it runs four tiles of each MLP and holds the others' outputs and
+gradients, `traced_tiles`, which tests measure against every tile run).
 
 What it costs: one more forward of the MLP per step, and in backward the input gradient is first
 held per tile and then joined (one more `tokens x hidden` tensor for a moment).
@@ -53,7 +54,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from colab_memopt.techniques.checkpointing import find_blocks
-from colab_memopt.techniques.loss import chunk_starts
+from colab_memopt.techniques.loss import chunk_starts, first_rounds_only
 from colab_memopt.core.console import quiet
 
 __all__ = ["MLP_NAMES", "apply_tiled_mlp", "apply_tiled_norm", "check_tile_tokens", "find_mlps", "find_rmsnorms",
@@ -104,13 +105,50 @@ def tiled(forward: Callable[[torch.Tensor], torch.Tensor], tile_tokens: int) -> 
             return forward(x)
         tiles = flat.split(tile_tokens)
         if torch.is_grad_enabled():
-            outs = [checkpoint(forward, t, use_reentrant=False) for t in tiles]
+            traced = traced_tiles(len(tiles), flat)
+            outs = []
+            for i, t in enumerate(tiles):
+                if i in traced:
+                    outs.append(checkpoint(forward, t, use_reentrant=False))
+                else:  # (only in the planner's trace of fake tensors: a tile that holds what its neighbours do)
+                    outs.append(_HeldTile.apply(t, outs[0].shape, outs[0].dtype))
         else:
             outs = [forward(t) for t in tiles]
         out = torch.cat(outs)  # (tokens, out)
         return out.view(*x.shape[:-1], out.shape[-1])
 
     return run
+
+
+def traced_tiles(n_tiles: int, flat: torch.Tensor) -> range | set[int]:
+    """Return the tiles run through the MLP: all of them, or, in the planner's trace of fake tensors
+    (`loss.first_rounds_traced`), the first two and the last two.
+
+    Every tile keeps its output until they are joined, and backward keeps each tile's input gradient until all are
+    in: what is alive grows by one tile's output per tile in forward, and by one tile's gradient per tile in backward,
+    while each tile's own intermediates are alike (the last, shorter, fewer). So forward peaks in the second-to-last
+    or the last tile, and backward, which runs the tiles last to first, in the second or the first (where the
+    parameters' gradients, summed over the tiles, leave autograd's buffer one by one). The others are traced as
+    `_HeldTile`: the output and the input gradient a tile holds, without its intermediates. Tests measure every tile
+    against the trace (tests/test_tiling.py).
+    """
+    if first_rounds_only(flat) is None or n_tiles <= 4:
+        return range(n_tiles)
+    return {0, 1, n_tiles - 2, n_tiles - 1}
+
+
+class _HeldTile(torch.autograd.Function):
+    """A tile's output (shape and dtype of the first tile's) and, in backward, its input's gradient: what a tiled MLP
+    holds of a tile between its neighbours, for the planner's trace (`traced_tiles`)."""
+
+    @staticmethod
+    def forward(ctx: Any, tile: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        ctx.tile_shape, ctx.tile_dtype = tile.shape, tile.dtype
+        return tile.new_empty(shape, dtype=dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        return grad.new_empty(ctx.tile_shape, dtype=ctx.tile_dtype), None, None
 
 
 def apply_tiled_mlp(model: nn.Module, tile_tokens: int | None) -> nn.Module:
