@@ -129,11 +129,7 @@ def test_a_tiled_mlp_traced_by_four_of_its_tiles_peaks_where_every_tile_measured
     their output and input gradient, `_HeldTile`); the step measured runs all 8 (7 of 32 and one of 8, or 8 of 32):
     forward peaks in one of the last two tiles, backward in one of the first two (in fp32 the second: the first
     moves the parameters' summed gradients out of autograd's buffer as it goes)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     from colab_memopt.core.measure import measure_step
-    from colab_memopt.core.tracker import TensorTracker
-    from colab_memopt.techniques.loss import first_rounds_traced
 
     def step_of(mlp, x):
         def step():
@@ -152,30 +148,20 @@ def test_a_tiled_mlp_traced_by_four_of_its_tiles_peaks_where_every_tile_measured
         mlp.forward = cm.tiling.tiled(mlp.forward, 32)
         return mlp
 
+    def fake_step():
+        mlp, x = tiled_mlp(), torch.empty(1, tokens, 64, requires_grad=True)
+        return step_of(mlp, x), (mlp, x)
+
     mlp, x = tiled_mlp(), torch.randn(1, tokens, 64, requires_grad=True)
     measured = measure_step(step_of(mlp, x), model=mlp, track=[x], device="cpu", repeat=1).peak_bytes
-    from colab_memopt.planning.faketrace import _fake_safe_module_to
-
-    with FakeTensorMode(), _fake_safe_module_to():  # (peft moves its adapters as the planner's trace lets it)
-        fake, fx = tiled_mlp(), torch.empty(1, tokens, 64, requires_grad=True)
-        step = step_of(fake, fx)
-        step()  # warm-up, as measure_step does
-        tracker = TensorTracker(device=torch.device("cpu"))
-        tracker.track_external(fake, fx)
-        with tracker, first_rounds_traced():
-            step()
-    assert tracker.peak_bytes == measured
+    assert _traced_by_first_rounds(fake_step) == measured
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_tiled_norm_traced_by_its_first_tiles_peaks_where_every_tile_measured_does(dtype):
     """The planner's trace runs a tiled RMSNorm's first two tiles of the seven here (`loss.first_rounds_traced`: the
     rest allocate what they do, into buffers made before the loop); the step measured runs all seven, the last short."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     from colab_memopt.core.measure import measure_step
-    from colab_memopt.core.tracker import TensorTracker
-    from colab_memopt.techniques.loss import first_rounds_traced
     from colab_memopt.techniques.tiling import tiled_rms_norm
 
     def step_of(x, w):
@@ -184,19 +170,34 @@ def test_a_tiled_norm_traced_by_its_first_tiles_peaks_where_every_tile_measured_
             tiled_rms_norm(x, w, 1e-6, 40).float().sum().backward()
         return step
 
+    def fake_step():
+        x = torch.empty(2, 128, 64, dtype=dtype, requires_grad=True)
+        w = torch.empty(64, dtype=dtype, requires_grad=True)
+        return step_of(x, w), (x, w)
+
     x = torch.randn(2, 128, 64, generator=torch.Generator().manual_seed(0)).to(dtype).requires_grad_()  # 256 tokens
     w = torch.ones(64, dtype=dtype, requires_grad=True)
     measured = measure_step(step_of(x, w), track=[x, w], device="cpu", repeat=1).peak_bytes
-    with FakeTensorMode():
-        fx = torch.empty(2, 128, 64, dtype=dtype, requires_grad=True)
-        fw = torch.empty(64, dtype=dtype, requires_grad=True)
-        step = step_of(fx, fw)
-        step()  # warm-up, as measure_step does
+    assert _traced_by_first_rounds(fake_step) == measured
+
+
+def _traced_by_first_rounds(build):
+    """Return the peak of the step `build()` makes on fake tensors (with the tensors it tracks), traced as the planner
+    traces it (`loss.first_rounds_traced`) after a warm-up step, as `measure_step` measures."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from colab_memopt.core.tracker import TensorTracker
+    from colab_memopt.planning.faketrace import _fake_safe_module_to
+    from colab_memopt.techniques.loss import first_rounds_traced
+
+    with FakeTensorMode(), _fake_safe_module_to():  # (peft moves its adapters as the planner's trace lets it)
+        step, tracked = build()
+        step()  # warm-up
         tracker = TensorTracker(device=torch.device("cpu"))
-        tracker.track_external(fx, fw)
+        tracker.track_external(*tracked)
         with tracker, first_rounds_traced():
             step()
-    assert tracker.peak_bytes == measured
+    return tracker.peak_bytes
 
 
 def test_split_checkpoints_keep_the_last_blocks_on_the_device(corpus):
