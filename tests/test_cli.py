@@ -128,7 +128,8 @@ def test_probe_row_21_lora_targets_can_be_set_from_the_cli(capsys):
 
 
 def test_probe3_row_226_plan_with_the_automatic_loss_chunk_answers_in_seconds(capsys):
-    # the max-batch search with loss_chunk_tokens=auto ran 376 s for the tiny model; bounded, it says where it stopped
+    # the max-batch search with loss_chunk_tokens=auto ran 376 s for the tiny model (a round per chunk); the trace now
+    # runs the chunked loss's first rounds only, and the search finds its boundary
     import time
 
     start = time.perf_counter()
@@ -136,7 +137,7 @@ def test_probe3_row_226_plan_with_the_automatic_loss_chunk_answers_in_seconds(ca
                            "--json"], capsys)
     assert code == 0 and time.perf_counter() - start < 60, err
     answer = json.loads(out)
-    assert answer["max_batch"] >= 2 and any("the largest batch searched" in w for w in answer["warnings"])
+    assert answer["max_batch"] > 2 * 128 and not any("max_batch" in w for w in answer["warnings"]), answer["warnings"]
 
 
 def test_issue36_int8_full_fine_tune_plans_by_trace_from_the_cli(capsys):
