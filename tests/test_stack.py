@@ -12,6 +12,7 @@ from torch import nn
 import colab_memopt as cm
 from colab_memopt.planning import planner, stack
 from colab_memopt.planning import trainer as trainer_mod
+from colab_memopt.planning import faketrace
 from colab_memopt.planning.faketrace import shape_model
 from colab_memopt.techniques.models import GPTConfig, build_model
 
@@ -76,7 +77,7 @@ def _both(monkeypatch: pytest.MonkeyPatch, module: object, run: object) -> tuple
     out = []
     for fast in (False, True):
         monkeypatch.setattr(module, "_FAST_STACK", fast)
-        planner._TRACE_CACHE.clear()
+        faketrace.clear_trace_cache()
         out.append(_figures(run()))
     return out[0], out[1]
 
@@ -162,6 +163,29 @@ def test_plan_trainer_counts_every_nth_layer_checkpointed_in_units_of_n(monkeypa
     assert counted == whole
 
 
+def test_plans_of_one_architecture_at_other_depths_reuse_its_shallow_traces(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Capacity's search plans one architecture at many depths: their shallow copies (3 and 5 blocks) are one model,
+    traced once; each depth's plan equals its own trace of every block (a config, and a factory as capacity gives)."""
+    from transformers import LlamaForCausalLM
+
+    built = []
+    monkeypatch.setattr(planner, "_Tracer", lambda *a, **k: built.append(a[0]) or faketrace._Tracer(*a, **k))
+    recipe = {"precision": "fp16-autocast", "checkpointing": "full"}
+    for family, models in (("config", [_hf_config("llama", d) for d in (9, 10, 12)]),
+                           ("factory", [lambda d=d: LlamaForCausalLM(_hf_config("llama", d)) for d in (9, 10, 12)])):
+        faketrace.clear_trace_cache()
+        built.clear()
+        counted = [_figures(cm.plan(m, 2, seq_len=64, recipe=recipe, target="t4", find_max_batch=False)) for m in models]
+        assert len(built) == 2, (family, len(built))  # the two shallow copies, for the three depths
+        monkeypatch.setattr(planner, "_FAST_STACK", False)
+        whole = [_figures(cm.plan(m, 2, seq_len=64, recipe=recipe, target="t4", find_max_batch=False)) for m in models]
+        monkeypatch.setattr(planner, "_FAST_STACK", True)
+        assert counted == whole, family
+    assert faketrace._SHALLOW_TRACERS
+    faketrace.clear_trace_cache()
+    assert not faketrace._SHALLOW_TRACERS
+
+
 def test_blocks_that_differ_are_traced_every_one() -> None:
     model = _reference
     built = shape_model(model)
@@ -207,7 +231,7 @@ def test_a_stack_whose_traces_do_not_repeat_is_traced_whole_and_says_so(monkeypa
     monkeypatch.setattr(stack, "say", said.append, raising=False)
     monkeypatch.setattr(stack, "extrapolate", refuse)
     monkeypatch.setattr(planner, "_FAST_STACK", True)
-    planner._TRACE_CACHE.clear()
+    faketrace.clear_trace_cache()
     p = run()
     assert _figures(p) == whole
     assert any("do not repeat" in line and f"tracing all {DEPTH}" in line for line in said), said

@@ -10,6 +10,7 @@ implementation CUDA runs (foreach). Traces of named models are cached in this pr
 
 from __future__ import annotations
 
+import collections
 import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -254,11 +255,16 @@ def _first_rounds() -> contextlib.AbstractContextManager[None]:
 
 _TRACE_CACHE: dict[tuple[Any, ...], Any] = {}
 _TRACE_CACHE_SIZE = 256
+# The stack count's shallow copies' tracers (`planner._make_tracer`), by what the copy is (`stack.model_key`), the
+# recipe, the length and the target's way of tracing: the most recent few (each holds a fake model, no memory).
+_SHALLOW_TRACERS: collections.OrderedDict[Any, Any] = collections.OrderedDict()
+_SHALLOW_TRACERS_SIZE = 8
 
 
 def clear_trace_cache() -> None:
-    """Forget the traces `plan` cached in this process."""
+    """Forget the traces `plan` cached in this process (and the shallow copies' tracers it keeps)."""
     _TRACE_CACHE.clear()
+    _SHALLOW_TRACERS.clear()
 
 
 @contextlib.contextmanager

@@ -37,7 +37,15 @@ from colab_memopt.core.isolation import isolated
 from colab_memopt.core.measure import format_bytes
 from colab_memopt.core.progress import progress, say, shows_progress
 from colab_memopt.training.recipe import Recipe
-from colab_memopt.planning.faketrace import _TRACE_CACHE, _TRACE_CACHE_SIZE, _Trace, _Tracer, shape_model
+from colab_memopt.planning.faketrace import (
+    _SHALLOW_TRACERS,
+    _SHALLOW_TRACERS_SIZE,
+    _TRACE_CACHE,
+    _TRACE_CACHE_SIZE,
+    _Trace,
+    _Tracer,
+    shape_model,
+)
 from colab_memopt.planning.stack import STACK_UNITS, NotRepeating, StackTracer, stack_shape
 from colab_memopt.planning.prediction import Cost, Plan, step_peak_with_transients
 from colab_memopt.planning.quantized import (
@@ -521,7 +529,22 @@ def _make_tracer(spec: Any, meta_model: nn.Module, rec: Recipe, seq_len: int, **
         return _Tracer(spec.build, rec, seq_len, **kwargs)
     say(f"{shape.n_blocks} blocks alike: tracing {shape.depth(STACK_UNITS[0])} and {shape.depth(STACK_UNITS[1])}, "
         "counting the rest")
-    return StackTracer(spec, shape, lambda factory, units_of: _Tracer(factory, rec, seq_len, units_of=units_of, **kwargs))
+
+    def make(factory: Callable[[], nn.Module], units_of: Any, key: Any = None) -> _Tracer:
+        # a shallow copy's tracer, reused by the next plan of the same copy (capacity's search plans one architecture
+        # at many depths: their shallow copies are one model), its traces kept per batch
+        cache_key = None if key is None else (key, rec, seq_len, tuple(sorted(kwargs.items())))
+        if cache_key is not None and cache_key in _SHALLOW_TRACERS:
+            _SHALLOW_TRACERS.move_to_end(cache_key)
+            return _SHALLOW_TRACERS[cache_key]
+        tracer = _Tracer(factory, rec, seq_len, units_of=units_of, **kwargs)
+        if cache_key is not None:
+            _SHALLOW_TRACERS[cache_key] = tracer
+            while len(_SHALLOW_TRACERS) > _SHALLOW_TRACERS_SIZE:
+                _SHALLOW_TRACERS.popitem(last=False)
+        return tracer
+
+    return StackTracer(spec, shape, make)
 
 
 # Whether plans of deep models trace two shallow copies and count the rest of the stack (tests turn it off to

@@ -53,10 +53,12 @@ class NotRepeating(Exception):
 
 @dataclass(frozen=True)
 class StackShape:
-    """A model's stack of blocks as the fast path sees it: N blocks in units of `period` blocks."""
+    """A model's stack of blocks as the fast path sees it: N blocks in units of `period` blocks. `keys`: what each
+    shallow copy is (`model_key`, one per `STACK_UNITS` depth; None where unknown), for reusing its traces."""
 
     n_blocks: int
     period: int = 1
+    keys: tuple[Any, ...] = dataclasses.field(default=(None, None), compare=False)
 
     @property
     def n_units(self) -> int:
@@ -388,13 +390,12 @@ class StackTracer:
     as the largest layer), `int8_as_on_cuda`, and `extrapolated_count(fn)` for a count of the model (quantization
     scales) carried to the whole stack."""
 
-    def __init__(self, spec: Any, shape: StackShape,
-                 make_tracer: Callable[[Callable[[], nn.Module], Callable[[nn.Module], dict[int, int]] | None], Any]) -> None:
+    def __init__(self, spec: Any, shape: StackShape, make_tracer: Callable[..., Any]) -> None:
         self.spec, self.shape, self._make = spec, shape, make_tracer
         small, large = (shape.depth(k) for k in STACK_UNITS)
         units = functools.partial(units_of, period=shape.period)
-        self.small = make_tracer(shallow_factory(spec, small), units)
-        self.large = make_tracer(shallow_factory(spec, large), units)
+        self.small = make_tracer(shallow_factory(spec, small), units, key=shape.keys[0])
+        self.large = make_tracer(shallow_factory(spec, large), units, key=shape.keys[1])
         self.model = self.large.model
         self.int8_as_on_cuda = self.large.int8_as_on_cuda
         self.full: Any = None  # the whole model's tracer, where the blocks do not repeat
@@ -409,7 +410,7 @@ class StackTracer:
                 return self._cache[batch]
             except NotRepeating as exc:
                 say(f"the blocks do not repeat as counting needs ({exc}): tracing all {self.shape.n_blocks}")
-                self.full = self._make(self.spec.build, None)
+                self.full = self._make(self.spec.build, None, key=None)
                 self.model = self.full.model
                 self._cache.clear()
         self._cache[batch] = self.full.trace(batch)
@@ -431,18 +432,43 @@ def stack_shape(meta_model: nn.Module, recipe: Any = None, spec: Any = None, *, 
     if not shape.worth_it:
         raise NotRepeating(f"{shape.n_blocks} blocks: the whole stack is as quick to trace")
     if spec is not None:
-        check_shallow(spec, meta_model, shape)
+        shape = dataclasses.replace(shape, keys=check_shallow(spec, meta_model, shape))
     return shape
 
 
-def check_shallow(spec: Any, meta_model: nn.Module, shape: StackShape) -> None:
+def check_shallow(spec: Any, meta_model: nn.Module, shape: StackShape) -> tuple[Any, ...]:
     """Raise NotRepeating unless each shallow copy of `spec` (built on the meta device) has, block for block, the
     whole model's first blocks: a config whose layers depend on their count (a window from some layer on, the
-    first layers dense in a mixture of experts) would otherwise plan other blocks than the model has."""
+    first layers dense in a mixture of experts) would otherwise plan other blocks than the model has. Return each
+    copy's `model_key`."""
     from colab_memopt.planning.faketrace import shape_model
 
     whole = _signatures(meta_model)
+    keys = []
     for units in STACK_UNITS:
         blocks = shape.depth(units)
-        if _signatures(shape_model(shallow_factory(spec, blocks))) != whole[:blocks]:
+        shallow = shape_model(shallow_factory(spec, blocks))
+        if _signatures(shallow) != whole[:blocks]:
             raise NotRepeating(f"a copy of {blocks} blocks is not the model's first {blocks} blocks")
+        keys.append(model_key(shallow))
+    return tuple(keys)
+
+
+def model_key(model: nn.Module) -> tuple[Any, ...] | None:
+    """Return what a built model (meta) is, for a trace to be reused: its class, its config's every value (the
+    attention implementation too), its parameters' names, shapes, dtypes and trainability, and its blocks'
+    `_signature`s; None where it has no config to say it (a factory's plain module). Two shallow copies of one
+    architecture at two depths (capacity's search) have the same key: they are the same model."""
+    import json
+
+    config = getattr(model, "config", None)
+    if hasattr(config, "to_dict"):
+        values = config.to_dict()
+    elif dataclasses.is_dataclass(config) and not isinstance(config, type):
+        values = dataclasses.asdict(config)
+    else:
+        return None
+    return (type(model).__module__, type(model).__qualname__, json.dumps(values, sort_keys=True, default=str),
+            getattr(config, "_attn_implementation", None),
+            tuple((n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in model.named_parameters()),
+            tuple((n, tuple(b.shape), b.dtype) for n, b in model.named_buffers()), tuple(_signatures(model)))
