@@ -5,8 +5,8 @@
 For each (model, mode full/LoRA/QLoRA, recipe): the longest multiple of 1024 tokens at batch 1 whose
 PLANNED step fits a T4, device memory (14.56 GiB less the planner's 5% headroom, with the CUDA context
 and cuBLAS workspace) and host RAM (12.7 GB less 5%) both (`capacity.longest_sequence`: a first guess
-from the analytic estimate, then gallop and bisection over plans, each a trace on fake tensors where
-the recipe traces; every row says which method it used). The host RAM counts a fresh Python process
+from the analytic estimate, then plans where the line through the spare bytes of the nearest plans reaches 0,
+each a trace on fake tensors where the recipe traces; every row says which method it used). The host RAM counts a fresh Python process
 that imports the training stack (measured here, in a subprocess), one batch of token ids and the
 offloaded checkpoints; not the loading of real weights (these models have random weights).
 

@@ -8,18 +8,25 @@ of the child, `resource.getrusage(RUSAGE_CHILDREN)`), the 1-minute load average 
 it printed on stderr, and the bytes it planned (the device need of its answer). The machine may be shared: the wall
 time then says little, the CPU time is the figure to compare; the load average says how shared it was.
 
-Results (benchmarks/results/planning_speed.json), 2026-11-28 10:43-10:57 UTC, this 2-core machine idle (1-minute load
-0.5-1.1), every call whole, imports included:
-- each --help: 0.11-0.16 s.
-- plan_trainer, 8B QLoRA (4 x 1024, fp16): 16.4 s with the stack counted (3 and 5 of its 32 blocks traced); 30.8 s
-  with every block traced; the same 15,735,614,464 bytes both ways. The issue's target is 10 s: not met.
-- doctor, 8B QLoRA recipe: 13.7 s (24.7 s every block traced); target 10 s: not met.
-- fit_trainer on notebook 19's draft: 37.9 s, 5 plans (before: stopped at 900 s on a loaded machine); target 30 s.
-- recommend for llama-3.2-3b: 152 s (target 30 s): its candidates checkpoint every 4th or 8th block, units of 4 or 8
-  blocks that 28 blocks do not hold often enough to count, so they are traced whole; each plan traces again.
-- context for 8B QLoRA: stopped at 600 s after 9 progress lines, in its 8th plan (target 90 s): at 17,408 to 81,920 tokens
-  the tiled MLP and the chunked loss run one round per tile and per 128 tokens, so each trace is long even with
-  the stack counted, and each of the search's plans (up to 12) traces again.
+Results (benchmarks/results/planning_speed.json), 2026-11-28 14:03-14:14 UTC, this 2-core machine nearly idle
+(1-minute load 1.1-1.4: an editor and a shell beside it), every call whole, imports included (`from trl import
+SFTConfig` alone takes about 7.8 s of them):
+- each --help: 0.11-0.16 s (10:43 UTC).
+- plan_trainer, 8B QLoRA (4 x 1024, fp16): 15.1 s with the stack counted (3 and 5 of its 32 blocks traced); 29.6 s
+  with every block traced (load 1.4-1.6); the same 15,735,614,464 bytes both ways. The issue's target is 10 s: not met.
+- doctor, 8B QLoRA recipe: 12.3 s; target 10 s: not met.
+- fit_trainer on notebook 19's draft: 34.6 s, 5 plans (37.9 s at 10:44); target 30 s: not met.
+- fit_trainer on first drafts (8 x 1024, bf16, no checkpointing; 14:17-14:19 UTC, load 0.7-1.1): Llama-3.2-3B LoRA
+  45.6 s (6 progress lines), 3B QLoRA 51.3 s (5), Llama-3.1-8B QLoRA 61.2 s (6); target 30 s: not met. Each plan
+  builds and traces two shallow copies again: the settings fit_trainer changes (dtype, batch, checkpointing) change
+  the trace.
+- recommend for llama-3.2-3b: 114 s (152 s at 10:46; target 30 s): its candidates checkpoint every 4th or 8th block,
+  units of 4 or 8 blocks that 28 blocks do not hold often enough to count, so they are traced whole; its Trainer
+  plans of them no longer trace two shallow copies first (units of every_n_layers).
+- context for 8B QLoRA: 174 s, 53,248 tokens in 5 plans (target 90 s: not met). At 10:56 it was stopped at 600 s in
+  its 8th plan; the same search in one process took 851 s and 12 plans. What changed: the chunked loss and the
+  tiled norms trace their first two rounds, a tiled MLP four of its tiles (the others held), and the search plans
+  where the line through the spare bytes reaches 0 instead of galloping from the analytic guess (17,408 tokens).
 Rows from 02:16 UTC (recommend_help, context_help) were measured on the loaded machine and not run again.
 """
 
@@ -72,6 +79,15 @@ CALLS: dict[str, tuple[str, list[str] | str]] = {
                "gradient_checkpointing=False), model='qwen2.5-1.5b', lora=LORA, bnb=BitsAndBytesConfig(load_in_4bit=True, "
                "bnb_4bit_quant_type='nf4', bnb_4bit_compute_dtype=torch.bfloat16), target='t4')\n"
                "print('NEED', (f.after or f.before).device_need_bytes)\nprint('PLANS', 1 + len(f.tried))\n"),
+    **{f"fit_trainer_{size}_{mode}_draft": (
+        f"cm.fit_trainer on a first draft ({model} {'QLoRA' if mode == 'qlora' else 'LoRA'}, 8 x 1024, bf16, no checkpointing)",
+        _SFT + "f = cm.fit_trainer(sft(per_device_train_batch_size=8, max_length=1024, bf16=True, "
+               f"gradient_checkpointing=False), model={model!r}, lora=LORA, "
+               + ("bnb=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type='nf4', "
+                  "bnb_4bit_compute_dtype=torch.bfloat16), " if mode == "qlora" else "")
+               + "target='t4')\nprint('NEED', (f.after or f.before).device_need_bytes)\nprint('PLANS', 1 + len(f.tried))\n")
+       for size, model, mode in (("3b", "llama-3.2-3b", "lora"), ("3b", "llama-3.2-3b", "qlora"),
+                                 ("8b", "llama-3.1-8b", "qlora"))},
     "doctor_8b_qlora": (
         "doctor --model llama-3.1-8b --recipe lora_rank=16 quantization=nf4 precision=fp16-autocast --batch 4 --seq 1024",
         ["-m", "colab_memopt", "doctor", "--model", "llama-3.1-8b", "--recipe", "lora_rank=16", "quantization=nf4",
