@@ -165,22 +165,28 @@ def test_plan_trainer_counts_every_nth_layer_checkpointed_in_units_of_n(monkeypa
 
 def test_plans_of_one_architecture_at_other_depths_reuse_its_shallow_traces(monkeypatch: pytest.MonkeyPatch) -> None:
     """Capacity's search plans one architecture at many depths: their shallow copies (3 and 5 blocks) are one model,
-    traced once; each depth's plan equals its own trace of every block (a config, and a factory as capacity gives)."""
+    traced once; each depth's plan equals its own trace of every block. A factory of the same model (as capacity
+    gives it) reuses them the same way, and plans the same bytes."""
     from transformers import LlamaForCausalLM
 
     built = []
     monkeypatch.setattr(planner, "_Tracer", lambda *a, **k: built.append(a[0]) or faketrace._Tracer(*a, **k))
     recipe = {"precision": "fp16-autocast", "checkpointing": "full"}
-    for family, models in (("config", [_hf_config("llama", d) for d in (9, 10, 12)]),
-                           ("factory", [lambda d=d: LlamaForCausalLM(_hf_config("llama", d)) for d in (9, 10, 12)])):
+    depths = (9, 12)
+
+    def plans(models: list) -> list:
+        return [_figures(cm.plan(m, 2, seq_len=64, recipe=recipe, target="t4", find_max_batch=False)) for m in models]
+
+    counted = {}
+    for family, models in (("config", [_hf_config("llama", d) for d in depths]),
+                           ("factory", [lambda d=d: LlamaForCausalLM(_hf_config("llama", d)) for d in depths])):
         faketrace.clear_trace_cache()
         built.clear()
-        counted = [_figures(cm.plan(m, 2, seq_len=64, recipe=recipe, target="t4", find_max_batch=False)) for m in models]
-        assert len(built) == 2, (family, len(built))  # the two shallow copies, for the three depths
-        monkeypatch.setattr(planner, "_FAST_STACK", False)
-        whole = [_figures(cm.plan(m, 2, seq_len=64, recipe=recipe, target="t4", find_max_batch=False)) for m in models]
-        monkeypatch.setattr(planner, "_FAST_STACK", True)
-        assert counted == whole, family
+        counted[family] = plans(models)
+        assert len(built) == 2, (family, len(built))  # the two shallow copies, for both depths
+    assert counted["factory"] == counted["config"]
+    monkeypatch.setattr(planner, "_FAST_STACK", False)
+    assert plans([_hf_config("llama", d) for d in depths]) == counted["config"]
     assert faketrace._SHALLOW_TRACERS
     faketrace.clear_trace_cache()
     assert not faketrace._SHALLOW_TRACERS
