@@ -244,15 +244,6 @@ def _prime_optimizer(optimizer: Any, recipe: Recipe) -> bool:
 # Traces of named models within this process (the recommender, its modes and the explore panel plan the same
 # recipes again):
 # (model name, traced recipe, seq_len, batch, CUDA rounding, optimizer implementation) -> trace.
-# Whether a trace runs only the first rounds of the chunked loss's loops (`loss.first_rounds_traced`: the rounds after
-# them allocate what the first do); tests turn it off to compare with every round traced.
-_FIRST_ROUNDS = True
-
-
-def _first_rounds() -> contextlib.AbstractContextManager[None]:
-    return first_rounds_traced() if _FIRST_ROUNDS else contextlib.nullcontext()
-
-
 _TRACE_CACHE: dict[tuple[Any, ...], Any] = {}
 _TRACE_CACHE_SIZE = 256
 # The stack count's shallow copies' tracers (`planner._make_tracer`), by what the copy is (`stack.model_key`), the
@@ -354,7 +345,7 @@ class _Tracer:
         self.cuda_autocast = cuda_rounding and recipe.precision.endswith("-autocast")
         with self.mode, _fake_safe_module_to(), _fake_safe_bitsandbytes(self.mode, recipe, cuda=cuda_rounding), \
                 _fake_safe_transformers(), _fake_safe_lomo(recipe), _fake_safe_low_state(recipe), _fake_safe_scalers(recipe), \
-                traced_attention(capability), _cuda_policy(self.cuda_autocast), _first_rounds():
+                traced_attention(capability), _cuda_policy(self.cuda_autocast), first_rounds_traced():
             model = model_factory()
             self.model, self.optimizer = recipe.build(model)
             set_optimizer_impl(self.optimizer, optimizer_impl)
@@ -390,7 +381,7 @@ class _Tracer:
     def _trace(self, batch: int) -> _Trace:
         with self.mode, _fake_safe_transformers(), _fake_safe_lomo(self.recipe), _fake_safe_low_state(self.recipe), \
                 _fake_safe_scalers(self.recipe), _int8_as_on_cuda() if self.int8_as_on_cuda else contextlib.nullcontext(), \
-                traced_attention(self.capability) as sdpa, _cuda_policy(self.cuda_autocast), _first_rounds():
+                traced_attention(self.capability) as sdpa, _cuda_policy(self.cuda_autocast), first_rounds_traced():
             step = self._step(batch)
             scaler = getattr(step, "scaler", None)
             if isinstance(scaler, torch.amp.GradScaler) and scaler.is_enabled():

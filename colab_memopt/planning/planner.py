@@ -31,7 +31,7 @@ from typing import Any
 
 from torch import nn
 
-from colab_memopt.planning import estimate, faketrace
+from colab_memopt.planning import estimate
 from colab_memopt.techniques.checkpointing import checkpoint_offloader
 from colab_memopt.core.isolation import isolated
 from colab_memopt.core.measure import format_bytes
@@ -141,7 +141,7 @@ def _linear_max_batch(trace: _Trace, batch: int, budget_bytes: int) -> int:
 
 # The max-batch search traces at most this many loop rounds of the tiled MLPs per step (or 4x the asked batch's):
 # their trace time grows with the batch, other ops' does not (four tiles of each MLP run, the others are held, one op
-# each: `tiling.traced_tiles`). The chunked loss's loops are traced by their first rounds (`faketrace._FIRST_ROUNDS`):
+# each: `tiling.traced_tiles`). The chunked loss's loops are traced by their first rounds (`loss.first_rounds_traced`):
 # no bound needed.
 _SEARCH_LOOP_ROUNDS = 32
 
@@ -150,15 +150,11 @@ def _search_batch_cap(meta_model: nn.Module, rec: Recipe, batch: int, seq_len: i
     """Return the largest batch the max-batch search may trace (None: no bound needed): where the recipe loops over
     tokens (mlp_tile_tokens) a trace runs a round per tile, so its time grows with the batch; the bound keeps each
     trace at most `_SEARCH_LOOP_ROUNDS` rounds (or 4x the asked batch's)."""
-    per_sample = 0.0
-    if isinstance(rec.loss_chunk_tokens, int) and not faketrace._FIRST_ROUNDS:  # (its first rounds only, otherwise)
-        per_sample += seq_len / rec.loss_chunk_tokens
-    if rec.mlp_tile_tokens is not None:
-        from colab_memopt.techniques.tiling import find_mlps
-
-        per_sample += len(find_mlps(meta_model)) * seq_len / rec.mlp_tile_tokens
-    if per_sample == 0:
+    if rec.mlp_tile_tokens is None:
         return None
+    from colab_memopt.techniques.tiling import find_mlps
+
+    per_sample = len(find_mlps(meta_model)) * seq_len / rec.mlp_tile_tokens
     return max(4 * batch, int(_SEARCH_LOOP_ROUNDS / per_sample), rec.accumulation_steps)
 
 

@@ -21,8 +21,9 @@ import torch
 from torch import nn
 
 from colab_memopt.techniques.attention import traced_attention
+from colab_memopt.techniques.loss import first_rounds_traced
 from colab_memopt.planning.cudapaths import as_on_cuda, cuda_path_note, forward_autocast
-from colab_memopt.planning.faketrace import _Trace, _fake_safe_module_to, _fake_safe_transformers, _first_rounds
+from colab_memopt.planning.faketrace import _Trace, _fake_safe_module_to, _fake_safe_transformers
 from colab_memopt.planning.quantized import _fake_safe_bitsandbytes
 from colab_memopt.planning.targets import Target
 from colab_memopt.planning.hfconfig import OPTIM_TO_RECIPE
@@ -310,7 +311,7 @@ def _trace_step(trainer: Any, args: Any, batch: int, seq_len: int, *, cuda: bool
                 units = units_of(model, period)
             tracker = TensorTracker(device=torch.device("cpu"), cuda_rounding=cuda, units=units)
             tracker.track_external(model, optimizer, *[t for b in inputs for t in b.values() if isinstance(t, torch.Tensor)])
-            with tracker, forward_autocast(model, half), as_on_cuda(cuda, half, model) as paths, _first_rounds():
+            with tracker, forward_autocast(model, half), as_on_cuda(cuda, half, model) as paths, first_rounds_traced():
                 for batch_inputs in inputs[:2]:
                     trainer.training_step(model, batch_inputs, num_items_in_batch=torch.tensor(tokens))
                 if args.max_grad_norm and args.max_grad_norm > 0:
