@@ -877,9 +877,11 @@ def _small_llama():
 
 
 # cuda-run-1 #6: fp32, 4 x 512, no mask -> transformers passes enable_gqa=True; CUDA runs math attention (measured on the
-# emulated T4: 94.44 MiB, of which 16 MiB were a score buffer inside one op).
-LLAMA_MATH_PEAK_BYTES = 82_260_992  # 78.45 MiB
-LLAMA_HIDDEN_SCORES_BYTES = 4 * 4 * 512 * 512 * 4  # (B, heads, T, T) fp32
+# emulated T4: 94.44 MiB, of which 16 MiB were inside one op: softmax's backward makes `grad * output` there, measured
+# by benchmarks/cuda_in_op_buffers.py on 2026-11-28).
+LLAMA_TENSORS_PEAK_BYTES = 82_260_992  # 78.45 MiB: the tensors at the moment before that op
+LLAMA_IN_OP_BYTES = 4 * 4 * 512 * 512 * 4  # (B, heads, T, T) fp32
+LLAMA_MATH_PEAK_BYTES = LLAMA_TENSORS_PEAK_BYTES + LLAMA_IN_OP_BYTES  # 94.45 MiB
 
 
 @pytest.mark.parametrize("flash_flag", [True, False])
@@ -890,11 +892,15 @@ def test_grouped_query_attention_without_a_mask_is_planned_as_math_on_a_t4(flash
         plan = planner.plan(_small_llama, 4, seq_len=512, target="t4", find_max_batch=False)
     finally:
         torch.backends.cuda.enable_flash_sdp(was)
-    assert plan.peak_bytes == LLAMA_MATH_PEAK_BYTES, plan.peak_bytes
-    lines = [c for c in plan.device_costs if c.name == untraced.MATH_ATTENTION_LINE]
-    assert [(c.bytes, c.in_step, c.in_allocator) for c in lines] == [(LLAMA_HIDDEN_SCORES_BYTES, True, True)]
-    assert plan.step_peak_bytes == LLAMA_MATH_PEAK_BYTES + LLAMA_HIDDEN_SCORES_BYTES  # 94.45 MiB
+    assert plan.peak_bytes == plan.step_peak_bytes == LLAMA_MATH_PEAK_BYTES, plan.peak_bytes
+    assert abs(plan.step_peak_bytes - 94.44 * 2**20) <= 0.0005 * plan.step_peak_bytes  # the emulated T4's measurement
+    assert max(plan.by_phase, key=plan.by_phase.get) == "backward"
+    assert plan.by_category["temporaries"] >= LLAMA_IN_OP_BYTES
     assert any("math kernel on t4" in w for w in plan.warnings)
+    # the CPU's own plan counts no CUDA kernel's buffers: the tensors alone
+    cpu = planner.plan(_small_llama, 4, seq_len=512, target={"name": "cpu", "device_bytes": 2**40, "host_bytes": 2**40,
+                                                            "cuda": False}, find_max_batch=False)
+    assert cpu.peak_bytes < LLAMA_MATH_PEAK_BYTES
 
 
 def test_grouped_query_attention_keeps_flash_where_the_target_runs_it():
@@ -906,17 +912,17 @@ def test_grouped_query_attention_keeps_flash_where_the_target_runs_it():
                         find_max_batch=False)
     fp32 = planner.plan(_small_llama, 4, seq_len=512, target="a100-40gb", find_max_batch=False)
     for plan in (bf16, fp16):
-        assert not any(c.name == untraced.MATH_ATTENTION_LINE for c in plan.device_costs)
+        assert not any("math kernel" in w for w in plan.warnings)
         assert plan.peak_bytes < 0.4 * LLAMA_MATH_PEAK_BYTES, plan.peak_bytes
     assert fp32.peak_bytes == LLAMA_MATH_PEAK_BYTES
-    assert any(c.name == untraced.MATH_ATTENTION_LINE for c in fp32.device_costs)
+    assert any("math kernel" in w for w in fp32.warnings)
 
 
-def test_max_batch_counts_the_hidden_score_buffer_at_each_batch():
+def test_max_batch_counts_what_cuda_kernels_hold_inside_an_op_at_each_batch():
     plan = planner.plan(_small_llama, 4, seq_len=512, target="t4")
-    budget = plan.device_limit_bytes - sum(c.bytes for c in plan.device_costs if c.name != untraced.MATH_ATTENTION_LINE)
-    per_sample_scores = LLAMA_HIDDEN_SCORES_BYTES // 4
-    tracer_peak = lambda b: planner.plan(_small_llama, b, seq_len=512, target="t4", find_max_batch=False).peak_bytes  # noqa: E731
+    budget = plan.device_limit_bytes - sum(c.bytes for c in plan.device_costs)
+    traced = lambda b: planner.plan(_small_llama, b, seq_len=512, target="t4", find_max_batch=False)  # noqa: E731
     best = plan.max_batch
-    assert tracer_peak(best) + best * per_sample_scores <= budget
-    assert tracer_peak(best + 1) + (best + 1) * per_sample_scores > budget
+    fits, over = traced(best), traced(best + 1)
+    assert fits.peak_bytes <= budget < over.peak_bytes
+    assert over.by_category["temporaries"] >= (best + 1) * LLAMA_IN_OP_BYTES // 4  # softmax's backward's buffer, per row

@@ -114,3 +114,37 @@ def test_the_storage_walks_note_is_hidden_while_tracking_and_only_then():
         get_untyped_storages(object())  # outside the tracker: torch's own note, as before
     assert inside == []
     assert any("Expected a tensor" in str(w.message) for w in seen)
+
+
+def test_in_op_bytes_counts_what_cuda_softmax_kernels_hold_inside_themselves():
+    """The figures of the emulated T4's math attention (benchmarks/results/cuda/): 16 MiB inside softmax's backward
+    (`grad * output`), 4,203,008 B inside `_safe_softmax` (mask, rows, scalar); nothing inside a contiguous log-softmax
+    backward; a strided input adds its contiguous copy."""
+    from colab_memopt.core.tracker import in_op_bytes
+
+    aten = torch.ops.aten
+    scores = torch.empty(4, 4, 512, 512, device="meta")
+    assert in_op_bytes(aten._softmax_backward_data.default, (scores, scores, -1, torch.float32)) == 16 * 2**20
+    assert in_op_bytes(aten._safe_softmax.default, (scores, -1)) == 4_203_008
+    logits = torch.empty(2048, 512, device="meta")
+    assert in_op_bytes(aten._log_softmax_backward_data.default, (logits, logits, 1, torch.float32)) == 0
+    strided = torch.empty(512, 2048, device="meta").t()
+    assert in_op_bytes(aten._log_softmax_backward_data.default, (strided, logits, 1, torch.float32)) == 4 * 2**20
+    assert in_op_bytes(aten._softmax.default, (strided, 1, False)) == 4 * 2**20
+    assert in_op_bytes(aten.mm.default, (logits, logits.t())) == 0
+
+
+def test_the_tracker_counts_in_op_buffers_only_when_asked():
+    aten_calls = []
+
+    def step(tracker):
+        x = torch.randn(8, 64, requires_grad=True)
+        with tracker:
+            torch.softmax(x, -1).sum().backward()
+        aten_calls.append(tracker.in_op_calls)
+        return tracker.peak_bytes
+
+    plain = step(TensorTracker())
+    counted = step(TensorTracker(in_op_buffers=True))
+    assert aten_calls == [0, 1]  # softmax's backward: grad * output, 8 x 64 fp32
+    assert counted - plain == 8 * 64 * 4

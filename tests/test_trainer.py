@@ -27,7 +27,7 @@ from transformers import (  # noqa: E402
 from trl import SFTConfig, SFTTrainer  # noqa: E402
 
 import colab_memopt as cm  # noqa: E402
-from colab_memopt import guard as cm_guard, hfconfig, untraced  # noqa: E402
+from colab_memopt import guard as cm_guard, hfconfig  # noqa: E402
 from colab_memopt import trainer as tr, trainerfit, trainertrace  # noqa: E402
 
 DIMS = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -369,14 +369,13 @@ def test_plan_trainer_plans_grouped_query_attention_as_a_t4_runs_it(flash_flag):
         assert torch.backends.cuda.flash_sdp_enabled() is flash_flag
     finally:
         torch.backends.cuda.enable_flash_sdp(was)
-    scores = 4 * 4 * 512 * 512 * 4  # (B, heads, T, T) fp32: math upcasts 16-bit scores
     for plan in (t4, t4_fp16):
-        lines = [(c.bytes, c.in_step) for c in plan.device_costs if c.name == untraced.MATH_ATTENTION_LINE]
-        assert lines == [(scores, True)], plan.device_costs
-    assert not any(c.name == untraced.MATH_ATTENTION_LINE for c in a100_bf16.device_costs)
+        assert any("math kernel on t4" in w for w in [*plan.warnings, *plan.notes]), (plan.warnings, plan.notes)
+    assert not any("math kernel" in w for w in [*a100_bf16.warnings, *a100_bf16.notes])
     # math holds the (B, heads, T, T) scores and softmax per layer for backward; flash on an A100 holds O(T)
     assert t4_fp16.peak_bytes > 2 * a100_bf16.peak_bytes, (t4_fp16.peak_bytes, a100_bf16.peak_bytes)
-    assert t4.peak_bytes == 82_278_400, t4.peak_bytes  # 78.47 MiB (+16 MiB in-step), whatever the flag
+    # 94.47 MiB, whatever the flag: 78.47 MiB of tensors and the 16 MiB softmax's backward holds inside itself on CUDA
+    assert t4.peak_bytes == 99_055_616, t4.peak_bytes
 
 
 def test_bf16_asked_of_a_plan_on_a_machine_without_a_gpu_says_to_add_use_cpu(tmp_path, monkeypatch):

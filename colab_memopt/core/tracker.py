@@ -14,6 +14,11 @@ What it adds to MemTracker:
   optimizer state, re-filed by MemTracker's own post-step hook. Likewise autocast's 16-bit copies
   of the weights, kept for backward, are temporaries, not activations.
 
+With `in_op_buffers` (what a plan for a CUDA target counts), it also counts what some operations allocate and free
+inside themselves on CUDA, which no tensor tracker sees but the CUDA allocator does (`in_op_bytes`): the softmax
+kernels' contiguous copies of strided inputs, and `_safe_softmax`'s mask of the fully masked rows (SDPA's math kernel).
+For that one moment those bytes are temporaries on top of everything live.
+
 With `units` (each repeated block's module and its unit's index: `planning.stack`), it also records the step's
 timeline: after every operation that changes the live bytes, the phase, the unit whose forward or backward runs, the
 operation and the live bytes per category (`timeline`), which a trace of a few blocks extrapolates to the whole stack.
@@ -91,11 +96,15 @@ class TensorTracker(MemTracker):
         units: {id(block module): unit index} of a stack of repeated blocks: record the `timeline`,
             one event per operation: (phase index in PHASES, the unit running or -1, the operation,
             the live bytes per category in CATEGORIES' order).
+        in_op_buffers: count what each of `IN_OP_BUFFER_OPS` allocates and frees inside itself on CUDA (`in_op_bytes`), at the
+            moment they are alive (temporaries): what a CUDA allocator's peak holds.
     """
 
     def __init__(self, *, device: torch.device | None = None, cuda_rounding: bool = False,
-                 units: dict[int, int] | None = None) -> None:
+                 units: dict[int, int] | None = None, in_op_buffers: bool = False) -> None:
         super().__init__()
+        self.in_op_buffers = in_op_buffers
+        self.in_op_calls = 0  # operations whose inside buffer was counted
         self.units = units
         self.timeline: list[tuple[int, int, Any, tuple[int, ...]]] | None = [] if units is not None else None
         self._unit = -1  # the unit whose forward or backward runs now (-1: none)
@@ -206,11 +215,13 @@ class TensorTracker(MemTracker):
             if quiet is not None:
                 quiet.__exit__(None, None, None)
 
-    def _update_peak_stats(self, peak_state: Any) -> None:
+    def _update_peak_stats(self, peak_state: Any, inside: int = 0) -> None:
         # Called after every operation. MemTracker's own version also rescans every module's
         # per-module peak on each op, which is most of the tracking time on a large model and which
         # we never read (per-module figures come from the pre/post-forward snapshots); so only the
         # global peak (what get_tracker_snapshot("peak") returns) and our peaks are updated here.
+        # `inside`: bytes the operation just run held inside itself beside its output (`IN_OP_BUFFER_OPS`): one
+        # moment with that many more bytes of temporaries, then the live bytes as they are (called again with 0).
         live = 0
         cats = dict.fromkeys(CATEGORIES, 0)
         for dev, dev_snap in self._curr_mem_snap.items():
@@ -223,6 +234,9 @@ class TensorTracker(MemTracker):
                 for ref, nbytes in dev_snap.items():
                     if ref != _TOTAL_KEY:
                         cats[_CATEGORY_OF[ref]] += nbytes
+        if inside:
+            live += inside
+            cats["temporaries"] += inside
         phase = self.phase
         if self.timeline is not None:
             if self._unit_in_bw and phase != "backward":  # backward ended: no block runs now
@@ -285,9 +299,16 @@ class TensorTracker(MemTracker):
         self._casting_param = func is torch.ops.aten._to_copy.default and bool(args) and self._is_parameter(args[0])
         self._func = func
         try:
-            return super().__torch_dispatch__(func, types, args, kwargs)
+            out = super().__torch_dispatch__(func, types, args, kwargs)
         finally:
             self._casting_param = False
+        if self.in_op_buffers and func in IN_OP_BUFFER_OPS:
+            inside = in_op_bytes(func, args)
+            if inside:
+                self.in_op_calls += 1
+                self._update_peak_stats(None, inside)  # the moment inside the op: its buffers and its output alive
+                self._update_peak_stats(None)  # after it: the buffers freed
+        return out
 
     def _pre_fw_hook(self, module: torch.nn.Module, inputs: Any) -> None:
         # MemTracker refuses a second forward of the root module ("multiple iterative calls"). Gradient
@@ -325,6 +346,58 @@ def _quiet_storage_walk() -> Any:
 
 # The CUDA caching allocator rounds every block up to 512 bytes; MemTracker counts the same way.
 _CUDA_MIN_BLOCK = 512
+
+
+def _cuda_rounded(nbytes: int) -> int:
+    return -(-nbytes // _CUDA_MIN_BLOCK) * _CUDA_MIN_BLOCK
+
+
+# What CUDA operations allocate and free inside themselves (`in_op_bytes`), read from aten's CUDA kernels and measured
+# on an emulated T4 (benchmarks/cuda_in_op_buffers.py, benchmarks/results/cuda/). SoftMax.cu: the forward kernels run
+# on `input.contiguous()`, the backward ones on `grad.contiguous()` and `output.contiguous()` (a copy each where the
+# tensor is strided), and softmax's backward first makes `tmp = grad * output`, a tensor of the gradient's size.
+# SoftMax.cpp's `_safe_softmax` (what SDPA's math kernel runs) also holds a bool mask of its input's size, the rows that
+# are all -inf and a scalar.
+_ATEN = torch.ops.aten
+_SOFTMAX_FORWARD = frozenset(getattr(_ATEN, name).default for name in ("_softmax", "_log_softmax", "_safe_softmax")
+                             if hasattr(_ATEN, name))
+_SOFTMAX_BACKWARD = frozenset(getattr(_ATEN, name).default for name in ("_softmax_backward_data", "_log_softmax_backward_data")
+                              if hasattr(_ATEN, name))
+_SAFE_SOFTMAX = _ATEN._safe_softmax.default if hasattr(_ATEN, "_safe_softmax") else None
+_SOFTMAX_BACKWARD_DATA = _ATEN._softmax_backward_data.default
+IN_OP_BUFFER_OPS = _SOFTMAX_FORWARD | _SOFTMAX_BACKWARD
+
+
+def _copy_bytes(t: Any) -> int:
+    """Return the bytes of `t.contiguous()`'s copy as CUDA's allocator holds them (0 where `t` is contiguous)."""
+    if not isinstance(t, torch.Tensor) or t.is_contiguous():
+        return 0
+    return _cuda_rounded(t.numel() * t.element_size())
+
+
+def in_op_bytes(func: Any, args: Any) -> int:
+    """Return the bytes CUDA's kernel of `func` allocates and frees inside itself for these arguments (0 if none known).
+
+    Measured on an NVIDIA H200 emulating a T4 (torch 2.11, benchmarks/results/cuda/): a grouped-query Llama's math
+    attention, fp32, 4 x 512, held 16,777,216 B inside `_softmax_backward_data` (`grad * output`: its (4, 4, 512, 512)
+    fp32 gradient's size) and 4,203,008 B inside `_safe_softmax` (4,194,304 B of mask, 8,192 B of rows, a 512-byte
+    scalar); `_log_softmax_backward_data` on contiguous tensors held nothing: what this returns for those calls.
+    """
+    if func in _SOFTMAX_BACKWARD:
+        grad, output = args[0], args[1]
+        inside = _copy_bytes(output)
+        if func is _SOFTMAX_BACKWARD_DATA and isinstance(grad, torch.Tensor) and isinstance(output, torch.Tensor):
+            itemsize = torch.empty((), dtype=torch.promote_types(grad.dtype, output.dtype), device="meta").element_size()
+            return inside + _cuda_rounded(grad.numel() * itemsize)  # tmp = grad * output, then contiguous
+        return inside + _copy_bytes(grad)
+    if func in _SOFTMAX_FORWARD:
+        x = args[0]
+        inside = _copy_bytes(x)
+        if func is _SAFE_SOFTMAX and isinstance(x, torch.Tensor) and x.dim() > 0:
+            rows = x.numel() // max(1, x.size(args[1] if len(args) > 1 else -1))
+            inside += _cuda_rounded(x.numel()) + _cuda_rounded(rows) + _CUDA_MIN_BLOCK
+        return inside
+    return 0
 
 
 class _CudaRoundedInfo(_WeakRefInfo):

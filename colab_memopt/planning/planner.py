@@ -57,13 +57,10 @@ from colab_memopt.planning.quantized import (
 from colab_memopt.planning.targets import DEFAULT_HEADROOM, OPTIMIZER_IMPLS, Target, check_headroom, get_target
 from colab_memopt.planning.untraced import (
     _PINNED_NOTE,
-    MATH_ATTENTION_LINE,
     _grouped_query,
     _host_costs,
     _load_costs,
-    _with_math_attention,
     cuda_workspace_costs,
-    math_attention_cost,
     math_attention_warning,
     offloaded_checkpoint_bytes,
 )
@@ -478,8 +475,7 @@ def plan(
                                      in_allocator=True))
         if int8_warning:
             warn.append(int8_warning)
-        if trace.hidden_bytes:
-            device_costs.append(math_attention_cost(trace.hidden_bytes, tgt))
+        if trace.hidden_bytes:  # the trace holds the math kernel's scores and what it frees inside its ops
             warn.append(math_attention_warning(tgt))
     if tgt.cuda:  # loading (and quantizing) can be the run's highest point, which a CPU trace cannot see
         model_bytes = (result.by_category.get("parameters", 0) + result.by_category.get("buffers", 0)
@@ -552,7 +548,7 @@ def _max_batch(result: Plan, trace: Any, tracer: Any, meta_model: nn.Module, rec
                device_costs: list[Cost], tgt: Target, warn: list[str]) -> int:
     """Return the largest batch that fits: from the activations per sample, confirmed by traces where `tracer` traces
     (each batch traced once: the tracer keeps its traces); linear in the batch from the estimate otherwise."""
-    budget = result.device_limit_bytes - sum(c.bytes for c in device_costs if c.name != MATH_ATTENTION_LINE)
+    budget = result.device_limit_bytes - sum(c.bytes for c in device_costs)
 
     def traced(b: int) -> Any:
         if b not in tracer._cache:
@@ -568,8 +564,8 @@ def _max_batch(result: Plan, trace: Any, tracer: Any, meta_model: nn.Module, rec
                 guess = min(guess, cap)
             guess = _secant_step(traced(guess), guess, trace, budget)
             guess, converged = _verified_max_batch(
-                lambda b: _step_fits(traced(b), _with_math_attention(device_costs, traced(b), tgt),
-                                     result.device_limit_bytes), guess, lower=rec.accumulation_steps, upper=cap
+                lambda b: _step_fits(traced(b), device_costs, result.device_limit_bytes), guess,
+                lower=rec.accumulation_steps, upper=cap
             )
             if not converged and cap is not None and guess == cap:
                 warn.append(f"max_batch {guess} is the largest batch searched, and it fits: a larger one's trace "

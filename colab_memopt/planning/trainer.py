@@ -33,10 +33,8 @@ from colab_memopt.planning.prediction import Cost, Plan
 from colab_memopt.planning.stack import STACK_UNITS, NotRepeating
 from colab_memopt.planning.targets import DEFAULT_HEADROOM, Target, check_headroom, get_target
 from colab_memopt.planning.untraced import (
-    MATH_ATTENTION_LINE,
     _host_costs,
     cuda_workspace_costs,
-    math_attention_cost,
     math_attention_warning,
 )
 from colab_memopt.planning.hfconfig import check_micro_batch, check_optim, trainer_recipe
@@ -296,8 +294,7 @@ def plan_trainer(
             # both cuBLAS workspaces (forward's thread and the autograd thread) and cuBLASLt's, as `cm.plan` counts them
             device_costs = [Cost("CUDA context", tgt.cuda_context_bytes, tgt.context_source),
                             *cuda_workspace_costs(tgt.compute_capability)]
-            if trace.hidden_bytes:
-                device_costs.append(math_attention_cost(trace.hidden_bytes, tgt))
+            if trace.hidden_bytes:  # the trace holds the math kernel's scores and what it frees inside its ops
                 warn.append(math_attention_warning(tgt))
         if bnb is not None and tgt.cuda and getattr(bnb, "load_in_4bit", False):
             from colab_memopt.planning.quantized import trainer_four_bit_costs
@@ -530,22 +527,22 @@ def _model_name(net: Any, given: Any) -> str:
 def _max_micro_batch(trainer: Any, args: Any, seq_len: int, tgt: Target, plan: Plan, trace: _Trace, mode: Any,
                      param_names: dict[int, str] | None = None, stack: _StackHolders | None = None) -> int:
     """Return the largest per_device_train_batch_size that fits: linear in the batch from two traces, then confirmed."""
-    budget = plan.device_limit_bytes - sum(c.bytes for c in plan.device_costs if c.name != MATH_ATTENTION_LINE)
+    budget = plan.device_limit_bytes - sum(c.bytes for c in plan.device_costs)
     micro = int(args.per_device_train_batch_size)
 
     def peak(b: int) -> int:
         changed = _changed_args(args, {"per_device_train_batch_size": b})
         if stack is not None:
             counted = stack.trace(changed, b, seq_len, tgt, mode, [])
-            return counted.peak_bytes + counted.hidden_bytes
+            return counted.peak_bytes
         # traced as the plan's own step is: a padding-free (packing) collator's row as full rows, whose sizes are
         # known (its sequence starts come from `nonzero()`, a size no fake tensor knows)
-        with _args_of(trainer, changed), _rows_kept(trainer, changed, []), _target_attention(tgt, args) as sdpa:
+        with _args_of(trainer, changed), _rows_kept(trainer, changed, []), _target_attention(tgt, args):
             peak_bytes = _trace_step(trainer, changed, b, seq_len, cuda=tgt.cuda, mode=mode,
                                      param_names=param_names)[0].peak_bytes
-        return peak_bytes + (sdpa.hidden_bytes if sdpa is not None else 0)
+        return peak_bytes
 
-    peaks: dict[int, int] = {micro: trace.peak_bytes + trace.hidden_bytes}
+    peaks: dict[int, int] = {micro: trace.peak_bytes}
 
     def known(b: int) -> int:  # each batch traced once
         if b not in peaks:

@@ -1,7 +1,8 @@
-"""The lines of a plan that its trace does not produce: the CUDA workspaces, SDPA's math-kernel scores, host RAM.
+"""The lines of a plan that its trace does not produce: the CUDA workspaces, host RAM.
 
-On a CUDA target a step holds cuBLAS and cuBLASLt workspaces (`cuda_workspace_costs`), and where SDPA runs its math
-kernel there, a score buffer freed inside one op (`math_attention_cost`). In host RAM: this process, the data
+On a CUDA target a step holds cuBLAS and cuBLASLt workspaces (`cuda_workspace_costs`). What CUDA's kernels free inside
+one op (SDPA's math kernel's copies and masks) the trace counts at the moment they live (`tracker.in_op_bytes`); where
+SDPA runs its math kernel, the plan warns (`math_attention_warning`). In host RAM: this process, the data
 pipeline, ZeRO-Offload's states, offloaded checkpoints (`offloaded_checkpoint_bytes`) and loading a checkpoint.
 Each is a `Cost` with where its figure comes from; bitsandbytes' own lines are in `colab_memopt.planning.quantized`.
 """
@@ -44,26 +45,6 @@ def cuda_workspace_costs(compute_capability: tuple[int, int] | None) -> list[Cos
     if lt:
         costs.append(Cost("cuBLASLt workspace", lt, f"addmm with a bias (nn.Linear) runs cuBLASLt: {lt_source}", in_allocator=True))
     return costs
-
-
-MATH_ATTENTION_LINE = "math attention scores (inside one op)"
-
-
-def _with_math_attention(costs: list[Cost], trace: Any, target: Target) -> list[Cost]:
-    """Return `costs` with the math-attention line of `trace` (another batch's trace holds another score size)."""
-    kept = [c for c in costs if c.name != MATH_ATTENTION_LINE]
-    return kept + ([math_attention_cost(trace.hidden_bytes, target)] if trace.hidden_bytes else [])
-
-
-def math_attention_cost(hidden_bytes: int, target: Target) -> Cost:
-    """Return the in-step line of the score buffer SDPA's math kernel frees inside one op (traced calls that the
-    target runs with math: `attention.expected_cuda_backend`), counted once: one call at a time holds it."""
-    cc = target.compute_capability
-    where = f"{target.name} (sm_{cc[0]}{cc[1]})" if cc is not None else target.name
-    return Cost(MATH_ATTENTION_LINE, hidden_bytes,
-                f"SDPA runs its math kernel on {where} for some attention calls (grouped-query heads without a mask "
-                "need flash, sm_80+ and fp16/bf16; bf16 needs sm_80+); inside `_safe_softmax` it frees one batch x heads "
-                "x T x T fp32 score tensor that the trace cannot see: the largest, once", in_allocator=True, in_step=True)
 
 
 def _grouped_query(model: Any) -> bool:

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import colab_memopt as cm
-from colab_memopt import attention, env, planner, untraced
+from colab_memopt import attention, env, planner
 
 
 def _capability(device) -> tuple[int, int]:
@@ -42,7 +42,7 @@ def test_grouped_query_llama_step_matches_the_plan_with_its_hidden_scores(cuda):
     step = cm.make_train_step(model, opt, cm.load_corpus(), batch_size=4, seq_len=512)
     report = cm.measure_step(step, model=model, optimizer=opt, repeat=1)
     p = planner.plan(llama, 4, seq_len=512, target="t4", find_max_batch=False)
-    assert any(c.name == untraced.MATH_ATTENTION_LINE for c in p.device_costs)  # fp32 + enable_gqa: math anywhere
-    # emulated T4 (review): 94.44 MiB measured, 78.45 + 16 MiB planned
+    assert any("math kernel" in w for w in p.warnings)  # fp32 + enable_gqa: math anywhere
+    # emulated T4 (review): 94.44 MiB measured; 94.45 MiB planned, 16 MiB of it inside softmax's backward
     assert abs(p.step_peak_bytes - report.peak_bytes) <= 0.02 * report.peak_bytes, (
         p.step_peak_bytes, report.peak_bytes, report.by_category)
