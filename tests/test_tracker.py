@@ -126,6 +126,9 @@ def test_in_op_bytes_counts_what_cuda_softmax_kernels_hold_inside_themselves():
     scores = torch.empty(4, 4, 512, 512, device="meta")
     assert in_op_bytes(aten._softmax_backward_data.default, (scores, scores, -1, torch.float32)) == 16 * 2**20
     assert in_op_bytes(aten._safe_softmax.default, (scores, -1)) == 4_203_008
+    half = torch.empty(4, 4, 512, 512, device="meta", dtype=torch.float16)  # fp16: grad * output in fp16, half the bytes
+    assert in_op_bytes(aten._softmax_backward_data.default, (half, half, -1, torch.float16)) == 8 * 2**20
+    assert in_op_bytes(aten._softmax_backward_data.default, (scores, half, -1, torch.float16)) == 16 * 2**20  # fp32 grad
     logits = torch.empty(2048, 512, device="meta")
     assert in_op_bytes(aten._log_softmax_backward_data.default, (logits, logits, 1, torch.float32)) == 0
     strided = torch.empty(512, 2048, device="meta").t()

@@ -4,11 +4,15 @@ One small shape (a random Llama of SmolLM2-360M's shape, 2 x 512 tokens, LoRA r=
 GradScaler): each class is planned from its settings before anything is loaded, then run on the device until the
 first step that begins with the optimizer's state has run (at most `MAX_STEPS`). That step is measured from its start
 (`reset_peak_memory_stats`), with the allocator's memory history recorded; printed per class: the plan
-(`allocator_peak_bytes`: the traced peak, the step's transients and the workspaces), the allocated peak, the requested
-peak (before the allocator's rounding), the plan's categories at its peak, and the history's largest live blocks at
-the allocated peak. Asserted: the issue's goal, within +1.5% of the allocated peak and never under it by more than 1%.
-The checkpointed classes and full fine-tuning were not explained on the CPU (-1.5% to -3.9%, +1.8% in the first
-run): this is where a GPU says why.
+(`allocator_peak_bytes` less the cuBLAS workspaces, which are made before the baseline: `_cublas_workspaces_made`), the
+allocated peak, the requested peak (before the allocator's rounding), the plan's categories at its peak, and the
+history's largest live blocks at the allocated peak. Asserted: the issue's goal, within +1.5% of the allocated peak and
+never under it by more than 1%.
+
+What the GPU said (benchmarks/results/cuda/h200-emulating-t4-2026-11-28-run2/FINDINGS.md): the checkpointed classes
+were over-planned by the math-attention line, a 31.5 MB buffer added at the peak though CUDA holds it inside
+softmax's backward, far from the peak (now counted where it lives: `tracker.in_op_bytes`); full fine-tuning's
+allocated peak holds 1.3% more than the bytes requested (the allocator's block rounding), which no plan counts.
 
 Why not simply the second step: fp16's GradScaler skips the update of a step whose gradients overflow, and AdamW makes
 its state at its first update. On 2026-11-28 (an NVIDIA H200 emulating a T4) the full class's second step peaked at
@@ -63,6 +67,19 @@ def folder(tmp_path_factory):
     return str(path)
 
 
+def _cublas_workspaces_made(device: torch.device) -> None:
+    """Make the cuBLAS workspaces of this thread and of the autograd thread, and cuBLASLt's, before the baseline.
+
+    Each is made once, at its first matmul, and kept. On 2026-11-28 (an NVIDIA H200 emulating a T4) the first class run
+    made them inside its measured step and the later ones found them made (in their baseline): the same plan was
+    18 MB nearer one measurement than the other. Made here, every class measures without them, and its plan's lines for
+    them are taken out."""
+    x = torch.randn(16, 64, device=device, requires_grad=True)
+    layer = torch.nn.Linear(64, 64).to(device)  # addmm with a bias: cuBLASLt; its backward: the autograd thread's
+    layer(x).sum().backward()
+    torch.cuda.synchronize()
+
+
 def _largest_live_blocks(snapshot: dict[str, Any], top: int = 12) -> list[tuple[int, str]]:
     """Return (bytes, top frame) of the largest blocks live at the end of the recorded trace's allocated peak."""
     live: dict[int, tuple[int, str]] = {}
@@ -97,9 +114,10 @@ def test_each_trainer_class_is_planned_within_the_goal_of_cuda_s_allocator(cuda,
         warnings.simplefilter("ignore")
         plan = cm.plan_trainer(s["args"], model=folder, lora=s["lora"], bnb=s["bnb"], dtype=s["dtype"], target="t4",
                                seq_len=SEQ, prepare_model_for_kbit_training=s["prepare"])
+    _cublas_workspaces_made(cuda)
     gc.collect()
     torch.cuda.empty_cache()
-    baseline = torch.cuda.memory_allocated()
+    baseline = torch.cuda.memory_allocated()  # the workspaces are in it: the plan's lines for them are taken out below
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=s["dtype"], quantization_config=s["bnb"],
@@ -142,7 +160,8 @@ def test_each_trainer_class_is_planned_within_the_goal_of_cuda_s_allocator(cuda,
         trainer.train()
     assert "allocated" in seen, (f"{klass}: none of {MAX_STEPS} steps began with the optimizer's state: fp16's "
                                  "GradScaler skipped every update (the gradients overflowed at each loss scale tried)")
-    planned, allocated, requested = plan.allocator_peak_bytes, seen["allocated"], seen["requested"]
+    workspaces = sum(c.bytes for c in plan.device_costs if c.name.startswith("cuBLAS"))
+    planned, allocated, requested = plan.allocator_peak_bytes - workspaces, seen["allocated"], seen["requested"]
     error = (planned - allocated) / allocated
     print(f"\n{klass}: plan {planned:,d}  allocated {allocated:,d}  requested {requested:,d}  "
           f"plan-allocated {error:+.2%}  measured step {seen['step']}  "
