@@ -218,6 +218,10 @@ def test_round3_a_string_learning_rate_is_named_through_the_api():
             cm.hfconfig.trainer_recipe(args)
     args = SFTConfig("/tmp/colab_memopt_test_cli", learning_rate="2e-4", use_cpu=True, bf16=False, report_to=[])
     assert cm.hfconfig.trainer_recipe(args)[0].lr == 2e-4  # a number written as a string, as TRL's parser reads it
+    # but a Trainer keeps it as text, and its optimizer refuses it when training starts (torch's AdamW: "'<=' not
+    # supported between instances of 'float' and 'str'", from inside the plan's trace before): said by name
+    with pytest.raises(ValueError, match=r"learning_rate='2e-4' is text: .* give a number: learning_rate=0.0002"):
+        cm.plan_trainer(args, model="smollm2-135m", target="t4")
 
 
 _HEAVY = ("torch", "transformers", "trl", "peft", "bitsandbytes")

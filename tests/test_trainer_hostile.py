@@ -333,3 +333,20 @@ def test_probe4_a_dataset_whose_rows_raise_is_named_not_a_missing_loss():
         cm.plan_trainer(trainer, target="cpu", seq_len=8)
     trainer.train_dataset = Dataset.from_dict({"input_ids": [], "labels": []})  # no rows: still planned, as before
     assert cm.plan_trainer(trainer, target="cpu", seq_len=8).peak_bytes > 0
+
+
+def test_a_built_model_given_as_model_is_refused_with_what_to_give():
+    """Recheck of probe 4: plan_trainer(args, model=<a built model>) called the model as a zero-argument builder and
+    raised transformers' "You must specify exactly one of input_ids or inputs_embeds"."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, TrainingArguments
+
+    import colab_memopt as cm
+
+    built = AutoModelForCausalLM.from_config(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
+                                                         num_hidden_layers=1, num_attention_heads=2))
+    args = TrainingArguments("/tmp/colab_memopt_test_built", per_device_train_batch_size=2, use_cpu=True, report_to=[])
+    for call in (cm.plan_trainer, cm.fit_trainer):
+        with pytest.raises(TypeError, match=r"model= got a LlamaForCausalLM already built: .*model.config.*"
+                                            r"cm.plan_trainer\(trainer\)"):
+            call(args, model=built, target="t4", seq_len=32)
+    assert cm.plan_trainer(args, model=built.config, target="t4", seq_len=32).batch == 2  # its config is planned

@@ -188,7 +188,11 @@ def plan_trainer(
               else getattr(_resolve(model), "config", None))
     check_micro_batch(int(args.per_device_train_batch_size), seq, getattr(config, "hidden_size", None), tgt.device_bytes,
                       seq_name="seq_len" if seq_len is not None else "max_length", target_name=tgt.name)
-    recipe, notes = trainer_recipe(args, lora, bnb)
+    recipe, notes = trainer_recipe(args, lora, bnb)  # refuses a learning_rate that is no number, by name
+    if isinstance(args.learning_rate, str) and getattr(real_trainer, "optimizer", None) is None:
+        # TrainingArguments and SFTConfig keep '2e-4' as text; the Trainer's optimizer refuses it when training starts
+        raise ValueError(f"learning_rate={args.learning_rate!r} is text: the Trainer keeps it so, and its optimizer "
+                         f"refuses it when training starts; give a number: learning_rate={float(args.learning_rate):g}")
     given_optimizer = getattr(real_trainer, "optimizer", None)
     warn = [n for n in notes if given_optimizer is None or not n.startswith("optim=")]  # each names the setting
     if given_optimizer is not None:
@@ -467,6 +471,10 @@ def _position_limit(net: Any, seq_len: int) -> list[str]:
 def _resolve(model: Any) -> Any:
     from colab_memopt.techniques import architectures
 
+    if isinstance(model, nn.Module):  # callable, so it was taken for a function that builds the model, and called
+        raise TypeError(f"model= got a {type(model).__name__} already built: give what builds it (its name, folder, "
+                        "Hugging Face id or config: model.config), or plan the Trainer built on it: "
+                        "cm.plan_trainer(trainer)")
     return architectures.resolve_model(model)
 
 

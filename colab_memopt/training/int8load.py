@@ -67,8 +67,16 @@ def load_int8(id_or_path: str | os.PathLike[str], *, dtype: torch.dtype | None =
     group_size = GROUP_SIZE if group_size is None else group_size
     folder = checkpoint_folder(id_or_path)
     config = transformers.AutoConfig.from_pretrained(folder)
-    with init_empty_weights(include_buffers=False):  # parameters on meta; buffers (rotary tables) computed
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    try:
+        with init_empty_weights(include_buffers=False):  # parameters on meta; buffers (rotary tables) computed
+            model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    except (MemoryError, RuntimeError) as exc:
+        # the rotary tables are the load's first allocations: with almost no host RAM left they fail first (probe 4:
+        # torch's "can't allocate memory" from transformers, before the room check below could say so)
+        if isinstance(exc, RuntimeError) and "can't allocate memory" not in str(exc):
+            raise
+        check_host_room(folder.name, dev, LOAD_INT8_OVERHEAD_BYTES)  # says how much is left, where that is the cause
+        raise
     model.tie_weights()  # under init_empty_weights from_config leaves a tied head untied
     from colab_memopt.techniques.int8train import int8_weight_bytes
 
