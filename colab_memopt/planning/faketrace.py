@@ -107,7 +107,7 @@ class _Trace:
     by_phase: dict[str, int]
     phase_categories: dict[str, dict[str, int]]
     activation_peak: int = 0
-    hidden_bytes: int = 0  # the largest buffer freed inside one op, unseen by the trace (math attention's scores)
+    hidden_bytes: int = 0  # the largest score tensor of an attention call run with SDPA's math kernel (0: none ran)
     # (phase, unit, op, bytes per category) after every op, where the tracker followed a stack's units (stack.py)
     timeline: list[tuple[int, int, Any, tuple[int, ...]]] | None = field(default=None, repr=False)
 

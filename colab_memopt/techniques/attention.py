@@ -185,14 +185,15 @@ _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "s
 
 
 class TargetAttention:
-    """Run each SDPA call with the kernel a CUDA target picks for it; record what math holds unseen.
+    """Run each SDPA call with the kernel a CUDA target picks for it; record the calls that run math.
 
     For calls that `expected_cuda_backend` sends to math on the target (grouped-query heads without a
     mask below sm_80, bf16 below sm_80, ...) the call runs under `sdpa_kernel(MATH)`, so the trace holds
-    the scores and softmax the math path keeps for backward. The math path also frees one score-sized
-    tensor inside a single op (`_safe_softmax`'s softmax before its -inf rows are zeroed), which
-    neither a fake-tensor trace nor a tensor tracker sees: `hidden_bytes` is the largest such buffer
-    (batch x heads x T x S, in fp32 for fp16/bf16 inputs, as math upcasts them), `math_calls` counts them.
+    the scores and softmax the math path keeps for backward. `hidden_bytes` is the largest math call's
+    score tensor (batch x heads x T x S, in fp32 for fp16/bf16 inputs, as math upcasts them), `math_calls`
+    counts the calls: a plan warns of them. What CUDA's kernels hold inside one op on that path (softmax's
+    backward's `grad * output`, `_safe_softmax`'s mask) the tracker counts where it lives
+    (`core.tracker.in_op_bytes`).
     """
 
     def __init__(self, capability: tuple[int, int], *, stand_in: dict[torch.dtype, torch.dtype] | None = None) -> None:
@@ -240,8 +241,8 @@ def traced_attention(
     capability): every call then runs the CPU's fused kernel. With a capability each call of
     `torch.nn.functional.scaled_dot_product_attention` (looked up at call time, as transformers and
     this package do; checkpointed recomputation included) picks its kernel by `TargetAttention`.
-    Yields that `TargetAttention` (None without a capability): its `hidden_bytes` are the plan's in-step
-    line. The SDPA flags, math's fp16/bf16 reduction flag and the function are restored afterwards.
+    Yields that `TargetAttention` (None without a capability): its `math_calls` and `hidden_bytes` say whether
+    and how big math ran. The SDPA flags, math's fp16/bf16 reduction flag and the function are restored afterwards.
 
     Example:
         >>> with traced_attention((7, 5)) as sdpa:
