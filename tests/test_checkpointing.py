@@ -340,3 +340,23 @@ def test_probe4_a_one_block_llama_is_checkpointed_and_offloaded_exactly():
     assert reports["full"][0].category_peaks["activations"] < reports["none"][0].category_peaks["activations"]
     with pytest.raises(ValueError, match="has no nn.ModuleList of repeated blocks"):  # a lone leaf list is not a stack
         ck.find_blocks(torch.nn.Sequential(torch.nn.ModuleList([torch.nn.Linear(2, 2)])))
+
+
+@pytest.mark.parametrize("policy, interval", [("offload", 64), ("every_n", 64)])
+def test_a_plan_says_a_checkpoint_interval_too_large_for_the_model_among_its_warnings(policy, interval):
+    """Probe 4 recheck: an interval covering every block (offload: no second level; every_n: nothing checkpointed)
+    was said on stderr only, by the build inside the plan's trace; the plan's warnings had nothing."""
+    import warnings
+
+    import colab_memopt as cm
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan = cm.plan("tiny", 2, seq_len=32, recipe={"checkpointing": policy, "checkpoint_interval": interval},
+                       target="t4", find_max_batch=False)
+    said = [w for w in plan.warnings if w.startswith(f"checkpoint_interval {interval} ")]
+    assert len(said) == 1 and ("no second level" if policy == "offload" else "none is checkpointed") in said[0]
+    assert not [w for w in caught if "checkpoint_interval" in str(w.message)]  # said once, in the plan
+    fine = cm.plan("tiny", 2, seq_len=32, recipe={"checkpointing": policy, "checkpoint_interval": 1}, target="t4",
+                   find_max_batch=False)
+    assert not [w for w in fine.warnings if w.startswith("checkpoint_interval")]

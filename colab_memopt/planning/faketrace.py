@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -347,7 +348,9 @@ class _Tracer:
                 _fake_safe_transformers(), _fake_safe_lomo(recipe), _fake_safe_low_state(recipe), _fake_safe_scalers(recipe), \
                 traced_attention(capability), _cuda_policy(self.cuda_autocast), first_rounds_traced():
             model = model_factory()
-            self.model, self.optimizer = recipe.build(model)
+            with warnings.catch_warnings():  # a checkpoint_interval too large for the model: in the plan's warnings
+                warnings.filterwarnings("ignore", message=r"checkpoint_interval \d+ (exceeds|covers)", category=RuntimeWarning)
+                self.model, self.optimizer = recipe.build(model)
             set_optimizer_impl(self.optimizer, optimizer_impl)
             self.batches = _FakeBatches(_vocab_size(self.model))
             # a stack's units (`units_of`: `stack.units_of`): each trace records its timeline, which the stack count

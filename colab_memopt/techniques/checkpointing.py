@@ -458,19 +458,28 @@ def apply_checkpointing(model: nn.Module, policy: str, interval: int = 1, *, kee
     return model
 
 
+def interval_pitfall(policy: str, interval: int, n_blocks: int) -> str | None:
+    """Return what a `checkpoint_interval` too large for a stack of `n_blocks` does under `policy` (None if fine):
+    `apply_checkpointing` warns with it, and a plan lists it among its warnings."""
+    if policy == "every_n" and interval > n_blocks:
+        return (f"checkpoint_interval {interval} exceeds the model's {n_blocks} blocks: 'every_n' checkpoints "
+                f"blocks {interval - 1}, {2 * interval - 1}, ..., so none is checkpointed and nothing is saved; "
+                f"use an interval <= {n_blocks}")
+    if policy == "offload" and 1 < n_blocks <= interval:
+        return (f"checkpoint_interval {interval} covers all of the model's {n_blocks} blocks: 'offload' makes "
+                f"one segment of them, so the host holds one input and the device every block's input, as "
+                f"checkpointing 'full' does, with a third forward of each block (no second level); use an "
+                f"interval < {n_blocks}")
+    return None
+
+
 def _apply_to_stack(blocks: nn.ModuleList, policy: str, interval: int, offloader: CheckpointOffloader | None,
                     first_kept: int = 0) -> None:
     """Apply `policy` to one stack of blocks (`apply_checkpointing` calls it for each); under 'offload' the blocks
     from index `first_kept` on keep their inputs on the device."""
-    if policy == "every_n" and interval > len(blocks):
-        warnings.warn(f"checkpoint_interval {interval} exceeds the model's {len(blocks)} blocks: 'every_n' checkpoints "
-                      f"blocks {interval - 1}, {2 * interval - 1}, ..., so none is checkpointed and nothing is saved; "
-                      f"use an interval <= {len(blocks)}", RuntimeWarning, stacklevel=3)
-    if policy == "offload" and 1 < len(blocks) <= interval:
-        warnings.warn(f"checkpoint_interval {interval} covers all of the model's {len(blocks)} blocks: 'offload' makes "
-                      f"one segment of them, so the host holds one input and the device every block's input, as "
-                      f"checkpointing 'full' does, with a third forward of each block (no second level); use an "
-                      f"interval < {len(blocks)}", RuntimeWarning, stacklevel=3)
+    pitfall = interval_pitfall(policy, interval, len(blocks))
+    if pitfall is not None:
+        warnings.warn(pitfall, RuntimeWarning, stacklevel=3)
     for block in blocks:
         setattr(block, _ORIGINAL, block.forward)
     if policy == "segments":
