@@ -15,8 +15,9 @@ What it adds to MemTracker:
   of the weights, kept for backward, are temporaries, not activations.
 
 With `in_op_buffers` (what a plan for a CUDA target counts), it also counts what some operations allocate and free
-inside themselves on CUDA, which no tensor tracker sees but the CUDA allocator does (`in_op_bytes`): the softmax
-kernels' contiguous copies of strided inputs, and `_safe_softmax`'s mask of the fully masked rows (SDPA's math kernel).
+inside themselves on CUDA, which no tensor tracker sees but the CUDA allocator does (`in_op_bytes`): softmax's backward
+`grad * output`, the softmax kernels' contiguous copies of strided inputs, and `_safe_softmax`'s mask of the fully
+masked rows (SDPA's math kernel).
 For that one moment those bytes are temporaries on top of everything live.
 
 With `units` (each repeated block's module and its unit's index: `planning.stack`), it also records the step's
@@ -31,7 +32,6 @@ after an error, which would make an emulated OOM leak; `LiveBytesMode` has no su
 from __future__ import annotations
 
 import contextlib
-import math
 import warnings
 import weakref
 from typing import Any
@@ -387,8 +387,8 @@ def in_op_bytes(func: Any, args: Any) -> int:
         grad, output = args[0], args[1]
         inside = _copy_bytes(output)
         if func is _SOFTMAX_BACKWARD_DATA and isinstance(grad, torch.Tensor) and isinstance(output, torch.Tensor):
-            itemsize = torch.empty((), dtype=torch.promote_types(grad.dtype, output.dtype), device="meta").element_size()
-            return inside + _cuda_rounded(grad.numel() * itemsize)  # tmp = grad * output, then contiguous
+            itemsize = torch.promote_types(grad.dtype, output.dtype).itemsize
+            return inside + _cuda_rounded(grad.numel() * itemsize)  # tmp = grad * output
         return inside + _copy_bytes(grad)
     if func in _SOFTMAX_FORWARD:
         x = args[0]
@@ -404,7 +404,7 @@ class _CudaRoundedInfo(_WeakRefInfo):
     """A storage record counted as the CUDA allocator would, whatever the storage's device."""
 
     def _calculate_mem_consumed(self) -> int:
-        return math.ceil(self.size * self.element_size / _CUDA_MIN_BLOCK) * _CUDA_MIN_BLOCK
+        return _cuda_rounded(self.size * self.element_size)
 
 
 def tensors_bytes(tensors: Any, *, cuda_rounding: bool = False) -> int:
@@ -416,14 +416,12 @@ def tensors_bytes(tensors: Any, *, cuda_rounding: bool = False) -> int:
             s = t.untyped_storage()
             storages[id(s)] = s  # kept alive while counting: ids stay unique
     sizes = [s.nbytes() for s in storages.values()]
-    return sum(math.ceil(n / _CUDA_MIN_BLOCK) * _CUDA_MIN_BLOCK if cuda_rounding else n for n in sizes)
+    return sum(_cuda_rounded(n) if cuda_rounding else n for n in sizes)
 
 
 def _storage_bytes(storage: torch.UntypedStorage, device: torch.device) -> int:
     nbytes = storage.nbytes()
-    if device.type == "cuda":
-        return math.ceil(nbytes / _CUDA_MIN_BLOCK) * _CUDA_MIN_BLOCK
-    return nbytes
+    return _cuda_rounded(nbytes) if device.type == "cuda" else nbytes
 
 
 class LiveBytesMode(TorchDispatchMode):

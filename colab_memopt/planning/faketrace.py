@@ -22,6 +22,7 @@ from torch import nn
 
 from colab_memopt.core.console import quiet
 from colab_memopt.techniques.attention import traced_attention
+from colab_memopt.techniques.checkpointing import INTERVAL_PITFALL_PATTERN
 from colab_memopt.techniques.loss import first_rounds_traced
 from colab_memopt.training.recipe import Recipe
 from colab_memopt.core.tracker import PHASES, TensorTracker
@@ -349,7 +350,7 @@ class _Tracer:
                 traced_attention(capability), _cuda_policy(self.cuda_autocast), first_rounds_traced():
             model = model_factory()
             with warnings.catch_warnings():  # a checkpoint_interval too large for the model: in the plan's warnings
-                warnings.filterwarnings("ignore", message=r"checkpoint_interval \d+ (exceeds|covers)", category=RuntimeWarning)
+                warnings.filterwarnings("ignore", message=INTERVAL_PITFALL_PATTERN, category=RuntimeWarning)
                 self.model, self.optimizer = recipe.build(model)
             set_optimizer_impl(self.optimizer, optimizer_impl)
             self.batches = _FakeBatches(_vocab_size(self.model))

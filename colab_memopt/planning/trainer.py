@@ -189,11 +189,11 @@ def plan_trainer(
     check_micro_batch(int(args.per_device_train_batch_size), seq, getattr(config, "hidden_size", None), tgt.device_bytes,
                       seq_name="seq_len" if seq_len is not None else "max_length", target_name=tgt.name)
     recipe, notes = trainer_recipe(args, lora, bnb)  # refuses a learning_rate that is no number, by name
-    if isinstance(args.learning_rate, str) and getattr(real_trainer, "optimizer", None) is None:
+    given_optimizer = getattr(real_trainer, "optimizer", None)
+    if isinstance(args.learning_rate, str) and given_optimizer is None:
         # TrainingArguments and SFTConfig keep '2e-4' as text; the Trainer's optimizer refuses it when training starts
         raise ValueError(f"learning_rate={args.learning_rate!r} is text: the Trainer keeps it so, and its optimizer "
                          f"refuses it when training starts; give a number: learning_rate={float(args.learning_rate):g}")
-    given_optimizer = getattr(real_trainer, "optimizer", None)
     warn = [n for n in notes if given_optimizer is None or not n.startswith("optim=")]  # each names the setting
     if given_optimizer is not None:
         recipe, line = _given_optimizer_recipe(recipe, given_optimizer, optim)
@@ -546,9 +546,7 @@ def _max_micro_batch(trainer: Any, args: Any, seq_len: int, tgt: Target, plan: P
         # traced as the plan's own step is: a padding-free (packing) collator's row as full rows, whose sizes are
         # known (its sequence starts come from `nonzero()`, a size no fake tensor knows)
         with _args_of(trainer, changed), _rows_kept(trainer, changed, []), _target_attention(tgt, args):
-            peak_bytes = _trace_step(trainer, changed, b, seq_len, cuda=tgt.cuda, mode=mode,
-                                     param_names=param_names)[0].peak_bytes
-        return peak_bytes
+            return _trace_step(trainer, changed, b, seq_len, cuda=tgt.cuda, mode=mode, param_names=param_names)[0].peak_bytes
 
     peaks: dict[int, int] = {micro: trace.peak_bytes}
 

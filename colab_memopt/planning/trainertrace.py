@@ -608,20 +608,11 @@ def _trl_tiles_first_rounds() -> Iterator[None]:
     except ImportError:  # no TRL, or a TRL without the fused head: nothing to trace faster
         yield
         return
-    from torch._guards import detect_fake_mode
-
-    from colab_memopt.techniques.loss import _TRACED
-
-    def traced_range(*args: int) -> range:
-        starts = range(*args)
-        rounds = getattr(_TRACED, "rounds", None)
-        if rounds is None or len(args) != 3 or args[0] != 0 or detect_fake_mode() is None:
-            return starts
-        return starts[:rounds]
+    from colab_memopt.techniques.loss import first_rounds_range
 
     had = "range" in vars(chunked_logprob)
     was = vars(chunked_logprob).get("range")
-    chunked_logprob.range = traced_range
+    chunked_logprob.range = first_rounds_range
     try:
         yield
     finally:

@@ -458,6 +458,10 @@ def apply_checkpointing(model: nn.Module, policy: str, interval: int = 1, *, kee
     return model
 
 
+# What every `interval_pitfall` text starts with (a plan, which says the pitfall itself, keeps the build's warning quiet).
+INTERVAL_PITFALL_PATTERN = r"checkpoint_interval \d+ (exceeds|covers)"
+
+
 def interval_pitfall(policy: str, interval: int, n_blocks: int) -> str | None:
     """Return what a `checkpoint_interval` too large for a stack of `n_blocks` does under `policy` (None if fine):
     `apply_checkpointing` warns with it, and a plan lists it among its warnings."""

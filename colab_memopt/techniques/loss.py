@@ -159,6 +159,18 @@ def chunk_starts(stop: int, step: int, tensor: torch.Tensor) -> range:
     return starts if rounds is None else starts[:rounds]
 
 
+def first_rounds_range(*args: int) -> range:
+    """Return range(*args): all of it, or its first rounds inside `first_rounds_traced` on this thread while a fake
+    mode is active; for a library's own loop over chunks that sees no tensor of ours (TRL's fused LM head)."""
+    from torch._guards import detect_fake_mode
+
+    starts = range(*args)
+    rounds = getattr(_TRACED, "rounds", None)
+    if rounds is None or len(args) != 3 or args[0] != 0 or detect_fake_mode() is None:
+        return starts
+    return starts[:rounds]
+
+
 class ChunkedCrossEntropy(torch.autograd.Function):
     """Cross-entropy of `hidden @ weight.T + bias` against `labels`, forward and gradients by chunks.
 
