@@ -298,7 +298,7 @@ def test_probe3_row_221_offload_keep_blocks_beyond_the_blocks_is_refused_before_
 
 
 def test_probe3_rows_403_409_recipe_settings_names_every_field_it_cannot_say():
-    from colab_memopt.planning.hfconfig import recipe_settings
+    from colab_memopt.planning.hfconfig import checkpointing_names, recipe_settings
 
     # weight_dtype, mlp_tile_tokens and optimizer_rank were dropped with an empty not_expressible
     cases = {
@@ -322,7 +322,7 @@ def test_probe3_rows_403_409_recipe_settings_names_every_field_it_cannot_say():
         for field_name in recipe.changed():
             back_field = field_name in ("optimizer", "lr", "precision", "base_dtype", "checkpointing", "lora_rank",
                                         "lora_targets", "quantization", "accumulation_steps")
-            kwargs = out["training_args"].get("gradient_checkpointing_kwargs") or {}
+            kwargs = out["training_args"].get(checkpointing_names()[1]) or {}
             back_field |= field_name == "checkpoint_interval" and kwargs.get("every_n_layers") == recipe.checkpoint_interval
             phase = field_name == "quantization_phase" and f"({recipe.quantization_phase})" in named
             assert back_field or phase or f"{field_name}=" in named, (field_name, out)

@@ -29,6 +29,7 @@ from trl import SFTConfig, SFTTrainer  # noqa: E402
 import colab_memopt as cm  # noqa: E402
 from colab_memopt import guard as cm_guard, hfconfig  # noqa: E402
 from colab_memopt import trainer as tr, trainerfit, trainertrace  # noqa: E402
+from colab_memopt.planning.hfconfig import checkpointing_names  # noqa: E402
 
 DIMS = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=128)
@@ -268,10 +269,39 @@ def test_a_recipe_reads_back_from_its_trainer_settings():
     back, _ = hfconfig.trainer_recipe(args, LoraConfig(**out["lora"]), BitsAndBytesConfig(**out["bnb"]))
     assert back == recipe
     selective = hfconfig.recipe_settings(recipe.with_(checkpointing="selective"), 16, 512)
-    assert selective["training_args"]["gradient_checkpointing"] is True
+    assert selective["training_args"][checkpointing_names()[0]] is True
     assert selective["not_expressible"] == [
-        "checkpointing='selective' (the Trainer recomputes whole layers, not parts of them: gradient_checkpointing=True "
-        "checkpoints every layer: slower, less memory)"]
+        f"checkpointing='selective' (the Trainer recomputes whole layers, not parts of them: {checkpointing_names()[0]}"
+        "=True checkpoints every layer: slower, less memory)"]
+
+
+def test_printed_settings_use_the_installed_transformers_names_for_checkpointing(monkeypatch):
+    """issue 46: transformers 5.2x renamed gradient_checkpointing* to activation_checkpointing* (the old names warn
+    and go in v6); older versions, as on Colab, know only the old names. Printed settings use the installed ones."""
+    import dataclasses
+
+    import transformers
+
+    names = {f.name for f in dataclasses.fields(transformers.TrainingArguments)}
+    expected = (("activation_checkpointing", "activation_checkpointing_kwargs") if "activation_checkpointing" in names
+                else ("gradient_checkpointing", "gradient_checkpointing_kwargs"))
+    assert checkpointing_names() == expected
+    out = hfconfig.recipe_settings(cm.Recipe(checkpointing="full"), 8, 512)["training_args"]
+    assert out[expected[0]] is True and out[expected[1]] == {"use_reentrant": False}
+    assert not {"gradient_checkpointing", "activation_checkpointing"} - {expected[0]} & set(out)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)  # the printed names are not the deprecated aliases
+        SFTConfig(output_dir="/tmp/x", use_cpu=True, report_to=[], **out)
+
+    @dataclasses.dataclass
+    class OlderTrainingArguments:  # transformers before the rename
+        gradient_checkpointing: bool = False
+        gradient_checkpointing_kwargs: dict | None = None
+
+    monkeypatch.setattr(transformers, "TrainingArguments", OlderTrainingArguments)
+    monkeypatch.setattr(hfconfig, "checkpointing_names", hfconfig.checkpointing_names.__wrapped__)
+    older = hfconfig.recipe_settings(cm.Recipe(checkpointing="full"), 8, 512)["training_args"]
+    assert older["gradient_checkpointing"] is True and "activation_checkpointing" not in older
 
 
 def test_a_recipe_that_checkpoints_every_other_layer_trains_so_through_the_installed_trainer():
@@ -282,9 +312,10 @@ def test_a_recipe_that_checkpoints_every_other_layer_trains_so_through_the_insta
     assert "every_n_layers" in hfconfig.trainer_checkpointing_keys()
     out = hfconfig.recipe_settings(cm.Recipe(checkpointing="every_n", checkpoint_interval=2), 2, 48)
     assert out["not_expressible"] == []
-    kwargs = out["training_args"]["gradient_checkpointing_kwargs"]
-    assert out["training_args"]["gradient_checkpointing"] is True and kwargs == {"use_reentrant": False, "every_n_layers": 2}
-    trainer = sft_trainer("llama", "adamw_torch", gradient_checkpointing=True, gradient_checkpointing_kwargs=kwargs)
+    on, kwargs_name = checkpointing_names()
+    kwargs = out["training_args"][kwargs_name]
+    assert out["training_args"][on] is True and kwargs == {"use_reentrant": False, "every_n_layers": 2}
+    trainer = sft_trainer("llama", "adamw_torch", **{on: True, kwargs_name: kwargs})  # as printed
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.train()
@@ -301,8 +332,8 @@ def test_a_trainer_without_every_n_layers_gets_full_checkpointing_and_a_note(mon
                          ("segments", "can hold more than planned"), ("offload", "can hold more than planned")):
         interval = 2 if policy in ("every_n", "segments") else 1
         out = hfconfig.recipe_settings(cm.Recipe(checkpointing=policy, checkpoint_interval=interval), 8, 512)
-        assert out["training_args"]["gradient_checkpointing"] is True, policy
-        assert out["training_args"]["gradient_checkpointing_kwargs"] == {"use_reentrant": False}, policy
+        assert out["training_args"][checkpointing_names()[0]] is True, policy
+        assert out["training_args"][checkpointing_names()[1]] == {"use_reentrant": False}, policy
         (note,) = out["not_expressible"]
         assert note.startswith(f"checkpointing={policy!r}") and note.endswith(f"checkpoints every layer: {says})"), note
     assert "checkpoint_interval=2" in hfconfig.recipe_settings(cm.Recipe(checkpointing="every_n", checkpoint_interval=2),
@@ -323,7 +354,7 @@ def test_the_checkpointing_keys_are_read_from_the_installed_code(monkeypatch):
     monkeypatch.setattr(transformers.PreTrainedModel, name, enable)
     assert read() == frozenset()
     out = hfconfig.recipe_settings(cm.Recipe(checkpointing="offload"), 8, 512)  # the cached read: offload where taken
-    assert out["training_args"]["gradient_checkpointing_kwargs"] == (
+    assert out["training_args"][checkpointing_names()[1]] == (
         {"use_reentrant": False, "offload": True} if "offload" in hfconfig.trainer_checkpointing_keys()
         else {"use_reentrant": False})
 

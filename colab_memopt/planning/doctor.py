@@ -262,6 +262,9 @@ def check_checkpointing_inputs(model: nn.Module) -> Finding | None:
     reentrant = _reentrant_checkpointing(model)
     if not reentrant or not _adapters(model) or _inputs_carry_grad(model):
         return None
+    from colab_memopt.planning.hfconfig import checkpointing_names
+
+    on, kwargs_name = checkpointing_names()  # the installed transformers' names
     return Finding(
         "checkpointing-frozen-inputs", "error",
         f"LoRA adapters with reentrant gradient checkpointing on {len(reentrant)} module(s), and the input embeddings "
@@ -269,7 +272,7 @@ def check_checkpointing_inputs(model: nn.Module) -> Finding | None:
         "reentrant checkpointing (use_reentrant=True) returns outputs without a gradient when none of a block's inputs "
         "requires one: the adapters inside get no gradient and do not train, often without an error (peft#137)",
         "call model.enable_input_require_grads() (or peft's prepare_model_for_kbit_training), or checkpoint with "
-        "use_reentrant=False: model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False}); "
+        f"use_reentrant=False: model.{on}_enable({kwargs_name}={{'use_reentrant': False}}); "
         "Recipe(checkpointing=...) already uses the non-reentrant one",
         {"modules": reentrant[:10]},
     )

@@ -427,10 +427,10 @@ def trainer_recipe(args: Any, lora: Any = None, bnb: Any = None) -> tuple[Recipe
         kwargs = args.gradient_checkpointing_kwargs or {}
         reentrant, source = checkpoint_use_reentrant(kwargs)
         if reentrant:
-            notes.append(f"use_reentrant=True ({source}): set gradient_checkpointing_kwargs={{'use_reentrant': False}}")
+            notes.append(f"use_reentrant=True ({source}): set {checkpointing_names()[1]}={{'use_reentrant': False}}")
         other = sorted(set(kwargs) - {"use_reentrant", "every_n_layers", "offload"})
         if other:
-            notes.append(f"gradient_checkpointing_kwargs {other}: planned as set")
+            notes.append(f"{checkpointing_names()[1]} {other}: planned as set")
     if getattr(args, "torch_compile", False):
         notes.append("torch_compile=True: the plan cannot model compiled kernels: it plans the eager step (compiled ones can hold less)")
     if getattr(args, "use_liger_kernel", False):
@@ -492,6 +492,23 @@ _RECIPE_TO_OPTIM = {"adamw": "adamw_torch", "adamw8bit": "adamw_8bit", "paged_ad
 
 
 @functools.lru_cache(maxsize=None)
+def checkpointing_names() -> tuple[str, str]:
+    """Return the names the installed transformers' TrainingArguments gives checkpointing and its keyword arguments.
+
+    transformers 5.2x renamed `gradient_checkpointing` / `gradient_checkpointing_kwargs` to `activation_checkpointing`
+    / `activation_checkpointing_kwargs` and keeps the old names as deprecated aliases (a FutureWarning, gone in v6);
+    older versions, as on Colab, know only the old ones. Read from its fields, not its version.
+    """
+    try:
+        from transformers import TrainingArguments
+    except ImportError:
+        return ("gradient_checkpointing", "gradient_checkpointing_kwargs")
+    if "activation_checkpointing" in {f.name for f in dataclasses.fields(TrainingArguments)}:
+        return ("activation_checkpointing", "activation_checkpointing_kwargs")
+    return ("gradient_checkpointing", "gradient_checkpointing_kwargs")
+
+
+@functools.lru_cache(maxsize=None)
 def trainer_checkpointing_keys() -> frozenset[str]:
     """Return the `gradient_checkpointing_kwargs` keys the installed transformers' Trainer takes for itself.
 
@@ -539,9 +556,10 @@ def _checkpointing_kwargs(rec: Recipe) -> tuple[dict[str, Any], str | None]:
            "segments": "the Trainer checkpoints layers, not segments of them",
            "offload": ("this transformers' Trainer keeps its checkpoints on the GPU" if "offload" not in keys
                        else "the Trainer offloads every layer's checkpoint or none")}[policy]
+    every_layer = f"{checkpointing_names()[0]}=True checkpoints every layer"
     if policy in ("every_n", "selective"):  # every layer checkpointed whole: less memory than planned
-        return kwargs, f"{planned} ({why}: gradient_checkpointing=True checkpoints every layer: slower, less memory)"
-    return kwargs, f"{planned} ({why}: gradient_checkpointing=True checkpoints every layer: can hold more than planned)"
+        return kwargs, f"{planned} ({why}: {every_layer}: slower, less memory)"
+    return kwargs, f"{planned} ({why}: {every_layer}: can hold more than planned)"
 
 
 def recipe_settings(recipe: Recipe | dict[str, Any], batch: int, seq_len: int) -> dict[str, Any]:
@@ -550,8 +568,9 @@ def recipe_settings(recipe: Recipe | dict[str, Any], batch: int, seq_len: int) -
     {'training_args': SFTConfig / TrainingArguments fields, 'lora': LoraConfig fields or None,
     'bnb': BitsAndBytesConfig fields or None, 'not_expressible': the recipe fields they cannot say, 'install': the
     pip lines for the packages the recipe's optimizer needs (BAdam, GaLore, APOLLO, torchao, LOMO), else []}.
-    A recipe that checkpoints always gets `gradient_checkpointing=True`: every n-th layer and offloaded
-    checkpoints go in `gradient_checkpointing_kwargs` where the installed Trainer takes them
+    A recipe that checkpoints always gets `gradient_checkpointing=True` (or `activation_checkpointing=True`: the
+    installed transformers' name, `checkpointing_names`): every n-th layer and offloaded checkpoints go in its
+    keyword arguments where the installed Trainer takes them
     (`trainer_checkpointing_keys`); otherwise the note says what checkpointing every layer changes.
     """
     rec = recipe if isinstance(recipe, Recipe) else Recipe.from_dict(dict(recipe))
@@ -597,7 +616,8 @@ def recipe_settings(recipe: Recipe | dict[str, Any], batch: int, seq_len: int) -
         args["model_init_kwargs"] = {"dtype": "float16" if rec.base_dtype == "fp16" else "bfloat16"}
     if rec.checkpointing != "none":
         kwargs, note = _checkpointing_kwargs(rec)
-        args.update(gradient_checkpointing=True, gradient_checkpointing_kwargs=kwargs)
+        on, kwargs_name = checkpointing_names()
+        args.update({on: True, kwargs_name: kwargs})
         if note:
             missing.append(note)
     lora = None

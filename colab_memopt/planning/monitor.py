@@ -509,6 +509,7 @@ class MemoryMonitor:
             "precision": (lambda v: v not in (None, "fp32"), "16-bit activations under autocast (2 bytes per value "
                           "instead of 4 where autocast runs in 16-bit); 16-bit weights and their state with 'bf16'/'fp16'"),
             "gradient_checkpointing": (bool, _CHECKPOINTING_SAVES),
+            "activation_checkpointing": (bool, _CHECKPOINTING_SAVES),  # transformers 5.2x's name for it
             # Recipe.checkpointing is a policy name: 'none' is off (bool('none') would say on)
             "checkpointing": (lambda v: v not in (None, False, "none"), _CHECKPOINTING_SAVES),
             "gradient_accumulation_steps": (lambda v: bool(v) and v > 1, "activations of one micro-batch instead of the whole batch"),

@@ -19,7 +19,7 @@ import torch
 
 from colab_memopt.planning.prediction import Plan
 from colab_memopt.planning.targets import DEFAULT_HEADROOM, Target
-from colab_memopt.planning.hfconfig import trainer_recipe
+from colab_memopt.planning.hfconfig import checkpointing_names, trainer_recipe
 from colab_memopt.core.console import quiet_unless_verbose
 from colab_memopt.core.isolation import isolated
 from colab_memopt.core.progress import say, shows_progress
@@ -314,8 +314,8 @@ def _dimensions(args: Any, tgt: Target, trainer: Any = None, *, lora: Any = None
         level = load_dtype(half)  # bf16 only (a T4's fp16 weights cannot be trained under the GradScaler)
         dims.append(([_Level(), _Level(level.args + (("bf16", True), ("fp16", False)), level.load, 2.0)], True))
     if not args.gradient_checkpointing and not (trainer is not None and _checkpointing_on(trainer.model)):
-        dims.append(([_Level(), _Level((("gradient_checkpointing", True),
-                                        ("gradient_checkpointing_kwargs", {"use_reentrant": False})), cost=1.0)], True))
+        on, kwargs_name = checkpointing_names()  # the installed transformers' names
+        dims.append(([_Level(), _Level(((on, True), (kwargs_name, {"use_reentrant": False})), cost=1.0)], True))
     optim = str(getattr(args.optim, "value", args.optim))
     own = getattr(trainer, "optimizer", None) is not None  # optimizers=(opt, None): the Trainer ignores optim
     if optim in _FULL_ADAM and not own and lora is None:  # LoRA's optimizer state is small: swaps save little
