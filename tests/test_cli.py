@@ -176,6 +176,10 @@ def _plan_file(tmp_path, llama_dir, text, capsys, *extra):
     # exit 3: MemoryError from the planner's one-row dataset
     ("max_length: 64\nper_device_train_batch_size: 2\n", ("--seq", "1000000000000"),
      "--seq=1,000,000,000,000 at per_device_train_batch_size=2: the micro-batch's token ids alone"),
+    # no answer in 200 s (probe 4 recheck): the planner's fake Trainer mapped and collated a row of 50M tokens
+    ("max_length: 64\nper_device_train_batch_size: 2\n", ("--seq", "50000000"),
+     "per_device_train_batch_size=2 at seq_len=50,000,000: the embedding's output and the first block's normalized "
+     "copy of it alone (2 x 2 x 50,000,000 x 64 values, 2 bytes each at the least) need 23.84 GiB"),
     # exit 3: OverflowError: cannot fit 'int' into an index-sized integer
     ("max_length: 1000000000000000000000000000000\n", (), "max_length=1,000,000,000,000,000,000,000,000,000,000 at"),
     # planned at 64 without a word

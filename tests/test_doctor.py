@@ -338,3 +338,23 @@ def test_sft_settings_that_do_not_fit_get_fit_trainer_as_the_fix():
     assert finding.fix.startswith("cm.fit_trainer(args, model=..., lora=..., bnb=...)") and "fit.apply(args)" in finding.fix
     assert finding.details["need_bytes"] == found.plan.device_need_bytes > 64 * 2**20 and not found.ok
     assert "at batch 2 x 48 tokens" in finding.found
+
+
+def test_probe4_a_checkpoint_interval_too_large_for_the_model_is_a_finding(tmp_path):
+    """probe 4: doctor said "no pitfall found" for checkpointing='every_n' with checkpoint_interval 64 on a 2-block
+    model (no block checkpointed, nothing saved), which the plan of the same run warns about."""
+    small_config("llama").save_pretrained(tmp_path)  # 2 blocks
+    too_large = cm.Recipe(checkpointing="every_n", checkpoint_interval=64)
+    found = doctor(str(tmp_path), recipe=too_large, target="t4", seq_len=32)
+    assert found.codes == ["checkpoint-interval"], str(found)
+    (finding,) = found.findings
+    assert finding.severity == "warning" and finding.found == "checkpoint_interval 64 exceeds the model's 2 blocks"
+    assert "nothing is saved" in finding.why and finding.fix.startswith("use an interval <= 2")
+    plan = cm.plan(str(tmp_path), 1, seq_len=32, recipe=too_large, target="t4")
+    assert any(finding.found in w for w in plan.warnings)  # the plan's words
+    assert "checkpoint-interval" not in doctor(str(tmp_path), recipe=too_large.with_(checkpoint_interval=2),
+                                                target="t4", seq_len=32)
+    offload = cm.Recipe(checkpointing="offload", checkpoint_interval=2)  # one segment of both blocks
+    built, opt = offload.with_(checkpoint_interval=1).build(_hf_model())
+    checked = doctor(built, opt, offload, target="t4", seq_len=32, probe=False)
+    assert "checkpoint-interval" in checked and "covers all of the model's 2 blocks" in str(checked)

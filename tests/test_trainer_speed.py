@@ -107,9 +107,10 @@ def test_an_absurd_per_device_batch_is_refused_with_the_limit_before_anything_is
     wide = LlamaConfig(**{**DIMS, "hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8,
                           "max_position_embeddings": 2048})
     limit = cm.planner.get_target("t4").device_bytes
-    most = limit // (2 * 1024 * 4096)
+    most = limit // (4 * 1024 * 4096)  # two hidden states of 2 bytes a value
     with pytest.raises(ValueError, match=rf"per_device_train_batch_size=100,000 at max_length=1,024: the embedding's "
-                                         rf"output alone .* at most {most:,} sequences of 1,024 tokens"):
+                                         rf"output and the first block's normalized copy of it alone .* "
+                                         rf"per_device_train_batch_size={most:,} at most at this length"):
         cm.plan_trainer(sft_args(per_device_train_batch_size=100_000, max_length=1024), model=wide, target="t4")
     monkeypatch.undo()
     at_most = cm.plan_trainer(sft_args(per_device_train_batch_size=1, max_length=1024), model=wide, target="t4")

@@ -13,6 +13,8 @@ what was found, why it matters and the fix, printed readably. The codes:
     adapters-not-training        after one step, an adapter without a gradient
     does-not-fit                 the plan (cm.plan's, or cm.plan_trainer's for Trainer settings) does not
                                  fit the target; the fix names the recommender or fit_trainer
+    checkpoint-interval          a checkpoint_interval too large for the model's blocks: 'every_n'
+                                 checkpoints none, 'offload' has no second level
     host-ram-load                host RAM (a 4-bit load: also the GPU) too small for loading the weights,
                                  from the checkpoint's files or hub headers (else assumed: a warning only);
                                  Colab kills the runtime while the model loads (int8 weights: cm.load_int8)
@@ -54,7 +56,7 @@ from colab_memopt.core.console import quiet, quiet_unless_verbose
 CODES = (
     "bf16-not-native", "fp16-trainable-params", "checkpointing-frozen-inputs", "adapters-not-training",
     "bf16-trainable-under-fp16",
-    "does-not-fit", "host-ram-load", "qlora-small-saving", "deepspeed-op-build",
+    "does-not-fit", "checkpoint-interval", "host-ram-load", "qlora-small-saving", "deepspeed-op-build",
 )
 SEVERITIES = ("error", "warning", "info")
 # Compute capability of each named target's GPU (NVIDIA's CUDA GPUs table): native bf16 from (8, 0) on.
@@ -345,6 +347,35 @@ def _spec(model: Any) -> Any:
     return resolve_model(model)
 
 
+def check_checkpoint_interval(recipe: Recipe, module: nn.Module | None, planned: Any) -> Finding | None:
+    """checkpoint-interval: a `checkpoint_interval` too large for the model's blocks ('every_n' checkpoints none of
+    them; 'offload' makes one segment of all, with no second level). The plan's own warning where there is a plan,
+    else the built model's blocks counted."""
+    import re
+
+    from colab_memopt.techniques.checkpointing import INTERVAL_PITFALL_PATTERN, find_blocks, interval_pitfall
+
+    if recipe.checkpointing not in ("every_n", "offload"):
+        return None
+    text = next((w for w in getattr(planned, "warnings", None) or [] if re.search(INTERVAL_PITFALL_PATTERN, w)), None)
+    n_blocks = None
+    if module is not None:
+        try:
+            n_blocks = len(find_blocks(module))
+        except ValueError:  # no stack of blocks: apply_checkpointing refuses such a model itself
+            pass
+    if text is None and n_blocks:
+        text = interval_pitfall(recipe.checkpointing, recipe.checkpoint_interval, n_blocks)
+    if text is None:
+        return None
+    found, _, why = text.partition(": ")
+    why, _, fix = why.rpartition("; ")
+    return Finding("checkpoint-interval", "warning", found, why,
+                   f"{fix} (the recipe's checkpoint_interval)",
+                   {"policy": recipe.checkpointing, "checkpoint_interval": recipe.checkpoint_interval,
+                    "blocks": n_blocks})
+
+
 def check_fit(spec: Any, recipe: Recipe, batch: int, seq_len: int, tgt: Target, method: str,
               headroom: float = DEFAULT_HEADROOM, *, model: Any = None) -> tuple[Finding | None, Any]:
     """does-not-fit: the planner's verdict, the same plan as `cm.plan(model, batch, ...)` (`model`: what the user
@@ -564,6 +595,7 @@ _CHECK_WORDS = {
     "checkpointing-frozen-inputs": "checkpointing with frozen inputs",
     "adapters-not-training": "the adapters train (one probe step)",
     "does-not-fit": "the step fits (a plan of it)",
+    "checkpoint-interval": "the checkpointing interval suits the model",
     "host-ram-load": "loading fits in host RAM",
     "qlora-small-saving": "what 4-bit weights save",
     "deepspeed-op-build": "DeepSpeed's ops are built",
@@ -687,6 +719,7 @@ def doctor(
         no_trace = rec.untraceable_reason
         fitted = run("does-not-fit", check_fit, spec, rec, batch, seq_len, tgt, "analytic" if no_trace else method, headroom,
             needs=no_spec, model=model if isinstance(model, str) else None)
+    run("checkpoint-interval", check_checkpoint_interval, rec, module, fitted[1] if fitted is not None else None)
     run("host-ram-load", check_host_load, spec, rec, tgt, capability, headroom,
         needs=no_spec or (None if spec.config is not None else "the reference model is built, not loaded"))
     run("qlora-small-saving", check_qlora_saving, spec, rec, batch, seq_len, tgt, needs=no_spec)

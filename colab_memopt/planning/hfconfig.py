@@ -373,20 +373,25 @@ def check_tokens(seq_len: Any, batch: Any, host_bytes: int, *, seq_name: str = "
 
 def check_micro_batch(batch: int, seq_len: int, hidden: Any, device_bytes: int, *, seq_name: str = "max_length",
                       target_name: str = "the target") -> None:
-    """Refuse a micro-batch whose embedding output alone (batch x seq_len x hidden values, 2 bytes each at the least:
-    16-bit) is more than the target's whole device memory: no step of it can run, and tracing it would only build a
-    batch of that many rows first. `hidden` None (unknown) refuses nothing."""
+    """Refuse a micro-batch whose first two hidden states alone are more than the target's whole device memory: the
+    embedding's output and the first block's normalized copy of it (a decoder normalizes before each block, and both
+    are alive while it runs, whatever is checkpointed or offloaded), each batch x seq_len x hidden values of 2 bytes at
+    the least (16-bit). No step of it can run, and tracing it would first build, map and collate rows of that many
+    tokens (minutes at tens of millions). `hidden` None (unknown) refuses nothing."""
     from colab_memopt.core.measure import format_bytes
 
     if not isinstance(hidden, int) or hidden < 1:
         return
-    need = 2 * batch * seq_len * hidden
+    need = 2 * 2 * batch * seq_len * hidden
     if need > device_bytes:
-        most = device_bytes // (2 * seq_len * hidden)
-        raise ValueError(f"per_device_train_batch_size={batch:,} at {seq_name}={seq_len:,}: the embedding's output alone "
-                         f"({batch:,} x {seq_len:,} x {hidden:,} values, 2 bytes each at the least) needs "
-                         f"{format_bytes(need)}, more than {target_name}'s {format_bytes(device_bytes)} of device memory, "
-                         f"so no step of it can run; at most {most:,} sequences of {seq_len:,} tokens")
+        most_rows = device_bytes // (4 * seq_len * hidden)
+        most_tokens = device_bytes // (4 * batch * hidden)
+        raise ValueError(f"per_device_train_batch_size={batch:,} at {seq_name}={seq_len:,}: the embedding's output and "
+                         f"the first block's normalized copy of it alone (2 x {batch:,} x {seq_len:,} x {hidden:,} "
+                         f"values, 2 bytes each at the least) need {format_bytes(need)}, more than {target_name}'s "
+                         f"{format_bytes(device_bytes)} of device memory, so no step of it can run; "
+                         + (f"per_device_train_batch_size={most_rows:,} at most at this length, or " if most_rows else "")
+                         + f"{seq_name}={most_tokens:,} at most at this batch")
 
 
 def whole_setting(name: str, value: Any) -> int:
