@@ -357,6 +357,11 @@ def learning_rate(value: Any) -> float:
     return float(value)
 
 
+def packed_rows_note(setting: str) -> str:
+    """Return the plan's one line for packed or padding-free rows (`setting`: 'packing=True', 'padding_free=True')."""
+    return f"{setting}: planned as full rows of max_length (the same tokens); the packed row's attention is not traced"
+
+
 def check_tokens(seq_len: Any, batch: Any, host_bytes: int, *, seq_name: str = "max_length",
                  target_name: str = "the target") -> None:
     """Refuse a micro-batch whose token ids alone (int64, as the Trainer's collator builds them in host RAM before
@@ -443,7 +448,7 @@ def trainer_recipe(args: Any, lora: Any = None, bnb: Any = None) -> tuple[Recipe
     if getattr(args, "label_smoothing_factor", 0):
         notes.append(f"label_smoothing_factor={args.label_smoothing_factor}: the full logits are built (traced)")
     if getattr(args, "packing", False):
-        notes.append("packing=True: the plan cannot model packed rows: every row is planned full at max_length")
+        notes.append(packed_rows_note("packing=True"))
     if lora is not None and not (hasattr(lora, "r") and hasattr(lora, "lora_dropout")):
         kind = str(getattr(getattr(lora, "peft_type", None), "value", "") or type(lora).__name__)
         notes.append(f"peft {kind} ({type(lora).__name__}): planned as peft builds it (no step-time figure for it)")

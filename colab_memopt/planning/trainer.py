@@ -316,6 +316,7 @@ def plan_trainer(
                 device_costs.append(Cost("quantization scales", scales,
                                          "bitsandbytes' absmax and row scales kept beside the quantized weights (outside the "
                                          "parameters, which the trace counts)", in_allocator=True))
+        warn = list(dict.fromkeys(warn))  # each trace (two depths for a stack) says its findings once
         result = Plan(
             model=name, batch=batch, seq_len=seq, recipe=recipe.to_dict(), target=tgt, method="trace",
             peak_bytes=trace.peak_bytes, by_category=trace.by_category, by_phase=trace.by_phase,

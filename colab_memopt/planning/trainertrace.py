@@ -26,7 +26,7 @@ from colab_memopt.planning.cudapaths import as_on_cuda, cuda_path_note, forward_
 from colab_memopt.planning.faketrace import _Trace, _fake_safe_module_to, _fake_safe_transformers
 from colab_memopt.planning.quantized import _fake_safe_bitsandbytes
 from colab_memopt.planning.targets import Target
-from colab_memopt.planning.hfconfig import OPTIM_TO_RECIPE
+from colab_memopt.planning.hfconfig import OPTIM_TO_RECIPE, packed_rows_note
 from colab_memopt.training.recipe import Recipe
 from colab_memopt.core.tracker import PHASES, TensorTracker, tensors_bytes
 
@@ -718,8 +718,7 @@ def _rows_kept(trainer: Any, args: Any, notes: list[str]) -> Iterator[None]:
         yield
         return
     setting = "packing=True" if getattr(args, "packing", False) else "padding_free=True"
-    notes.append(f"{setting}: planned as full rows of max_length (the same tokens); the packed row's attention "
-                 "is not traced")
+    notes.append(packed_rows_note(setting))
     collator.padding_free = False
     try:
         yield
