@@ -36,7 +36,9 @@ SMALL_BUFFER = 2 << 20  # kSmallBuffer: a small pool segment
 LARGE_BUFFER = 20 << 20  # kLargeBuffer: a segment for requests of 1-10 MiB
 MIN_LARGE_ALLOC = 10 << 20  # kMinLargeAlloc
 ROUND_LARGE = 2 << 20  # kRoundLarge
-REPLAY = Path(__file__).parent / "results" / "cuda" / "h200-emulating-t4-2026-11-28-run3" / "allocator_replay.json.gz"
+RUN3 = Path(__file__).parent / "results" / "cuda" / "h200-emulating-t4-2026-11-28-run3"
+REPLAY = RUN3 / "allocator_replay.json.gz"  # the measured step alone
+HISTORY = RUN3 / "allocator_history.json.gz"  # from before the model's load to the end of the measured step
 
 
 def round_size(nbytes: int) -> int:
@@ -146,7 +148,7 @@ class CachingAllocator:
 def replay(case: dict[str, Any]) -> dict[str, Any]:
     """Place every allocation of a recorded step with the model, from the blocks held at its start."""
     model = CachingAllocator()
-    for segment in case["start"]:
+    for segment in case.get("history_start") or case["start"]:  # a --history record starts before the load
         model.adopt_segment(segment["blocks"], segment["segment_type"] == "small")
     new_segments = [e for e in case["events"] if e[0] == "segment_alloc"]
     allocs = same_address = 0
@@ -163,6 +165,28 @@ def replay(case: dict[str, Any]) -> dict[str, Any]:
             "segments_made": {"model": model.segment_sizes, "cuda": [e[2] for e in new_segments]},
             "peak_allocated": {"model": model.peak_allocated, "cuda": real["allocated_bytes.all.peak"]},
             "peak_requested": {"model": model.peak_requested, "cuda": real["requested_bytes.all.peak"]}}
+
+
+def whole_blocks_by_step(case: dict[str, Any]) -> dict[int, int]:
+    """In a --history record: the whole-block bytes (allocated less requested, rounded) held as each step begins."""
+    model = CachingAllocator()
+    for segment in case["history_start"]:
+        model.adopt_segment(segment["blocks"], segment["segment_type"] == "small")
+    new_segments = [e for e in case["events"] if e[0] == "segment_alloc"]
+    found = {}
+    for action, addr, nbytes, _stream in case["events"]:
+        if action == "alloc" and STEP_MARK < nbytes <= STEP_MARK + 8 and nbytes - STEP_MARK not in found:
+            live = [b for b in model.blocks.values() if not b.free]
+            found[nbytes - STEP_MARK] = sum(b.size - round_size(b.requested) for b in live)
+        if action == "alloc":
+            made = len(model.segment_sizes)
+            model.malloc(nbytes, new_segments[made][1] if made < len(new_segments) else None)
+        elif action == "free_completed":
+            model.free(addr)
+    return found
+
+
+STEP_MARK = 1000  # cuda_allocator_replay.py --history: an allocation of STEP_MARK + n bytes marks step n's start
 
 
 def persistent_only(case: dict[str, Any]) -> dict[str, Any]:
@@ -182,6 +206,7 @@ def persistent_only(case: dict[str, Any]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--replay", default=str(REPLAY))
+    parser.add_argument("--history", default=str(HISTORY))
     parser.add_argument("--out", default="build/allocator_model.json")
     args = parser.parse_args(argv)
     with gzip.open(args.replay, "rt") as f:
@@ -199,6 +224,16 @@ def main(argv: list[str] | None = None) -> int:
               f"allocated peak {r['peak_allocated']['model']:,d} (CUDA {r['peak_allocated']['cuda']:,d}); "
               f"whole blocks at the start {p['cuda_whole_block_bytes_at_start']:,d} B, "
               f"from the sizes alone {p['model_from_the_sizes_alone']:,d} B")
+    with gzip.open(args.history, "rt") as f:
+        histories = json.load(f)
+    results["histories"] = {}
+    for case in histories["cases"]:
+        r = replay(case)
+        r["whole_block_bytes_at_step_start"] = whole_blocks_by_step(case)
+        results["histories"][case["klass"]] = r
+        exact &= r["same_address"] == r["allocations"] and r["peak_allocated"]["model"] == r["peak_allocated"]["cuda"]
+        print(f"{case['klass']}, from before its load: {r['same_address']:,d} of {r['allocations']:,d} allocations at "
+              f"CUDA's address; whole-block bytes as each step begins: {r['whole_block_bytes_at_step_start']}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1) + "\n")

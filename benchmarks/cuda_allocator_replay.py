@@ -12,7 +12,9 @@ tests/gpu/test_trainer_classes_cuda.py:
 Per case: the segments and blocks at the start of the measured step (address, size, requested size, state), the
 step's allocator events (action, address, size, stream), the allocated and requested peaks and currents from
 `torch.cuda.memory_stats`, and the segments and blocks at its end (for checking a replay). Under `CM_EMULATE=t4` (the
-default here) the GPU is capped and configured as `env.apply_emulation` does.
+default here) the GPU is capped and configured as `env.apply_emulation` does. With `--history` the events start
+before the model's load instead (`history_start`: the blocks held then), and an allocation of STEP_MARK + n bytes,
+freed at once, marks where step n begins.
 """
 
 from __future__ import annotations
@@ -48,7 +50,10 @@ def _stats() -> dict[str, int]:
                               "num_alloc_retries")}
 
 
-def run_case(klass: str, folder: str, out_dir: str) -> dict[str, Any]:
+STEP_MARK = 1000  # --history: an allocation of STEP_MARK + n bytes (freed at once) marks where step n begins
+
+
+def run_case(klass: str, folder: str, out_dir: str, history: bool = False) -> dict[str, Any]:
     from test_trainer_classes_cuda import (
         MAX_STEPS,
         SEQ,
@@ -73,6 +78,10 @@ def run_case(klass: str, folder: str, out_dir: str) -> dict[str, Any]:
     gc.collect()
     torch.cuda.empty_cache()
     baseline = _stats()
+    seen: dict[str, Any] = {}
+    if history:  # from before the load: every block the run makes, loading and each step, in order
+        seen.update(history_start=_segments(torch.cuda.memory._snapshot()))
+        torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python", max_entries=2_000_000)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=s["dtype"], quantization_config=s["bnb"],
@@ -84,19 +93,21 @@ def run_case(klass: str, folder: str, out_dir: str) -> dict[str, Any]:
             from peft import get_peft_model
             model = get_peft_model(model, s["lora"])
     rows = [{"input_ids": torch.ones(SEQ, dtype=torch.long), "labels": torch.ones(SEQ, dtype=torch.long)}] * 4
-    seen: dict[str, Any] = {}
 
     class Record(TrainerCallback):
         trainer: Any = None
 
         def on_step_begin(self, args, state, control, **kw):
+            if history and "step" not in seen:
+                torch.empty(STEP_MARK + state.global_step + 1, dtype=torch.uint8, device="cuda")  # freed at once
             if "step" not in seen and len(self.trainer.optimizer.state) > 0:
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
                 seen.update(step=state.global_step + 1, start_stats=_stats(),
                             start=_segments(torch.cuda.memory._snapshot()))
-                torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python",
-                                                         max_entries=1_000_000)
+                if not history:
+                    torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python",
+                                                             max_entries=1_000_000)
 
         def on_step_end(self, args, state, control, **kw):
             if "step" in seen and "end" not in seen:
@@ -128,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="build/gpu/allocator_replay.json.gz")
     parser.add_argument("--cases", nargs="+", default=["full", "lora_fp16_ckpt"])
+    parser.add_argument("--history", action="store_true",
+                        help="record from before the model's load (its blocks, then each step's, marked)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("cuda_allocator_replay: no CUDA GPU here; nothing measured")
@@ -144,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     cases = []
     for klass in args.cases:
         t0 = time.perf_counter()
-        case = run_case(klass, str(folder), str(folder / f"out_{klass}"))
+        case = run_case(klass, str(folder), str(folder / f"out_{klass}"), args.history)
         case["seconds"] = round(time.perf_counter() - t0, 1)
         peak = case["end_stats"]["allocated_bytes.all.peak"] - case["baseline"]["allocated_bytes.all.current"]
         print(f"{klass}: step {case['step']}, {len(case['events']):,d} events, allocated peak {peak:,d}, "

@@ -32,6 +32,18 @@ def test_every_recorded_allocation_lands_where_cuda_put_it_and_the_peaks_match(r
         assert r["peak_requested"]["model"] == r["peak_requested"]["cuda"], case["klass"]
 
 
+def test_a_whole_run_from_before_its_load_replays_as_cuda_ran_it_and_the_first_update_makes_the_whole_blocks():
+    with gzip.open(model.HISTORY, "rt") as f:
+        histories = {c["klass"]: c for c in json.load(f)["cases"]}
+    for klass, case in histories.items():
+        r = model.replay(case)
+        assert r["allocations"] > 20000 and r["same_address"] == r["allocations"], klass
+        assert r["peak_allocated"]["model"] == r["peak_allocated"]["cuda"], klass
+    # full fine-tuning: steps 1 and 2 skipped their update (fp16 overflow); step 3's update made AdamW's state
+    by_step = model.whole_blocks_by_step(histories["full"])
+    assert by_step[1] == by_step[2] == by_step[3] < 2**20 and by_step[4] > 70 * 2**20, by_step
+
+
 def test_a_rest_of_one_mib_or_less_is_handed_out_with_a_large_block_and_counted():
     a = model.CachingAllocator()
     first = a.malloc(9 * 2**20)  # a 20 MiB segment: the rest (11 MiB) is split off
