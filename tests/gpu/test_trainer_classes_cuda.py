@@ -13,6 +13,9 @@ What the GPU said (benchmarks/results/cuda/h200-emulating-t4-2026-11-28-run2/FIN
 were over-planned by the math-attention line, a 31.5 MB buffer added at the peak though CUDA holds it inside
 softmax's backward, far from the peak (now counted where it lives: `tracker.in_op_bytes`); full fine-tuning's
 allocated peak holds 1.3% more than the bytes requested (the allocator's block rounding), which no plan counts.
+Run 3 (h200-emulating-t4-2026-11-28-run3/README.md): the checkpointed classes pass; full fine-tuning is +0.18% of the
+requested peak and -1.25% of the allocated one. Its 76 MB of whole blocks appear at the first real update, when
+AdamW's state lands on the blocks the step left free (benchmarks/cuda_allocator_model.py replays the run exactly).
 
 Why not simply the second step: fp16's GradScaler skips the update of a step whose gradients overflow, and AdamW makes
 its state at its first update. On 2026-11-28 (an NVIDIA H200 emulating a T4) the full class's second step peaked at
