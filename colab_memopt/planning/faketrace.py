@@ -201,13 +201,17 @@ def _fake_safe_low_state(recipe: Recipe) -> Iterator[None]:
 def _fake_safe_transformers() -> Iterator[None]:
     """Let transformers choose the attention mask it chooses on real data, for the duration.
 
-    Without a KV cache (training with checkpointing, `use_cache=False`), transformers reads the position
-    ids to detect packed sequences; on fake tensors it cannot read them and assumes packing: it then
-    builds a (B, 1, T, T) mask, which turns off SDPA's causal kernel and its grouped-query attention
-    (keys and values repeated per head). The planner's batches are contiguous windows, never packed,
-    so here the detection answers "not packed", as it does on the real batch: without this, full
-    checkpointing at 1024 tokens was over-predicted by up to 50% on GQA models (llama, qwen2, mistral,
-    phi3, gpt_neox; tests/test_architectures.py checks it).
+    - Packing: without a KV cache (training with checkpointing, `use_cache=False`), transformers reads the position
+      ids to detect packed sequences; on fake tensors it cannot read them and assumes packing: it then builds a
+      (B, 1, T, T) mask, which turns off SDPA's causal kernel and its grouped-query attention (keys and values
+      repeated per head). The planner's batches are contiguous windows, never packed, so here the detection answers
+      "not packed", as it does on the real batch: without this, full checkpointing at 1024 tokens was over-predicted
+      by up to 50% on GQA models (llama, qwen2, mistral, phi3, gpt_neox; tests/test_architectures.py checks it).
+    - Padding: given an attention mask, SDPA's mask is skipped (`is_causal=True`, no mask) where no token is padded;
+      transformers reads that from the mask's values, and on a fake tensor it does not read them and builds the
+      (B, 1, T, T) mask (`masking_utils._ignore_causal_mask_sdpa`'s `is_tracing`). The planner's rows are full
+      (every mask value 1), so here the skip is decided as on those values. Without this, an 8B QLoRA SFTTrainer
+      plan at 40,960 tokens held a 1.68 GB bool mask and SDPA's 3.36 GB fp16 copy of it that the run never makes.
     """
     try:
         with quiet():  # transformers' submodule imports torch's and torchao's notes with it
@@ -215,15 +219,28 @@ def _fake_safe_transformers() -> Iterator[None]:
     except ImportError:  # pragma: no cover - transformers is a dependency
         yield
         return
-    original = getattr(masking_utils, "find_packed_sequence_indices", None)
-    if original is None:
-        yield
-        return
-    masking_utils.find_packed_sequence_indices = lambda position_ids: None
+    patched: list[tuple[str, Any]] = []
+    packed = getattr(masking_utils, "find_packed_sequence_indices", None)
+    if packed is not None:
+        patched.append(("find_packed_sequence_indices", packed))
+        masking_utils.find_packed_sequence_indices = lambda position_ids: None
+    skip = getattr(masking_utils, "_ignore_causal_mask_sdpa", None)
+    if skip is not None:
+        patched.append(("_ignore_causal_mask_sdpa", skip))
+
+        def full_rows_skip(padding_mask: Any, *args: Any, **kwargs: Any) -> bool:
+            from torch._subclasses.fake_tensor import is_fake
+
+            if isinstance(padding_mask, torch.Tensor) and is_fake(padding_mask):
+                padding_mask = None  # every value 1: what the real check finds on the planner's full rows
+            return skip(padding_mask, *args, **kwargs)
+
+        masking_utils._ignore_causal_mask_sdpa = full_rows_skip
     try:
         yield
     finally:
-        masking_utils.find_packed_sequence_indices = original
+        for name, original in patched:
+            setattr(masking_utils, name, original)
 
 
 def _prime_optimizer(optimizer: Any, recipe: Recipe) -> bool:
