@@ -8,6 +8,16 @@ fp16=True, TRL's loss as installed, `gradient_checkpointing=False` and `cm.LongC
 (offloaded layer inputs, MLP and RMSNorm by tiles of 4,096 tokens, K/V repeated before SDPA), for each SEQ:INTERVAL.
 Writes benchmarks/results/trainer_long_context.json (one row per length: fits, device need and limit, host need and
 limit, by category, planning seconds on this CPU). One process per row is not needed: rows run in turn.
+
+Results (2026-11-28, this 2-core machine, shared with the test suite: the seconds are long), after plans stopped
+holding the (1, 1, T, T) causal mask and SDPA's 16-bit copy of it that the run never makes (faketrace's
+`_fake_safe_transformers`: 5.0 GB at 40,960 tokens):
+- 32,768 tokens, interval 1: fits, 11.63 GB of the device's 14.85 usable, 9.23 GB of host RAM's 12.07.
+- 40,960, interval 1: fits, 11.90 GB and 11.40 GB (issue 45's goal; before the fix: 15.97 GB, 1.11 GB short).
+- 49,152, interval 2: fits, 12.18 GB and 7.14 GB; 65,536, interval 2: fits, 13.70 GB and 9.23 GB.
+- 81,920, interval 2: does not fit, 15.32 GB of device memory.
+Plans, not measurements: no GPU has run these lengths. TRL's fused LM head is planned on its CPU path, which scores
+every position; its Triton kernels on CUDA score only the trained ones, so the plan is the most the loss can hold.
 """
 
 from __future__ import annotations

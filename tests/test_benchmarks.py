@@ -104,3 +104,24 @@ def test_bf16_rows_are_left_out_of_a_t4_emulation_and_say_why():
     with mock.patch.object(pa.env, "emulated_gpu", return_value=None):  # CM_EMULATE=none: the GPU as it is
         assert not any(pa.emulates_t4_without_bf16(cuda, r[3]) for r in bf16_rows)
     assert "no bf16" in pa.BF16_UNDER_EMULATION
+
+
+def test_an_8b_qlora_sft_trainer_is_planned_to_fit_a_t4_at_40960_tokens_within_colab_host_ram():
+    """Issue 45's goal, from benchmarks/trainer_long_context.py's rows: Llama-3.1-8B's shape in 4 bits, LoRA on all
+    linear layers, TRL's SFTTrainer with fp16 and `cm.LongContext` (settings a Trainer user writes), planned by trace
+    for the 2026 T4, device and host RAM both counted."""
+    import json
+
+    from colab_memopt.planning.targets import DEFAULT_HEADROOM, get_target
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "trainer_long_context.json"
+    table = json.loads(path.read_text())
+    t4 = get_target("t4")
+    assert table["target"] == "t4"
+    fitting = [r for r in table["rows"] if r["fits"]]
+    assert max(r["seq_len"] for r in fitting) >= 40960, [(r["seq_len"], r["fits"]) for r in table["rows"]]
+    for r in fitting:
+        assert r["fits_device"] and r["fits_host"]
+        assert r["device_need_bytes"] <= r["device_limit_bytes"] == int(t4.device_bytes * (1 - DEFAULT_HEADROOM))
+        assert r["host_need_bytes"] <= r["host_limit_bytes"] < 12.7e9
+        assert r["host_costs"]["offloaded checkpoints"] > 0  # the layer inputs in host RAM are counted
