@@ -54,18 +54,8 @@ STEP_MARK = 1000  # --history: an allocation of STEP_MARK + n bytes (freed at on
 
 
 def run_case(klass: str, folder: str, out_dir: str, history: bool = False) -> dict[str, Any]:
-    from test_trainer_classes_cuda import (
-        MAX_STEPS,
-        SEQ,
-        _cublas_workspaces_made,
-        _settings,
-    )
-    from transformers import (
-        AutoModelForCausalLM,
-        Trainer,
-        TrainerCallback,
-        default_data_collator,
-    )
+    from test_trainer_classes_cuda import MAX_STEPS, SEQ, _cublas_workspaces_made, _settings, loaded
+    from transformers import Trainer, TrainerCallback, default_data_collator
 
     import colab_memopt as cm
 
@@ -82,16 +72,7 @@ def run_case(klass: str, folder: str, out_dir: str, history: bool = False) -> di
     if history:  # from before the load: every block the run makes, loading and each step, in order
         seen.update(history_start=_segments(torch.cuda.memory._snapshot()))
         torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python", max_entries=2_000_000)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=s["dtype"], quantization_config=s["bnb"],
-                                                     device_map={"": 0})
-        if s["prepare"]:
-            from peft import prepare_model_for_kbit_training
-            model = prepare_model_for_kbit_training(model)
-        if s["lora"] is not None:
-            from peft import get_peft_model
-            model = get_peft_model(model, s["lora"])
+    model = loaded(folder, s)
     rows = [{"input_ids": torch.ones(SEQ, dtype=torch.long), "labels": torch.ones(SEQ, dtype=torch.long)}] * 4
 
     class Record(TrainerCallback):

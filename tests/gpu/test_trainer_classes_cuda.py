@@ -60,6 +60,23 @@ def _settings(klass: str, out: str) -> dict[str, Any]:
                 prepare=klass == "qlora_prepared")
 
 
+def loaded(folder: str, s: dict[str, Any]) -> Any:
+    """Load a class's model on the GPU as its run does: the base in its dtype (4-bit where it is QLoRA), peft's
+    prepare_model_for_kbit_training where the class uses it, then LoRA (benchmarks/cuda_allocator_replay.py too)."""
+    from peft import get_peft_model, prepare_model_for_kbit_training
+    from transformers import AutoModelForCausalLM
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=s["dtype"], quantization_config=s["bnb"],
+                                                     device_map={"": 0})
+        if s["prepare"]:
+            model = prepare_model_for_kbit_training(model)
+        if s["lora"] is not None:
+            model = get_peft_model(model, s["lora"])
+    return model
+
+
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
     from transformers import AutoModelForCausalLM, LlamaConfig
@@ -107,8 +124,7 @@ def _largest_live_blocks(snapshot: dict[str, Any], top: int = 12) -> list[tuple[
 def test_each_trainer_class_is_planned_within_the_goal_of_cuda_s_allocator(cuda, folder, tmp_path, klass):
     pytest.importorskip("bitsandbytes")
     from datasets import Dataset
-    from peft import get_peft_model, prepare_model_for_kbit_training
-    from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, default_data_collator
+    from transformers import Trainer, TrainerCallback, default_data_collator
 
     import colab_memopt as cm
 
@@ -121,14 +137,7 @@ def test_each_trainer_class_is_planned_within_the_goal_of_cuda_s_allocator(cuda,
     gc.collect()
     torch.cuda.empty_cache()
     baseline = torch.cuda.memory_allocated()  # the workspaces are in it: the plan's lines for them are taken out below
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=s["dtype"], quantization_config=s["bnb"],
-                                                     device_map={"": 0})
-        if s["prepare"]:
-            model = prepare_model_for_kbit_training(model)
-        if s["lora"] is not None:
-            model = get_peft_model(model, s["lora"])
+    model = loaded(folder, s)
     data = Dataset.from_dict({"input_ids": [[1] * SEQ] * 4, "labels": [[1] * SEQ] * 4})
     seen: dict[str, Any] = {}
 
