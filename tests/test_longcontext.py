@@ -233,3 +233,19 @@ def test_a_plan_gives_sdpa_the_causal_mask_the_run_gives_it(monkeypatch):
     plan = cm.plan_trainer(trainer, target="cpu")
     assert masks and set(masks) == {None}, masks[:4]  # the plan: as the run
     assert plan.fits
+
+
+def test_a_batch_of_several_rows_says_what_padding_adds_where_it_matters():
+    """The plan's rows are full (no mask); padded rows of other lengths get transformers' (B, 1, T, T) bool mask and
+    SDPA's 16-bit copy of it: said with its bytes where that is 1% of the step or more, never for one row or packing."""
+    config = LlamaConfig(**{**DIMS, "max_position_embeddings": 2048})
+
+    def padded(**changes):
+        values = dict(output_dir="/tmp/colab_memopt_test_longcontext", max_length=2048, use_cpu=True, report_to=[])
+        p = cm.plan_trainer(SFTConfig(**{**values, **changes}), model=config, target="t4", find_max_batch=False)
+        return [w for w in p.warnings if "padded rows" in w]
+
+    assert padded(per_device_train_batch_size=2) == [
+        "per_device_train_batch_size=2 with padded rows: +24.00 MiB for the attention mask (planned: full rows)"]
+    assert padded(per_device_train_batch_size=1) == []
+    assert padded(per_device_train_batch_size=2, packing=True) == []

@@ -316,6 +316,7 @@ def plan_trainer(
                 device_costs.append(Cost("quantization scales", scales,
                                          "bitsandbytes' absmax and row scales kept beside the quantized weights (outside the "
                                          "parameters, which the trace counts)", in_allocator=True))
+        warn += padded_mask_warning(args, micro, seq, trace.peak_bytes)
         warn = list(dict.fromkeys(warn))  # each trace (two depths for a stack) says its findings once
         result = Plan(
             model=name, batch=batch, seq_len=seq, recipe=recipe.to_dict(), target=tgt, method="trace",
@@ -340,6 +341,24 @@ def plan_trainer(
                 result.max_batch = _max_micro_batch(holder, args, seq, tgt, result, trace, mode, names, stack)
     result.seconds = time.perf_counter() - start
     return result
+
+
+def padded_mask_warning(args: Any, micro: int, seq: int, peak_bytes: int) -> list[str]:
+    """Return the line for what padded rows add, where it matters (1% of the step's peak or more).
+
+    The plan's rows are full, so transformers passes SDPA no mask. A micro-batch of several rows of other lengths is
+    padded: transformers then builds a (batch, 1, T, T) bool mask and SDPA's memory-efficient kernel a 16-bit copy
+    of it (3 bytes per entry), both alive through the attention's backward. One row, packing and padding_free never
+    pad."""
+    from colab_memopt.core.measure import format_bytes
+
+    if micro < 2 or getattr(args, "packing", False) or getattr(args, "padding_free", False):
+        return []
+    mask = 3 * micro * seq * seq
+    if mask < 0.01 * peak_bytes:
+        return []
+    return [f"per_device_train_batch_size={micro} with padded rows: +{format_bytes(mask)} for the attention mask "
+            "(planned: full rows)"]
 
 
 # What plan_trainer says only to show how a figure was derived: a setting planned as it is set, a library's code path
