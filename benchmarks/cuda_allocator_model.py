@@ -27,6 +27,7 @@ import argparse
 import bisect
 import gzip
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -145,8 +146,9 @@ class CachingAllocator:
         self._pool_add(b)
 
 
-def replay(case: dict[str, Any]) -> dict[str, Any]:
-    """Place every allocation of a recorded step with the model, from the blocks held at its start."""
+def replay(case: dict[str, Any], before_alloc: Callable[[CachingAllocator, int], None] | None = None) -> dict[str, Any]:
+    """Place every allocation of a record with the model, from the blocks held where it starts (`before_alloc`: called
+    with the model and the bytes asked for before each allocation is placed)."""
     model = CachingAllocator()
     for segment in case.get("history_start") or case["start"]:  # a --history record starts before the load
         model.adopt_segment(segment["blocks"], segment["segment_type"] == "small")
@@ -154,6 +156,8 @@ def replay(case: dict[str, Any]) -> dict[str, Any]:
     allocs = same_address = 0
     for action, addr, nbytes, _stream in case["events"]:
         if action == "alloc":
+            if before_alloc is not None:
+                before_alloc(model, nbytes)
             allocs += 1
             made = len(model.segment_sizes)
             segment_ptr = new_segments[made][1] if made < len(new_segments) else None
@@ -169,20 +173,14 @@ def replay(case: dict[str, Any]) -> dict[str, Any]:
 
 def whole_blocks_by_step(case: dict[str, Any]) -> dict[int, int]:
     """In a --history record: the whole-block bytes (allocated less requested, rounded) held as each step begins."""
-    model = CachingAllocator()
-    for segment in case["history_start"]:
-        model.adopt_segment(segment["blocks"], segment["segment_type"] == "small")
-    new_segments = [e for e in case["events"] if e[0] == "segment_alloc"]
-    found = {}
-    for action, addr, nbytes, _stream in case["events"]:
-        if action == "alloc" and STEP_MARK < nbytes <= STEP_MARK + 8 and nbytes - STEP_MARK not in found:
+    found: dict[int, int] = {}
+
+    def at_step_mark(model: CachingAllocator, nbytes: int) -> None:
+        if STEP_MARK < nbytes <= STEP_MARK + 8 and nbytes - STEP_MARK not in found:
             live = [b for b in model.blocks.values() if not b.free]
             found[nbytes - STEP_MARK] = sum(b.size - round_size(b.requested) for b in live)
-        if action == "alloc":
-            made = len(model.segment_sizes)
-            model.malloc(nbytes, new_segments[made][1] if made < len(new_segments) else None)
-        elif action == "free_completed":
-            model.free(addr)
+
+    replay(case, at_step_mark)
     return found
 
 

@@ -349,31 +349,22 @@ def _spec(model: Any) -> Any:
 
 def check_checkpoint_interval(recipe: Recipe, module: nn.Module | None, planned: Any) -> Finding | None:
     """checkpoint-interval: a `checkpoint_interval` too large for the model's blocks ('every_n' checkpoints none of
-    them; 'offload' makes one segment of all, with no second level). The plan's own warning where there is a plan,
-    else the built model's blocks counted."""
+    them; 'offload' makes one segment of all, with no second level): the built model's blocks counted, else the
+    plan's own warning of it."""
     import re
 
-    from colab_memopt.techniques.checkpointing import INTERVAL_PITFALL_PATTERN, find_blocks, interval_pitfall
+    from colab_memopt.techniques.checkpointing import INTERVAL_PITFALL_PATTERN, interval_pitfalls
 
-    if recipe.checkpointing not in ("every_n", "offload"):
-        return None
-    text = next((w for w in getattr(planned, "warnings", None) or [] if re.search(INTERVAL_PITFALL_PATTERN, w)), None)
-    n_blocks = None
     if module is not None:
-        try:
-            n_blocks = len(find_blocks(module))
-        except ValueError:  # no stack of blocks: apply_checkpointing refuses such a model itself
-            pass
-    if text is None and n_blocks:
-        text = interval_pitfall(recipe.checkpointing, recipe.checkpoint_interval, n_blocks)
-    if text is None:
+        found = interval_pitfalls(module, recipe.checkpointing, recipe.checkpoint_interval)
+    else:
+        found = [w for w in getattr(planned, "warnings", None) or [] if re.match(INTERVAL_PITFALL_PATTERN, w)]
+    if not found:
         return None
-    found, _, why = text.partition(": ")
+    what, _, why = found[0].partition(": ")
     why, _, fix = why.rpartition("; ")
-    return Finding("checkpoint-interval", "warning", found, why,
-                   f"{fix} (the recipe's checkpoint_interval)",
-                   {"policy": recipe.checkpointing, "checkpoint_interval": recipe.checkpoint_interval,
-                    "blocks": n_blocks})
+    return Finding("checkpoint-interval", "warning", what, why, f"{fix} (the recipe's checkpoint_interval)",
+                   {"policy": recipe.checkpointing, "checkpoint_interval": recipe.checkpoint_interval})
 
 
 def check_fit(spec: Any, recipe: Recipe, batch: int, seq_len: int, tgt: Target, method: str,

@@ -228,9 +228,9 @@ def _fake_safe_transformers() -> Iterator[None]:
     if skip is not None:
         patched.append(("_ignore_causal_mask_sdpa", skip))
 
-        def full_rows_skip(padding_mask: Any, *args: Any, **kwargs: Any) -> bool:
-            from torch._subclasses.fake_tensor import is_fake
+        from torch._subclasses.fake_tensor import is_fake
 
+        def full_rows_skip(padding_mask: Any, *args: Any, **kwargs: Any) -> bool:
             if isinstance(padding_mask, torch.Tensor) and is_fake(padding_mask):
                 padding_mask = None  # every value 1: what the real check finds on the planner's full rows
             return skip(padding_mask, *args, **kwargs)

@@ -32,7 +32,7 @@ from typing import Any
 from torch import nn
 
 from colab_memopt.planning import estimate
-from colab_memopt.techniques.checkpointing import checkpoint_offloader
+from colab_memopt.techniques.checkpointing import checkpoint_offloader, interval_pitfalls
 from colab_memopt.core.isolation import isolated
 from colab_memopt.core.measure import format_bytes
 from colab_memopt.core.progress import progress, say, shows_progress
@@ -390,7 +390,7 @@ def plan(
         if rec.optimizer in ("lomo", "adalomo") and rec.weight_dtype is None:  # (int8train's rules do not clip)
             warn.append(f"{rec.optimizer} in fp16 runs two backward passes, the first with the graph retained (the "
                         "global norm, which finds overflows before any weight changes): both are traced")
-    warn += _interval_pitfalls(meta_model, rec)
+    warn += interval_pitfalls(meta_model, rec.checkpointing, rec.checkpoint_interval)  # the build says it on stderr
     notes: list[str] = []
     if rec.precision == "fp16-autocast" or rec.eval_precision == "fp16-autocast":
         notes.append("fp16 autocast traced with its GradScaler taking a clean step (a skipped overflowing step holds "
@@ -538,21 +538,6 @@ def _make_tracer(spec: Any, meta_model: nn.Module, rec: Recipe, seq_len: int, **
         return tracer
 
     return StackTracer(spec, shape, make)
-
-
-def _interval_pitfalls(meta_model: nn.Module, rec: Recipe) -> list[str]:
-    """Return what the recipe's checkpoint_interval does to each stack of blocks where it is too large for it (the
-    build warns of it on stderr; the plan says it among its warnings, where a user reads the plan)."""
-    from colab_memopt.techniques.checkpointing import find_block_stacks, interval_pitfall
-
-    if rec.checkpointing not in ("every_n", "offload"):
-        return []
-    try:
-        stacks = find_block_stacks(meta_model)
-    except ValueError:  # no repeated blocks: the recipe's check refuses such a model already
-        return []
-    found = [interval_pitfall(rec.checkpointing, rec.checkpoint_interval, len(blocks)) for blocks in stacks]
-    return list(dict.fromkeys(f for f in found if f is not None))
 
 
 # Whether plans of deep models trace two shallow copies and count the rest of the stack (tests turn it off to

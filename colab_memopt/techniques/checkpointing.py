@@ -477,6 +477,19 @@ def interval_pitfall(policy: str, interval: int, n_blocks: int) -> str | None:
     return None
 
 
+def interval_pitfalls(model: nn.Module, policy: str, interval: int) -> list[str]:
+    """Return `interval_pitfall` for each stack of `model`'s blocks the interval is too large for, once each (a model
+    without repeated blocks has none: `apply_checkpointing` refuses it)."""
+    if policy not in ("every_n", "offload"):
+        return []
+    try:
+        stacks = find_block_stacks(model)
+    except ValueError:
+        return []
+    found = [interval_pitfall(policy, interval, len(blocks)) for blocks in stacks]
+    return list(dict.fromkeys(f for f in found if f is not None))
+
+
 def _apply_to_stack(blocks: nn.ModuleList, policy: str, interval: int, offloader: CheckpointOffloader | None,
                     first_kept: int = 0) -> None:
     """Apply `policy` to one stack of blocks (`apply_checkpointing` calls it for each); under 'offload' the blocks
