@@ -282,6 +282,23 @@ def test_settings_plan_leaves_the_arguments_as_given(unplanned):
     assert isinstance(args, TrainingArguments)
 
 
+def test_an_all_linear_lora_is_left_as_given_and_the_next_plan_puts_adapters_on_every_layer():
+    """peft turns `target_modules="all-linear"` into the names of the model it wraps. A plan handed the caller's
+    LoraConfig to peft: afterwards it named only the planned model's layers (`model.layers.0.self_attn.q_proj`, ...),
+    so a deeper model planned next (fit_trainer's next candidate, the stack count's second copy) and the user's own
+    SFTTrainer got adapters on those layers only: a plan with fewer adapter bytes, a run that trains fewer layers."""
+    import copy
+
+    args = SFTConfig("/tmp/cm_isolation_all_linear", per_device_train_batch_size=1, max_length=32, use_cpu=True,
+                     bf16=False, report_to=[])
+    lora = LoraConfig(r=4, target_modules="all-linear", task_type="CAUSAL_LM")
+    fresh = cm.plan_trainer(args, model=LLAMA, lora=copy.deepcopy(lora), target="t4")
+    cm.plan_trainer(args, model=small_config("llama", num_hidden_layers=2, dtype="bfloat16"), lora=lora, target="t4")
+    assert lora.target_modules == "all-linear"
+    again = cm.plan_trainer(args, model=LLAMA, lora=lora, target="t4")
+    assert again.by_category == fresh.by_category and again.step_peak_bytes == fresh.step_peak_bytes
+
+
 def test_a_plan_reads_and_leaves_no_bitsandbytes_optimizer_override():
     """transformers' Trainer registers its embeddings for 32-bit state in bitsandbytes' process-wide GlobalOptimManager
     whenever it builds an 8-bit optimizer; every later 8-bit optimizer reads them by parameter position. A plan left

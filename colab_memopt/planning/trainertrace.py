@@ -535,6 +535,11 @@ def _fake_trainer(args: Any, model: Any, lora: Any, bnb: Any, seq_len: int, mode
     from colab_memopt.techniques import architectures
 
     spec = architectures.resolve_model(model)
+    # peft writes into the config it is given: `target_modules="all-linear"` becomes the set of the planned model's
+    # module names (`model.layers.0.self_attn.q_proj`, ...). On the caller's LoraConfig that set then named only the
+    # planned model's layers: a later plan of a deeper model (the stack count's second copy, fit_trainer's next
+    # candidate) and the user's own SFTTrainer put adapters on those layers only.
+    lora = copy.deepcopy(lora)
     if blocks is not None:
         from colab_memopt.planning.stack import shallow_factory
 
