@@ -84,6 +84,8 @@ class _NoHook:
 
 
 _NO_HOOK = _NoHook()
+# `tensor.device` asked of a tensor subclass (a fake tensor answers it in Python).
+_DEVICE_QUERY = torch.ops.prim.device.default
 
 
 class TensorTracker(MemTracker):
@@ -294,6 +296,11 @@ class TensorTracker(MemTracker):
         return winfo is not None and winfo.reftype == _MemRefType.PARAM
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func is _DEVICE_QUERY:
+            # `tensor.device` of a fake tensor: no memory, and two of every three calls a trace dispatches (autograd
+            # and the kernels ask each input's device). MemTracker's bookkeeping of it (a peak update per call) was
+            # most of a trace's time.
+            return func(*args, **(kwargs or {}))
         # Autocast casts each weight to 16 bits in forward and keeps the copy for backward. MemTracker
         # files it as an activation; it is a copy of a weight for the step's duration: a temporary.
         self._casting_param = func is torch.ops.aten._to_copy.default and bool(args) and self._is_parameter(args[0])
