@@ -30,6 +30,9 @@ SFTConfig` alone takes about 7.8 s of them):
 Rows from 02:16 UTC (recommend_help, context_help) were measured on the loaded machine and not run again.
 Again at 19:40 UTC (load 0.9, tree 2516ce0): plan_trainer 8B QLoRA 15.2 s, fit_trainer on notebook 19's draft
 33.7 s (5 progress lines), doctor 8B 12.5 s; `python -c "from trl import SFTConfig"` alone takes 7.7 s of each.
+Again at 22:30 UTC (load 0.7-1.0, tree 3b1483b: the tracker no longer keeps books on `tensor.device`, two of every
+three operations a trace dispatched): plan_trainer 8B QLoRA 14.6 s, fit_trainer on notebook 19's draft 30.9 s, doctor
+8B 11.7 s. Still over their targets (10, 30 and 10 s); importing TRL is about half of each.
 """
 
 from __future__ import annotations
