@@ -674,9 +674,10 @@ def optimizer_package(optimizer: str) -> str | None:
 
 
 
-def save_example_chat_model(family: str, folder: str | Any) -> str:
+def save_example_chat_model(family: str, folder: str | Any, *, max_shard_size: str | int = "2GB") -> str:
     """Save a small random causal LM of a transformers family with a character tokenizer and a chat template
-    to `folder`, for CI and tests, which have no hub access; return the folder. Its generations are noise."""
+    to `folder`, for CI and tests, which have no hub access; return the folder. Its generations are noise.
+    `max_shard_size`: as `save_pretrained`'s (a small one gives a checkpoint in several shards, as real ones are)."""
     from pathlib import Path
 
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -695,6 +696,7 @@ def save_example_chat_model(family: str, folder: str | Any) -> str:
                                "{% if add_generation_prompt %}assistant: {% endif %}")
     from colab_memopt.core.fileio import replace_files
 
-    save_random_model(architectures.small_config(family, vocab_size=128, eos_token_id=1, bos_token_id=1), folder)
+    save_random_model(architectures.small_config(family, vocab_size=128, eos_token_id=1, bos_token_id=1), folder,
+                      max_shard_size=max_shard_size)
     replace_files(folder, lambda tmp: tokenizer.save_pretrained(tmp))  # each file whole, the model's files kept
     return str(folder)
