@@ -33,6 +33,9 @@ Again at 19:40 UTC (load 0.9, tree 2516ce0): plan_trainer 8B QLoRA 15.2 s, fit_t
 Again at 22:30 UTC (load 0.7-1.0, tree 3b1483b: the tracker no longer keeps books on `tensor.device`, two of every
 three operations a trace dispatched): plan_trainer 8B QLoRA 14.6 s, fit_trainer on notebook 19's draft 30.9 s, doctor
 8B 11.7 s. Still over their targets (10, 30 and 10 s); importing TRL is about half of each.
+At 23:44-23:48 UTC (tree 3ffe7b4, load 1.0-1.2): recommend 3B 120.6 s, context 8B QLoRA 262.3 s (246.9 s of CPU), the
+same answers' first lines as at 14:09. This machine's speed varies: `make test` on the same code took 14 min 12 s at
+22:31 and 19 min 15 s at 23:23 UTC, with nothing else running; compare rows measured close together.
 """
 
 from __future__ import annotations
