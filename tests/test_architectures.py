@@ -184,3 +184,20 @@ def test_a_config_objects_dtype_is_read_by_its_current_name(monkeypatch, tmp_pat
     old = type("OldConfig", (), {"hidden_size": 64, "torch_dtype": "float33"})()
     with pytest.raises(ValueError, match="torch_dtype must name a torch dtype"):
         check_config(old, "an old config")
+
+
+def test_the_example_chat_models_tokenizer_has_a_word_for_every_id_of_the_model(tmp_path):
+    """Notebook 19 asks the example model (random weights) for answers: an id its tokenizer had no token for decoded
+    to nothing, and an answer of such ids came back empty (ids 3-31 of 128, once on the project's CI)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from colab_memopt.planning import hfconfig
+
+    folder = hfconfig.save_example_chat_model("llama", tmp_path / "model")
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    vocab_size = AutoConfig.from_pretrained(folder).vocab_size
+    assert len(tokenizer) == vocab_size
+    silent = [i for i in range(vocab_size) if not tokenizer.decode([i], skip_special_tokens=True)]
+    assert silent == sorted(tokenizer.all_special_ids), silent
+    text = "".join(tokenizer.convert_ids_to_tokens([i for i in range(vocab_size) if i not in silent]))
+    assert tokenizer(text)["input_ids"] == [i for i in range(vocab_size) if i not in silent]

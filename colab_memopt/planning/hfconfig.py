@@ -688,7 +688,9 @@ def save_example_chat_model(family: str, folder: str | Any, *, max_shard_size: s
     from colab_memopt.training.saving import save_random_model
 
     folder = Path(folder)
-    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2, **{chr(i): i for i in range(32, 127)}, "\n": 127}
+    # A token for every id of the model's 128: ids 3-31 as letters (À to Ü), so no id decodes to nothing
+    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2, **{chr(0xC0 + i - 3): i for i in range(3, 32)},
+             **{chr(i): i for i in range(32, 127)}, "\n": 127}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
