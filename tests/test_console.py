@@ -186,6 +186,24 @@ def test_the_guard_and_the_package_facade_import_and_plan_quietly():
     assert run.stderr == "", run.stderr
 
 
+def test_import_quietly_hides_what_a_library_prints_on_its_first_import(tmp_path, monkeypatch, capsys):
+    """bitsandbytes 0.50 logs a warning when first imported on a CPU with AVX512-BF16 (this project's CI machine has
+    one; newcomer review 4 saw it in every notebook): the package's own imports of it go through import_quietly."""
+    (tmp_path / "loud_library.py").write_text(
+        "import logging, warnings\nlogging.getLogger(__name__).warning('Failed to load an optional kernel')\n"
+        "warnings.warn('a deprecation at import', FutureWarning)\nVALUE = 7\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "loud_library", raising=False)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        module = console.import_quietly("loud_library")
+    assert module.VALUE == 7 and sys.modules["loud_library"] is module and seen == []
+    assert capsys.readouterr().err == ""
+    assert console.import_quietly("loud_library") is module and logging.root.manager.disable == logging.NOTSET
+    with pytest.raises(ModuleNotFoundError, match="no_such_library"):
+        console.import_quietly("no_such_library")
+
+
 def test_quiet_as_a_decorator_enters_afresh_at_each_call():
     @quiet()
     def nested(depth):
@@ -211,7 +229,7 @@ def test_resolving_and_building_a_transformers_model_prints_nothing():
 # trainertrace and trainerfit build and trace the Trainer for plan_trainer and fit_trainer only, which run inside
 # quiet_unless_verbose (tests "a script calling plan_trainer prints nothing" above).
 NOT_YET_QUIET = {"planner", "trainer", "recommender", "hfconfig", "cli", "gpucheck", "trainertrace", "trainerfit"}
-NOISY = ("peft", "trl", "deepspeed", "torchao", "transformers")
+NOISY = ("peft", "trl", "deepspeed", "torchao", "transformers", "bitsandbytes")
 
 
 def _is_quiet(node: ast.AST) -> bool:

@@ -22,9 +22,12 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import importlib
 import inspect
 import logging
 import re
+import sys
+import types
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
@@ -119,3 +122,20 @@ def quiet_unless_verbose(func: F) -> F:
             return func(*args, **kwargs)
 
     return wrapper  # type: ignore[return-value]
+
+
+def import_quietly(name: str) -> types.ModuleType:
+    """Import the module `name` and return it, as `importlib.import_module` does, with its import notes hidden as in
+    `quiet()` (a library prints them on its first import only).
+
+    bitsandbytes (0.50), on a CPU with AVX512-BF16 (AMD Zen 4, Intel Sapphire Rapids), warns at import that an optional
+    CPU kernel from the Hugging Face Hub is not installed; its 4-bit layers work without it.
+
+    Example:
+        >>> bnb = import_quietly("bitsandbytes")
+    """
+    module = sys.modules.get(name)
+    if module is not None:
+        return module
+    with quiet():
+        return importlib.import_module(name)

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from colab_memopt.core.console import quiet
 from colab_memopt.core.progress import say, shows_progress
 from colab_memopt.planning import estimate
 
@@ -320,6 +321,7 @@ class LongestSequence:
 
 
 @shows_progress("longest sequence")
+@quiet()
 def longest_sequence(model: str, recipe: Recipe | None = None, *, mode: str = "", batch: int = 1, target: Any = "t4",
                      step_tokens: int = 1024, headroom: float = DEFAULT_HEADROOM, method: str = "auto",
                      host_base_bytes: int | None = None, max_tokens: int | None = None,
@@ -650,6 +652,7 @@ class ContextReport:
 
 
 @shows_progress("context")
+@quiet()
 def longest_context(model: str, *, target: Any = "t4", modes: tuple[str, ...] = tuple(MODES), step_tokens: int = 1024,
                     max_plans: int = 12, method: str = "auto", host_base_bytes: int | None = None) -> ContextReport:
     """Return the longest trainable sequence of `model` on `target` for each mode, with the recipe that reaches it.

@@ -33,6 +33,7 @@ from torch import nn
 
 from colab_memopt.planning import estimate
 from colab_memopt.techniques.checkpointing import checkpoint_offloader, interval_pitfalls
+from colab_memopt.core.console import quiet
 from colab_memopt.core.isolation import isolated
 from colab_memopt.core.measure import format_bytes
 from colab_memopt.core.progress import progress, say, shows_progress
@@ -292,6 +293,7 @@ def _plan_auto_chunk(model_factory: Any, batch: int, *, seq_len: int | None, rec
 
 
 @shows_progress("plan", nested=False)
+@quiet()
 @isolated
 def plan(
     model_factory: Callable[[], nn.Module] | str | Any,

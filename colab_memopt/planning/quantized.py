@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from colab_memopt.core.console import import_quietly
 from colab_memopt.core.measure import format_bytes
 from colab_memopt.training.recipe import Recipe
 from colab_memopt.core.tracker import _CUDA_MIN_BLOCK
@@ -40,7 +41,7 @@ def traced_linear4bit(linear: nn.Module, scheme: str, *, compress_statistics: bo
     `Linear4bit` per quant type. `compress_statistics=False`: one fp32 absmax per block, not nested
     (BitsAndBytesConfig's default `bnb_4bit_use_double_quant=False`).
     """
-    import bitsandbytes as bnb
+    bnb = import_quietly("bitsandbytes")
 
     class TracedLinear4bit(bnb.nn.Linear4bit):
         def __init__(self) -> None:  # noqa: D107 - built from `linear` below, not from sizes
@@ -79,7 +80,7 @@ def traced_linear8bit(linear: nn.Module, threshold: float | None = None) -> nn.M
     backward) and peft wraps it as it wraps a real 8-bit layer. `tests/test_planner.py` pins its tensors
     to a real `Linear8bitLt`.
     """
-    import bitsandbytes as bnb
+    bnb = import_quietly("bitsandbytes")
 
     from colab_memopt.techniques.quantization import INT8_THRESHOLD, _as_linear
 
@@ -106,7 +107,7 @@ def traced_linear8bit(linear: nn.Module, threshold: float | None = None) -> nn.M
 def _int8_layers(model: nn.Module) -> list[nn.Module]:
     """Return the bitsandbytes 8-bit linear layers of `model` (real or stand-ins)."""
     try:
-        import bitsandbytes as bnb
+        bnb = import_quietly("bitsandbytes")
     except ImportError:  # pragma: no cover - bitsandbytes is a dependency
         return []
     return [m for m in model.modules() if isinstance(m, bnb.nn.Linear8bitLt)]
@@ -128,8 +129,9 @@ def _int8_as_on_cuda() -> Iterator[None]:
     """
     import logging
 
-    import bitsandbytes as bnb
-    from bitsandbytes.autograd._functions import MatMul8bitLt, MatmulLtState
+    bnb = import_quietly("bitsandbytes")
+    functions = import_quietly("bitsandbytes.autograd._functions")
+    MatMul8bitLt, MatmulLtState = functions.MatMul8bitLt, functions.MatmulLtState
     from torch._library.simple_registry import singleton
     from torch._library.utils import Kernel
 
@@ -186,7 +188,7 @@ def quantization_scale_bytes(model: nn.Module, *, cuda_rounding: bool = False) -
     from colab_memopt.techniques.quantization import _quant_state_tensors
 
     try:
-        import bitsandbytes as bnb
+        bnb = import_quietly("bitsandbytes")
     except ImportError:  # pragma: no cover - bitsandbytes is a dependency
         return 0
     seen: dict[int, int] = {}
@@ -248,7 +250,7 @@ def _fake_safe_bitsandbytes(mode: Any, recipe: Recipe, *, cuda: bool = False) ->
             and not eight_bit):
         yield
         return
-    import bitsandbytes.functional as bnb_functional
+    bnb_functional = import_quietly("bitsandbytes.functional")
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     original_map, original_linear = bnb_functional.create_dynamic_map, quantization._bnb_linear
@@ -379,7 +381,7 @@ def trainer_four_bit_costs(model: nn.Module, bnb: Any, tokens: int, *, recompute
     `half` stands for float16, as traced), nested where its statistics are double-quantized
     (`bnb_4bit_use_double_quant`)."""
     try:
-        import bitsandbytes as bnb_lib
+        bnb_lib = import_quietly("bitsandbytes")
     except ImportError:  # pragma: no cover - bitsandbytes is a dependency
         return []
     layers = [m for m in model.modules() if isinstance(m, bnb_lib.nn.Linear4bit)]

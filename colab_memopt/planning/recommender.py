@@ -35,6 +35,7 @@ from torch import nn
 from colab_memopt.planning import estimate
 from colab_memopt.planning.costs import Slowdown, TechniqueCosts, costs_for_target, expected_slowdown, techniques_used
 from colab_memopt.techniques.loss import DEFAULT_CHUNK_TOKENS
+from colab_memopt.core.console import quiet
 from colab_memopt.core.measure import format_bytes
 from colab_memopt.core.progress import say, shows_progress
 from colab_memopt.planning.faketrace import shape_model
@@ -308,6 +309,7 @@ def _model(model: Callable[[], nn.Module] | str | Any) -> tuple[str, Callable[[]
 
 
 @shows_progress("recommend")
+@quiet()
 def recommend(
     model: Callable[[], nn.Module] | str,
     batch: int = 1,

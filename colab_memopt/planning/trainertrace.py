@@ -28,6 +28,7 @@ from colab_memopt.planning.quantized import _fake_safe_bitsandbytes
 from colab_memopt.planning.targets import Target
 from colab_memopt.planning.hfconfig import OPTIM_TO_RECIPE, packed_rows_note
 from colab_memopt.training.recipe import Recipe
+from colab_memopt.core.console import import_quietly
 from colab_memopt.core.tracker import PHASES, TensorTracker, tensors_bytes
 
 
@@ -118,8 +119,8 @@ def _fake_state(value: Any, fake: Any) -> Any:
     """Return a copy of bitsandbytes' `QuantState` / `MatmulLtState` with its tensors (and dtypes) made fake (by
     `fake`); any other value as it is."""
     try:
-        from bitsandbytes.autograd._functions import MatmulLtState
-        from bitsandbytes.functional import QuantState
+        MatmulLtState = import_quietly("bitsandbytes.autograd._functions").MatmulLtState
+        QuantState = import_quietly("bitsandbytes.functional").QuantState
     except ImportError:  # pragma: no cover - bitsandbytes is a dependency
         return value
     if not isinstance(value, (QuantState, MatmulLtState)):
@@ -133,7 +134,7 @@ def _fake_state(value: Any, fake: Any) -> Any:
 
 def _is_bnb_layer(module: nn.Module) -> bool:
     try:
-        import bitsandbytes as bnb
+        bnb = import_quietly("bitsandbytes")
     except ImportError:  # pragma: no cover - bitsandbytes is a dependency
         return False
     return isinstance(module, (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt))

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from colab_memopt.core.console import quiet
+from colab_memopt.core.console import import_quietly, quiet
 
 LOW_STATE_OPTIMIZERS = ("galore_adamw8bit", "apollo", "apollo_mini", "torchao_adamw8bit", "torchao_adamw4bit", "badam")
 # Optimizers that project the gradient of 2-D weights: `rank` is their knob (None: the method's default).
@@ -183,7 +183,7 @@ def _cuda_synchronize_is_a_no_op() -> Iterator[None]:
 
 def _galore(params: list[torch.Tensor], lr: float, rank: int, model: nn.Module | None) -> torch.optim.Optimizer:
     try:
-        from bitsandbytes.optim.optimizer import Optimizer2State
+        Optimizer2State = import_quietly("bitsandbytes.optim.optimizer").Optimizer2State
         from galore_torch import GaLoreAdamW8bit
     except ImportError as err:
         raise RuntimeError("optimizer 'galore_adamw8bit' needs galore-torch and bitsandbytes: pip install galore-torch") from err

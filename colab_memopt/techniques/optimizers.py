@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from colab_memopt.core.console import import_quietly
 import torch
 from torch import nn
 
@@ -276,7 +277,7 @@ def _adafactor(params: Iterable[Any], lr: float) -> torch.optim.Optimizer:
 
 def _bnb(name: str, params: Iterable[Any], lr: float) -> torch.optim.Optimizer:
     try:
-        import bitsandbytes as bnb
+        bnb = import_quietly("bitsandbytes")
     except ImportError as err:
         raise RuntimeError(f"optimizer {name!r} needs bitsandbytes: pip install bitsandbytes") from err
     cls = getattr(bnb.optim, BNB_OPTIMIZERS[name])

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from colab_memopt.core.console import quiet
+from colab_memopt.core.console import import_quietly, quiet
 
 GRANULARITIES = ("tensor", "channel")
 SCHEMES = ("int8_tensor", "int8_channel", "bnb_int8", "nf4", "fp4")
@@ -125,7 +125,7 @@ class Int8Linear(nn.Module):
 
 def _bnb_linear(linear: nn.Linear, scheme: str) -> nn.Module:
     try:
-        import bitsandbytes as bnb
+        bnb = import_quietly("bitsandbytes")
     except ImportError as err:
         raise RuntimeError(f"quantization {scheme!r} needs bitsandbytes: pip install bitsandbytes") from err
     w = linear.weight.detach().clone()
@@ -350,8 +350,8 @@ def load_4bit_state(model: nn.Module) -> nn.Module:
     ("Unexpected key(s) ... weight.absmax"). A pre-hook per 4-bit layer rebuilds the layer's quantization state from
     those keys; the packed weight then loads as any tensor does.
     """
-    from bitsandbytes.functional import QuantState
-    from bitsandbytes.nn import Linear4bit
+    QuantState = import_quietly("bitsandbytes.functional").QuantState
+    Linear4bit = import_quietly("bitsandbytes.nn").Linear4bit
 
     def hook(module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
         key = prefix + "weight."
