@@ -161,6 +161,26 @@ def time_call(name: str, timeout_s: float, *, whole: bool = False) -> dict:
     }
 
 
+def _cpu_model() -> str:
+    """The processor's name (/proc/cpuinfo), recorded with each row: machines lent for measuring differ in speed by
+    about 2x (an AMD EPYC 2026-11-29, an older one before), so rows compare only with rows of the same processor."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _tree() -> str:
+    """The commit measured, with '+changes' when the checkout has uncommitted changes."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    head = git("rev-parse", "--short", "HEAD") or "unknown"
+    return head + ("+changes" if git("status", "--porcelain", "--untracked-files=no") else "")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", nargs="+", default=list(CALLS), choices=list(CALLS))
@@ -176,6 +196,7 @@ def main() -> None:
     for name, whole in [(n, False) for n in args.calls] + [(n, True) for n in args.whole]:
         row = time_call(name, args.timeout, whole=whole)
         row["measured_at"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+        row["cpu_model"], row["tree"] = _cpu_model(), _tree()
         if whole:
             name = f"{name}@whole"
             row["call"] += " (every block traced)"

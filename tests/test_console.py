@@ -223,12 +223,12 @@ def test_resolving_and_building_a_transformers_model_prints_nothing():
     assert run.stderr == "", run.stderr
 
 
-# Modules whose library imports are not yet under quiet(): planner, trainer and recommender (being split: their
-# plan_trainer and fit_trainer get quiet_unless_verbose there), hfconfig and the command line (the CLI hides the
-# libraries' notes itself without --verbose), gpucheck (it runs on a GPU machine and reports what it imports).
+# Modules whose library imports are not yet under quiet(): trainer (its plan_trainer runs inside quiet_unless_verbose),
+# hfconfig and the command line (the CLI hides the libraries' notes itself without --verbose), gpucheck (it runs on a
+# GPU machine and reports what it imports). planner and recommender: cm.plan and recommend run inside @quiet().
 # trainertrace and trainerfit build and trace the Trainer for plan_trainer and fit_trainer only, which run inside
 # quiet_unless_verbose (tests "a script calling plan_trainer prints nothing" above).
-NOT_YET_QUIET = {"planner", "trainer", "recommender", "hfconfig", "cli", "gpucheck", "trainertrace", "trainerfit"}
+NOT_YET_QUIET = {"trainer", "hfconfig", "cli", "gpucheck", "trainertrace", "trainerfit"}
 NOISY = ("peft", "trl", "deepspeed", "torchao", "transformers", "bitsandbytes")
 
 
