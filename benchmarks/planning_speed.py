@@ -8,6 +8,20 @@ of the child, `resource.getrusage(RUSAGE_CHILDREN)`), the 1-minute load average 
 it printed on stderr, and the bytes it planned (the device need of its answer). The machine may be shared: the wall
 time then says little, the CPU time is the figure to compare; the load average says how shared it was.
 
+Results on 2026-11-29 (tree e0d75e1; another machine: an AMD EPYC with 2 cores, about twice as fast as the one of
+2026-11-28 below; each row now names its processor and commit). The same calls, minutes apart, with nothing else
+running (load 0.8-1.0), differed by up to 60%: the figures are ranges over the runs of 01:18-02:00 UTC.
+- each --help: 0.07-0.10 s (target 1 s: met).
+- plan_trainer, 8B QLoRA: 10.0-16.1 s (target 10 s: met once in three runs).
+- fit_trainer on notebook 19's draft: 18.6-28.2 s (target 30 s: met); on first drafts of 3B LoRA 26.7-27.2 s, 3B
+  QLoRA 25.9-29.2 s, 8B QLoRA 27.5-30.6 s (target 30 s: met in 5 of 6 runs; the 8B one once 0.6 s over).
+- doctor, 8B QLoRA recipe: 8.8-9.9 s (target 10 s: met).
+- recommend for llama-3.2-3b: 65.6-67.2 s (target 30 s: not met). Its candidates checkpoint every 8th or 4th of the
+  28 blocks: 4 or 7 units, too few to count (two shallow traces of 3 and 5 units would be as many blocks as the
+  whole), so each is traced whole, as the loop and again as the SFTTrainer runs it.
+- context for 8B QLoRA: 88.0-105.4 s (target 90 s: met once in two runs).
+`from trl import SFTConfig` alone takes 7.7 s of each Trainer call here (peft, bitsandbytes and torchao it imports).
+
 Results (benchmarks/results/planning_speed.json), 2026-11-28 14:03-14:14 UTC, this 2-core machine nearly idle
 (1-minute load 1.1-1.4: an editor and a shell beside it), every call whole, imports included (`from trl import
 SFTConfig` alone takes about 7.8 s of them):
