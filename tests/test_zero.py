@@ -169,6 +169,30 @@ def test_zero_engine_applies_the_recipe_and_measure_step_reads_its_buffers():
         assert got["peak"] >= 4 * zero.DEFAULT_BUCKET_ELEMENTS  # the reduce bucket, whatever the model's size
 
 
+_SHM_SCRIPT = r"""
+import sys
+from colab_memopt.techniques import lomo, zero
+lomo._ensure_process_group()  # a process group started before DeepSpeed's (LOMO's fp16 loss scaler starts one)
+zero.init_distributed()
+print("RESULT", sys.modules["deepspeed.comm.torch"].build_shm_op())
+"""
+
+
+def test_deepspeeds_cpu_only_comm_op_is_not_built_where_a_process_group_came_first():
+    """DeepSpeed compiles a shared-memory all-reduce op for its CPU accelerator (30-50 s on 2 cores; a CUDA machine has
+    no such op) when its comm starts. init_distributed skipped it only where it started the group itself: after LOMO's
+    group, DeepSpeed's comm started later (at its engine, or at TrainingArguments(deepspeed=...)) and compiled it. In
+    a fresh process: the process group must not leak into other tests."""
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run([sys.executable, "-c", _SHM_SCRIPT], capture_output=True, text=True, env=env, cwd=root,
+                         timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split("RESULT", 1)[1].split() == ["None"], run.stdout[-500:]
+
+
 def test_a_lock_left_by_a_cut_short_op_build_is_removed_and_a_fresh_one_kept(tmp_path, monkeypatch):
     """A cpu_adam build killed part-way (a restarted runtime) leaves `lock` in its build folder, and torch's loader
     waits on it without a limit: notebook 10 hung on one here. A leftover is removed, naming it; a build in progress

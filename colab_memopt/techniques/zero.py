@@ -215,13 +215,13 @@ def init_distributed(rank: int = 0, world_size: int = 1, port: int | None = None
         import deepspeed
     import torch.distributed as dist
 
+    _skip_shm_comm_op()  # also where the group exists: DeepSpeed's comm still starts on it, at its engine's first use
     if dist.is_initialized():  # started by someone else (LOMO's fp16 scaler): DeepSpeed's engine still reads these
         for key, value in (("RANK", dist.get_rank()), ("WORLD_SIZE", dist.get_world_size()), ("LOCAL_RANK", dist.get_rank())):
             os.environ.setdefault(key, str(value))
         return
     os.environ.update(MASTER_ADDR=LOOPBACK, MASTER_PORT=str(port or free_port()), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
-    _skip_shm_comm_op()
     backend = "gloo" if not torch.cuda.is_available() or world_size > torch.cuda.device_count() else "nccl"
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
 
