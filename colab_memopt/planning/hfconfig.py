@@ -688,7 +688,7 @@ def save_example_chat_model(family: str, folder: str | Any, *, max_shard_size: s
     from colab_memopt.training.saving import save_random_model
 
     folder = Path(folder)
-    # A token for every id of the model's 128: ids 3-31 as letters (À to Ü), so no id decodes to nothing
+    # A token for every id of the model's 128: ids 3-31 as the Latin-1 characters À to Ü, so no id decodes to nothing
     vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2, **{chr(0xC0 + i - 3): i for i in range(3, 32)},
              **{chr(i): i for i in range(32, 127)}, "\n": 127}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
