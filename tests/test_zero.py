@@ -186,7 +186,9 @@ def test_deepspeeds_cpu_only_comm_op_is_not_built_where_a_process_group_came_fir
     import subprocess
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    # without the rank variables an earlier test's init_distributed left here (its group holds MASTER_PORT)
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["PYTHONPATH"] = os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])
     run = subprocess.run([sys.executable, "-c", _SHM_SCRIPT], capture_output=True, text=True, env=env, cwd=root,
                          timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
