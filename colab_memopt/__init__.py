@@ -78,10 +78,9 @@ def _import(path: str) -> types.ModuleType:
     that imports transformers, peft or TRL would otherwise print torchao's and torch's notes on first use."""
     if path in sys.modules:
         return sys.modules[path]
-    from colab_memopt.core.console import quiet
+    from colab_memopt.core.console import import_quietly
 
-    with quiet():
-        return importlib.import_module(path)
+    return import_quietly(path)
 
 
 def __getattr__(name: str) -> object:

@@ -201,16 +201,6 @@ def test_the_snippets_run_with_the_pinned_stack(path, tiny_checkpoint, tmp_path,
 
     monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", classmethod(from_pretrained))
     monkeypatch.chdir(tmp_path)  # output_dir="out" lands here
-    if any("deepspeed" in code for code in _snippets(path)):
-        # DeepSpeed compiles a shared-memory all-reduce op for its CPU accelerator only (a CUDA machine has no such op)
-        # when its comm starts: where an earlier test of this process left RANK, WORLD_SIZE and LOCAL_RANK in the
-        # environment (zero.init_distributed sets them, as DeepSpeed's engine needs), TrainingArguments(deepspeed=...)
-        # starts it (51 s of compiling, in two of three runs of the suite). As on Colab's GPU: no such op.
-        import sys
-
-        with cm.quiet():
-            import deepspeed.comm.torch  # noqa: F401 - its module (deepspeed.comm's `torch` is torch itself)
-        monkeypatch.setattr(sys.modules["deepspeed.comm.torch"], "build_shm_op", lambda: None)
     environ = dict(os.environ)
     for i, code in enumerate(_snippets(path)):
         name = f"{path.name} snippet {i}"

@@ -22,9 +22,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from colab_memopt.core.console import import_quietly
 import torch
 from torch import nn
+
+from colab_memopt.core.console import import_quietly
 
 from colab_memopt.techniques.lomo import LOMO_OPTIMIZERS
 from colab_memopt.techniques.lowstate import LOW_STATE_OPTIMIZERS, make_low_state_optimizer

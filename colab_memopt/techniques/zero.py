@@ -25,7 +25,7 @@ import torch
 from colab_memopt.core import ranks
 from colab_memopt.core.ranks import LOOPBACK, free_port
 from colab_memopt.core.measure import iter_tensors
-from colab_memopt.core.console import quiet
+from colab_memopt.core.console import import_quietly, quiet
 
 ZERO_STAGES = (0, 1, 2, 3)
 # DeepSpeed's reduce / all-gather bucket (elements) in `deepspeed_config`: the engine holds one flat buffer of
@@ -201,12 +201,8 @@ def validate_config(config: dict[str, Any]) -> None:
 def _skip_shm_comm_op() -> None:
     # DeepSpeed builds a shared-memory all-reduce op at every init on its CPU accelerator (about 30-55 s
     # cold). Only inference_all_reduce uses it; training collectives go through gloo. Skip the build.
-    import sys
-
-    with quiet():  # the library's import notes (torchao's, DeepSpeed's): nothing about this run
-        import deepspeed.comm.torch  # noqa: F401 - loads the module patched below
-
-    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
+    # the module itself (deepspeed.comm's attribute `torch` is torch), imported with its notes hidden
+    import_quietly("deepspeed.comm.torch").build_shm_op = lambda: None
 
 
 def init_distributed(rank: int = 0, world_size: int = 1, port: int | None = None) -> None:
