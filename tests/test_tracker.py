@@ -1,5 +1,7 @@
 """Pins on the private MemTracker API the adapter relies on: an upgrade that changes it fails here."""
 
+import os
+
 import torch
 from torch import nn
 
@@ -151,3 +153,35 @@ def test_the_tracker_counts_in_op_buffers_only_when_asked():
     counted = step(TensorTracker(in_op_buffers=True))
     assert aten_calls == [0, 1]  # softmax's backward: grad * output, 8 x 64 fp32
     assert counted - plain == 8 * 64 * 4
+
+
+def test_the_trace_modes_dispatch_without_torchs_dynamo_wrapper():
+    """torch 2.13 wraps each dispatch mode's __torch_dispatch__ in torch._disable_dynamo (two more Python frames per
+    operation and mode, 10-18% of a plan's time): the tracker, the live-bytes mode, the Trainer trace's scalar mode and
+    the planning fake-tensor mode opt out and run the methods as written, and the planning mode is a FakeTensorMode."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from colab_memopt.core.tracker import LiveBytesMode, TensorTracker, fake_tensor_mode, unwrapped_dispatch
+    from colab_memopt.planning.trainertrace import _ScalarMode
+
+    def dynamo_wrapped(method: object) -> bool:  # torch._disable_dynamo's `inner`, defined in torch/_compile.py
+        return method.__code__.co_filename.endswith(os.path.join("torch", "_compile.py"))
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    wraps = getattr(TorchDispatchMode, "_should_skip_dynamo", lambda: False)()  # torch >= 2.13
+    assert dynamo_wrapped(MemTracker.__torch_dispatch__) == wraps  # what the opt-out is for
+    for cls in (TensorTracker, LiveBytesMode, _ScalarMode, type(fake_tensor_mode())):
+        assert not dynamo_wrapped(cls.__torch_dispatch__), cls
+    mode = fake_tensor_mode()
+    assert isinstance(mode, FakeTensorMode)
+    assert type(mode).__torch_dispatch__ is unwrapped_dispatch(FakeTensorMode)
+    assert unwrapped_dispatch(MemTracker) is getattr(MemTracker.__torch_dispatch__, "__wrapped__", MemTracker.__torch_dispatch__)
+    with mode:  # a plain fake step under it, counted by the tracker
+        x = torch.empty(256, 256, requires_grad=True)
+        tracker = TensorTracker(device=torch.device("cpu"))
+        tracker.track_external(x)
+        with tracker:
+            (x * 2).sum().backward()
+    assert tracker.peak_bytes >= 2 * 256 * 256 * 4

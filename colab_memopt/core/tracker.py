@@ -32,6 +32,7 @@ after an error, which would make an emulated OOM leak; `LiveBytesMode` has no su
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 import weakref
 from typing import Any
@@ -88,7 +89,49 @@ _NO_HOOK = _NoHook()
 _DEVICE_QUERY = torch.ops.prim.device.default
 
 
-class TensorTracker(MemTracker):
+# torch 2.13 wraps every dispatch mode's `__torch_dispatch__` in `torch._disable_dynamo` when its class is made
+# (TorchDispatchMode.__init_subclass__, "a temporary measure to roll out" skipping torch.compile inside those frames):
+# each operation then passes through two more Python frames per mode, which set and reset Dynamo's frame hook. A trace
+# runs every operation through three or four modes (this tracker, MemTracker, the fake-tensor mode, the Trainer trace's
+# scalar answers), and the wrappers were 10-18% of a plan's time. Nothing compiles inside a trace or a measured step,
+# and torch up to 2.12 (Colab's among them) calls these methods unwrapped: the modes here opt out
+# (`_should_skip_dynamo`, torch's own switch for it) and call the methods they build on unwrapped.
+class NoDynamoWrap:
+    """Mixin for a dispatch mode class: its `__torch_dispatch__` is left as written (see above)."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False
+
+
+def unwrapped_dispatch(cls: type) -> Any:
+    """Return `cls.__torch_dispatch__` as its class wrote it (without torch 2.13's Dynamo wrapper, if it has one)."""
+    method = cls.__dict__["__torch_dispatch__"]
+    return getattr(method, "__wrapped__", method)
+
+
+_MEMTRACKER_DISPATCH = unwrapped_dispatch(MemTracker)
+
+
+def fake_tensor_mode(**kwargs: Any) -> Any:
+    """Return a `FakeTensorMode(**kwargs)` whose operations skip torch 2.13's Dynamo wrapper (see above): the mode
+    every plan traces under."""
+    return _fake_mode_class()(**kwargs)
+
+
+@functools.cache
+def _fake_mode_class() -> type:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    class PlanningFakeTensorMode(NoDynamoWrap, FakeTensorMode):
+        """FakeTensorMode, its operations dispatched without torch 2.13's Dynamo wrapper."""
+
+        __torch_dispatch__ = unwrapped_dispatch(FakeTensorMode)
+
+    return PlanningFakeTensorMode
+
+
+class TensorTracker(NoDynamoWrap, MemTracker):
     """Track live tensor storage by category and by phase of the step.
 
     Args:
@@ -306,7 +349,7 @@ class TensorTracker(MemTracker):
         self._casting_param = func is torch.ops.aten._to_copy.default and bool(args) and self._is_parameter(args[0])
         self._func = func
         try:
-            out = super().__torch_dispatch__(func, types, args, kwargs)
+            out = _MEMTRACKER_DISPATCH(self, func, types, args, kwargs)
         finally:
             self._casting_param = False
         if self.in_op_buffers and func in IN_OP_BUFFER_OPS:
@@ -431,7 +474,7 @@ def _storage_bytes(storage: torch.UntypedStorage, device: torch.device) -> int:
     return _cuda_rounded(nbytes) if device.type == "cuda" else nbytes
 
 
-class LiveBytesMode(TorchDispatchMode):
+class LiveBytesMode(NoDynamoWrap, TorchDispatchMode):
     """Count the live bytes of tensor storage and raise `torch.OutOfMemoryError` past a limit.
 
     Counts storages made by operations inside the mode and those registered with `track`; each

@@ -25,7 +25,7 @@ from colab_memopt.techniques.attention import traced_attention
 from colab_memopt.techniques.checkpointing import INTERVAL_PITFALL_PATTERN
 from colab_memopt.techniques.loss import first_rounds_traced
 from colab_memopt.training.recipe import Recipe
-from colab_memopt.core.tracker import PHASES, TensorTracker
+from colab_memopt.core.tracker import PHASES, TensorTracker, fake_tensor_mode
 from colab_memopt.training.train import make_train_step
 from colab_memopt.planning.cudapaths import cuda_autocast_policy
 from colab_memopt.planning.quantized import _fake_safe_bitsandbytes, _int8_as_on_cuda
@@ -348,11 +348,10 @@ class _Tracer:
     def __init__(self, model_factory: Callable[[], nn.Module], recipe: Recipe, seq_len: int, *, cuda_rounding: bool, batch: int = 1,
                  optimizer_impl: str = "single-tensor", capability: tuple[int, int] | None = None,
                  units_of: Callable[[nn.Module], dict[int, int]] | None = None) -> None:
-        from torch._subclasses.fake_tensor import FakeTensorMode
         from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
         # allow_scalar_outputs: `loss.item()` in the step returns a symbolic float instead of failing.
-        self.mode = FakeTensorMode(shape_env=ShapeEnv(allow_scalar_outputs=True))
+        self.mode = fake_tensor_mode(shape_env=ShapeEnv(allow_scalar_outputs=True))
         self.seq_len = seq_len
         self.recipe = recipe
         self.cuda_rounding = cuda_rounding

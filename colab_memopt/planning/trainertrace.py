@@ -29,10 +29,10 @@ from colab_memopt.planning.targets import Target
 from colab_memopt.planning.hfconfig import OPTIM_TO_RECIPE, packed_rows_note
 from colab_memopt.training.recipe import Recipe
 from colab_memopt.core.console import import_quietly
-from colab_memopt.core.tracker import PHASES, TensorTracker, tensors_bytes
+from colab_memopt.core.tracker import PHASES, NoDynamoWrap, TensorTracker, fake_tensor_mode, tensors_bytes
 
 
-class _ScalarMode(torch.utils._python_dispatch.TorchDispatchMode):
+class _ScalarMode(NoDynamoWrap, torch.utils._python_dispatch.TorchDispatchMode):
     """Answer `.item()` / `bool()` of a fake tensor with 1, so that the Trainer's metrics and branches on a
     value (`if num_valid > 0`, `loss.item()`) run; the bytes of a step do not depend on those values."""
 
@@ -420,11 +420,10 @@ def _run_optimizer(trainer: Any, model: Any, given: Any, names: dict[int, str], 
 
 
 def _new_mode() -> Any:
-    from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
     # allow_scalar_outputs: `.item()` gives a symbol (then `_ScalarMode` a value); real inputs become fake
-    return FakeTensorMode(shape_env=ShapeEnv(allow_scalar_outputs=True), allow_non_fake_inputs=True)
+    return fake_tensor_mode(shape_env=ShapeEnv(allow_scalar_outputs=True), allow_non_fake_inputs=True)
 
 
 def _prefer_impl(optimizer: Any, cuda: bool) -> None:

@@ -733,14 +733,12 @@ def traced_loss_bytes(tokens: int, vocab: int, hidden: int, *, chunk_tokens: int
     Example:
         >>> traced_loss_bytes(8192, 256000, 2304)["transient_bytes"]  # Gemma-2-2B's head at 8K tokens
     """
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from colab_memopt.core.tracker import TensorTracker
+    from colab_memopt.core.tracker import TensorTracker, fake_tensor_mode
 
     for name, value in (("tokens", tokens), ("vocab", vocab), ("hidden", hidden)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-    with FakeTensorMode():
+    with fake_tensor_mode():
         h = torch.empty(tokens, hidden, dtype=dtype, requires_grad=True)
         w = torch.empty(vocab, hidden, dtype=dtype, requires_grad=not frozen_head)
         y = torch.zeros(tokens, dtype=torch.long)
