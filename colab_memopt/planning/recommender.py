@@ -577,39 +577,37 @@ def _recommend_mode(
                 passed_over += 1
                 continue
             say(f"{_MODE_WORDS.get(mode, mode)}: plan {planned + 1} of at most {min(max_plans, len(passed))}: {c.name}")
-            try:
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")  # the plan keeps its own warnings
-                    c.plan = plan(factory if callable(model) else model, batch, seq_len=seq_len, recipe=c.recipe,
-                                  target=tgt, headroom=headroom, find_max_batch=False, method=method)
-            except Exception as exc:  # noqa: BLE001 - method='trace' skips what cannot be traced, and says so
-                if method != "trace":
-                    raise
-                reasoning.append(f"skipped {c.name}: cannot be traced ({type(exc).__name__}) and method='trace'")
-                continue
+            # What is printed is SFTConfig / LoraConfig / BitsAndBytesConfig: where those settings say the whole
+            # recipe, it is planned as the SFTTrainer runs them (its loss, its metrics on the logits, its dtype rules)
+            # and answered with that plan; colab_memopt's own loop plans it where they cannot (one trace either way:
+            # the loop's plan first and the Trainer's after it traced the answer twice).
+            as_trainer, why_not = (_trainer_plan(trainer_model, c.recipe, batch, seq_len, tgt, headroom)
+                                   if trainer_model is not None and method != "analytic" else (None, ""))
+            if as_trainer is not None:
+                c.plan, c.as_trainer = as_trainer, True
+            else:
+                if why_not:
+                    reasoning.append(f"{c.name}: its printed settings {why_not}: planned in colab_memopt's own loop")
+                try:
+                    with warnings.catch_warnings():
+                        warnings.simplefilter("ignore")  # the plan keeps its own warnings
+                        c.plan = plan(factory if callable(model) else model, batch, seq_len=seq_len, recipe=c.recipe,
+                                      target=tgt, headroom=headroom, find_max_batch=False, method=method)
+                except Exception as exc:  # noqa: BLE001 - method='trace' skips what cannot be traced, and says so
+                    if method != "trace":
+                        raise
+                    reasoning.append(f"skipped {c.name}: cannot be traced ({type(exc).__name__}) and method='trace'")
+                    continue
             planned += 1
             short = [] if c.plan.fits_device else [f"short by {format_bytes(c.short_bytes)}"]
             if not c.plan.fits_host:
                 short.append(f"host RAM {format_bytes(c.plan.host_need_bytes)} over {format_bytes(c.plan.host_limit_bytes)}")
-            reasoning.append(f"planned {c.name}: need {format_bytes(c.plan.device_need_bytes)} ({c.plan.method}) -> "
+            how = "as the SFTTrainer runs its printed settings, plan_trainer" if c.as_trainer else c.plan.method
+            reasoning.append(f"planned {c.name}: need {format_bytes(c.plan.device_need_bytes)} ({how}) -> "
                              + ("fits" if c.plan.fits else ", ".join(short)))
             if method != "analytic" and c.plan.method == "analytic":
                 why = next((w for w in c.plan.warnings if "analytic estimate" in w), "the step was not traced")
                 reasoning.append(f"  fell back from the trace to the analytic estimate: {why}")
-            if c.plan.fits and trainer_model is not None and c.plan.method == "trace":
-                # What is printed is SFTConfig / LoraConfig / BitsAndBytesConfig: plan those as the SFTTrainer runs
-                # them (its loss, its metrics on the logits, its dtype rules), and answer with that plan.
-                say(f"{_MODE_WORDS.get(mode, mode)}: plan {planned} as your SFTTrainer runs it: {c.name}")
-                loop_need = c.plan.device_need_bytes
-                as_trainer, why_not = _trainer_plan(trainer_model, c.recipe, batch, seq_len, tgt, headroom)
-                if as_trainer is None:
-                    reasoning.append(f"  its printed settings {why_not}: the plan above stands")
-                else:
-                    c.plan, c.as_trainer = as_trainer, True
-                    reasoning.append(f"  its printed settings, planned as the SFTTrainer runs them (plan_trainer): need "
-                                     f"{format_bytes(c.plan.device_need_bytes)} (colab_memopt's own loop: "
-                                     f"{format_bytes(loop_need)}) -> " + ("fits" if c.plan.fits else
-                                                                          f"short by {format_bytes(c.short_bytes)}"))
             if c.plan.fits:
                 found = c
                 break
