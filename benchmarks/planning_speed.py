@@ -8,6 +8,17 @@ of the child, `resource.getrusage(RUSAGE_CHILDREN)`), the 1-minute load average 
 it printed on stderr, and the bytes it planned (the device need of its answer). The machine may be shared: the wall
 time then says little, the CPU time is the figure to compare; the load average says how shared it was.
 
+Again on 2026-11-29, 04:40-05:00 UTC (the same AMD EPYC, load 1.0-1.6, a calibration loop within 5% of 01:00's): the trace
+modes now dispatch without torch 2.13's Dynamo wrapper (10-18% of a plan's CPU time; tree 2580d16), and recommend
+plans each candidate once, as the SFTTrainer runs its printed settings (tree 0b780bd):
+- plan_trainer, 8B QLoRA: 12.1 s (target 10 s: not met; `from trl import SFTConfig`, which the user's script runs
+  itself, is 7.7 s of it).
+- fit_trainer on notebook 19's draft: 21.2 s; on the 8B QLoRA first draft 22.4 s (target 30 s: met).
+- doctor, 8B QLoRA recipe: 9.8 s (target 10 s: met).
+- recommend for llama-3.2-3b: 35.2 s (63.6 s before the change, in the same hour; target 30 s: not met). It now
+  answers with every-8th-layer checkpointing, which fits as the SFTTrainer runs it (13.58 of 13.83 GiB usable); the
+  loop's own plan of it (whole logits, no fused head) did not fit, so every 4th layer was checkpointed before.
+
 Results on 2026-11-29 (tree e0d75e1; another machine: an AMD EPYC with 2 cores, about twice as fast as the one of
 2026-11-28 below; each row now names its processor and commit). The same calls, minutes apart, with nothing else
 running (load 0.8-1.0), differed by up to 60%: the figures are ranges over the runs of 01:18-02:00 UTC.
