@@ -423,8 +423,8 @@ def llama_folder(tmp_path_factory):
 @pytest.mark.parametrize("family_mode", ["llama-full", "llama-lora", "llama-qlora", "qwen2-lora", "gpt2-full"])
 def test_every_printed_setting_applied_as_printed_plans_to_the_printed_need(tmp_path_factory, llama_folder, family_mode):
     """Issue 46: the SFTConfig, LoraConfig and BitsAndBytesConfig recommend prints, run as printed and planned with
-    plan_trainer, need what recommend printed (within 1%; the printout rounds to 0.01 MiB). recommend plans its
-    own loop first; SFTTrainer's step holds more (its loss and the metrics it computes from the logits)."""
+    plan_trainer, need what recommend printed (within 1%; the printout rounds to 0.01 MiB): recommend plans each
+    candidate as the SFTTrainer runs its printed settings, and answers with that plan."""
     from colab_memopt.planning.hfconfig import read_training_config
 
     pytest.importorskip("trl")

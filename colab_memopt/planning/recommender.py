@@ -676,7 +676,7 @@ def _trainer_plan(model: Any, recipe: Recipe, batch: int, seq_len: int, target: 
                   headroom: float) -> tuple[Plan | None, str]:
     """Return (the plan of `recipe`'s printed settings as TRL's SFTTrainer runs them, ''): `plan_trainer` on the
     SFTConfig, LoraConfig and BitsAndBytesConfig `recommend` prints; or (None, why not) where those settings cannot
-    say the whole recipe, need a package to install first, or cannot be planned (the loop's plan then stands)."""
+    say the whole recipe, need a package to install first, or cannot be planned (colab_memopt's own loop then plans it)."""
     from colab_memopt.planning.hfconfig import read_training_config
     from colab_memopt.planning.trainer import plan_trainer
 
@@ -691,7 +691,7 @@ def _trainer_plan(model: Any, recipe: Recipe, batch: int, seq_len: int, target: 
             config = read_training_config(dict(settings["training_args"]), lora=settings["lora"], bnb=settings["bnb"])
             return plan_trainer(config.args, model=model, lora=config.lora, bnb=config.bnb, target=target,
                                 headroom=headroom), ""
-    except Exception as exc:  # noqa: BLE001 - the loop's plan stands, and the reasoning says why
+    except Exception as exc:  # noqa: BLE001 - the loop plans it, and the reasoning says why
         return None, (f"could not be planned as the SFTTrainer runs them "
                       f"({type(exc).__name__}: {' '.join(str(exc).split())[:200]})")
 
