@@ -185,3 +185,33 @@ def test_the_trace_modes_dispatch_without_torchs_dynamo_wrapper():
         with tracker:
             (x * 2).sum().backward()
     assert tracker.peak_bytes >= 2 * 256 * 256 * 4
+
+
+def test_the_lean_dispatch_keeps_memtrackers_books(monkeypatch):
+    """TensorTracker runs MemTracker's per-operation bookkeeping itself, with less Python (`_dispatch_tracked`): on a
+    real and on a fake step with checkpointing, both ways give the same peaks, categories and timeline. A torch
+    whose MemTracker keeps other books fails here."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import colab_memopt.core.tracker as tr
+
+    def books(lean: bool, fake: bool) -> tuple:
+        monkeypatch.setattr(tr, "_LEAN_DISPATCH", lean)
+        torch.manual_seed(0)
+        with FakeTensorMode() if fake else torch.device("cpu"):
+            model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+            x = torch.randn(32, 64)
+            opt = torch.optim.AdamW(model.parameters())
+            tracker = TensorTracker(device=torch.device("cpu"), units={id(model[0]): 0, id(model[2]): 1})
+            tracker.track_external(model, opt, x)
+            with tracker:
+                y = torch.utils.checkpoint.checkpoint(model, x, use_reentrant=False)
+                y.square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+        timeline = [(ph, unit, str(func), cats) for ph, unit, func, cats in tracker.timeline]
+        return (tracker.peak_bytes, tracker.peak_categories, tracker.phase_peaks, tracker.category_peaks, timeline)
+
+    for fake in (False, True):
+        lean, theirs = books(True, fake), books(False, fake)
+        assert lean == theirs and lean[0] > 0, fake
