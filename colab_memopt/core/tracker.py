@@ -32,7 +32,6 @@ after an error, which would make an emulated OOM leak; `LiveBytesMode` has no su
 from __future__ import annotations
 
 import contextlib
-import functools
 import warnings
 import weakref
 from typing import Any
@@ -126,22 +125,15 @@ def _active_fake_mode() -> Any:
     return None
 
 
-def fake_tensor_mode(**kwargs: Any) -> Any:
-    """Return a `FakeTensorMode(**kwargs)` whose operations skip torch 2.13's Dynamo wrapper (see above): the mode
-    every plan traces under."""
-    return _fake_mode_class()(**kwargs)
+class PlanningFakeTensorMode(NoDynamoWrap, _FakeTensorMode):
+    """FakeTensorMode, its operations dispatched without torch 2.13's Dynamo wrapper (see above)."""
+
+    __torch_dispatch__ = unwrapped_dispatch(_FakeTensorMode)
 
 
-@functools.cache
-def _fake_mode_class() -> type:
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    class PlanningFakeTensorMode(NoDynamoWrap, FakeTensorMode):
-        """FakeTensorMode, its operations dispatched without torch 2.13's Dynamo wrapper."""
-
-        __torch_dispatch__ = unwrapped_dispatch(FakeTensorMode)
-
-    return PlanningFakeTensorMode
+def fake_tensor_mode(**kwargs: Any) -> PlanningFakeTensorMode:
+    """Return the fake-tensor mode every plan traces under: `FakeTensorMode(**kwargs)`, without the Dynamo wrapper."""
+    return PlanningFakeTensorMode(**kwargs)
 
 
 class TensorTracker(NoDynamoWrap, MemTracker):
