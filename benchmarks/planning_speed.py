@@ -8,7 +8,7 @@ of the child, `resource.getrusage(RUSAGE_CHILDREN)`), the 1-minute load average 
 it printed on stderr, and the bytes it planned (the device need of its answer). The machine may be shared: the wall
 time then says little, the CPU time is the figure to compare; the load average says how shared it was.
 
-Again on 2026-11-29, 04:40-05:00 UTC (the same AMD EPYC, load 1.0-1.6, a calibration loop within 5% of 01:00's): the trace
+Again on 2026-11-29, 04:25-04:33 UTC (the same AMD EPYC, load 1.1-1.6): the trace
 modes now dispatch without torch 2.13's Dynamo wrapper (10-18% of a plan's CPU time; tree 2580d16), and recommend
 plans each candidate once, as the SFTTrainer runs its printed settings (tree 0b780bd):
 - plan_trainer, 8B QLoRA: 12.1 s (target 10 s: not met; `from trl import SFTConfig`, which the user's script runs

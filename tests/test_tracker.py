@@ -195,8 +195,11 @@ def test_the_lean_dispatch_keeps_memtrackers_books(monkeypatch):
 
     import colab_memopt.core.tracker as tr
 
+    lean_dispatch = TensorTracker._dispatch_tracked
+    memtrackers = tr.unwrapped_dispatch(tr.MemTracker)
+
     def books(lean: bool, fake: bool) -> tuple:
-        monkeypatch.setattr(tr, "_LEAN_DISPATCH", lean)
+        monkeypatch.setattr(TensorTracker, "_dispatch_tracked", lean_dispatch if lean else memtrackers)
         torch.manual_seed(0)
         with FakeTensorMode() if fake else torch.device("cpu"):
             model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))

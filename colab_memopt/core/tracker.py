@@ -37,10 +37,11 @@ import weakref
 from typing import Any
 
 import torch
+from torch._guards import active_fake_mode
 from torch.distributed._tools import mem_tracker as _mt
 from torch._subclasses.fake_tensor import FakeTensorMode as _FakeTensorMode
 from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType, _ModState, _WeakRefInfo
-from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map_only
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -110,19 +111,8 @@ def unwrapped_dispatch(cls: type) -> Any:
     return getattr(method, "__wrapped__", method)
 
 
-_MEMTRACKER_DISPATCH = unwrapped_dispatch(MemTracker)
-_LEAN_DISPATCH = True
 _DTENSOR = _mt.DTensor
 _WAIT_TENSOR = torch.ops._c10d_functional.wait_tensor.default
-
-
-def _active_fake_mode() -> Any:
-    """torch._guards.active_fake_mode (torch 2.13) without its imports per call: the innermost fake-tensor mode on the
-    dispatch mode stack, or None."""
-    for mode in reversed(_get_current_dispatch_mode_stack()):
-        if isinstance(mode, _FakeTensorMode):
-            return mode
-    return None
 
 
 class PlanningFakeTensorMode(NoDynamoWrap, _FakeTensorMode):
@@ -367,17 +357,14 @@ class TensorTracker(NoDynamoWrap, MemTracker):
 
     def _dispatch_tracked(self, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
         """MemTracker's `__torch_dispatch__` (torch 2.13) with less Python per operation, the same bookkeeping: each
-        output tensor tracked without rebuilding the output's tree (`tree_map_only`), the active fake mode found
-        without importing per call."""
-        if _LEAN_DISPATCH is False:
-            return _MEMTRACKER_DISPATCH(self, func, types, args, kwargs)
+        output tensor tracked without rebuilding the output's tree (`tree_map_only`)."""
         if any(t is _DTENSOR for t in types):
             return NotImplemented
-        if func is _WAIT_TENSOR and _active_fake_mode() is not None:
+        if func is _WAIT_TENSOR and active_fake_mode() is not None:
             res = args[0]
         else:
             res = func(*args, **(kwargs or {}))
-        if _active_fake_mode() is self._fake_mode_on_entry:
+        if active_fake_mode() is self._fake_mode_on_entry:
             in_bw = self._mod_tracker.is_bw
             if self._in_opt:
                 reftype = _MemRefType.OPT

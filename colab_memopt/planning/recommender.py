@@ -579,8 +579,7 @@ def _recommend_mode(
             say(f"{_MODE_WORDS.get(mode, mode)}: plan {planned + 1} of at most {min(max_plans, len(passed))}: {c.name}")
             # What is printed is SFTConfig / LoraConfig / BitsAndBytesConfig: where those settings say the whole
             # recipe, it is planned as the SFTTrainer runs them (its loss, its metrics on the logits, its dtype rules)
-            # and answered with that plan; colab_memopt's own loop plans it where they cannot (one trace either way:
-            # the loop's plan first and the Trainer's after it traced the answer twice).
+            # and answered with that plan; colab_memopt's own loop plans it where they cannot. One plan per candidate.
             as_trainer, why_not = (_trainer_plan(trainer_model, c.recipe, batch, seq_len, tgt, headroom)
                                    if trainer_model is not None and method != "analytic" else (None, ""))
             if as_trainer is not None:
