@@ -218,3 +218,71 @@ def test_the_lean_dispatch_keeps_memtrackers_books(monkeypatch):
     for fake in (False, True):
         lean, theirs = books(True, fake), books(False, fake)
         assert lean == theirs and lean[0] > 0, fake
+
+
+def _lora_like_step(tracker_cls):
+    """A step as LoRA with checkpointing runs it: a frozen embedding whose output a forward hook makes a leaf that needs
+    a gradient (peft's `enable_input_require_grads`), a block checkpointed without reentrance, a trainable adapter.
+    Return whether the embedding's output is still alive after the step (and a collection)."""
+    import gc
+    import weakref
+
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    emb = nn.Embedding(16, 8)
+    emb.weight.requires_grad_(False)
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.base, self.adapter = nn.Linear(8, 8), nn.Linear(8, 8)
+            self.base.requires_grad_(False)
+
+        def forward(self, x):
+            return self.base(x) + self.adapter(x)
+
+    block = Block()
+    emb.register_forward_hook(lambda module, args, out: out.requires_grad_(True))
+    outputs = []
+    emb.register_forward_hook(lambda module, args, out: outputs.append(weakref.ref(out)))
+    tracker = tracker_cls()
+    with tracker:
+        checkpoint(block, emb(torch.tensor([[1, 2, 3]])), use_reentrant=False).sum().backward()
+    gc.collect()
+    return outputs[0]() is not None, tracker
+
+
+def test_the_tracker_lets_each_steps_graph_go():
+    """torch's ModTracker hooks every module's inputs and the hook holds their autograd nodes: a cycle through C++ that
+    kept the step's graph, and the embedding output LoRA with checkpointing makes a leaf, alive for good (one hidden
+    state per step, two in a plan that traced two micro-batches). The tracker's module hooks let them go."""
+    from torch.distributed._tools.mod_tracker import ModTracker
+
+    kept, _ = _lora_like_step(ModTracker)
+    assert kept  # torch's own module tracker: the cycle this guards against (if torch fixes it, this line says so)
+    kept, tracker = _lora_like_step(TensorTracker)
+    assert not kept
+    assert tracker._mod_tracker.parents == {"Global"}  # every module left forward and backward
+
+
+def test_the_all_gradients_hook_calls_as_torchs_does():
+    """`_all_grads_hook` against torch's `register_multi_grad_hook` (its docstring's example): called once per
+    backward, after every gradient that backward computes, with None for those it does not."""
+    from torch.autograd.graph import register_multi_grad_hook
+
+    from colab_memopt.core.tracker import _all_grads_hook
+
+    def run(register):
+        a = torch.rand(2, 3, requires_grad=True)
+        b = torch.rand(2, 3, requires_grad=True)
+        c, d = a * b, a * b
+        calls = []
+        register((a, b, c, d), lambda grads: calls.append([g is not None for g in grads]))
+        c.sum().backward(retain_graph=True)
+        c.sum().backward(inputs=(a,), retain_graph=True)
+        return calls
+
+    torch_calls = run(register_multi_grad_hook)
+    assert torch_calls == [[True, True, True, False], [True, False, True, False]]
+    assert run(_all_grads_hook) == torch_calls

@@ -24,6 +24,13 @@ With `units` (each repeated block's module and its unit's index: `planning.stack
 timeline: after every operation that changes the live bytes, the phase, the unit whose forward or backward runs, the
 operation and the live bytes per category (`timeline`), which a trace of a few blocks extrapolates to the whole stack.
 
+MemTracker's module tracker (`ModTracker`) also keeps each step's autograd graph alive for good: the hook it puts on
+every module's inputs (`register_multi_grad_hook`) holds their autograd nodes, the nodes hold the hook, and the cycle
+runs through autograd's C++, where Python's collector cannot see it. What the graph still holds after backward stays:
+with LoRA and checkpointing, the embedding's output that peft's `enable_input_require_grads` makes a leaf (one hidden
+state per step, and two in a plan that traced two micro-batches, where the run itself frees it in backward).
+`TensorTracker` uses `_AcyclicModTracker`, whose hook lets the nodes go once it has counted them.
+
 `LiveBytesMode` is the lean counterpart used by `MemoryBudget`: live bytes only, no module hooks.
 MemTracker's module hooks (`register_multi_grad_hook`) keep an aborted forward's activations alive
 after an error, which would make an emulated OOM leak; `LiveBytesMode` has no such hooks.
@@ -32,6 +39,7 @@ after an error, which would make an emulated OOM leak; `LiveBytesMode` has no su
 from __future__ import annotations
 
 import contextlib
+import threading
 import warnings
 import weakref
 from typing import Any
@@ -40,7 +48,9 @@ import torch
 from torch._guards import active_fake_mode
 from torch.distributed._tools import mem_tracker as _mt
 from torch._subclasses.fake_tensor import FakeTensorMode as _FakeTensorMode
+from torch.autograd.graph import _get_grad_fn_or_grad_acc as _grad_fn_or_grad_acc
 from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType, _ModState, _WeakRefInfo
+from torch.distributed._tools.mod_tracker import ModTracker
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map_only
 from torch.utils.weak import WeakIdKeyDictionary
@@ -126,6 +136,67 @@ def fake_tensor_mode(**kwargs: Any) -> PlanningFakeTensorMode:
     return PlanningFakeTensorMode(**kwargs)
 
 
+def _all_grads_hook(tensors: list[torch.Tensor], fn: Any) -> list[Any]:
+    """`torch.autograd.graph.register_multi_grad_hook(tensors, fn)` (mode "all": `fn(grads)` once per backward, after
+    every gradient of `tensors` that the backward computes, None for the others), without its reference cycle: torch's
+    hook keeps the tensors' autograd nodes for good, and each node holds the graph below it. This one counts the
+    gradients the first backward computes from the nodes on its first call, and lets the nodes go; a later backward
+    through the same graph (`retain_graph`) gets `fn` at its end. Return the handles (one per tensor)."""
+    lock = threading.Lock()
+    nodes: list[Any] | None = [_grad_fn_or_grad_acc(t) for t in tensors]
+    n_tensors = len(tensors)  # the hooks hold no tensor: one on `t` holding `t` is a cycle too
+    first: list[int] = []  # the first backward's id, and the gradients it computes
+    count: dict[int, int] = {}
+    buffer: dict[int, list[torch.Tensor | None]] = {}
+
+    def flush(task: int) -> None:
+        with lock:
+            grads = buffer.pop(task, None)
+            count.pop(task, None)
+        if grads is not None:
+            fn(grads)
+
+    def hook_for(idx: int) -> Any:
+        def inner(grad: torch.Tensor) -> None:
+            nonlocal nodes
+            task = torch._C._current_graph_task_id()
+            with lock:
+                calls = count.get(task, 0)
+                count[task] = calls + 1
+                buffer.setdefault(task, [None] * n_tensors)[idx] = grad
+                if calls == 0 and nodes is not None:
+                    first[:] = [task, sum(map(torch._C._will_engine_execute_node, nodes))]
+                    nodes = None
+                elif calls == 0:  # a later backward: fn when it ends
+                    torch.autograd.Variable._execution_engine.queue_callback(lambda: flush(task))
+                done = bool(first) and task == first[0] and calls == first[1] - 1
+            if done:
+                flush(task)
+        return inner
+
+    return [t.register_hook(hook_for(i)) for i, t in enumerate(tensors)]
+
+
+class _AcyclicModTracker(ModTracker):
+    """torch's ModTracker whose forward pre-hook registers `_all_grads_hook` (see the module's docstring)."""
+
+    def _fw_pre_hook(self, mod: torch.nn.Module, input: Any) -> None:  # torch 2.13's, the hook swapped
+        if torch._dynamo.eval_frame._is_in_optimized_module():
+            return
+        name = self._get_mod_name(mod)
+        w_mod = weakref.ref(mod)
+        self._get_append_fn(w_mod, name, False)()
+        if self._user_pre_fw_hook is not None:
+            self._user_pre_fw_hook(mod, input)
+        args, _ = tree_flatten(input)
+        tensors = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+        if not self.is_bw:
+            if tensors:
+                _all_grads_hook(tensors, self._get_pop_fn(w_mod, name, True))
+            else:
+                self._post_bw_callbacks_to_enqueue.append(self._get_pop_fn(w_mod, name, True))
+
+
 class TensorTracker(NoDynamoWrap, MemTracker):
     """Track live tensor storage by category and by phase of the step.
 
@@ -143,6 +214,7 @@ class TensorTracker(NoDynamoWrap, MemTracker):
     def __init__(self, *, device: torch.device | None = None, cuda_rounding: bool = False,
                  units: dict[int, int] | None = None, in_op_buffers: bool = False) -> None:
         super().__init__()
+        self._mod_tracker = _AcyclicModTracker()
         self.in_op_buffers = in_op_buffers
         self.in_op_calls = 0  # operations whose inside buffer was counted
         self.units = units
