@@ -1,12 +1,13 @@
 """A Trainer plan costs the same whatever the counts: gradient_accumulation_steps and the largest-batch search.
 
 Issue 44 item 5 (reliability probe 4): gradient_accumulation_steps=100,000 gave no answer in 120 s, because the trace
-built one collated batch per accumulation step. Two are traced; the others' token ids are counted, not built.
+built one collated batch per accumulation step. Two are built and one is traced; the others' token ids are counted.
 """
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 pytest.importorskip("trl")
 from transformers import LlamaConfig  # noqa: E402
@@ -63,6 +64,46 @@ def test_the_counted_batches_give_the_figures_of_every_batch_built(monkeypatch, 
     monkeypatch.setattr(trainertrace, "_BUILT_BATCHES", 10**9)
     full = cm.plan_trainer(args, model=LlamaConfig(**DIMS), target="t4")
     assert _figures(fast) == _figures(full)
+
+
+@pytest.mark.parametrize("case", ["full fp16, checkpointing", "LoRA, checkpointing", "QLoRA, bf16"])
+def test_one_traced_micro_batch_gives_the_figures_of_two(monkeypatch, case):
+    """With gradient accumulation the trace runs one micro-batch, the gradients made before it, where it ran two:
+    the same figures, phase by phase and category by category, at half the tracing."""
+    from peft import LoraConfig
+    from transformers import BitsAndBytesConfig
+
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM")
+    kwargs = {
+        "full fp16, checkpointing": dict(args=sft_args(gradient_accumulation_steps=3, fp16=True, gradient_checkpointing=True)),
+        "LoRA, checkpointing": dict(args=sft_args(gradient_accumulation_steps=3, fp16=True, gradient_checkpointing=True),
+                                    lora=lora),
+        "QLoRA, bf16": dict(args=sft_args(gradient_accumulation_steps=2, bf16=True), lora=lora,
+                            bnb=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                                   bnb_4bit_compute_dtype=torch.bfloat16)),
+    }[case]
+    args = kwargs.pop("args")
+    traced = []
+    original = trainertrace.TensorTracker
+
+    class Counting(original):  # how many training steps each trace runs
+        def _pre_fw_hook(self, module, inputs):
+            if type(module).__name__ == "LlamaForCausalLM" and not self._mod_tracker.is_bw:
+                traced[-1] += 1
+            super()._pre_fw_hook(module, inputs)
+
+        def __enter__(self):
+            traced.append(0)
+            return super().__enter__()
+
+    monkeypatch.setattr(trainertrace, "TensorTracker", Counting)
+    one = cm.plan_trainer(args, model=LlamaConfig(**DIMS), target="t4", **kwargs)
+    assert set(traced) == {1}
+    traced.clear()
+    monkeypatch.setattr(trainertrace, "_TRACED_MICRO_BATCHES", 2)
+    two = cm.plan_trainer(args, model=LlamaConfig(**DIMS), target="t4", **kwargs)
+    assert set(traced) == {2}
+    assert _figures(one) == _figures(two)
 
 
 def test_the_largest_batch_search_bisects_where_the_linear_guess_is_over(monkeypatch):

@@ -298,11 +298,18 @@ def _trace_step(trainer: Any, args: Any, batch: int, seq_len: int, *, cuda: bool
                     p.grad = torch.zeros_like(p)
             optimizer.step()
             model.zero_grad()
-            # Micro-batches after the second hold what the second holds (the gradients accumulate in place): two
-            # are traced, whatever gradient_accumulation_steps is. The Trainer fetches every micro-batch of the step
-            # before the first runs (`get_batch_samples`): the ones not built here are alive all step long, a constant
-            # added to every figure below (built, 100,000 accumulation steps took minutes).
+            # The Trainer fetches every micro-batch of the step before the first runs (`get_batch_samples`): two are
+            # built, the others are alive all step long, a constant added to every figure below (built, 100,000
+            # accumulation steps took minutes). With more than one, a micro-batch after the first holds, at every
+            # moment, what the first holds and the gradients the first left (they accumulate in place), so one such
+            # micro-batch is traced, the gradients there before it starts: the step's peak at half the tracing
+            # (tests/test_trainer_speed.py traces every micro-batch and finds the same figures).
             inputs = [_synthetic_batch(trainer, micro, seq_len) for _ in range(min(grad_accum, _BUILT_BATCHES))]
+            traced = inputs[-_TRACED_MICRO_BATCHES:] if len(inputs) > 1 else inputs
+            if len(traced) < len(inputs):
+                for p in model.parameters():
+                    if p.requires_grad:
+                        p.grad = torch.zeros_like(p)
             unbuilt = (grad_accum - len(inputs)) * tensors_bytes(inputs[-1].values(), cuda_rounding=cuda)
             tokens = micro * grad_accum * seq_len
             units = None
@@ -314,7 +321,7 @@ def _trace_step(trainer: Any, args: Any, batch: int, seq_len: int, *, cuda: bool
             tracker.track_external(model, optimizer, *[t for b in inputs for t in b.values() if isinstance(t, torch.Tensor)])
             with tracker, forward_autocast(model, half), as_on_cuda(cuda, half, model) as paths, first_rounds_traced(), \
                     _trl_tiles_first_rounds():
-                for batch_inputs in inputs[:2]:
+                for batch_inputs in traced:
                     trainer.training_step(model, batch_inputs, num_items_in_batch=torch.tensor(tokens))
                 if args.max_grad_norm and args.max_grad_norm > 0:
                     torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
@@ -354,9 +361,11 @@ def _with_unbuilt(timeline: list[Any] | None, unbuilt: int) -> list[Any] | None:
     return [(ph, unit, func, (*cats[:other], cats[other] + unbuilt, *cats[other + 1:])) for ph, unit, func, cats in timeline]
 
 
-# Micro-batches built and traced per step: the first, and the second, which runs with the gradients already there;
-# the later ones repeat the second's peak (tests/test_trainer_speed.py builds every one and finds the same figures).
+# Micro-batches built per step: the first, and the second, which runs with the gradients already there; the later
+# ones repeat the second's peak (tests/test_trainer_speed.py builds every one and finds the same figures). Of those,
+# the last `_TRACED_MICRO_BATCHES` are traced: the second alone, its gradients made before it starts.
 _BUILT_BATCHES = 2
+_TRACED_MICRO_BATCHES = 1
 
 
 def _snapshot_modules(model: nn.Module) -> Any:
