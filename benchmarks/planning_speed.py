@@ -8,6 +8,22 @@ of the child, `resource.getrusage(RUSAGE_CHILDREN)`), the 1-minute load average 
 it printed on stderr, and the bytes it planned (the device need of its answer). The machine may be shared: the wall
 time then says little, the CPU time is the figure to compare; the load average says how shared it was.
 
+Again on 2026-11-29, 05:52-05:56 UTC (the same AMD EPYC, load 0.3-1.0; a fixed Python loop took 1.68 s before and
+1.91 s after: the machine slowed by about 14% while the rows ran): a Trainer trace with gradient accumulation now runs
+one micro-batch, the gradients made before it, where it ran two (the same figures, tests/test_trainer_speed.py), and
+the tracker no longer keeps each step's graph alive (tree 4e3a8ae):
+- plan_trainer, 8B QLoRA: 10.4 s (9.5 and 11.0 s in two more runs minutes apart; target 10 s: met in one of three;
+  the user's own imports, `from trl import SFTConfig` and peft's LoraConfig, are about 7 s of it).
+- fit_trainer on notebook 19's draft: 15.8 s (was 21.2 s); first drafts of 3B LoRA 18.1 s, 3B QLoRA 17.9 s, 8B QLoRA
+  17.8 s (were 26.7, 25.9 and 22.4 s; target 30 s: met).
+- doctor, 8B QLoRA recipe: 8.2 s (target 10 s: met).
+- recommend for llama-3.2-3b: 21.9 s (was 35.2 s; target 30 s: met). Same answer, every 8th layer checkpointed:
+  13.57 GiB (13.58 before: the two hidden states the tracker kept alive).
+- context for 8B QLoRA: 91.9 s, and 85.7 s in a run minutes before (target 90 s: met in one of two). Five plans of two
+  shallow traces each; the search's line through its first two plans (17,408 and 18,432 tokens) points at 62,464
+  tokens because the recipe changes along the way (one offloaded copy per 2 blocks once the host cannot hold one per
+  block), and starting the line from the analytic slope instead (28,672 tokens second) pointed there too: not kept.
+
 Again on 2026-11-29, 04:25-04:33 UTC (the same AMD EPYC, load 1.1-1.6): the trace
 modes now dispatch without torch 2.13's Dynamo wrapper (10-18% of a plan's CPU time; tree 2580d16), and recommend
 plans each candidate once, as the SFTTrainer runs its printed settings (tree 0b780bd):
@@ -203,7 +219,9 @@ def _tree() -> str:
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], capture_output=True, text=True, cwd=ROOT).stdout.strip()
     head = git("rev-parse", "--short", "HEAD") or "unknown"
-    return head + ("+changes" if git("status", "--porcelain", "--untracked-files=no") else "")
+    changed = [line for line in git("status", "--porcelain", "--untracked-files=no").splitlines()
+               if not line.endswith(str(OUT.relative_to(ROOT)))]  # the results file this run writes is no change
+    return head + ("+changes" if changed else "")
 
 
 def main() -> None:
