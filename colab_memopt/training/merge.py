@@ -273,6 +273,7 @@ class MergeResult:
     written_bytes: int  # the merged shards' tensor bytes
     seconds: float
     notes: list[str] = field(default_factory=list)
+    base_dir: Path | None = None  # the folder the base's shards were read from (a hub id's download cache)
 
     def __str__(self) -> str:
         from colab_memopt.core.measure import format_bytes
@@ -535,7 +536,7 @@ def merge_adapter(base: str | os.PathLike[str], adapter_dir: str | os.PathLike[s
     floats = sorted({str(ST_DTYPES[_out_name(e, dtype)]).removeprefix("torch.") for entries in layout.values()
                      for e in entries if e.dtype in FLOAT_NAMES})
     return MergeResult(out, len(files), len(adapter.updates), len(adapter.replacements), " and ".join(floats),
-                       written, time.perf_counter() - start, notes)
+                       written, time.perf_counter() - start, notes, folder)
 
 
 # -- the plan --------------------------------------------------------------------------------------------------------
