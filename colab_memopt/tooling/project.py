@@ -113,8 +113,7 @@ TEACHES: dict[str, str] = {
     "16_full_finetuning_on_a_t4": "Full fine-tuning in little memory: 16-bit weights, LOMO, AdaLomo, 8-bit AdamW",
     "17_long_context": "Long sequences: offloaded checkpoints, the chunked loss, the longest context per model",
     "18_your_own_model": "Your model by its id: plan it from its config, check it, load it, fine-tune it on your text",
-    "19_your_trainer_on_a_free_t4": ("QLoRA of Llama-3.1-8B with SFTTrainer end to end at 2,048 tokens: plan, fit, "
-                                     "guard, train, save, merge shard by shard, chat"),
+    "19_your_trainer_on_a_free_t4": "QLoRA of Llama-3.1-8B through SFTTrainer: plan, fit, guard, train, save, merge, chat",
 }
 
 
