@@ -172,10 +172,13 @@ def test_the_capstone_snippets_train_the_settings_fit_apply_returns(number):
         assert f"args={applied.group(1)}.args" in trainer_call, f"{path.name}: the trainer does not train the fit\n{code}"
 
 
-def test_batch_changes_are_predicted_from_two_plans_and_the_fit_confirmed():
+def test_batch_changes_are_predicted_from_two_plans_and_the_fit_confirmed(monkeypatch):
     """Full fine-tuning where only the per-device batch can change: batches 8 and 4 are planned, 2 is predicted more
-    than 5% over the limit (linear in the batch) and not planned, 1 is planned and fits."""
+    than 5% over the limit (linear in the batch) and not planned, 1 is planned and fits (the bound from the plan at
+    the settings' own batch turned off: the next test has it)."""
     from transformers import TrainingArguments
+
+    monkeypatch.setattr(trainerfit, "_batch_lower_bound", lambda *args: 0)
 
     model = LlamaConfig(**CFG)
     args = TrainingArguments(output_dir="/tmp/colab_memopt_test_fit", per_device_train_batch_size=16, fp16=True,
@@ -189,6 +192,28 @@ def test_batch_changes_are_predicted_from_two_plans_and_the_fit_confirmed():
     assert fit.fits and fit.changes == {"per_device_train_batch_size": 1, "gradient_accumulation_steps": 16}, str(fit)
     assert [c["per_device_train_batch_size"] for c, _, _ in fit.tried] == [8, 4, 1] and fit.predicted == 1
     assert fit.after.device_need_bytes == plans[1]
+
+
+def test_a_smaller_batch_the_plan_at_the_settings_batch_bounds_over_the_limit_is_not_planned():
+    """The plan at per_device_train_batch_size=16 bounds every smaller batch from below (its parameters, buffers and
+    optimizer state, the rest scaled with the batch): 8 is bounded over the limit and not planned; 4 and 2 are
+    planned, 1 fits. The bound is under every batch's planned need (what makes skipping safe)."""
+    from transformers import TrainingArguments
+
+    model = LlamaConfig(**CFG)
+    args = TrainingArguments(output_dir="/tmp/colab_memopt_test_fit", per_device_train_batch_size=16, fp16=True,
+                             use_cpu=True, optim="adafactor", gradient_checkpointing=True, report_to=[])
+    plans = {b: tr.plan_trainer(args, model=model, target=small_t4(2**40), headroom=0.0, seq_len=256,
+                                per_device_train_batch_size=b, gradient_accumulation_steps=16 // b)
+             for b in (16, 8, 4, 2, 1)}
+    fixed = sum(plans[16].by_category[c] for c in ("parameters", "buffers", "optimizer_state"))
+    for b in (8, 4, 2, 1):
+        assert trainerfit._batch_lower_bound(plans[16].device_need_bytes, fixed, 16, b) <= plans[b].device_need_bytes, b
+    target = small_t4(plans[1].device_need_bytes + 2**10)
+    assert trainerfit._batch_lower_bound(plans[16].device_need_bytes, fixed, 16, 8) > 1.05 * target["device_bytes"]
+    fit = trainerfit.fit_trainer(args, model=model, target=target, headroom=0.0, seq_len=256)
+    assert fit.fits and fit.changes == {"per_device_train_batch_size": 1, "gradient_accumulation_steps": 16}, str(fit)
+    assert [c["per_device_train_batch_size"] for c, _, _ in fit.tried] == [4, 2, 1] and fit.predicted == 1
 
 
 def test_apply_refuses_settings_other_than_those_fitted_naming_the_field_and_both_values(model_id):

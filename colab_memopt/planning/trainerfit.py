@@ -358,6 +358,12 @@ def _saves_no_more(idx: tuple[int, ...], than: tuple[int, ...], dims: list[tuple
     return all(a <= b if ordered else a == b for a, b, (_, ordered) in zip(idx, than, dims))
 
 
+def _batch_lower_bound(need: int, fixed: int, batch: int, smaller: int) -> float:
+    """Return the least a step at per-device batch `smaller` can need, from a plan at `batch` (`need` bytes, of which
+    `fixed` are parameters, buffers and optimizer state): the fixed bytes, and the rest scaled down with the batch."""
+    return fixed + (need - fixed) * smaller / batch
+
+
 @shows_progress("fit_trainer")
 @quiet_unless_verbose
 @isolated
@@ -386,7 +392,9 @@ def fit_trainer(
     - a smaller `per_device_train_batch_size` with `gradient_accumulation_steps` keeping the effective batch;
     - a shorter `max_length` (half, then a quarter: the run then trains on less text, so it comes last).
     A change set that saves no more memory than one that did not fit is not planned, nor one whose need two plans
-    differing only in `per_device_train_batch_size` predict (linear in it) over the limit. At most `max_plans` plans
+    differing only in `per_device_train_batch_size` predict (linear in it) over the limit, nor a smaller batch whose
+    need the plan at your batch bounds from below over it (the parameters and optimizer state stay, the rest scales at
+    most with the batch). At most `max_plans` plans
     after the first; a built Trainer keeps its model's dtype and quantization. On failure the notes name the
     smallest need reached and what to do next. Arguments as `plan_trainer` (`prepare_model_for_kbit_training`: your
     call of peft's function, planned in every change set; `verbose=True` shows the libraries' notes while planning,
@@ -441,6 +449,19 @@ def fit_trainer(
     bdim = next((d for d, (levels, _) in enumerate(dims) for lv in levels
                  if dict(lv.args).get("per_device_train_batch_size")), None)
     points: dict[tuple[int, ...], dict[int, int]] = {}
+    # A plan at the settings' own batch bounds every smaller one below: the parameters, buffers and optimizer state
+    # stay; everything else at its peak at most scales with the batch (activations, logits, temporaries: in
+    # proportion; gradients and the batch's token ids, counted as scaling too, not at all). Where even that bound is
+    # 5% over the limit, the smaller batches with the same other settings are not planned (an 8B draft at 8 x 2,048
+    # without checkpointing: 324 GiB, over a T4 at any batch).
+    full_batch: dict[tuple[int, ...], tuple[int, int, int]] = {}
+
+    def at_full_batch(idx: tuple[int, ...], p: Plan) -> None:
+        if bdim is not None and idx[bdim] == 0:
+            fixed = sum(p.by_category.get(c, 0) for c in ("parameters", "buffers", "optimizer_state"))
+            full_batch[idx[:bdim] + idx[bdim + 1:]] = (int(args.per_device_train_batch_size), p.device_need_bytes, fixed)
+
+    at_full_batch(tuple(0 for _ in dims), before)
 
     def split(idx: tuple[int, ...], levels: list[_Level]) -> tuple[tuple[int, ...], int]:
         micro = int(dict(levels[bdim].args).get("per_device_train_batch_size", args.per_device_train_batch_size))
@@ -459,6 +480,12 @@ def fit_trainer(
                     predicted += 1
                     failed.append(idx)
                     continue
+            if rest in full_batch:
+                b0, n0, fixed = full_batch[rest]
+                if micro < b0 and _batch_lower_bound(n0, fixed, b0, micro) > 1.05 * before.device_limit_bytes:
+                    predicted += 1
+                    failed.append(idx)
+                    continue
         if len(tried) >= max_plans:
             break
         changes = {k: v for lv in levels for k, v in lv.args}
@@ -472,6 +499,7 @@ def fit_trainer(
         if bdim is not None and idx[bdim] > 0:  # a smaller batch with accumulation (accumulating holds the gradients)
             rest, micro = split(idx, levels)
             points.setdefault(rest, {})[micro] = after.device_need_bytes
+        at_full_batch(idx, after)
         if after.fits:
             notes = [] if "gradient_accumulation_steps" not in changes else [
                 f"effective batch kept: {changes['per_device_train_batch_size']} x {changes['gradient_accumulation_steps']} "
