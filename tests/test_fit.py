@@ -205,15 +205,18 @@ def test_a_smaller_batch_the_plan_at_the_settings_batch_bounds_over_the_limit_is
                              use_cpu=True, optim="adafactor", gradient_checkpointing=True, report_to=[])
     plans = {b: tr.plan_trainer(args, model=model, target=small_t4(2**40), headroom=0.0, seq_len=256,
                                 per_device_train_batch_size=b, gradient_accumulation_steps=16 // b)
-             for b in (16, 8, 4, 2, 1)}
+             for b in (16, 8, 1)}
     fixed = sum(plans[16].by_category[c] for c in ("parameters", "buffers", "optimizer_state"))
-    for b in (8, 4, 2, 1):
-        assert trainerfit._batch_lower_bound(plans[16].device_need_bytes, fixed, 16, b) <= plans[b].device_need_bytes, b
+
+    def bound(b):
+        return trainerfit._batch_lower_bound(plans[16].device_need_bytes, fixed, 16, b)
+
     target = small_t4(plans[1].device_need_bytes + 2**10)
-    assert trainerfit._batch_lower_bound(plans[16].device_need_bytes, fixed, 16, 8) > 1.05 * target["device_bytes"]
+    assert plans[8].device_need_bytes >= bound(8) > 1.05 * target["device_bytes"]  # 8: bounded over, and truly over
     fit = trainerfit.fit_trainer(args, model=model, target=target, headroom=0.0, seq_len=256)
     assert fit.fits and fit.changes == {"per_device_train_batch_size": 1, "gradient_accumulation_steps": 16}, str(fit)
     assert [c["per_device_train_batch_size"] for c, _, _ in fit.tried] == [4, 2, 1] and fit.predicted == 1
+    assert all(need >= bound(c["per_device_train_batch_size"]) for c, need, _ in fit.tried)  # a lower bound of each
 
 
 def test_apply_refuses_settings_other_than_those_fitted_naming_the_field_and_both_values(model_id):
