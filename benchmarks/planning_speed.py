@@ -8,6 +8,14 @@ of the child, `resource.getrusage(RUSAGE_CHILDREN)`), the 1-minute load average 
 it printed on stderr, and the bytes it planned (the device need of its answer). The machine may be shared: the wall
 time then says little, the CPU time is the figure to compare; the load average says how shared it was.
 
+Again on 2026-11-29 at 07:19-07:20 UTC (tree 893985d; a fixed Python loop took 1.67 s before and 1.97 s after):
+fit_trainer no longer plans a smaller batch that the plan at the settings' own batch bounds over the limit.
+- fit_trainer on notebook 19's draft: 14.7 s; first drafts of 3B LoRA 14.0 s, 3B QLoRA 16.4 s, 8B QLoRA 16.5 s, each
+  in 4 plans (were 5 or 6; target 30 s: met).
+- plan_trainer, 8B QLoRA: 11.8 s (the machine slowing while it ran; 9.5-11.0 s below).
+- `python -m colab_memopt plan --model llama-3.1-8b --batch 4 --seq 1024 --target t4 --recipe lora_rank=16
+  quantization=nf4 precision=fp16-autocast` (not a row): 9.7 s.
+
 Again on 2026-11-29, 05:52-05:56 UTC (the same AMD EPYC, load 0.3-1.0; a fixed Python loop took 1.68 s before and
 1.91 s after: the machine slowed by about 14% while the rows ran): a Trainer trace with gradient accumulation now runs
 one micro-batch, the gradients made before it, where it ran two (the same figures, tests/test_trainer_speed.py), and
