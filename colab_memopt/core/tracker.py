@@ -141,7 +141,8 @@ def _all_grads_hook(tensors: list[torch.Tensor], fn: Any) -> list[Any]:
     every gradient of `tensors` that the backward computes, None for the others), without its reference cycle: torch's
     hook keeps the tensors' autograd nodes for good, and each node holds the graph below it. This one counts the
     gradients the first backward computes from the nodes on its first call, and lets the nodes go; a later backward
-    through the same graph (`retain_graph`) gets `fn` at its end. Return the handles (one per tensor)."""
+    through the same graph (`retain_graph`) gets `fn` at its end, as does a backward that computes fewer of them than
+    counted (torch's would keep those gradients for good and never call). Return the handles (one per tensor)."""
     lock = threading.Lock()
     nodes: list[Any] | None = [_grad_fn_or_grad_acc(t) for t in tensors]
     n_tensors = len(tensors)  # the hooks hold no tensor: one on `t` holding `t` is a cycle too
@@ -164,11 +165,11 @@ def _all_grads_hook(tensors: list[torch.Tensor], fn: Any) -> list[Any]:
                 calls = count.get(task, 0)
                 count[task] = calls + 1
                 buffer.setdefault(task, [None] * n_tensors)[idx] = grad
+                if calls == 0:  # fn when this backward ends, unless every gradient it computes came first
+                    torch.autograd.Variable._execution_engine.queue_callback(lambda: flush(task))
                 if calls == 0 and nodes is not None:
                     first[:] = [task, sum(map(torch._C._will_engine_execute_node, nodes))]
                     nodes = None
-                elif calls == 0:  # a later backward: fn when it ends
-                    torch.autograd.Variable._execution_engine.queue_callback(lambda: flush(task))
                 done = bool(first) and task == first[0] and calls == first[1] - 1
             if done:
                 flush(task)
