@@ -55,10 +55,11 @@ $(STAMP): requirements.txt pyproject.toml
 	$(PY) -c "import colab_memopt, torch, papermill, nbval; print('installed: torch', torch.__version__)"
 	@touch $(STAMP)
 
-# make run [NOTEBOOKS="04 13"] [RUN_OUT=build]: only those notebooks (stems, number prefixes or paths), into RUN_OUT.
+# make run [NOTEBOOKS="04 13"] [RUN_OUT=build] [RUN_ARGS="--cell-timeout 60"]: only those notebooks (stems, number
+# prefixes or paths), into RUN_OUT; RUN_ARGS go to the runner (python -m colab_memopt.tooling.runner --help).
 RUN_OUT ?= build
 run: $(STAMP)
-	$(PY) -m colab_memopt.tooling.runner --out $(RUN_OUT) $(NOTEBOOKS)
+	$(PY) -m colab_memopt.tooling.runner --out $(RUN_OUT) $(RUN_ARGS) $(NOTEBOOKS)
 
 # Rewrites README.md's notebook index (committed) from the last full `make run`; run it on purpose.
 readme: $(STAMP)

@@ -67,12 +67,15 @@ def test_the_clone_command_clones_a_checkout_with_both_make_targets(tmp_path):
 
 
 def test_make_run_runs_a_notebook_headless_and_prints_its_summary(tmp_path):
-    """The README's `make run`, on one short notebook at the CPU parameters the runner picks without a GPU."""
+    """The README's `make run`, on one short notebook at the CPU parameters the runner picks without a GPU. Its cells
+    take seconds: a minute per cell (RUN_ARGS) bounds what a kernel that goes idle without replying costs (the
+    runner's note on ipykernel#1529: it happened here once on 2026-11-29, and the run waited over 10 minutes), and the
+    runner runs a timed-out notebook once more."""
     command = _first_screen_commands()[0][1]
     assert command == "make run"
     out = tmp_path / "build"
-    run = subprocess.run([*shlex.split(command), f"NOTEBOOKS={SHORT_NOTEBOOK}", f"RUN_OUT={out}"], cwd=REPO,
-                         capture_output=True, text=True, env=_env(), timeout=900)
+    run = subprocess.run([*shlex.split(command), f"NOTEBOOKS={SHORT_NOTEBOOK}", f"RUN_OUT={out}",
+                          "RUN_ARGS=--cell-timeout 60"], cwd=REPO, capture_output=True, text=True, env=_env(), timeout=900)
     assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
     assert "running 1 notebook(s) on the CPU with CI parameters" in run.stdout, run.stdout[-2000:]
     results = json.loads((out / "results.json").read_text())
