@@ -392,8 +392,7 @@ def test_notebook_19_runs_the_8b_path_on_a_t4_at_its_colab_defaults():
     assert namespace["bnb_config"].load_in_4bit and namespace["bnb_config"].bnb_4bit_compute_dtype == torch.float16
     assert namespace["max_length"] >= 2048 and draft_plan.seq_len == namespace["max_length"]
     assert fit.fits and fit.after.fits_host, str(fit)
-    dtype = getattr(torch, str(fitted.model_init_kwargs.get("dtype", "float32")).removeprefix("torch."))
-    load = cm.loading.quantized_load_bytes("llama-3.1-8b", device="cuda", dtype=dtype,
+    load = cm.loading.quantized_load_bytes("llama-3.1-8b", device="cuda", dtype=fitted.model_init_kwargs.get("dtype"),
                                            double_quant=fitted.bnb.bnb_4bit_use_double_quant)
     t4 = cm.planner.get_target("t4")
     assert load.device_bytes <= t4.device_bytes - t4.cuda_context_bytes, str(load)  # the load and the reload

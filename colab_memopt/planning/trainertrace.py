@@ -292,24 +292,22 @@ def _trace_step(trainer: Any, args: Any, batch: int, seq_len: int, *, cuda: bool
             optimizer = _run_optimizer(trainer, model, saved_optimizer, names, notes)
             _prefer_impl(optimizer, cuda)
             n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-            # warm-up: the optimizer state exists after the first step, as in every step after it
-            for p in model.parameters():
-                if p.requires_grad:
-                    p.grad = torch.zeros_like(p)
-            optimizer.step()
-            model.zero_grad()
             # The Trainer fetches every micro-batch of the step before the first runs (`get_batch_samples`): two are
             # built, the others are alive all step long, a constant added to every figure below (built, 100,000
             # accumulation steps took minutes). With more than one, a micro-batch after the first holds, at every
             # moment, what the first holds and the gradients the first left (they accumulate in place), so one such
             # micro-batch is traced, the gradients there before it starts: the step's peak at half the tracing
             # (tests/test_trainer_speed.py traces every micro-batch and finds the same figures).
-            inputs = [_synthetic_batch(trainer, micro, seq_len) for _ in range(min(grad_accum, _BUILT_BATCHES))]
-            traced = inputs[-_TRACED_MICRO_BATCHES:] if len(inputs) > 1 else inputs
-            if len(traced) < len(inputs):
-                for p in model.parameters():
-                    if p.requires_grad:
-                        p.grad = torch.zeros_like(p)
+            built = min(grad_accum, _BUILT_BATCHES)
+            # warm-up: the optimizer state exists after the first step, as in every step after it; its gradients,
+            # zeroed, are those a later micro-batch starts with
+            for p in model.parameters():
+                if p.requires_grad:
+                    p.grad = torch.zeros_like(p)
+            optimizer.step()
+            model.zero_grad(set_to_none=built <= _TRACED_MICRO_BATCHES)
+            inputs = [_synthetic_batch(trainer, micro, seq_len) for _ in range(built)]
+            traced = inputs[-_TRACED_MICRO_BATCHES:]
             unbuilt = (grad_accum - len(inputs)) * tensors_bytes(inputs[-1].values(), cuda_rounding=cuda)
             tokens = micro * grad_accum * seq_len
             units = None

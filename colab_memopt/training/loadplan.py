@@ -354,8 +354,8 @@ def quantized_load_bytes(model: Any, *, device: str = "cuda", dtype: torch.dtype
         model: a folder with a safetensors checkpoint, a Hugging Face id, a config or one of our names (its tensors
             are read from the files' headers where there are files, else planned from the config and said so).
         device: 'cuda' (device_map={"": 0}) or 'cpu'.
-        dtype: `from_pretrained(dtype=...)`: the dtype kept weights load in and quantized ones are materialized in;
-            None for transformers' default ("auto": the config's dtype, the checkpoint's).
+        dtype: `from_pretrained(dtype=...)`: the dtype kept weights load in and quantized ones are materialized in
+            (a torch dtype or its name: 'float16'); None for transformers' default ("auto": the config's dtype, the checkpoint's).
         double_quant: `BitsAndBytesConfig(bnb_4bit_use_double_quant=...)`.
         skip_modules: `BitsAndBytesConfig(llm_int8_skip_modules=...)`.
         transformers_version: plan another release's path (default: the installed one).
@@ -367,6 +367,10 @@ def quantized_load_bytes(model: Any, *, device: str = "cuda", dtype: torch.dtype
 
     if device not in ("cuda", "cpu"):
         raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
+    from colab_memopt.training.merge import DTYPE_NAMES
+
+    if isinstance(dtype, str) and dtype in DTYPE_NAMES:  # a name, as from_pretrained and model_init_kwargs take it
+        dtype = DTYPE_NAMES[dtype]
     if dtype is not None and dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"dtype must be None, torch.float16, torch.bfloat16 or torch.float32, got {dtype!r}")
     if transformers_version is None:
