@@ -9,12 +9,17 @@ fp16=True, TRL's loss as installed, `gradient_checkpointing=False` and `cm.LongC
 Writes benchmarks/results/trainer_long_context.json (one row per length: fits, device need and limit, host need and
 limit, by category, planning seconds on this CPU). One process per row is not needed: rows run in turn.
 
-Results (2026-11-28, this 2-core machine, shared with the test suite: the seconds are long), after plans stopped
-holding the (1, 1, T, T) causal mask and SDPA's 16-bit copy of it that the run never makes (faketrace's
-`_fake_safe_transformers`: 5.0 GB at 40,960 tokens):
-- 32,768 tokens, interval 1: fits, 11.63 GB of the device's 14.85 usable, 9.23 GB of host RAM's 12.07.
-- 40,960, interval 1: fits, 11.90 GB and 11.40 GB (issue 45's goal; before the fix: 15.97 GB, 1.11 GB short).
-- 49,152, interval 2: fits, 12.18 GB and 7.14 GB; 65,536, interval 2: fits, 13.70 GB and 9.23 GB.
+Results (2026-11-29, this 2-core machine, 15 s a row; every row planned again by the same tree): an earlier stop's
+table held two rows planned before plans stopped holding the (1, 1, T, T) causal mask and SDPA's 16-bit copy of it
+that the run never makes (faketrace's `_fake_safe_transformers`: 5.0 GB at 40,960 tokens), so 36,864 tokens seemed
+not to fit where 40,960 did. All rows now:
+- 32,768 tokens, interval 1: fits, 11.63 GB of the device's 14.85 usable, 9.25 GB of host RAM's 12.07.
+- 36,864, interval 1: fits, 11.77 GB and 10.33 GB (before: 16.03 GB, the mask counted).
+- 40,960, interval 1: fits, 11.90 GB and 11.41 GB (issue 45's goal).
+- 40,960, interval 2: fits, 11.90 GB and 6.04 GB (before: 17.91 GB, the mask counted). The device's peak is the same
+  as with interval 1: backward's traced peak is 11.62 GB both ways (forward's 9.05 and 9.39 GB), so it comes
+  outside the blocks' recomputation, the one thing the interval changes on the device.
+- 49,152, interval 2: fits, 12.18 GB and 7.12 GB; 65,536, interval 2: fits, 13.70 GB and 9.27 GB.
 - 81,920, interval 2: does not fit, 15.32 GB of device memory.
 Plans, not measurements: no GPU has run these lengths. TRL's fused LM head is planned on its CPU path, which scores
 every position; its Triton kernels on CUDA score only the trained ones, so the plan is the most the loss can hold.

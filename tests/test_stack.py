@@ -60,6 +60,9 @@ MODES = {
     "LOMO in bf16": {"optimizer": "lomo", "precision": "bf16"},
     "offloaded checkpoints, tiled, chunked": {"checkpointing": "offload", "mlp_tile_tokens": 32, "loss_chunk_tokens": 32,
                                               "precision": "fp16-autocast"},
+    "one offloaded copy per 2 blocks": {"checkpointing": "offload", "checkpoint_interval": 2, "mlp_tile_tokens": 32,
+                                        "loss_chunk_tokens": 32, "precision": "fp16-autocast", "lora_rank": 8,
+                                        "quantization": "nf4"},
 }
 # Each family with every mode would be many minutes: every mode on llama (the flagship's family), and each other
 # family with one mode that changes its step (LoRA on a 16-bit base and an int8 base are QLoRA's path with other layers).
@@ -213,6 +216,7 @@ def test_a_recipe_that_treats_the_blocks_unalike_is_traced_whole() -> None:
         with pytest.raises(stack.NotRepeating, match=why):
             stack.recipe_period(cm.Recipe(**fields))
     assert stack.recipe_period(cm.Recipe(checkpointing="every_n", checkpoint_interval=3)) == 3
+    assert stack.recipe_period(cm.Recipe(checkpointing="offload", checkpoint_interval=2)) == 2  # two-level offload
 
 
 def test_the_shape_carries_a_count_affine_in_the_depth_and_refuses_one_that_is_not() -> None:

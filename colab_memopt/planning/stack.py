@@ -367,8 +367,9 @@ def extrapolate(small: Any, large: Any, shape: StackShape) -> Any:
 # -- the tracer -------------------------------------------------------------------------------------------------------
 
 def recipe_period(recipe: Any) -> int:
-    """Return the period, in blocks, with which the recipe treats the blocks alike (every N-th block checkpointed:
-    N); raise NotRepeating for what the fast path does not count (offload across the stack, DeepSpeed)."""
+    """Return the period, in blocks, with which the recipe treats the blocks alike (every N-th block checkpointed,
+    segments of N blocks, one offloaded copy per N blocks: N); raise NotRepeating for what the fast path does not
+    count (offload across the stack, DeepSpeed)."""
     if recipe.uses_deepspeed or recipe.zero_stage:
         raise NotRepeating("DeepSpeed's step")
     if recipe.layer_offload_active:
@@ -377,7 +378,7 @@ def recipe_period(recipe: Any) -> int:
         raise NotRepeating("offloaded checkpoints split (the last blocks kept on the device)")
     if recipe.phase_offload or recipe.optimizer_state_offload != "keep":
         raise NotRepeating("optimizer state offloaded")
-    if recipe.checkpointing in ("every_n", "segments"):
+    if recipe.checkpointing in ("every_n", "segments", "offload"):  # offload: two-level where N > 1
         return recipe.checkpoint_interval
     return 1
 
