@@ -130,6 +130,12 @@ CALLS: dict[str, tuple[str, list[str] | str]] = {
         "cm.plan_trainer(SFTConfig(4 x 1024, fp16), model='llama-3.1-8b', lora=all-linear, bnb=nf4, target='t4')",
         _SFT + "p = cm.plan_trainer(sft(per_device_train_batch_size=4, max_length=1024, fp16=True), model='llama-3.1-8b', "
                "lora=LORA, bnb=NF4, target='t4')\nprint('NEED', p.device_need_bytes)\n"),
+    "plan_trainer_8b_qlora_long_context": (
+        "cm.plan_trainer(SFTConfig(1 x 40,960, fp16), model='llama-3.1-8b', lora=all-linear, bnb=nf4, target='t4', "
+        "long_context=cm.LongContext())",
+        _SFT + "p = cm.plan_trainer(sft(per_device_train_batch_size=1, max_length=40960, fp16=True, "
+               "gradient_checkpointing=False), model='llama-3.1-8b', lora=LORA, bnb=NF4, target='t4', "
+               "long_context=cm.LongContext())\nprint('NEED', p.device_need_bytes)\n"),
     "fit_trainer_nb19_draft": (
         "cm.fit_trainer on notebook 19's first draft (qwen2.5-1.5b QLoRA, 8 x 1024, bf16, no checkpointing)",
         _SFT + "f = cm.fit_trainer(sft(per_device_train_batch_size=8, max_length=1024, bf16=True, "

@@ -9,10 +9,12 @@ fp16=True, TRL's loss as installed, `gradient_checkpointing=False` and `cm.LongC
 Writes benchmarks/results/trainer_long_context.json (one row per length: fits, device need and limit, host need and
 limit, by category, planning seconds on this CPU). One process per row is not needed: rows run in turn.
 
-Results (2026-11-29, this 2-core machine, 15 s a row; every row planned again by the same tree): an earlier stop's
-table held two rows planned before plans stopped holding the (1, 1, T, T) causal mask and SDPA's 16-bit copy of it
-that the run never makes (faketrace's `_fake_safe_transformers`: 5.0 GB at 40,960 tokens), so 36,864 tokens seemed
-not to fit where 40,960 did. All rows now:
+Results (2026-11-29, this 2-core machine; every row planned again by the same tree). The plans now trace two
+shallow copies (3 and 5 blocks; 6 and 10 with interval 2) and count the rest of the 32: 4.0-5.0 s a row with
+interval 1 and 8.8-10.2 s with interval 2, where tracing every block took 14.5-16.7 s, with the same bytes to the
+byte (tests/test_stack.py holds them equal). An earlier stop's table held two rows planned before plans stopped
+holding the (1, 1, T, T) causal mask and SDPA's 16-bit copy of it that the run never makes (faketrace's
+`_fake_safe_transformers`: 5.0 GB at 40,960 tokens), so 36,864 tokens seemed not to fit where 40,960 did. All rows:
 - 32,768 tokens, interval 1: fits, 11.63 GB of the device's 14.85 usable, 9.25 GB of host RAM's 12.07.
 - 36,864, interval 1: fits, 11.77 GB and 10.33 GB (before: 16.03 GB, the mask counted).
 - 40,960, interval 1: fits, 11.90 GB and 11.41 GB (issue 45's goal).

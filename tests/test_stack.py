@@ -166,6 +166,30 @@ def test_plan_trainer_counts_every_nth_layer_checkpointed_in_units_of_n(monkeypa
     assert counted == whole
 
 
+@pytest.mark.parametrize("interval", [1, 2])
+def test_plan_trainer_counts_the_stack_with_long_context(monkeypatch: pytest.MonkeyPatch, interval: int) -> None:
+    """`cm.long_context`'s offloaded layer inputs repeat in units of its `checkpoint_interval` (one host copy per
+    unit, two-level checkpoints inside): the counted plan, its host line of offloaded inputs included, is the whole
+    trace's."""
+    from peft import LoraConfig
+    from transformers import BitsAndBytesConfig
+
+    depth = DEPTH if interval == 1 else DEPTH_BY_TWO
+    said: list[str] = []
+    monkeypatch.setattr(trainer_mod, "say", said.append)
+    whole, counted = _both(monkeypatch, trainer_mod, lambda: cm.plan_trainer(
+        _sft(per_device_train_batch_size=1, fp16=True, gradient_checkpointing=False), model=_hf_config("llama", depth),
+        lora=LoraConfig(r=8, target_modules="all-linear", task_type="CAUSAL_LM"),
+        bnb=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float16),
+        target="t4", find_max_batch=False,
+        long_context=cm.LongContext(checkpoint_interval=interval, mlp_tile_tokens=32, norm_tile_tokens=32)))
+    assert any(f"{depth} blocks alike: tracing {'3 and 5' if interval == 1 else '5 and 9'}" in line for line in said), said
+    assert not any("do not repeat" in line for line in said), said
+    offloaded = dict(counted[5])["offloaded checkpoints"]
+    assert offloaded > 0
+    assert counted == whole
+
+
 def test_plans_of_one_architecture_at_other_depths_reuse_its_shallow_traces(monkeypatch: pytest.MonkeyPatch) -> None:
     """Capacity's search plans one architecture at many depths: their shallow copies (3 and 5 blocks) are one model,
     traced once; each depth's plan equals its own trace of every block. A factory of the same model (as capacity

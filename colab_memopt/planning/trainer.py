@@ -20,6 +20,8 @@ tensors, `trainerfit.py` `fit_trainer` (the cheapest change of the Trainer's own
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import math
 import time
 from typing import Any
 
@@ -227,7 +229,13 @@ def plan_trainer(
 
             def build(blocks: int | None = None, built: Any = built) -> Any:  # None: the whole model
                 with _cpu_device_without_index(built):  # the Trainer moves its model to args.device while it is built
-                    return _fake_trainer(built, model, lora, bnb, seq, mode, dtype, half, prepare, blocks=blocks)
+                    made = _fake_trainer(built, model, lora, bnb, seq, mode, dtype, half, prepare, blocks=blocks)
+                if long_context is not None:
+                    from colab_memopt.techniques.longcontext import long_context as install
+
+                    with mode:
+                        install(made.model, long_context)
+                return made
 
             shape = _stack_shape(model, args, lora, long_context)
             if shape is not None:  # two shallow copies, traced; the rest of the stack counted
@@ -237,11 +245,6 @@ def plan_trainer(
                 holder = stack.large  # its model's per-layer facts: the largest layer, the LoRA targets
             else:
                 holder = build()
-            if long_context is not None:
-                from colab_memopt.techniques.longcontext import long_context as install
-
-                with mode:
-                    install(holder.model, long_context)
             if prepare is not None:  # peft's function leaves its own checkpointing on unless told not to
                 own = not args.gradient_checkpointing and _checkpointing_on(holder.model)
                 if own:
@@ -274,8 +277,8 @@ def plan_trainer(
         if installed is not None:
             warn.append(installed.describe() + ": traced")
         if stack is not None:
-            trace = stack.trace(args, micro, seq, tgt, mode, trace_notes)
-            emulated, long_costs = None, []
+            trace, long_costs = stack.trace(args, micro, seq, tgt, mode, trace_notes)
+            emulated = None
         else:
             with _args_of(holder, args), fakes(), _rows_kept(holder, args, trace_notes), \
                     _target_attention(tgt, args) as sdpa, \
@@ -561,8 +564,7 @@ def _max_micro_batch(trainer: Any, args: Any, seq_len: int, tgt: Target, plan: P
     def peak(b: int) -> int:
         changed = _changed_args(args, {"per_device_train_batch_size": b})
         if stack is not None:
-            counted = stack.trace(changed, b, seq_len, tgt, mode, [])
-            return counted.peak_bytes
+            return stack.trace(changed, b, seq_len, tgt, mode, [])[0].peak_bytes
         # traced as the plan's own step is: a padding-free (packing) collator's row as full rows, whose sizes are
         # known (its sequence starts come from `nonzero()`, a size no fake tensor knows)
         with _args_of(trainer, changed), _rows_kept(trainer, changed, []), _target_attention(tgt, args):
@@ -595,9 +597,15 @@ def _max_micro_batch(trainer: Any, args: Any, seq_len: int, tgt: Target, plan: P
 def _stack_shape(model: Any, args: Any, lora: Any, long_context: Any) -> Any:
     """Return the `stack.StackShape` a planner-built Trainer's model is traced with (two shallow copies, the rest of
     its blocks counted), or None where the whole model is traced: few blocks, blocks that do not repeat, a model
-    given as a factory, long-context offload or TRL's activation offloading (each counted per block on the host)."""
-    if not _FAST_STACK or long_context is not None or getattr(args, "activation_offloading", False):
+    given as a factory, `long_context` with the last blocks kept on the device (`keep_blocks`), or TRL's activation
+    offloading. `long_context`'s blocks repeat in units of its `checkpoint_interval` (one host copy per unit)."""
+    if not _FAST_STACK or getattr(args, "activation_offloading", False):
         return None
+    period = _checkpointed_every(args)
+    if long_context is not None:
+        if long_context.keep_blocks:
+            return None
+        period = math.lcm(period, long_context.checkpoint_interval)
     from colab_memopt.planning.faketrace import shape_model
     from colab_memopt.planning.stack import stack_shape
     from colab_memopt.techniques import architectures
@@ -606,7 +614,7 @@ def _stack_shape(model: Any, args: Any, lora: Any, long_context: Any) -> Any:
     if spec.source == "factory":
         return None
     try:
-        return stack_shape(shape_model(spec.build), spec=spec, period=_checkpointed_every(args))
+        return stack_shape(shape_model(spec.build), spec=spec, period=period)
     except NotRepeating:
         return None
 
@@ -636,27 +644,36 @@ class _StackHolders:
         self.small, self.large = (build(shape.depth(k)) for k in STACK_UNITS)
         self.whole: Any = None
 
-    def trace(self, args: Any, micro: int, seq: int, tgt: Target, mode: Any, notes: list[str]) -> _Trace:
+    def trace(self, args: Any, micro: int, seq: int, tgt: Target, mode: Any,
+              notes: list[str]) -> tuple[_Trace, list[Cost]]:
+        """Return the whole model's step and its host lines (`cm.long_context`'s offloaded inputs, one per unit:
+        carried to the whole stack like the step's bytes)."""
         from colab_memopt.planning.stack import extrapolate
 
         if self.whole is None:
             try:
-                traces = [self._trace(h, args, micro, seq, tgt, mode, notes) for h in (self.small, self.large)]
-                trace = extrapolate(*traces, self.shape)
-                trace.hidden_bytes = max(t.hidden_bytes for t in traces)
-                return trace
+                (small, small_host), (large, large_host) = (self._trace(h, args, micro, seq, tgt, mode, notes)
+                                                            for h in (self.small, self.large))
+                trace = extrapolate(small, large, self.shape)
+                trace.hidden_bytes = max(small.hidden_bytes, large.hidden_bytes)
+                if [c.name for c in small_host] != [c.name for c in large_host]:
+                    raise NotRepeating("the host lines of the two copies differ")
+                host = [dataclasses.replace(c, bytes=self.shape.extrapolate(c.bytes, d.bytes))
+                        for c, d in zip(small_host, large_host)]
+                return trace, host
             except NotRepeating as exc:
                 say(f"the blocks do not repeat as counting needs ({exc}): tracing all {self.shape.n_blocks}")
                 self.whole = self.build(None)
         return self._trace(self.whole, args, micro, seq, tgt, mode, notes, period=None)
 
     def _trace(self, holder: Any, args: Any, micro: int, seq: int, tgt: Target, mode: Any, notes: list[str],
-               period: Any = "stack") -> _Trace:
-        with _args_of(holder, args), _rows_kept(holder, args, notes), _target_attention(tgt, args) as sdpa:
+               period: Any = "stack") -> tuple[_Trace, list[Cost]]:
+        with _args_of(holder, args), _rows_kept(holder, args, notes), _target_attention(tgt, args) as sdpa, \
+                offloaded_inputs(holder.model, cuda=tgt.cuda) as host:
             trace = _trace_step(holder, args, micro, seq, cuda=tgt.cuda, mode=mode, notes=notes,
                                 period=self.shape.period if period == "stack" else None)[0]
         trace.hidden_bytes = sdpa.hidden_bytes if sdpa is not None else 0
-        return trace
+        return trace, host
 
     def count(self, fn: Any) -> int:
         """Return `fn(holder)` for the whole model: affine in the depth, from the two copies."""
