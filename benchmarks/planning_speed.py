@@ -131,11 +131,14 @@ CALLS: dict[str, tuple[str, list[str] | str]] = {
         _SFT + "p = cm.plan_trainer(sft(per_device_train_batch_size=4, max_length=1024, fp16=True), model='llama-3.1-8b', "
                "lora=LORA, bnb=NF4, target='t4')\nprint('NEED', p.device_need_bytes)\n"),
     "plan_trainer_8b_qlora_long_context": (
-        "cm.plan_trainer(SFTConfig(1 x 40,960, fp16), model='llama-3.1-8b', lora=all-linear, bnb=nf4, target='t4', "
-        "long_context=cm.LongContext())",
+        "cm.plan_trainer(SFTConfig(1 x 40,960, fp16, fp16 base), model='llama-3.1-8b', lora=all-linear, "
+        "bnb=nf4, target='t4', long_context=cm.LongContext()): benchmarks/trainer_long_context.py's 40,960 row",
         _SFT + "p = cm.plan_trainer(sft(per_device_train_batch_size=1, max_length=40960, fp16=True, "
-               "gradient_checkpointing=False), model='llama-3.1-8b', lora=LORA, bnb=NF4, target='t4', "
-               "long_context=cm.LongContext())\nprint('NEED', p.device_need_bytes)\n"),
+               "gradient_checkpointing=False, model_init_kwargs={'dtype': 'float16'}), model='llama-3.1-8b', "
+               "lora=LoraConfig(r=16, lora_alpha=16, target_modules='all-linear', task_type='CAUSAL_LM'), "
+               "bnb=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type='nf4', bnb_4bit_compute_dtype=torch.float16, "
+               "bnb_4bit_use_double_quant=True), target='t4', long_context=cm.LongContext())\n"
+               "print('NEED', p.device_need_bytes)\n"),
     "fit_trainer_nb19_draft": (
         "cm.fit_trainer on notebook 19's first draft (qwen2.5-1.5b QLoRA, 8 x 1024, bf16, no checkpointing)",
         _SFT + "f = cm.fit_trainer(sft(per_device_train_batch_size=8, max_length=1024, bf16=True, "
