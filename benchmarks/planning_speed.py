@@ -8,6 +8,18 @@ of the child, `resource.getrusage(RUSAGE_CHILDREN)`), the 1-minute load average 
 it printed on stderr, and the bytes it planned (the device need of its answer). The machine may be shared: the wall
 time then says little, the CPU time is the figure to compare; the load average says how shared it was.
 
+Again on 2026-11-29 at 08:54-09:06 UTC (trees 55a69df and b27cd51, the same AMD EPYC, load 0.3-1.0; a
+fixed Python loop took 1.50-1.71 s): plans of two-level offload (one offloaded copy per N blocks) and
+plan_trainer's `long_context=` count the stack in units of N blocks; both traced every block before.
+- context for 8B QLoRA: 36.7 and 38.5 s (was 85.7-91.9 s; target 90 s: met). The same five plans and answer (53,248
+  tokens, 13.78 GiB); the three past the host's one-copy-per-block limit trace 6 and 10 blocks, not all 32.
+- plan_trainer, 8B QLoRA: 8.7, 9.1, 9.2 and 9.5 s in four runs (target 10 s: met in each); the user's own imports
+  (`from trl import SFTConfig`, peft's LoraConfig) are 4.2-4.7 s of it and the interpreter's exit about 1.3 s.
+- plan_trainer, 8B QLoRA, 40,960 tokens with `long_context=cm.LongContext()` (a row of its own):
+  10.2 and 10.8 s, 19.9 s with every block traced; the same 11,904,363,520 bytes.
+- fit_trainer on notebook 19's draft 12.0 s; first drafts of 3B LoRA 12.0 s, 3B QLoRA 12.3 s, 8B QLoRA 12.6 s.
+- doctor, 8B QLoRA recipe: 7.6 s; recommend for llama-3.2-3b: 19.6 s; each --help: 0.06 s.
+
 Again on 2026-11-29 at 07:19-07:20 UTC (tree 893985d; a fixed Python loop took 1.67 s before and 1.97 s after):
 fit_trainer no longer plans a smaller batch that the plan at the settings' own batch bounds over the limit.
 - fit_trainer on notebook 19's draft: 14.7 s; first drafts of 3B LoRA 14.0 s, 3B QLoRA 16.4 s, 8B QLoRA 16.5 s, each
