@@ -259,6 +259,23 @@ def test_help_of_every_verb_answers_before_torch_is_imported(argv):
     (["recommend"], "the following arguments are required: --model"),
     (["doctor", "--model", "tiny", "--batch", "0"], "--batch must be an integer >= 1 (sequences), got 0"),
     (["plan", "--model", "tiny", "--batch", "two"], "invalid int value: 'two'"),
+    (["plan", "--model", "llama-3.1-8b"], "plan needs --model and --batch"),
+    (["plan", "--model", "nosuch", "--batch", "1"], "unknown model 'nosuch': not one of our names"),
+    (["recommend", "--model", "nosuch"], "unknown model 'nosuch'"),
+    (["context", "--model", "nosuch"], "unknown model 'nosuch'"),
+    (["doctor", "--model", "./no/such/folder/x"], "unknown model './no/such/folder/x'"),
+    (["plan", "--model", "tiny", "--batch", "1", "--target", "t5"], "unknown target 't5'; choose one of"),
+    (["doctor", "--model", "tiny", "--target", "t5"], "unknown target 't5'; choose one of ['a100-40gb', 'a100-80gb', "
+                                                      "'auto', 'h100-80gb', 'l4', 't4']"),
+    (["context", "--model", "tiny", "--device-bytes", "1000000"], "--device-bytes and --host-bytes go together"),
+    (["plan", "--model", "tiny", "--batch", "1", "--recipe", "bogus=1"], "unknown recipe field(s) ['bogus']"),
+    (["doctor", "--model", "tiny", "--recipe", "precision"], "--recipe takes field=value pairs, got 'precision'"),
+    (["doctor"], "doctor needs --model (or --training-args FILE)"),
+    (["plan", "--model", "tiny", "--batch", "1", "--lora", "r=8"], "--lora and --bnb go with --training-args"),
+    (["plan", "--model", "tiny", "--training-args", "tests/test_cli.py", "--batch", "2"], "leave --batch and --recipe out"),
+    (["plan", "--model", "tiny", "--training-args", "no/such.yaml"], "--training-args: no such file: 'no/such.yaml'"),
+    (["recommend", "--model", "tiny", "--costs", "no/such.json"], "--costs: no such file: 'no/such.json'"),
+    (["recommend", "--model", "tiny", "--headroom", "2"], "--headroom must be in [0, 1) (the fraction of memory kept free)"),
 ])
 def test_a_bad_argument_is_refused_before_torch_is_imported(argv, says):
     rc, heavy, err = _imports_of(argv)
@@ -276,3 +293,34 @@ def test_the_names_help_lists_are_the_packages_own():
     assert list(cli.TARGET_NAMES) == list(TARGETS)
     assert list(cli.MODES) == list(MODES)
     assert tuple(cli.OBJECTIVES) == tuple(OBJECTIVES)
+    from dataclasses import fields
+
+    from colab_memopt.training.recipe import Recipe
+
+    assert cli.RECIPE_FIELDS == tuple(f.name for f in fields(Recipe))
+
+
+@pytest.mark.parametrize("model", ["llama-3.1-8b", "tiny", "nosuch", "", "  ", "org/name", "org/", "/org/name",
+                                   "./rel/name", "~nosuchuser_x/m", "a/b/c", "tests", "tests/test_cli.py"])
+def test_the_command_lines_model_check_refuses_what_the_planner_refuses(model):
+    """The command line refuses an unknown --model before importing the planner: exactly where `resolve_model`
+    says 'unknown model' or 'empty' (a folder or file it reads, and what it lacks, is the planner's to say)."""
+    from colab_memopt.techniques.architectures import resolve_model
+    from colab_memopt.tooling import cli
+
+    try:
+        cli._check_model(model)
+        quick = None
+    except ValueError as exc:
+        quick = str(exc)
+    try:
+        resolve_model(model)
+        slow = None
+    except ValueError as exc:
+        slow = str(exc)
+    except Exception as exc:  # noqa: BLE001 - the hub (no network here) or a file it cannot read: not a name error
+        slow = f"{type(exc).__name__}"
+    if quick is not None:
+        assert slow == quick
+    else:
+        assert slow is None or not slow.startswith(("unknown model", "model must not be empty")), slow

@@ -17,6 +17,7 @@ import json
 import sys
 import traceback
 import warnings
+from pathlib import Path
 from typing import Any, NoReturn
 
 
@@ -40,6 +41,13 @@ MODEL_NAMES = ("tiny", "small", "medium", "large", "gpt2-small", "gpt2-medium", 
 TARGET_NAMES = ("t4", "l4", "a100-40gb", "a100-80gb", "h100-80gb")
 MODES = ("full", "lora", "qlora")
 OBJECTIVES = ("fastest", "least_memory")
+# The Recipe's fields (--recipe FIELD=VALUE), held equal to `dataclasses.fields(Recipe)` by tests/test_cli.py.
+RECIPE_FIELDS = ("optimizer", "lr", "attention", "optimizer_rank", "quantization", "quantization_phase", "lora_rank",
+                 "lora_targets", "base_dtype", "activation_compression", "compression_checkpointing", "phase_offload",
+                 "precision", "eval_precision", "update_rounding", "checkpointing", "checkpoint_interval",
+                 "accumulation_steps", "attention_window", "layer_offload_active", "layer_offload_prefetch",
+                 "optimizer_state_offload", "zero_stage", "offload_optimizer", "offload_param", "loss_chunk_tokens",
+                 "mlp_tile_tokens", "norm_tile_tokens", "offload_keep_blocks", "weight_dtype")
 
 # Fields whose value is a tuple: given as comma-separated names (lora_targets=c_attn,c_proj).
 _TUPLE_FIELDS = ("lora_targets",)
@@ -214,11 +222,6 @@ def _plan_trainer(args: argparse.Namespace) -> tuple[int, Any]:
     from colab_memopt.planning.hfconfig import read_training_config
     from colab_memopt.planning.trainer import plan_trainer
 
-    if args.batch is not None or args.recipe:
-        raise ValueError("--training-args gives the batch and the settings: leave --batch and --recipe out")
-    if args.method == "analytic":
-        raise ValueError("--method analytic: a --training-args run is planned by tracing its Trainer's step; "
-                         "leave --method out (or give --method trace)")
     cfg = read_training_config(args.training_args, lora=_file_or_fields(args.lora), bnb=_file_or_fields(args.bnb))
     model = args.model or cfg.model
     if model is None:
@@ -245,14 +248,6 @@ def _plan(args: argparse.Namespace) -> tuple[int, Any]:
 
     if args.training_args is not None:
         return _plan_trainer(args)
-    if args.lora is not None or args.bnb is not None:
-        raise ValueError("--lora and --bnb go with --training-args (for a Recipe, use --recipe lora_rank=16 quantization=nf4)")
-    if args.prepare_model_for_kbit_training is not None:
-        raise ValueError("--prepare-model-for-kbit-training goes with --training-args and --bnb")
-    if args.dtype is not None:
-        raise ValueError("--dtype goes with --training-args (for a Recipe's frozen base, use --recipe base_dtype=fp16)")
-    if args.model is None or args.batch is None:
-        raise ValueError("plan needs --model and --batch (or --training-args FILE)")
     target: Any = _target(args)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # fallbacks are reported in the plan's own warnings
@@ -284,18 +279,11 @@ def _doctor(args: argparse.Namespace) -> tuple[int, Any]:
     if args.training_args is not None:  # the run as plan --training-args plans it
         from colab_memopt.planning.hfconfig import read_training_config
 
-        if args.batch is not None or args.recipe:
-            raise ValueError("--training-args gives the batch and the settings: leave --batch and --recipe out")
         cfg = read_training_config(args.training_args, lora=_file_or_fields(args.lora), bnb=_file_or_fields(args.bnb))
         model = model or cfg.model
         if model is None:
             raise ValueError("--training-args: give --model (the file names no model_name_or_path)")
         given = {"recipe": cfg.args, "lora": cfg.lora, "bnb": cfg.bnb, "dtype": args.dtype}
-    elif args.lora is not None or args.bnb is not None or args.dtype is not None:
-        raise ValueError("--lora, --bnb and --dtype go with --training-args (for a Recipe, use --recipe lora_rank=16 "
-                         "quantization=nf4 base_dtype=fp16)")
-    elif model is None:
-        raise ValueError("doctor needs --model (or --training-args FILE)")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         result = doctor(model, target=args.target, batch=args.batch, seq_len=args.seq, method=args.method, **given)
@@ -313,6 +301,81 @@ def _check_counts(args: argparse.Namespace) -> None:
         value = getattr(args, name, None)
         if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be an integer >= 1 ({unit}), got {value}")
+
+
+def _check_model(model: str | None) -> None:
+    """Refuse a --model that is none of our names, no local folder or file, and no Hugging Face id ('org/name'), as
+    `architectures.resolve_model` does (tests/test_cli.py holds the two equal), before anything heavy is imported."""
+    if model is None or model in MODEL_NAMES:
+        return
+    if not model.strip():
+        raise ValueError("model must not be empty: give a name, a Hugging Face id, a folder or a config.json")
+    try:
+        path = Path(model).expanduser()
+    except RuntimeError:  # '~user/...' for a user that does not exist
+        path = Path(model)
+    if path.is_dir() or path.is_file():  # the planner reads it (and says what it lacks)
+        return
+    if model.count("/") == 1 and not model.startswith((".", "/", "~")) and all(model.split("/")):
+        return
+    raise ValueError(f"unknown model {model!r}: not one of our names ({', '.join(MODEL_NAMES)}), not a local folder or "
+                     "config.json, and not a Hugging Face id ('org/name')")
+
+
+def _check_target(args: argparse.Namespace) -> None:
+    """Refuse an unknown --target (doctor's 'auto' too) and --device-bytes without --host-bytes, as the planner does."""
+    if getattr(args, "device_bytes", None) is not None or getattr(args, "host_bytes", None) is not None:
+        _target(args)  # they go together
+        return
+    allowed = TARGET_NAMES + (("auto",) if args.command == "doctor" else ())
+    if args.target not in allowed:
+        bytes_given = "" if args.command == "doctor" else " or give --device-bytes and --host-bytes"
+        raise ValueError(f"unknown target {args.target!r}; choose one of {sorted(allowed)}{bytes_given}")
+
+
+def _check_arguments(args: argparse.Namespace) -> None:
+    """What a command line alone says is wrong, said before torch and transformers are imported (seconds): the
+    counts, the model, the target, the recipe's fields and the flags each verb takes together."""
+    _check_counts(args)
+    _check_model(args.model)
+    _check_target(args)
+    if getattr(args, "recipe", None):
+        unknown = sorted(set(_recipe_fields(args.recipe)) - set(RECIPE_FIELDS))
+        if unknown:
+            raise ValueError(f"unknown recipe field(s) {unknown}; known fields: {sorted(RECIPE_FIELDS)}")
+    headroom = getattr(args, "headroom", None)
+    if headroom is not None and not 0 <= headroom < 1:
+        raise ValueError(f"--headroom must be in [0, 1) (the fraction of memory kept free), got {headroom}")
+    for flag in ("training_args", "costs"):
+        given = getattr(args, flag, None)
+        if given is not None and not Path(given).exists():  # a folder: the reader says what it is
+            raise ValueError(f"--{flag.replace('_', '-')}: no such file: {given!r}")
+    with_file = getattr(args, "training_args", None) is not None
+    if args.command == "plan" and with_file:
+        if args.batch is not None or args.recipe:
+            raise ValueError("--training-args gives the batch and the settings: leave --batch and --recipe out")
+        if args.method == "analytic":
+            raise ValueError("--method analytic: a --training-args run is planned by tracing its Trainer's step; "
+                             "leave --method out (or give --method trace)")
+    elif args.command == "plan":
+        if args.lora is not None or args.bnb is not None:
+            raise ValueError("--lora and --bnb go with --training-args (for a Recipe, use --recipe lora_rank=16 "
+                             "quantization=nf4)")
+        if args.prepare_model_for_kbit_training is not None:
+            raise ValueError("--prepare-model-for-kbit-training goes with --training-args and --bnb")
+        if args.dtype is not None:
+            raise ValueError("--dtype goes with --training-args (for a Recipe's frozen base, use --recipe base_dtype=fp16)")
+        if args.model is None or args.batch is None:
+            raise ValueError("plan needs --model and --batch (or --training-args FILE)")
+    elif args.command == "doctor" and with_file:
+        if args.batch is not None or args.recipe:
+            raise ValueError("--training-args gives the batch and the settings: leave --batch and --recipe out")
+    elif args.command == "doctor":
+        if args.lora is not None or args.bnb is not None or args.dtype is not None:
+            raise ValueError("--lora, --bnb and --dtype go with --training-args (for a Recipe, use --recipe lora_rank=16 "
+                             "quantization=nf4 base_dtype=fp16)")
+        if args.model is None:
+            raise ValueError("doctor needs --model (or --training-args FILE)")
 
 
 def _finite(value: Any) -> Any:
@@ -351,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:  # --help and a bad argument answer here, before the planner (torch, transformers) is imported
         args = _parser().parse_args(argv)
-        _check_counts(args)
+        _check_arguments(args)
     except (UsageError, ValueError) as exc:
         return answer(2, f"error: {exc}" + (" (see --help)" if isinstance(exc, UsageError) else ""))
     with _quiet(getattr(args, "verbose", False)):  # importing the planner imports torchao, bitsandbytes, transformers
