@@ -272,3 +272,9 @@ def test_the_secant_search_finds_the_boundary_in_few_plans(need, start):
         assert len(planned) == len(set(planned)) <= 10, planned  # never the same length twice
     units, converged = _secant_search(lambda u: need(u) <= 55_000, lambda u: 55_000 - need(u), 1, 128, 2)
     assert not converged and units == 2  # two plans (1 and 2 tokens' steps) fit: the boundary is not found yet
+
+
+def test_longest_context_names_an_unknown_model_once():
+    """An unknown model is its own error, not one 'cannot be planned' per mode."""
+    with pytest.raises(ValueError, match=r"^unknown model 'nosuch': not one of our names"):
+        cm.capacity.longest_context("nosuch")

@@ -669,6 +669,7 @@ def longest_context(model: str, *, target: Any = "t4", modes: tuple[str, ...] = 
         if m not in MODES:
             raise ValueError(f"modes must be among {list(MODES)}, got {m!r}")
     check_max_plans(max_plans)
+    architectures.resolve_model(model)  # an unknown model: its own error, not one per mode
     results, skipped = {}, {}
     for m in modes:
         try:
