@@ -306,3 +306,45 @@ def test_a_factorys_model_cut_to_a_few_blocks_keeps_its_own_config_object() -> N
     assert base.config._attn_implementation == whole.get_base_model().config._attn_implementation is not None
     reference = stack.shallow_factory(architectures.resolve_model(_reference), 3)()
     assert reference.config.n_layer == 3 and len(reference.blocks) == 3
+
+
+@pytest.mark.parametrize(("device_mib", "recipe"), [
+    (40, {"precision": "fp16-autocast"}),
+    (40, {"lora_rank": 8, "lora_targets": ("q_proj", "v_proj"), "precision": "fp16-autocast", "checkpointing": "full"}),
+    (64, {"precision": "fp16-autocast"}),
+])
+def test_the_largest_batch_read_off_two_traces_is_the_traced_searchs(monkeypatch: pytest.MonkeyPatch, device_mib: int,
+                                                                     recipe: dict) -> None:
+    """A counted stack's largest batch, read off the lines between its traces at two batches (every moment's bytes
+    linear in the batch), is the batch the traced search confirms with a trace on each side of the boundary. The
+    margin is the tiny model's (its bytes per sequence are kilobytes, a T4 plan's are megabytes)."""
+    monkeypatch.setattr(planner, "_LINE_MARGIN_BYTES", 4096)
+    said: list[str] = []
+    monkeypatch.setattr(planner, "say", said.append)
+    target = cm.Target(name="small-gpu", device_bytes=device_mib * 2**20, host_bytes=2**34, cuda_context_bytes=0,
+                       compute_capability=(7, 5))
+    found = {}
+    for lines in (False, True):
+        monkeypatch.setattr(planner, "_LINES_SEARCH", lines)
+        faketrace.clear_trace_cache()
+        planner._SHALLOW_TRACERS.clear()
+        said.clear()
+        found[lines] = cm.plan(_model("llama"), 2, seq_len=64, recipe=recipe, target=target).max_batch
+    assert any("linear in the batch between the traces" in line for line in said), said
+    assert sum("trace at batch" in line for line in said) == 1, said  # the one other batch traced
+    assert found[True] == found[False] > 2
+
+
+def test_lines_near_the_limit_leave_the_batch_to_traces() -> None:
+    """Where the boundary's batch, or the next, comes within the margin of the limit, the lines give no answer."""
+    import types
+
+    def at(per_sample: int):
+        return lambda n: types.SimpleNamespace(peak_bytes=n * per_sample, by_phase={"forward": n * per_sample})
+
+    mib = 2**20
+    assert planner._max_batch_from_lines(at(10 * mib), [], 95 * mib, 1, None) == 9
+    assert planner._max_batch_from_lines(at(10 * mib), [], 91 * mib, 1, None) is None  # 9: 1 MiB under
+    assert planner._max_batch_from_lines(at(10 * mib), [], 99 * mib, 1, None) is None  # 10: 1 MiB over
+    assert planner._max_batch_from_lines(at(10 * mib), [], 95 * mib, 1, 8) is None  # the boundary past the cap
+    assert planner._max_batch_from_lines(at(10 * mib), [], 5 * mib, 1, None) is None  # not even batch 1

@@ -112,6 +112,10 @@ class _Trace:
     hidden_bytes: int = 0  # the largest score tensor of an attention call run with SDPA's math kernel (0: none ran)
     # (phase, unit, op, bytes per category) after every op, where the tracker followed a stack's units (stack.py)
     timeline: list[tuple[int, int, Any, tuple[int, ...]]] | None = field(default=None, repr=False)
+    # A counted stack's step (stack.extrapolate): (phase, live bytes per category) at every moment that can be the
+    # largest, and the operations the two shallow traces ran (the same at two batches: the same moments)
+    lines: list[tuple[int, tuple[int, ...]]] | None = field(default=None, repr=False)
+    ops: tuple[Any, ...] | None = field(default=None, repr=False)
 
 
 @contextlib.contextmanager

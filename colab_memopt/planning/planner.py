@@ -37,6 +37,7 @@ from colab_memopt.core.console import quiet
 from colab_memopt.core.isolation import isolated
 from colab_memopt.core.measure import format_bytes
 from colab_memopt.core.progress import progress, say, shows_progress
+from colab_memopt.core.tracker import PHASES
 from colab_memopt.training.recipe import Recipe
 from colab_memopt.planning.faketrace import (
     _SHALLOW_TRACERS,
@@ -154,6 +155,60 @@ def _search_batch_cap(meta_model: nn.Module, rec: Recipe, batch: int, seq_len: i
 
     per_sample = len(find_mlps(meta_model)) * seq_len / rec.mlp_tile_tokens
     return max(4 * batch, int(_SEARCH_LOOP_ROUNDS / per_sample), rec.accumulation_steps)
+
+
+# How close to the limit a need read off the lines between two batches' traces may come before the search traces
+# that batch instead (what the tracker's rounding of each tensor to the allocator's blocks may make of a line).
+_LINE_MARGIN_BYTES = 2 * 2**20
+
+
+def _batch_lines(first: Any, batch: int, other: Any, other_batch: int) -> Callable[[int], Any] | None:
+    """Return the counted stack's step at any batch from its traces at two (`stack.extrapolate`'s lines: every moment
+    of the step that can be its peak, each moment's bytes linear in the batch: tensors of (batch x tokens x ...)
+    and fixed ones), or None where the two traces did not run the same operations (the same moments)."""
+    import types
+
+    if (first.lines is None or other.lines is None or first.ops != other.ops or len(first.lines) != len(other.lines)
+            or batch == other_batch):
+        return None
+    span = other_batch - batch
+    rows = [(PHASES[phase], sum(a), sum(b) - sum(a)) for (phase, a), (_, b) in zip(first.lines, other.lines)]
+
+    def at(n: int) -> Any:
+        by_phase: dict[str, int] = {}
+        for name, live, change in rows:
+            need = live - (-change * (n - batch) // span)  # rounded up
+            if need > by_phase.get(name, 0):
+                by_phase[name] = need
+        return types.SimpleNamespace(peak_bytes=max(by_phase.values(), default=0), by_phase=by_phase)
+
+    def same(step: Any, trace: Any) -> bool:
+        return step.peak_bytes == trace.peak_bytes and all(step.by_phase.get(p, 0) == v for p, v in trace.by_phase.items())
+
+    return at if same(at(batch), first) and same(at(other_batch), other) else None
+
+
+def _max_batch_from_lines(at: Callable[[int], Any], costs: list[Cost], limit: int, lower: int,
+                          upper: int | None) -> int | None:
+    """Return the largest batch that fits by the lines between two traces (`_batch_lines`), or None where the
+    answer is not clear from them: the boundary's batch or the next within `_LINE_MARGIN_BYTES` of the limit, no
+    batch >= `lower` fitting, or the boundary at the search's cap (the traced search says so)."""
+    fixed = sum(c.bytes for c in costs if not c.in_step)
+
+    def need(n: int) -> int:
+        step = at(n)
+        return step_peak_with_transients(step.peak_bytes, step.by_phase, costs) + fixed
+
+    top = upper if upper is not None else _BATCH_CAP
+    if need(lower) > limit - _LINE_MARGIN_BYTES:
+        return None
+    lo, hi = lower, top + 1  # lo fits; hi does not (top + 1: never planned)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if need(mid) <= limit else (lo, mid)
+    if hi > top or need(lo) > limit - _LINE_MARGIN_BYTES or need(hi) <= limit + _LINE_MARGIN_BYTES:
+        return None
+    return lo
 
 
 def _verified_max_batch(
@@ -545,6 +600,9 @@ def _make_tracer(spec: Any, meta_model: nn.Module, rec: Recipe, seq_len: int, **
 # Whether plans of deep models trace two shallow copies and count the rest of the stack (tests turn it off to
 # compare with the whole trace).
 _FAST_STACK = True
+# Whether the largest-batch search of a counted stack reads the batch off the lines between two traces where they
+# are clear of the limit (tests turn it off to compare with the traced search).
+_LINES_SEARCH = True
 
 
 def _max_batch(result: Plan, trace: Any, tracer: Any, meta_model: nn.Module, rec: Recipe, batch: int, seq_len: int,
@@ -565,7 +623,17 @@ def _max_batch(result: Plan, trace: Any, tracer: Any, meta_model: nn.Module, rec
         if 0 < guess < _BATCH_CAP:
             if cap is not None:
                 guess = min(guess, cap)
-            guess = _secant_step(traced(guess), guess, trace, budget)
+            at_guess = traced(guess)
+            # a counted stack's step at any batch, from the lines between its traces at two (each moment's bytes
+            # linear in the batch): the answer where it is clear of the limit, else the traced search below
+            at = _batch_lines(trace, batch, at_guess, guess) if _LINES_SEARCH else None
+            known = None if at is None else _max_batch_from_lines(at, device_costs, result.device_limit_bytes,
+                                                                  rec.accumulation_steps, cap)
+            if known is not None:
+                say(f"every moment's bytes are linear in the batch between the traces at {batch} and {guess}: "
+                    f"{known} fits, {known + 1} does not")
+                return known
+            guess = _secant_step(at_guess, guess, trace, budget)
             guess, converged = _verified_max_batch(
                 lambda b: _step_fits(traced(b), device_costs, result.device_limit_bytes), guess,
                 lower=rec.accumulation_steps, upper=cap

@@ -347,9 +347,11 @@ def extrapolate(small: Any, large: Any, shape: StackShape) -> Any:
     phase_peaks: dict[str, int] = {}
     phase_cats: dict[str, dict[str, int]] = {}
     category_peaks = dict.fromkeys(CATEGORIES, 0)
+    lines = []
     for phase_index, line in _extrapolated(small.timeline, large.timeline, shape):
         if min(line) < 0:
             raise NotRepeating("bytes that would be negative at the whole depth")
+        lines.append((phase_index, line))
         live = sum(line)
         phase = PHASES[phase_index]
         if live > phase_peaks.get(phase, 0):
@@ -360,8 +362,9 @@ def extrapolate(small: Any, large: Any, shape: StackShape) -> Any:
                 category_peaks[name] = nbytes
         if live > peak:
             peak, peak_cats = live, dict(zip(CATEGORIES, line))
+    ops = (tuple((e[0], e[2]) for e in small.timeline), tuple((e[0], e[2]) for e in large.timeline))
     return _Trace(peak, peak_cats, {p: phase_peaks.get(p, 0) for p in PHASES}, phase_cats,
-                  category_peaks["activations"], max(small.hidden_bytes, large.hidden_bytes))
+                  category_peaks["activations"], max(small.hidden_bytes, large.hidden_bytes), lines=lines, ops=ops)
 
 
 # -- the tracer -------------------------------------------------------------------------------------------------------
