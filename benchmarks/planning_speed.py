@@ -166,6 +166,13 @@ CALLS: dict[str, tuple[str, list[str] | str]] = {
                + "target='t4')\nprint('NEED', (f.after or f.before).device_need_bytes)\nprint('PLANS', 1 + len(f.tried))\n")
        for size, model, mode in (("3b", "llama-3.2-3b", "lora"), ("3b", "llama-3.2-3b", "qlora"),
                                  ("8b", "llama-3.1-8b", "qlora"))},
+    **{f"plan_{name}_qlora": (
+        f"python -m colab_memopt plan --model {model} --batch 4 --seq {seq} --target t4 --recipe lora_rank=16 "
+        "quantization=nf4 precision=fp16-autocast checkpointing=full (with its largest-batch search)",
+        ["-m", "colab_memopt", "plan", "--model", model, "--batch", "4", "--seq", str(seq), "--target", "t4", "--recipe",
+         "lora_rank=16", "quantization=nf4", "precision=fp16-autocast", "checkpointing=full", "--json"])
+       for name, model, seq in (("8b", "llama-3.1-8b", 1024), ("1b", "llama-3.2-1b", 512),
+                                ("smollm2_1.7b", "smollm2-1.7b", 512))},
     "doctor_8b_qlora": (
         "doctor --model llama-3.1-8b --recipe lora_rank=16 quantization=nf4 precision=fp16-autocast --batch 4 --seq 1024",
         ["-m", "colab_memopt", "doctor", "--model", "llama-3.1-8b", "--recipe", "lora_rank=16", "quantization=nf4",
