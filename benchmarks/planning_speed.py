@@ -8,6 +8,20 @@ of the child, `resource.getrusage(RUSAGE_CHILDREN)`), the 1-minute load average 
 it printed on stderr, and the bytes it planned (the device need of its answer). The machine may be shared: the wall
 time then says little, the CPU time is the figure to compare; the load average says how shared it was.
 
+Again on 2026-11-29 at 09:38-09:43 UTC (tree a17b2a9; a fixed Python loop took 1.57 s before and 1.82 s
+after: the machine slowed while the rows ran). A counted stack's largest-batch search now reads the batch off the
+lines between its traces at two batches where both ran the same operations (tests/test_stack.py), and the rows for
+`plan` with that search are new:
+- plan, 8B QLoRA, 4 x 1,024 (does not fit; the search goes down): 11.3 s. plan, llama-3.2-1b QLoRA 4 x 512: 14.4 s;
+  smollm2-1.7b QLoRA 4 x 512: 12.5 s (target 10 s: not met). There the traces at the two batches ran other
+  operations (at the larger, autograd's backward runs one more aten.add in a LoRA layer), so the search traced
+  two more batches, as before. Not found why.
+  A sweep of `plan --batch 4 --seq 512 --target t4` over the built-in models (09:31-09:34, not rows): 4.3-7.5 s
+  with the default recipe, 7.9-10.3 s with the QLoRA recipe above, but for those two (12.4 and 12.9 s).
+- plan_trainer, 8B QLoRA: 9.0 s; the long-context row 11.7 s (21.5 s with every block traced, the same bytes).
+- fit_trainer on notebook 19's draft 13.5 s; first drafts 12.9-13.8 s; doctor 8.2 s; recommend 21.1 s; context
+  8B QLoRA 40.1 s; each --help 0.06-0.07 s.
+
 Again on 2026-11-29 at 08:54-09:06 UTC (trees 55a69df and b27cd51, the same AMD EPYC, load 0.3-1.0; a
 fixed Python loop took 1.50-1.71 s): plans of two-level offload (one offloaded copy per N blocks) and
 plan_trainer's `long_context=` count the stack in units of N blocks; both traced every block before.
