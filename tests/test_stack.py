@@ -311,7 +311,6 @@ def test_a_factorys_model_cut_to_a_few_blocks_keeps_its_own_config_object() -> N
 @pytest.mark.parametrize(("device_mib", "recipe"), [
     (40, {"precision": "fp16-autocast"}),
     (40, {"lora_rank": 8, "lora_targets": ("q_proj", "v_proj"), "precision": "fp16-autocast", "checkpointing": "full"}),
-    (64, {"precision": "fp16-autocast"}),
 ])
 def test_the_largest_batch_read_off_two_traces_is_the_traced_searchs(monkeypatch: pytest.MonkeyPatch, device_mib: int,
                                                                      recipe: dict) -> None:
