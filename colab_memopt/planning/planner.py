@@ -624,16 +624,28 @@ def _max_batch(result: Plan, trace: Any, tracer: Any, meta_model: nn.Module, rec
             if cap is not None:
                 guess = min(guess, cap)
             at_guess = traced(guess)
-            # a counted stack's step at any batch, from the lines between its traces at two (each moment's bytes
-            # linear in the batch): the answer where it is clear of the limit, else the traced search below
-            at = _batch_lines(trace, batch, at_guess, guess) if _LINES_SEARCH else None
-            known = None if at is None else _max_batch_from_lines(at, device_costs, result.device_limit_bytes,
-                                                                  rec.accumulation_steps, cap)
-            if known is not None:
-                say(f"every moment's bytes are linear in the batch between the traces at {batch} and {guess}: "
-                    f"{known} fits, {known + 1} does not")
+
+            def from_lines(a: Any, at_a: int, b: Any, at_b: int) -> int | None:
+                """A counted stack's step at any batch, from the lines between its traces at two (each moment's
+                bytes linear in the batch): the answer where it is clear of the limit, else None."""
+                at = _batch_lines(a, at_a, b, at_b) if _LINES_SEARCH else None
+                known = None if at is None else _max_batch_from_lines(at, device_costs, result.device_limit_bytes,
+                                                                      rec.accumulation_steps, cap)
+                if known is not None:
+                    say(f"every moment's bytes are linear in the batch between the traces at {min(at_a, at_b)} and "
+                        f"{max(at_a, at_b)}: {known} fits, {known + 1} does not")
                 return known
-            guess = _secant_step(at_guess, guess, trace, budget)
+
+            known = from_lines(trace, batch, at_guess, guess)
+            if known is not None:
+                return known
+            first_guess, guess = guess, _secant_step(at_guess, guess, trace, budget)
+            if guess not in (first_guess, batch) and (cap is None or guess <= cap):
+                # the first trace ran other operations than the guess's (autograd sums some gradients otherwise at
+                # some batches): the lines between the guess's trace and the corrected guess's
+                known = from_lines(at_guess, first_guess, traced(guess), guess)
+                if known is not None:
+                    return known
             guess, converged = _verified_max_batch(
                 lambda b: _step_fits(traced(b), device_costs, result.device_limit_bytes), guess,
                 lower=rec.accumulation_steps, upper=cap
