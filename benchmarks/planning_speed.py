@@ -14,8 +14,9 @@ lines between its traces at two batches where both ran the same operations (test
 `plan` with that search are new:
 - plan, 8B QLoRA, 4 x 1,024 (does not fit; the search goes down): 11.3 s. plan, llama-3.2-1b QLoRA 4 x 512: 14.4 s;
   smollm2-1.7b QLoRA 4 x 512: 12.5 s (target 10 s: not met). There the traces at the two batches ran other
-  operations (at the larger, autograd's backward runs one more aten.add in a LoRA layer), so the search traced
-  two more batches, as before. Not found why.
+  operations: at 4 x 512 the tokens equal the hidden size (2,048), and autograd sums a LoRA layer's input
+  gradients without the out-of-place add it runs at 3 or 5 x 512. So the search traced two more batches, as
+  before; since 5128d7e it reads the lines off those two (3 traces instead of 4): 11.3 and 11.4 s.
   A sweep of `plan --batch 4 --seq 512 --target t4` over the built-in models (09:31-09:34, not rows): 4.3-7.5 s
   with the default recipe, 7.9-10.3 s with the QLoRA recipe above, but for those two (12.4 and 12.9 s).
 - plan_trainer, 8B QLoRA: 9.0 s; the long-context row 11.7 s (21.5 s with every block traced, the same bytes).

@@ -351,8 +351,9 @@ def test_lines_near_the_limit_leave_the_batch_to_traces() -> None:
 
 def test_where_the_first_trace_ran_other_operations_the_lines_come_from_the_next_two(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """Autograd sums some gradients otherwise at some batches (llama-3.2-1b QLoRA at batch 4 against 3 or 17): the
-    lines then come from the traces at the guess and at the corrected guess, and give the traced search's answer."""
+    """Where a batch's tokens equal the hidden size, autograd sums a LoRA layer's input gradients without an
+    out-of-place add (llama-3.2-1b QLoRA at 4 x 512, not at 3 or 5 x 512): the lines then come from the traces at
+    the guess and at the corrected guess, and give the traced search's answer."""
     monkeypatch.setattr(planner, "_LINE_MARGIN_BYTES", 4096)
     lines = planner._batch_lines
     monkeypatch.setattr(planner, "_batch_lines", lambda a, at_a, b, at_b: None if 2 in (at_a, at_b) else lines(a, at_a, b, at_b))

@@ -641,8 +641,9 @@ def _max_batch(result: Plan, trace: Any, tracer: Any, meta_model: nn.Module, rec
                 return known
             first_guess, guess = guess, _secant_step(at_guess, guess, trace, budget)
             if guess not in (first_guess, batch) and (cap is None or guess <= cap):
-                # the first trace ran other operations than the guess's (autograd sums some gradients otherwise at
-                # some batches): the lines between the guess's trace and the corrected guess's
+                # the first trace ran other operations than the guess's (where the batch's tokens equal the hidden
+                # size, autograd sums a LoRA layer's two input gradients without an out-of-place add: llama-3.2-1b
+                # at 4 x 512): the lines between the guess's trace and the corrected guess's
                 known = from_lines(at_guess, first_guess, traced(guess), guess)
                 if known is not None:
                     return known
