@@ -8,6 +8,13 @@ of the child, `resource.getrusage(RUSAGE_CHILDREN)`), the 1-minute load average 
 it printed on stderr, and the bytes it planned (the device need of its answer). The machine may be shared: the wall
 time then says little, the CPU time is the figure to compare; the load average says how shared it was.
 
+Again on 2026-11-29 at 09:58-10:06 UTC (tree 415f328; a fixed Python loop took 1.58-1.78 s):
+- plan, 8B QLoRA 4 x 1,024: 11.5 s; llama-3.2-1b QLoRA 4 x 512: 11.8 s; smollm2-1.7b QLoRA 4 x 512: 11.3 s
+  (target 10 s: not met). Each traces 3 batches (its own and two more); the plan alone, without its imports
+  (3.4 s) and the interpreter's exit, is 6-7 s.
+- plan_trainer, 8B QLoRA: 10.2, 10.5, 9.9 and 9.8 s (rows not kept, in a scratch file), and 10.8 and 10.3 s for
+  the session's starting tree 517d8c9 run in turn with it: no slower, the machine slower than at 08:54.
+
 Again on 2026-11-29 at 09:38-09:43 UTC (tree a17b2a9; a fixed Python loop took 1.57 s before and 1.82 s
 after: the machine slowed while the rows ran). A counted stack's largest-batch search now reads the batch off the
 lines between its traces at two batches where both ran the same operations (tests/test_stack.py), and the rows for
