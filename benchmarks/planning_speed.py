@@ -8,14 +8,14 @@ of the child, `resource.getrusage(RUSAGE_CHILDREN)`), the 1-minute load average 
 it printed on stderr, and the bytes it planned (the device need of its answer). The machine may be shared: the wall
 time then says little, the CPU time is the figure to compare; the load average says how shared it was.
 
-Again on 2026-11-29 at 09:58-10:06 UTC (tree 415f328; a fixed Python loop took 1.58-1.78 s):
+Again on 2026-11-29 at 09:55-09:57 UTC (tree 415f328; a fixed Python loop took 1.58-1.78 s):
 - plan, 8B QLoRA 4 x 1,024: 11.5 s; llama-3.2-1b QLoRA 4 x 512: 11.8 s; smollm2-1.7b QLoRA 4 x 512: 11.3 s
   (target 10 s: not met). Each traces 3 batches (its own and two more); the plan alone, without its imports
   (3.4 s) and the interpreter's exit, is 6-7 s.
 - plan_trainer, 8B QLoRA: 10.2, 10.5, 9.9 and 9.8 s (rows not kept, in a scratch file), and 10.8 and 10.3 s for
   the session's starting tree 517d8c9 run in turn with it: no slower, the machine slower than at 08:54.
 
-Again on 2026-11-29 at 09:38-09:43 UTC (tree a17b2a9; a fixed Python loop took 1.57 s before and 1.82 s
+Again on 2026-11-29 at 09:34-09:38 UTC (tree a17b2a9; a fixed Python loop took 1.57 s before and 1.82 s
 after: the machine slowed while the rows ran). A counted stack's largest-batch search now reads the batch off the
 lines between its traces at two batches where both ran the same operations (tests/test_stack.py), and the rows for
 `plan` with that search are new:
@@ -24,13 +24,13 @@ lines between its traces at two batches where both ran the same operations (test
   operations: at 4 x 512 the tokens equal the hidden size (2,048), and autograd sums a LoRA layer's input
   gradients without the out-of-place add it runs at 3 or 5 x 512. So the search traced two more batches, as
   before; since 5128d7e it reads the lines off those two (3 traces instead of 4): 11.3 and 11.4 s.
-  A sweep of `plan --batch 4 --seq 512 --target t4` over the built-in models (09:31-09:34, not rows): 4.3-7.5 s
+  A sweep of `plan --batch 4 --seq 512 --target t4` over the built-in models (09:30-09:33, not rows): 4.3-7.5 s
   with the default recipe, 7.9-10.3 s with the QLoRA recipe above, but for those two (12.4 and 12.9 s).
 - plan_trainer, 8B QLoRA: 9.0 s; the long-context row 11.7 s (21.5 s with every block traced, the same bytes).
 - fit_trainer on notebook 19's draft 13.5 s; first drafts 12.9-13.8 s; doctor 8.2 s; recommend 21.1 s; context
   8B QLoRA 40.1 s; each --help 0.06-0.07 s.
 
-Again on 2026-11-29 at 08:54-09:06 UTC (trees 55a69df and b27cd51, the same AMD EPYC, load 0.3-1.0; a
+Again on 2026-11-29 at 08:54-09:00 UTC (trees 55a69df and b27cd51, the same AMD EPYC, load 0.3-1.0; a
 fixed Python loop took 1.50-1.71 s): plans of two-level offload (one offloaded copy per N blocks) and
 plan_trainer's `long_context=` count the stack in units of N blocks; both traced every block before.
 - context for 8B QLoRA: 36.7 and 38.5 s (was 85.7-91.9 s; target 90 s: met). The same five plans and answer (53,248
