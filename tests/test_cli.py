@@ -276,6 +276,7 @@ def test_help_of_every_verb_answers_before_torch_is_imported(argv):
     (["plan", "--model", "tiny", "--training-args", "no/such.yaml"], "--training-args: no such file: 'no/such.yaml'"),
     (["recommend", "--model", "tiny", "--costs", "no/such.json"], "--costs: no such file: 'no/such.json'"),
     (["recommend", "--model", "tiny", "--headroom", "2"], "--headroom must be in [0, 1) (the fraction of memory kept free)"),
+    (["plan", "--model", "gpt2", "--batch", "1", "--seq", "8192"], "seq_len 8192 exceeds 'gpt2''s maximum of 1024"),
 ])
 def test_a_bad_argument_is_refused_before_torch_is_imported(argv, says):
     rc, heavy, err = _imports_of(argv)
@@ -298,6 +299,9 @@ def test_the_names_help_lists_are_the_packages_own():
     from colab_memopt.training.recipe import Recipe
 
     assert cli.RECIPE_FIELDS == tuple(f.name for f in fields(Recipe))
+    from colab_memopt.techniques.architectures import max_seq_len
+
+    assert cli.MAX_SEQ_LEN == {name: max_seq_len(name) for name in model_names()}
 
 
 @pytest.mark.parametrize("model", ["llama-3.1-8b", "tiny", "nosuch", "", "  ", "org/name", "org/", "/org/name",

@@ -38,6 +38,11 @@ HEADROOM = 0.05
 MODEL_NAMES = ("tiny", "small", "medium", "large", "gpt2-small", "gpt2-medium", "gpt2-large", "1b", "gpt2",
                "smollm2-135m", "smollm2-360m", "smollm2-1.7b", "qwen2.5-0.5b", "qwen2.5-1.5b", "llama-3.2-1b",
                "llama-3.2-3b", "llama-3.1-8b")
+# Each name's longest sequence (architectures.max_seq_len): a --seq over it is refused before the imports too.
+MAX_SEQ_LEN = {"tiny": 64, "small": 128, "medium": 256, "large": 512, "gpt2-small": 1024, "gpt2-medium": 1024,
+               "gpt2-large": 1024, "1b": 2048, "gpt2": 1024, "smollm2-135m": 8192, "smollm2-360m": 8192,
+               "smollm2-1.7b": 8192, "qwen2.5-0.5b": 32768, "qwen2.5-1.5b": 32768, "llama-3.2-1b": 131072,
+               "llama-3.2-3b": 131072, "llama-3.1-8b": 131072}
 TARGET_NAMES = ("t4", "l4", "a100-40gb", "a100-80gb", "h100-80gb")
 MODES = ("full", "lora", "qlora")
 OBJECTIVES = ("fastest", "least_memory")
@@ -343,6 +348,9 @@ def _check_arguments(args: argparse.Namespace) -> None:
         unknown = sorted(set(_recipe_fields(args.recipe)) - set(RECIPE_FIELDS))
         if unknown:
             raise ValueError(f"unknown recipe field(s) {unknown}; known fields: {sorted(RECIPE_FIELDS)}")
+    seq, limit = getattr(args, "seq", None), MAX_SEQ_LEN.get(args.model)
+    if args.command in ("plan", "recommend") and seq is not None and limit is not None and seq > limit:
+        raise ValueError(f"seq_len {seq} exceeds {args.model!r}'s maximum of {limit}")  # as the planner says it
     headroom = getattr(args, "headroom", None)
     if headroom is not None and not 0 <= headroom < 1:
         raise ValueError(f"--headroom must be in [0, 1) (the fraction of memory kept free), got {headroom}")
