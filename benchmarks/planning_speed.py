@@ -12,8 +12,9 @@ Again on 2026-11-29 at 09:55-09:57 UTC (tree 415f328; a fixed Python loop took 1
 - plan, 8B QLoRA 4 x 1,024: 11.5 s; llama-3.2-1b QLoRA 4 x 512: 11.8 s; smollm2-1.7b QLoRA 4 x 512: 11.3 s
   (target 10 s: not met). Each traces 3 batches (its own and two more); the plan alone, without its imports
   (3.4 s) and the interpreter's exit, is 6-7 s.
-- plan_trainer, 8B QLoRA: 10.2, 10.5, 9.9 and 9.8 s (rows not kept, in a scratch file), and 10.8 and 10.3 s for
-  the session's starting tree 517d8c9 run in turn with it: no slower, the machine slower than at 08:54.
+- plan_trainer, 8B QLoRA: 10.2 s (the row), then 10.5, 9.9 and 9.8 s (in a scratch file), then 10.2 and 9.9 s
+  run in turn with the session's starting tree 517d8c9 (10.8 and 10.3 s): no slower; the machine was slower than
+  at 08:54.
 
 Again on 2026-11-29 at 09:34-09:38 UTC (tree a17b2a9; a fixed Python loop took 1.57 s before and 1.82 s
 after: the machine slowed while the rows ran). A counted stack's largest-batch search now reads the batch off the
