@@ -308,27 +308,31 @@ def test_a_factorys_model_cut_to_a_few_blocks_keeps_its_own_config_object() -> N
     assert reference.config.n_layer == 3 and len(reference.blocks) == 3
 
 
-@pytest.mark.parametrize(("device_mib", "recipe"), [
-    (40, {"precision": "fp16-autocast"}),
-    (40, {"lora_rank": 8, "lora_targets": ("q_proj", "v_proj"), "precision": "fp16-autocast", "checkpointing": "full"}),
-])
-def test_the_largest_batch_read_off_two_traces_is_the_traced_searchs(monkeypatch: pytest.MonkeyPatch, device_mib: int,
-                                                                     recipe: dict) -> None:
-    """A counted stack's largest batch, read off the lines between its traces at two batches (every moment's bytes
-    linear in the batch), is the batch the traced search confirms with a trace on each side of the boundary. The
-    margin is the tiny model's (its bytes per sequence are kilobytes, a T4 plan's are megabytes)."""
+_LORA_CKPT = {"lora_rank": 8, "lora_targets": ("q_proj", "v_proj"), "precision": "fp16-autocast", "checkpointing": "full"}
+
+
+def _max_batch_both_ways(monkeypatch: pytest.MonkeyPatch, recipe: dict) -> tuple[dict[bool, int], list[str]]:
+    """Return the largest batch on SMALL_GPU by the traced search (False) and read off the lines (True), and what the
+    second said. The margin is the tiny model's (its bytes per sequence are kilobytes, a T4 plan's megabytes)."""
     monkeypatch.setattr(planner, "_LINE_MARGIN_BYTES", 4096)
     said: list[str] = []
     monkeypatch.setattr(planner, "say", said.append)
-    target = cm.Target(name="small-gpu", device_bytes=device_mib * 2**20, host_bytes=2**34, cuda_context_bytes=0,
-                       compute_capability=(7, 5))
     found = {}
     for lines in (False, True):
         monkeypatch.setattr(planner, "_LINES_SEARCH", lines)
         faketrace.clear_trace_cache()
         planner._SHALLOW_TRACERS.clear()
         said.clear()
-        found[lines] = cm.plan(_model("llama"), 2, seq_len=64, recipe=recipe, target=target).max_batch
+        found[lines] = cm.plan(_model("llama"), 2, seq_len=64, recipe=recipe, target=SMALL_GPU).max_batch
+    return found, said
+
+
+@pytest.mark.parametrize("recipe", [{"precision": "fp16-autocast"}, _LORA_CKPT], ids=["fp16", "LoRA"])
+def test_the_largest_batch_read_off_two_traces_is_the_traced_searchs(monkeypatch: pytest.MonkeyPatch,
+                                                                     recipe: dict) -> None:
+    """A counted stack's largest batch, read off the lines between its traces at two batches (every moment's bytes
+    linear in the batch), is the batch the traced search confirms with a trace on each side of the boundary."""
+    found, said = _max_batch_both_ways(monkeypatch, recipe)
     assert any("linear in the batch between the traces" in line for line in said), said
     assert sum("trace at batch" in line for line in said) == 1, said  # the one other batch traced
     assert found[True] == found[False] > 2
@@ -354,21 +358,9 @@ def test_where_the_first_trace_ran_other_operations_the_lines_come_from_the_next
     """Where a batch's tokens equal the hidden size, autograd sums a LoRA layer's input gradients without an
     out-of-place add (llama-3.2-1b QLoRA at 4 x 512, not at 3 or 5 x 512): the lines then come from the traces at
     the guess and at the corrected guess, and give the traced search's answer."""
-    monkeypatch.setattr(planner, "_LINE_MARGIN_BYTES", 4096)
     lines = planner._batch_lines
     monkeypatch.setattr(planner, "_batch_lines", lambda a, at_a, b, at_b: None if 2 in (at_a, at_b) else lines(a, at_a, b, at_b))
-    said: list[str] = []
-    monkeypatch.setattr(planner, "say", said.append)
-    recipe = {"lora_rank": 8, "lora_targets": ("q_proj", "v_proj"), "precision": "fp16-autocast", "checkpointing": "full"}
-    target = cm.Target(name="small-gpu", device_bytes=40 * 2**20, host_bytes=2**34, cuda_context_bytes=0,
-                       compute_capability=(7, 5))
-    found = {}
-    for use in (False, True):
-        monkeypatch.setattr(planner, "_LINES_SEARCH", use)
-        faketrace.clear_trace_cache()
-        planner._SHALLOW_TRACERS.clear()
-        said.clear()
-        found[use] = cm.plan(_model("llama"), 2, seq_len=64, recipe=recipe, target=target).max_batch
+    found, said = _max_batch_both_ways(monkeypatch, _LORA_CKPT)
     assert sum("trace at batch" in line for line in said) == 2, said
     assert any("linear in the batch between the traces at 35 and 38" in line for line in said), said
     assert found[True] == found[False] == 35
