@@ -13,6 +13,7 @@ from typing import Any
 from torch import nn
 
 from colab_memopt.core.console import quiet
+from colab_memopt.core.modelref import is_hub_id, local_path
 from colab_memopt.techniques.models import MODEL_SIZES, build_model
 
 
@@ -315,10 +316,7 @@ def resolve_model(model: Any) -> ModelSpec:
                              arch.hf_config() if arch else None, source="colab_memopt.techniques.architectures")
         if model in _RESOLVED and _RESOLVED[model] is not _FOLDER_SPECS.get(model):
             return _RESOLVED[model]
-        try:
-            path = Path(model).expanduser()
-        except RuntimeError:  # '~user/...' for a user that does not exist: keep the path as given
-            path = Path(model)
+        path = local_path(model)
         if path.is_dir() or path.is_file():
             folder = path if path.is_dir() else path.parent
             if path.is_file() and path.name != "config.json":
@@ -326,7 +324,7 @@ def resolve_model(model: Any) -> ModelSpec:
             if not (folder / "config.json").is_file():
                 raise ValueError(f"the folder {str(folder)!r} holds no config.json: give a folder saved with save_pretrained")
             return _from_folder(model, folder)
-        if model.count("/") == 1 and not model.startswith((".", "/", "~")) and all(model.split("/")):
+        if is_hub_id(model):
             return _from_hub(model)
         raise ValueError(
             f"unknown model {model!r}: not one of our names ({', '.join(model_names())}), not a local folder or "

@@ -311,17 +311,14 @@ def _check_counts(args: argparse.Namespace) -> None:
 def _check_model(model: str | None) -> None:
     """Refuse a --model that is none of our names, no local folder or file, and no Hugging Face id ('org/name'), as
     `architectures.resolve_model` does (tests/test_cli.py holds the two equal), before anything heavy is imported."""
+    from colab_memopt.core.modelref import is_hub_id, local_path
+
     if model is None or model in MODEL_NAMES:
         return
     if not model.strip():
         raise ValueError("model must not be empty: give a name, a Hugging Face id, a folder or a config.json")
-    try:
-        path = Path(model).expanduser()
-    except RuntimeError:  # '~user/...' for a user that does not exist
-        path = Path(model)
-    if path.is_dir() or path.is_file():  # the planner reads it (and says what it lacks)
-        return
-    if model.count("/") == 1 and not model.startswith((".", "/", "~")) and all(model.split("/")):
+    path = local_path(model)
+    if path.is_dir() or path.is_file() or is_hub_id(model):  # the planner reads it (and says what it lacks)
         return
     raise ValueError(f"unknown model {model!r}: not one of our names ({', '.join(MODEL_NAMES)}), not a local folder or "
                      "config.json, and not a Hugging Face id ('org/name')")

@@ -20,6 +20,7 @@ import torch
 
 from colab_memopt.techniques.architectures import ModelSpec
 from colab_memopt.core.measure import format_bytes
+from colab_memopt.core.modelref import is_hub_id
 
 # The weight files transformers loads (the merge skips more formats: merge.ANY_WEIGHT_SUFFIXES)
 LOADED_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
@@ -136,7 +137,7 @@ def checkpoint_folder(id_or_path: str | os.PathLike[str]) -> Path:
             raise ValueError(f"{path} has no config.json (found {found[:5]}): give the folder save_pretrained wrote, "
                              "with its config.json beside the weights")
         return path
-    if text.count("/") == 1 and not text.startswith((".", "/", "~")) and all(text.split("/")):
+    if is_hub_id(text):
         from huggingface_hub import snapshot_download
 
         return Path(snapshot_download(text, allow_patterns=["*.json", "*.safetensors"]))

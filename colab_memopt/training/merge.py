@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from colab_memopt.core.fileio import atomic_write, atomic_write_text, read_json
+from colab_memopt.core.modelref import is_hub_id
 
 # safetensors' dtype names and the torch dtypes they hold (the ones a checkpoint of a causal LM uses)
 ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -119,7 +120,7 @@ def base_folder(base: str | os.PathLike[str]) -> Path:
     path = Path(text).expanduser()
     if path.is_dir():
         return path
-    if not (text.count("/") == 1 and not text.startswith((".", "/", "~")) and all(text.split("/"))):
+    if not is_hub_id(text):
         raise ValueError(f"base {text!r} is neither a local folder nor a Hugging Face id ('org/name'): give the "
                          "folder save_pretrained wrote, or the model's id")
     import huggingface_hub
