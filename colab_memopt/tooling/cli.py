@@ -355,10 +355,10 @@ def _check_arguments(args: argparse.Namespace) -> None:
         given = getattr(args, flag, None)
         if given is not None and not Path(given).exists():  # a folder: the reader says what it is
             raise ValueError(f"--{flag.replace('_', '-')}: no such file: {given!r}")
-    with_file = getattr(args, "training_args", None) is not None
+    with_file = getattr(args, "training_args", None) is not None  # plan and doctor take it
+    if with_file and (args.batch is not None or args.recipe):
+        raise ValueError("--training-args gives the batch and the settings: leave --batch and --recipe out")
     if args.command == "plan" and with_file:
-        if args.batch is not None or args.recipe:
-            raise ValueError("--training-args gives the batch and the settings: leave --batch and --recipe out")
         if args.method == "analytic":
             raise ValueError("--method analytic: a --training-args run is planned by tracing its Trainer's step; "
                              "leave --method out (or give --method trace)")
@@ -372,10 +372,7 @@ def _check_arguments(args: argparse.Namespace) -> None:
             raise ValueError("--dtype goes with --training-args (for a Recipe's frozen base, use --recipe base_dtype=fp16)")
         if args.model is None or args.batch is None:
             raise ValueError("plan needs --model and --batch (or --training-args FILE)")
-    elif args.command == "doctor" and with_file:
-        if args.batch is not None or args.recipe:
-            raise ValueError("--training-args gives the batch and the settings: leave --batch and --recipe out")
-    elif args.command == "doctor":
+    elif args.command == "doctor" and not with_file:
         if args.lora is not None or args.bnb is not None or args.dtype is not None:
             raise ValueError("--lora, --bnb and --dtype go with --training-args (for a Recipe, use --recipe lora_rank=16 "
                              "quantization=nf4 base_dtype=fp16)")
