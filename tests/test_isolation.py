@@ -319,3 +319,45 @@ def test_a_plan_reads_and_leaves_no_bitsandbytes_optimizer_override():
     finally:
         manager.initialize()
         vars(manager).update(saved)
+
+
+def test_the_collector_spares_the_callers_objects_during_a_plan_only():
+    """`collector_spared`: inside, what existed before is out of the collector's scans (frozen); after, it is
+    collectable again, a cycle the caller dropped during the plan is collected, and objects the caller froze
+    itself stay frozen (the block then leaves the collector alone)."""
+    import gc
+    import weakref
+
+    from colab_memopt.core.isolation import collector_spared, isolated
+
+    class Cycle:
+        pass
+
+    seen = []
+
+    @isolated
+    def entry():
+        seen.append(gc.get_freeze_count())
+
+    gc.unfreeze()  # the test session froze what it loaded (conftest.py): start as a user's process does
+    try:
+        garbage = Cycle()
+        garbage.me = garbage
+        gone = weakref.ref(garbage)
+        with collector_spared():
+            assert gc.get_freeze_count() > 0
+            del garbage
+            gc.collect()
+            assert gone() is not None  # frozen: left alone for the duration
+        assert gc.get_freeze_count() == 0
+        gc.collect()
+        assert gone() is None
+        entry()
+        assert seen[0] > 0 and gc.get_freeze_count() == 0
+        gc.freeze()  # the caller's own
+        frozen = gc.get_freeze_count()
+        since = [Cycle() for _ in range(1000)]  # what a freeze inside the plan would add
+        entry()
+        assert seen[1] <= frozen and 0 < gc.get_freeze_count() <= frozen, (frozen, seen, len(since))
+    finally:
+        gc.freeze()

@@ -13,12 +13,17 @@ A plan is a pure function of what the user gave. Two context managers make it so
   come back as they were.
 
 Nested use is fine: each level puts back what it found.
+
+A third, `collector_spared()`, is for speed alone: while a plan runs, Python's garbage collector leaves alone the
+objects that were there before it (the libraries' modules, the user's model), which a plan's many short-lived
+objects would otherwise have it scan again and again; afterwards they are collected as before.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import gc
 import random
 from collections.abc import Callable, Iterator
 from functools import wraps
@@ -148,12 +153,32 @@ def _autocast_off() -> Iterator[None]:
             torch.set_autocast_enabled(d, was)
 
 
+@contextlib.contextmanager
+def collector_spared() -> Iterator[None]:
+    """Run the block with the objects that exist before it out of the garbage collector's scans (`gc.freeze()`);
+    they are handed back to it afterwards (`gc.unfreeze()`), as collectable as before.
+
+    A plan builds and drops hundreds of thousands of short-lived objects (fake tensors, modules, configs). Each of
+    the collector's full passes they set off scans every object of the process as well: torch's, transformers',
+    the user's. Measured on a 2-core machine: about 1 s of a 10 s plan went to those passes. Where the caller froze
+    objects itself (`gc.get_freeze_count()` above 0), the block runs as it is: unfreezing would hand back theirs too.
+    """
+    if gc.get_freeze_count() or not gc.isenabled():
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
 def isolated(function: F) -> F:
-    """Decorate a planning entry point: it runs under `neutral_process_state()`."""
+    """Decorate a planning entry point: it runs under `neutral_process_state()` and `collector_spared()`."""
 
     @wraps(function)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        with neutral_process_state():
+        with collector_spared(), neutral_process_state():
             return function(*args, **kwargs)
 
     return wrapper  # type: ignore[return-value]
