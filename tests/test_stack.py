@@ -311,7 +311,8 @@ def test_a_factorys_model_cut_to_a_few_blocks_keeps_its_own_config_object() -> N
 _LORA_CKPT = {"lora_rank": 8, "lora_targets": ("q_proj", "v_proj"), "precision": "fp16-autocast", "checkpointing": "full"}
 
 
-def _max_batch_both_ways(monkeypatch: pytest.MonkeyPatch, recipe: dict) -> tuple[dict[bool, int], list[str]]:
+def _max_batch_both_ways(monkeypatch: pytest.MonkeyPatch, recipe: dict,
+                         seq_len: int = 64) -> tuple[dict[bool, int], list[str]]:
     """Return the largest batch on SMALL_GPU by the traced search (False) and read off the lines (True), and what the
     second said. The margin is the tiny model's (its bytes per sequence are kilobytes, a T4 plan's megabytes)."""
     monkeypatch.setattr(planner, "_LINE_MARGIN_BYTES", 4096)
@@ -323,7 +324,7 @@ def _max_batch_both_ways(monkeypatch: pytest.MonkeyPatch, recipe: dict) -> tuple
         faketrace.clear_trace_cache()
         planner._SHALLOW_TRACERS.clear()
         said.clear()
-        found[lines] = cm.plan(_model("llama"), 2, seq_len=64, recipe=recipe, target=SMALL_GPU).max_batch
+        found[lines] = cm.plan(_model("llama"), 2, seq_len=seq_len, recipe=recipe, target=SMALL_GPU).max_batch
     return found, said
 
 
@@ -353,11 +354,62 @@ def test_lines_near_the_limit_leave_the_batch_to_traces() -> None:
     assert planner._max_batch_from_lines(at(10 * mib), [], 5 * mib, 1, None) is None  # not even batch 1
 
 
-def test_where_the_first_trace_ran_other_operations_the_lines_come_from_the_next_two(
+def test_where_the_first_trace_ran_fewer_operations_the_lines_bound_the_rest(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where a batch's tokens equal the hidden size, autograd sums a 4-bit LoRA layer's input gradients without the
+    out-of-place add it runs at other batches (llama-3.2-1b QLoRA at 4 x 512, not at 3 or 5 x 512; here 2 x 32 tokens
+    of 64 hidden): the plan's own trace ran fewer moments than the guess's. The lines between the two still give the
+    traced search's answer, with the guess's trace alone: the moments it ran alone are bounded by their bytes there."""
+    recipe = MODES["QLoRA nf4, checkpointing"]
+    ops = {}
+    lines = planner._batch_lines
+
+    def kept(a, at_a, b, at_b):
+        ops[at_a], ops[at_b] = a.ops, b.ops
+        return lines(a, at_a, b, at_b)
+
+    monkeypatch.setattr(planner, "_batch_lines", kept)
+    found, said = _max_batch_both_ways(monkeypatch, recipe, seq_len=32)
+    assert len(ops) == 2 and ops[2] != ops[max(ops)]  # the case is exercised: the two traces ran other operations
+    assert sum("trace at batch" in line for line in said) == 1, said
+    assert any("moments only the trace at" in line and "ran: at most their bytes there" in line for line in said), said
+    assert found[True] == found[False] > 2
+
+
+def test_moments_one_trace_ran_alone_bound_the_batches_up_to_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`_batch_lines` with a moment only the trace at batch 6 ran: up to 6 it counts at most its bytes there, above
+    6 the step is unknown (None); the largest batch is read off only where the bound says it fits and the moments
+    both traces ran say the next does not."""
+    import types
+
+    from colab_memopt.core.tracker import PHASES
+
+    def trace(batch_lines: list[tuple[int, int, str]]) -> object:
+        by_phase: dict[str, int] = {}
+        for phase, nbytes, _ in batch_lines:
+            by_phase[PHASES[phase]] = max(by_phase.get(PHASES[phase], 0), nbytes)
+        return types.SimpleNamespace(lines=[(p, (b,)) for p, b, _ in batch_lines], keys=[k for _, _, k in batch_lines],
+                                     ops=tuple(k for _, _, k in batch_lines), peak_bytes=max(by_phase.values()),
+                                     by_phase=by_phase)
+
+    monkeypatch.setattr(planner, "_LINE_MARGIN_BYTES", 0)
+    at_2 = trace([(0, 10, "embed"), (1, 20, "mm")])  # mm: 10 + 5 x batch
+    at_6 = trace([(0, 30, "embed"), (1, 38, "add"), (1, 40, "mm")])  # "add": run at 6 only
+    at = planner._batch_lines(at_2, 2, at_6, 6)
+    assert at is not None and at.one_batch == (1, 6)
+    assert at(4).by_phase == {"forward": 20, "backward": 38} and at(4).floor.by_phase == {"forward": 20, "backward": 30}
+    assert at(7) is None
+    reverse = planner._batch_lines(at_6, 6, at_2, 2)  # the trace with the moment first: the same step
+    assert reverse is not None and reverse(4) == at(4) and reverse(7) is None
+    assert planner._max_batch_from_lines(at, [], 39, 1, None) == 5  # 5: at most 38; 6: 40 by the moments both ran
+    assert planner._max_batch_from_lines(at, [], 40, 1, None) is None  # 6 fits, 7 unknown
+    assert planner._max_batch_from_lines(at, [], 37, 1, None) is None  # batch 1 not clear of the bound
+    assert planner._batch_lines(at_2, 2, trace([(0, 30, "embed"), (1, 45, "mul"), (1, 40, "copy")]), 6) is None
+
+
+def test_where_the_first_two_traces_leave_it_open_the_lines_come_from_the_next_two(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """Where a batch's tokens equal the hidden size, autograd sums a LoRA layer's input gradients without an
-    out-of-place add (llama-3.2-1b QLoRA at 4 x 512, not at 3 or 5 x 512): the lines then come from the traces at
-    the guess and at the corrected guess, and give the traced search's answer."""
+    """Where the lines between the plan's trace and the guess's give no answer (here made so), they come from the
+    traces at the guess and at the corrected guess, and give the traced search's answer."""
     lines = planner._batch_lines
     monkeypatch.setattr(planner, "_batch_lines", lambda a, at_a, b, at_b: None if 2 in (at_a, at_b) else lines(a, at_a, b, at_b))
     found, said = _max_batch_both_ways(monkeypatch, _LORA_CKPT)

@@ -165,38 +165,91 @@ _LINE_MARGIN_BYTES = 2 * 2**20
 def _batch_lines(first: Any, batch: int, other: Any, other_batch: int) -> Callable[[int], Any] | None:
     """Return the counted stack's step at any batch from its traces at two (`stack.extrapolate`'s lines: every moment
     of the step that can be its peak, each moment's bytes linear in the batch: tensors of (batch x tokens x ...)
-    and fixed ones), or None where the two traces did not run the same operations (the same moments)."""
+    and fixed ones), or None where the two traces cannot be read so.
+
+    `at(n)` gives the step's peak and its peak per phase, and `.floor`: the same from the moments both traces ran.
+    Where one trace ran operations the other did not (where a batch's tokens equal the hidden size, autograd sums a
+    LoRA layer's two input gradients without the out-of-place add it runs at other batches: llama-3.2-1b QLoRA at
+    4 x 512), those moments are known at one batch only. At a batch up to that one they are bounded by their bytes
+    there (a tensor's bytes never shrink as the batch grows); above it they are unknown, and `at(n)` is None.
+    """
+    import difflib
     import types
 
-    if (first.lines is None or other.lines is None or first.ops != other.ops or len(first.lines) != len(other.lines)
-            or batch == other_batch):
+    if first.lines is None or other.lines is None or batch == other_batch:
+        return None
+    if first.ops == other.ops and len(first.lines) == len(other.lines):
+        pairs, extra, extra_batch = list(zip(first.lines, other.lines)), [], other_batch
+    elif first.keys is not None and other.keys is not None:
+        matcher = difflib.SequenceMatcher(a=first.keys, b=other.keys, autojunk=False)
+        pairs, only = [], {"first": [], "other": []}
+        for tag, i1, i2, j1, j2 in matcher.get_opcodes():
+            if tag == "equal":
+                pairs += zip(first.lines[i1:i2], other.lines[j1:j2])
+                continue
+            if tag == "replace":
+                return None
+            only["first"] += first.lines[i1:i2]
+            only["other"] += other.lines[j1:j2]
+        if only["first"] and only["other"]:
+            return None  # each ran something the other did not: no trace has every moment
+        extra, extra_batch = (only["first"], batch) if only["first"] else (only["other"], other_batch)
+    else:
         return None
     span = other_batch - batch
-    rows = [(PHASES[phase], sum(a), sum(b) - sum(a)) for (phase, a), (_, b) in zip(first.lines, other.lines)]
+    rows = [(PHASES[phase], sum(a), sum(b) - sum(a)) for (phase, a), (_, b) in pairs]
+    if any((change < 0) != (span < 0) and change for _, _, change in rows):
+        return None  # a moment with fewer bytes at the larger batch: not tensors that grow with it
+    bounds = [(PHASES[phase], sum(line)) for phase, line in extra]
 
-    def at(n: int) -> Any:
+    def peaks(by_phase: dict[str, int]) -> Any:
+        return types.SimpleNamespace(peak_bytes=max(by_phase.values(), default=0), by_phase=by_phase)
+
+    def floor_at(n: int) -> Any:
         by_phase: dict[str, int] = {}
         for name, live, change in rows:
             need = live - (-change * (n - batch) // span)  # rounded up
             if need > by_phase.get(name, 0):
                 by_phase[name] = need
-        return types.SimpleNamespace(peak_bytes=max(by_phase.values(), default=0), by_phase=by_phase)
+        return peaks(by_phase)
+
+    def at(n: int) -> Any:
+        if bounds and n > extra_batch:
+            return None
+        floor = floor_at(n)
+        bounded = dict(floor.by_phase)
+        for name, nbytes in bounds:
+            bounded[name] = max(bounded.get(name, 0), nbytes)
+        step = peaks(bounded)
+        step.floor = floor
+        return step
 
     def same(step: Any, trace: Any) -> bool:
-        return step.peak_bytes == trace.peak_bytes and all(step.by_phase.get(p, 0) == v for p, v in trace.by_phase.items())
+        return (step is not None and step.peak_bytes == trace.peak_bytes
+                and all(step.by_phase.get(p, 0) == v for p, v in trace.by_phase.items()))
 
-    return at if same(at(batch), first) and same(at(other_batch), other) else None
+    # each trace's own step given back to the byte (the moments only one ran: at that one's batch, their bytes)
+    at_first, at_other = (at(batch), floor_at(other_batch)) if extra_batch == batch else (floor_at(batch), at(other_batch))
+    if not (same(at_first, first) and same(at_other, other)):
+        return None
+    at.one_batch = (len(extra), extra_batch)  # type: ignore[attr-defined]
+    return at
 
 
 def _max_batch_from_lines(at: Callable[[int], Any], costs: list[Cost], limit: int, lower: int,
                           upper: int | None) -> int | None:
     """Return the largest batch that fits by the lines between two traces (`_batch_lines`), or None where the
     answer is not clear from them: the boundary's batch or the next within `_LINE_MARGIN_BYTES` of the limit, no
-    batch >= `lower` fitting, or the boundary at the search's cap (the traced search says so)."""
+    batch >= `lower` fitting, the boundary at the search's cap (the traced search says so), or the boundary where
+    moments known at one batch only leave it open."""
     fixed = sum(c.bytes for c in costs if not c.in_step)
 
-    def need(n: int) -> int:
+    def need(n: int, *, floor: bool = False) -> float:
+        """The need at batch n: at most (the default), or at least (`floor`; 0 where nothing is known)."""
         step = at(n)
+        if step is None:
+            return 0 if floor else float("inf")
+        step = getattr(step, "floor", step) if floor else step
         return step_peak_with_transients(step.peak_bytes, step.by_phase, costs) + fixed
 
     top = upper if upper is not None else _BATCH_CAP
@@ -206,7 +259,7 @@ def _max_batch_from_lines(at: Callable[[int], Any], costs: list[Cost], limit: in
     while hi - lo > 1:
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if need(mid) <= limit else (lo, mid)
-    if hi > top or need(lo) > limit - _LINE_MARGIN_BYTES or need(hi) <= limit + _LINE_MARGIN_BYTES:
+    if hi > top or need(lo) > limit - _LINE_MARGIN_BYTES or need(hi, floor=True) <= limit + _LINE_MARGIN_BYTES:
         return None
     return lo
 
@@ -632,8 +685,10 @@ def _max_batch(result: Plan, trace: Any, tracer: Any, meta_model: nn.Module, rec
                 known = None if at is None else _max_batch_from_lines(at, device_costs, result.device_limit_bytes,
                                                                       rec.accumulation_steps, cap)
                 if known is not None:
+                    moments, traced_at = at.one_batch
                     say(f"every moment's bytes are linear in the batch between the traces at {min(at_a, at_b)} and "
-                        f"{max(at_a, at_b)}: {known} fits, {known + 1} does not")
+                        f"{max(at_a, at_b)}" + (f" ({moments} moments only the trace at {traced_at} ran: at most their bytes there)"
+                                                if moments else "") + f": {known} fits, {known + 1} does not")
                 return known
 
             known = from_lines(trace, batch, at_guess, guess)
@@ -641,9 +696,9 @@ def _max_batch(result: Plan, trace: Any, tracer: Any, meta_model: nn.Module, rec
                 return known
             first_guess, guess = guess, _secant_step(at_guess, guess, trace, budget)
             if guess not in (first_guess, batch) and (cap is None or guess <= cap):
-                # the first trace ran other operations than the guess's (where the batch's tokens equal the hidden
-                # size, autograd sums a LoRA layer's two input gradients without an out-of-place add: llama-3.2-1b
-                # at 4 x 512): the lines between the guess's trace and the corrected guess's
+                # the first two traces did not settle it (the boundary near the limit, or above a guess whose trace
+                # ran moments the first did not: `_batch_lines`): the lines between the guess's trace and the
+                # corrected guess's
                 known = from_lines(at_guess, first_guess, traced(guess), guess)
                 if known is not None:
                     return known

@@ -288,28 +288,30 @@ def _carry(a: tuple[int, ...], b: tuple[int, ...], steps: int, ahead: int) -> tu
     return tuple(out)
 
 
-def _extrapolated(small: list[Any], large: list[Any], shape: StackShape) -> Iterator[tuple[int, tuple[int, ...]]]:
-    """Yield (phase index, live bytes per category) for every line of the whole stack's step that can be the
-    largest of its phase or category, in the order the whole step runs them."""
+def _extrapolated(small: list[Any], large: list[Any],
+                  shape: StackShape) -> Iterator[tuple[int, tuple[int, ...], tuple[Any, ...]]]:
+    """Yield (phase index, live bytes per category, the moment's key) for every line of the whole stack's step that
+    can be the largest of its phase or category, in the order the whole step runs them. The key names the moment
+    without its position: (the part of the step, where in it, the operation just run)."""
     k1, k2 = STACK_UNITS
     n = shape.n_units
     steps, ahead = k2 - k1, n - k2
     seg_s, seg_l = _segments(small, k1), _segments(large, k2)
     if [(s.kind, s.phase, s.ascending) for s in seg_s] != [(s.kind, s.phase, s.ascending) for s in seg_l]:
         raise NotRepeating("the step runs other passes at another depth")
-    for s, l in zip(seg_s, seg_l):
+    for part, (s, l) in enumerate(zip(seg_s, seg_l)):
         if s.kind == "other":
             (span_s,), (span_l,) = s.spans, l.spans
             if _funcs(small, span_s) == _funcs(large, span_l):
-                for a, b in zip(_lines(small, span_s), _lines(large, span_l)):
-                    yield s.phase, _carry(a, b, steps, ahead)
+                for func, a, b in zip(_funcs(small, span_s), _lines(small, span_s), _lines(large, span_l)):
+                    yield s.phase, _carry(a, b, steps, ahead), (part, "", func)
             else:  # a loop over the parameters (a single-tensor optimizer, a norm per gradient): its peak line, and
                 # the largest line of each category, each carried (what one unit adds there is one constant)
                 lines_s, lines_l = _lines(small, span_s), _lines(large, span_l)
                 if not lines_s or not lines_l:
                     raise NotRepeating("a part of the step runs at one depth only")
-                for pick in (sum, *[lambda v, c=c: v[c] for c in range(len(CATEGORIES))]):
-                    yield s.phase, _carry(max(lines_s, key=pick), max(lines_l, key=pick), steps, ahead)
+                for i, pick in enumerate((sum, *[lambda v, c=c: v[c] for c in range(len(CATEGORIES))])):
+                    yield s.phase, _carry(max(lines_s, key=pick), max(lines_l, key=pick), steps, ahead), (part, "loop", i)
             continue
         ends_s, ends_l = (s.spans[0], s.spans[-1]), (l.spans[0], l.spans[-1])
         _check_twins(small, large, ends_s[0], ends_l[0], "the first unit")
@@ -330,10 +332,11 @@ def _extrapolated(small: list[Any], large: list[Any], shape: StackShape) -> Iter
             high.append(tuple(v + d * (n - 3) for v, d in zip(at_second, per_unit)))  # unit n-2
         first_lines = [_carry(x, y, steps, ahead) for x, y in zip(_lines(small, ends_s[0]), _lines(large, ends_l[0]))]
         last_lines = [_carry(x, y, steps, ahead) for x, y in zip(_lines(small, ends_s[1]), _lines(large, ends_l[1]))]
-        parts = [first_lines, low, high, last_lines] if s.ascending else [last_lines, high, low, first_lines]
-        for part in parts:
-            for line in part:
-                yield s.phase, line
+        funcs = {"first": _funcs(small, ends_s[0]), "middle": _funcs(small, middle_s), "last": _funcs(small, ends_s[1])}
+        units = [("first", first_lines), ("low", low), ("high", high), ("last", last_lines)]
+        for where, unit_lines in units if s.ascending else units[::-1]:
+            for func, line in zip(funcs.get(where, funcs["middle"]), unit_lines):
+                yield s.phase, line, (part, where, func)
 
 
 def extrapolate(small: Any, large: Any, shape: StackShape) -> Any:
@@ -347,11 +350,12 @@ def extrapolate(small: Any, large: Any, shape: StackShape) -> Any:
     phase_peaks: dict[str, int] = {}
     phase_cats: dict[str, dict[str, int]] = {}
     category_peaks = dict.fromkeys(CATEGORIES, 0)
-    lines = []
-    for phase_index, line in _extrapolated(small.timeline, large.timeline, shape):
+    lines, keys = [], []
+    for phase_index, line, key in _extrapolated(small.timeline, large.timeline, shape):
         if min(line) < 0:
             raise NotRepeating("bytes that would be negative at the whole depth")
         lines.append((phase_index, line))
+        keys.append((phase_index, *key))
         live = sum(line)
         phase = PHASES[phase_index]
         if live > phase_peaks.get(phase, 0):
@@ -364,7 +368,8 @@ def extrapolate(small: Any, large: Any, shape: StackShape) -> Any:
             peak, peak_cats = live, dict(zip(CATEGORIES, line))
     ops = (tuple((e[0], e[2]) for e in small.timeline), tuple((e[0], e[2]) for e in large.timeline))
     return _Trace(peak, peak_cats, {p: phase_peaks.get(p, 0) for p in PHASES}, phase_cats,
-                  category_peaks["activations"], max(small.hidden_bytes, large.hidden_bytes), lines=lines, ops=ops)
+                  category_peaks["activations"], max(small.hidden_bytes, large.hidden_bytes), lines=lines, ops=ops,
+                  keys=keys)
 
 
 # -- the tracer -------------------------------------------------------------------------------------------------------
