@@ -81,13 +81,17 @@ TEST_BUILD := CM_CXX="$${CXX:-c++}" CXX=$(CURDIR)/tests/cxx_g0 TORCH_EXTENSIONS_
 # The tests that hold plans against real CPU Trainer runs come first, each the first work of its worker process:
 # an earlier test in the same process leaves state that makes a real Trainer step hold more (not yet identified).
 MEASURED_TESTS := tests/test_trainer_models.py tests/test_trainer_hostile.py
+# The longest test files (130 s and 90 s of the session's 1,130 s of tests on 2026-11-29) start right after the
+# notebooks: last in collection order, they ran alone on one worker at the session's end while the other sat idle.
+EARLY_TESTS := tests/test_stack.py tests/test_planner.py
 # The notebook-marked tests read what the nbval run recorded; they live in these two files.
 NOTEBOOK_RESULT_TESTS := tests/test_notebooks.py tests/test_widgets_and_project.py
 test: $(STAMP)
 	rm -rf build/ci_notebooks build/results build/notebook_seconds.json build/notebook_stderr.json
 	$(PY) -m colab_memopt.tooling.runner --prepare-only build/ci_notebooks
 	$(WORKER_THREADS) $(TEST_BUILD) PYTHONPATH=tests$(if $(PYTHONPATH),:$(PYTHONPATH)) $(PY) -m pytest -q -p nbval_budget -p no:cacheprovider \
-		--nbval-lax --nbval-current-env $(XDIST) -m "not notebook and not browser" $(addprefix --run-first=,$(MEASURED_TESTS)) build/ci_notebooks tests
+		--nbval-lax --nbval-current-env $(XDIST) -m "not notebook and not browser" $(addprefix --run-first=,$(MEASURED_TESTS)) \
+		$(addprefix --run-early=,$(EARLY_TESTS)) build/ci_notebooks tests
 	$(PY) -m pytest $(NOTEBOOK_RESULT_TESTS) -m notebook -q -p no:cacheprovider
 	$(BROWSER_TEST_IF_AVAILABLE)
 

@@ -9,7 +9,8 @@ allow-list.
 
 It also orders the session's items for two workers (`--dist loadscope --no-loadscope-reorder`): the files named
 by `--run-first` first (each becomes the first work of a worker process), then the notebooks, the largest budget
-first, then everything else in collection order.
+first, then the files named by `--run-early` (the longest test files: started early, they leave short files for the
+session's end, which both workers then finish together), then everything else in collection order.
 """
 
 from __future__ import annotations
@@ -34,10 +35,13 @@ _stderr: dict[str, list[dict]] = defaultdict(list)
 def pytest_addoption(parser):  # noqa: ANN001 - pytest hook
     parser.addoption("--run-first", action="append", default=[], metavar="PATH",
                      help="a test file whose items run before all others (repeatable)")
+    parser.addoption("--run-early", action="append", default=[], metavar="PATH",
+                     help="a test file whose items run right after the notebooks (repeatable)")
 
 
 def pytest_collection_modifyitems(session, config, items):  # noqa: ANN001 - pytest hook
     first = [Path(p).resolve() for p in config.getoption("run_first")]
+    early = [Path(p).resolve() for p in config.getoption("run_early")]
     budgets = load_cpu_parameters(PARAMS_FILE)
 
     def key(pair):
@@ -47,7 +51,9 @@ def pytest_collection_modifyitems(session, config, items):  # noqa: ANN001 - pyt
             return (0, first.index(path), index)
         if path.suffix == ".ipynb":
             return (1, -float(budgets.get(path.stem, {}).get("budget_seconds", 0)), index)
-        return (2, 0, index)
+        if path in early:
+            return (2, early.index(path), index)
+        return (3, 0, index)
 
     items[:] = [item for _, item in sorted(enumerate(items), key=key)]
 

@@ -63,3 +63,23 @@ def test_each_cells_stderr_is_recorded_by_notebook(run):
         assert [r["cell"] for r in records] == [1], records
         text = records[0]["text"]
         assert text.startswith(f"{name} note\n") and "UserWarning: a library note" in text and "out" not in text
+
+
+def test_the_session_runs_first_files_then_notebooks_by_budget_then_early_files_then_the_rest(tmp_path, monkeypatch):
+    """The order two workers take the session's files in: `--run-first`, the notebooks (largest budget first),
+    `--run-early` (the longest test files, so that short ones end the session), then the rest as collected."""
+    import types
+
+    import nbval_budget
+
+    (tmp_path / "params.yaml").write_text("01_a:\n  budget_seconds: 10\n02_b:\n  budget_seconds: 99\n")
+    monkeypatch.setattr(nbval_budget, "PARAMS_FILE", tmp_path / "params.yaml")
+    names = ["tests/test_a.py", "nbs/01_a.ipynb", "tests/test_long.py", "tests/test_measured.py", "nbs/02_b.ipynb",
+             "tests/test_z.py"]
+    items = [types.SimpleNamespace(path=tmp_path / name) for name in names]
+    options = {"run_first": [str(tmp_path / "tests/test_measured.py")], "run_early": [str(tmp_path / "tests/test_long.py")]}
+    config = types.SimpleNamespace(getoption=options.__getitem__)
+    nbval_budget.pytest_collection_modifyitems(None, config, items)
+    assert [str(item.path.relative_to(tmp_path)) for item in items] == [
+        "tests/test_measured.py", "nbs/02_b.ipynb", "nbs/01_a.ipynb", "tests/test_long.py", "tests/test_a.py",
+        "tests/test_z.py"]
