@@ -53,11 +53,37 @@ def test_unknown_preset_and_mode_name_the_choices():
         preset_fields("ckpt-every-8", mode="prefix")
 
 
-def test_lora_targets_follow_the_architecture_family():
+def test_lora_targets_follow_the_architecture_family(tmp_path):
+    import transformers
+
     assert mode_fields("lora", "llama-3.2-1b")["lora_targets"][0] == "q_proj"
     assert "lora_targets" not in mode_fields("lora")  # the reference model keeps its defaults
-    with pytest.raises(ValueError, match="no LoRA targets"):
-        mode_fields("lora", "gpt2")
+    transformers.BloomConfig(n_layer=2, hidden_size=64, n_head=4, vocab_size=512).to_json_file(tmp_path / "config.json")
+    with pytest.raises(ValueError, match="no LoRA targets known .*family 'bloom'"):
+        mode_fields("lora", str(tmp_path / "config.json"))
+
+
+def test_gpt2s_lora_adapts_every_conv1d_of_its_blocks_and_trains():
+    """GPT-2's layers are Conv1D (c_attn, c_proj, c_fc): its family's targets put an adapter on each of the four per
+    block (attention's c_proj and the MLP's), and a step trains them alone."""
+    import warnings
+
+    import torch
+    import transformers
+
+    from colab_memopt.techniques.quantization import add_lora
+
+    fields = mode_fields("lora", "gpt2")
+    config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=512, n_positions=64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # peft's "fan_in_fan_out is set to False but the target module is Conv1D"
+        model = add_lora(transformers.GPT2LMHeadModel(config), 4, targets=fields["lora_targets"])
+    adapted = {name.rsplit(".lora_A", 1)[0] for name, _ in model.named_parameters() if ".lora_A" in name}
+    assert adapted == {f"transformer.h.{i}.{m}" for i in range(2) for m in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")}
+    ids = torch.randint(0, 512, (2, 16))
+    model(input_ids=ids, labels=ids).loss.backward()
+    trained = {name for name, p in model.named_parameters() if p.grad is not None}
+    assert trained and all("lora_" in name for name in trained)
 
 
 def test_probe_rows_79_80_an_unknown_target_or_model_is_named():

@@ -328,7 +328,12 @@ def add_lora(model: nn.Module, rank: int, *, targets: Iterable[str] = DEFAULT_LO
 
     for p in model.parameters():
         p.requires_grad_(False)
-    config = LoraConfig(r=rank, lora_alpha=alpha or 2 * rank, target_modules=targets, lora_dropout=0.0, bias="none")
+    matched = [m for name, m in model.named_modules() if any(name == t or name.endswith(f".{t}") for t in targets)]
+    # transformers' Conv1D (GPT-2's layers, unless quantized into Linear layers) stores its weight transposed: peft
+    # adapts it with fan_in_fan_out (it would set that itself, with a warning)
+    conv1d = bool(matched) and all(_is_conv1d(m) for m in matched)
+    config = LoraConfig(r=rank, lora_alpha=alpha or 2 * rank, target_modules=targets, lora_dropout=0.0, bias="none",
+                        fan_in_fan_out=conv1d)
     model = inject_adapter_in_model(config, model)
     for name, p in model.named_parameters():
         p.requires_grad_("lora_" in name)

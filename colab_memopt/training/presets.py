@@ -127,6 +127,9 @@ LORA_TARGETS_BY_FAMILY: dict[str, tuple[str, ...]] = {
     **{family: _LLAMA_LIKE for family in ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3_text", "olmo", "olmo2")},
     "phi3": ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"),
     "gpt_neox": ("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"),
+    # GPT-2's layers are transformers' Conv1D (a transposed Linear): attention's c_attn and c_proj, the MLP's c_fc and
+    # c_proj. peft adapts them with fan_in_fan_out (its own default mapping names only c_attn).
+    "gpt2": ("c_attn", "c_proj", "c_fc"),
 }
 
 
