@@ -8,6 +8,22 @@ of the child, `resource.getrusage(RUSAGE_CHILDREN)`), the 1-minute load average 
 it printed on stderr, and the bytes it planned (the device need of its answer). The machine may be shared: the wall
 time then says little, the CPU time is the figure to compare; the load average says how shared it was.
 
+Again on 2026-11-29 at 12:23-12:26 UTC (tree 4db9972; a fixed Python loop took 1.61 s before and 1.72 s after).
+Two changes: the largest-batch search reads the batch off the plan's own trace and one more where the two ran
+different moments (the moments one ran alone bounded by their bytes there: tests/test_stack.py), and a plan keeps the
+objects that were there before it out of the garbage collector's scans (`isolation.collector_spared`; the command
+line also skips the interpreter's last full collection).
+- plan with its search: 8B QLoRA 4 x 1,024 8.7 s; llama-3.2-1b QLoRA 4 x 512 8.4 s; smollm2-1.7b 8.0 s (were 11.3-11.8 s;
+  target 10 s: met). Each traces 2 batches, not 3. At 11:25-11:30, three runs each: 8.3-9.2 s. The bytes equal the
+  whole trace's (plan_1b_qlora@whole: 19.0 s).
+- plan_trainer, 8B QLoRA: 10.2 s (the row); 9.2, 9.9 and 10.2 s at 11:25-11:30; 11.3, 10.0 and 9.4 s at 12:40 in a
+  scratch file (target 10 s: at the line). Of a 9.7 s run: the user's own imports (`from trl import SFTConfig`, peft,
+  transformers) 4.6 s, the plan 3.5 s (transformers.trainer's import 0.35 s, two shallow SFTTrainers built 0.7 s,
+  their two traces 2.3 s), the interpreter's exit 1.6 s (1.3 s of it with the same imports and no plan).
+- fit_trainer on notebook 19's draft 13.3 s; first drafts 12.5-13.0 s; doctor 6.4 s; recommend 18.5 s; context 8B
+  QLoRA 39.2 s; long-context plan_trainer 11.6 s (22.2 s with every block traced, the same bytes); each --help
+  0.07-0.10 s.
+
 Again on 2026-11-29 at 09:55-09:57 UTC (tree 415f328; a fixed Python loop took 1.58-1.78 s):
 - plan, 8B QLoRA 4 x 1,024: 11.5 s; llama-3.2-1b QLoRA 4 x 512: 11.8 s; smollm2-1.7b QLoRA 4 x 512: 11.3 s
   (target 10 s: not met). Each traces 3 batches (its own and two more); the plan alone, without its imports
