@@ -365,7 +365,7 @@ def test_where_the_first_trace_ran_fewer_operations_the_lines_bound_the_rest(mon
     lines = planner._batch_lines
 
     def kept(a, at_a, b, at_b):
-        ops[at_a], ops[at_b] = a.ops, b.ops
+        ops[at_a], ops[at_b] = a.keys, b.keys
         return lines(a, at_a, b, at_b)
 
     monkeypatch.setattr(planner, "_batch_lines", kept)
@@ -389,8 +389,7 @@ def test_moments_one_trace_ran_alone_bound_the_batches_up_to_its_own(monkeypatch
         for phase, nbytes, _ in batch_lines:
             by_phase[PHASES[phase]] = max(by_phase.get(PHASES[phase], 0), nbytes)
         return types.SimpleNamespace(lines=[(p, (b,)) for p, b, _ in batch_lines], keys=[k for _, _, k in batch_lines],
-                                     ops=tuple(k for _, _, k in batch_lines), peak_bytes=max(by_phase.values()),
-                                     by_phase=by_phase)
+                                     peak_bytes=max(by_phase.values()), by_phase=by_phase)
 
     monkeypatch.setattr(planner, "_LINE_MARGIN_BYTES", 0)
     at_2 = trace([(0, 10, "embed"), (1, 20, "mm")])  # mm: 10 + 5 x batch

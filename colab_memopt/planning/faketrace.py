@@ -113,10 +113,9 @@ class _Trace:
     # (phase, unit, op, bytes per category) after every op, where the tracker followed a stack's units (stack.py)
     timeline: list[tuple[int, int, Any, tuple[int, ...]]] | None = field(default=None, repr=False)
     # A counted stack's step (stack.extrapolate): (phase, live bytes per category) at every moment that can be the
-    # largest, and the operations the two shallow traces ran (the same at two batches: the same moments), and what
-    # each line is (`stack._extrapolated`'s key: its part of the step, where in it, its operation)
+    # largest, and what each line is (`stack._extrapolated`'s key: its part of the step, where in it, its operation;
+    # equal keys at two batches: the same operations, the same moments)
     lines: list[tuple[int, tuple[int, ...]]] | None = field(default=None, repr=False)
-    ops: tuple[Any, ...] | None = field(default=None, repr=False)
     keys: list[tuple[Any, ...]] | None = field(default=None, repr=False)
 
 

@@ -178,9 +178,9 @@ def _batch_lines(first: Any, batch: int, other: Any, other_batch: int) -> Callab
 
     if first.lines is None or other.lines is None or batch == other_batch:
         return None
-    if first.ops == other.ops and len(first.lines) == len(other.lines):
+    if first.keys == other.keys:  # the same operations
         pairs, extra, extra_batch = list(zip(first.lines, other.lines)), [], other_batch
-    elif first.keys is not None and other.keys is not None:
+    else:
         matcher = difflib.SequenceMatcher(a=first.keys, b=other.keys, autojunk=False)
         pairs, only = [], {"first": [], "other": []}
         for tag, i1, i2, j1, j2 in matcher.get_opcodes():
@@ -194,8 +194,6 @@ def _batch_lines(first: Any, batch: int, other: Any, other_batch: int) -> Callab
         if only["first"] and only["other"]:
             return None  # each ran something the other did not: no trace has every moment
         extra, extra_batch = (only["first"], batch) if only["first"] else (only["other"], other_batch)
-    else:
-        return None
     span = other_batch - batch
     rows = [(PHASES[phase], sum(a), sum(b) - sum(a)) for (phase, a), (_, b) in pairs]
     if any((change < 0) != (span < 0) and change for _, _, change in rows):

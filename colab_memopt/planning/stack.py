@@ -292,7 +292,8 @@ def _extrapolated(small: list[Any], large: list[Any],
                   shape: StackShape) -> Iterator[tuple[int, tuple[int, ...], tuple[Any, ...]]]:
     """Yield (phase index, live bytes per category, the moment's key) for every line of the whole stack's step that
     can be the largest of its phase or category, in the order the whole step runs them. The key names the moment
-    without its position: (the part of the step, where in it, the operation just run)."""
+    without its position: (the part of the step, where in it, the operation just run; for a loop's lines, the loop's
+    operations at both depths). Two traces whose keys are equal ran the same operations."""
     k1, k2 = STACK_UNITS
     n = shape.n_units
     steps, ahead = k2 - k1, n - k2
@@ -310,8 +311,9 @@ def _extrapolated(small: list[Any], large: list[Any],
                 lines_s, lines_l = _lines(small, span_s), _lines(large, span_l)
                 if not lines_s or not lines_l:
                     raise NotRepeating("a part of the step runs at one depth only")
+                loop = (tuple(_funcs(small, span_s)), tuple(_funcs(large, span_l)))  # its operations: part of its key
                 for i, pick in enumerate((sum, *[lambda v, c=c: v[c] for c in range(len(CATEGORIES))])):
-                    yield s.phase, _carry(max(lines_s, key=pick), max(lines_l, key=pick), steps, ahead), (part, "loop", i)
+                    yield s.phase, _carry(max(lines_s, key=pick), max(lines_l, key=pick), steps, ahead), (part, "loop", i, loop)
             continue
         ends_s, ends_l = (s.spans[0], s.spans[-1]), (l.spans[0], l.spans[-1])
         _check_twins(small, large, ends_s[0], ends_l[0], "the first unit")
@@ -366,10 +368,8 @@ def extrapolate(small: Any, large: Any, shape: StackShape) -> Any:
                 category_peaks[name] = nbytes
         if live > peak:
             peak, peak_cats = live, dict(zip(CATEGORIES, line))
-    ops = (tuple((e[0], e[2]) for e in small.timeline), tuple((e[0], e[2]) for e in large.timeline))
     return _Trace(peak, peak_cats, {p: phase_peaks.get(p, 0) for p in PHASES}, phase_cats,
-                  category_peaks["activations"], max(small.hidden_bytes, large.hidden_bytes), lines=lines, ops=ops,
-                  keys=keys)
+                  category_peaks["activations"], max(small.hidden_bytes, large.hidden_bytes), lines=lines, keys=keys)
 
 
 # -- the tracer -------------------------------------------------------------------------------------------------------

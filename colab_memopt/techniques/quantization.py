@@ -297,16 +297,17 @@ def linear_weight_bytes(model: nn.Module, *, skip: Sequence[str] = ()) -> int:
     return total
 
 
-def check_lora_targets(model: nn.Module, targets: Iterable[str]) -> list[str]:
-    """Return the targets as a list; raise ValueError when none of `model`'s modules matches them.
+def _is_target(name: str, targets: list[str]) -> bool:
+    """Whether a module named `name` is a LoRA target, as in peft: its name is a target or ends with '.' + target."""
+    return any(name == t or name.endswith(f".{t}") for t in targets)
 
-    A module matches a target as in peft: its name is the target or ends with '.' + target.
-    """
+
+def check_lora_targets(model: nn.Module, targets: Iterable[str]) -> list[str]:
+    """Return the targets as a list; raise ValueError when none of `model`'s modules matches them (`_is_target`)."""
     targets = list(targets)
     if not targets:
         raise ValueError("targets must name at least one module, got none")
-    names = [name for name, _ in model.named_modules()]
-    if not any(name == t or name.endswith(f".{t}") for name in names for t in targets):
+    if not any(_is_target(name, targets) for name, _ in model.named_modules()):
         leaves = sorted({name.rpartition(".")[2] for name, m in model.named_modules()
                          if name and (isinstance(m, nn.Linear) or _is_conv1d(m))})
         raise ValueError(f"no module matched the LoRA targets {targets} in {type(model).__name__}; "
@@ -328,7 +329,7 @@ def add_lora(model: nn.Module, rank: int, *, targets: Iterable[str] = DEFAULT_LO
 
     for p in model.parameters():
         p.requires_grad_(False)
-    matched = [m for name, m in model.named_modules() if any(name == t or name.endswith(f".{t}") for t in targets)]
+    matched = [m for name, m in model.named_modules() if _is_target(name, targets)]
     # transformers' Conv1D (GPT-2's layers, unless quantized into Linear layers) stores its weight transposed: peft
     # adapts it with fan_in_fan_out (it would set that itself, with a warning)
     conv1d = bool(matched) and all(_is_conv1d(m) for m in matched)
