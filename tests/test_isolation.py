@@ -321,22 +321,37 @@ def test_a_plan_reads_and_leaves_no_bitsandbytes_optimizer_override():
         vars(manager).update(saved)
 
 
-def test_the_collector_spares_the_callers_objects_during_a_plan_only():
+def test_the_collector_spares_the_callers_objects_during_a_plan_only(monkeypatch):
     """`collector_spared`: inside, what existed before is out of the collector's scans (frozen); after, it is
     collectable again, a cycle the caller dropped during the plan is collected, and objects the caller froze
-    itself stay frozen (the block then leaves the collector alone)."""
+    itself stay frozen (the block then leaves the collector alone). A planning call inside another asks nothing of
+    the collector (its count of frozen objects walks each of them): the outer one froze, and unfreezes at its end."""
     import gc
     import weakref
 
+    from colab_memopt.core import isolation
     from colab_memopt.core.isolation import collector_spared, isolated
 
     class Cycle:
         pass
 
     seen = []
+    asked = []
+
+    def caller_froze():
+        asked.append(1)
+        return gc.get_freeze_count() > 0
+
+    monkeypatch.setattr(isolation, "_caller_froze", caller_froze)  # the real question (the session answers it)
 
     @isolated
     def entry():
+        seen.append(gc.get_freeze_count())
+
+    @isolated
+    def outer():
+        entry()
+        entry()
         seen.append(gc.get_freeze_count())
 
     gc.unfreeze()  # the test session froze what it loaded (conftest.py): start as a user's process does
@@ -354,10 +369,15 @@ def test_the_collector_spares_the_callers_objects_during_a_plan_only():
         assert gone() is None
         entry()
         assert seen[0] > 0 and gc.get_freeze_count() == 0
+        seen.clear()
+        asked.clear()
+        outer()
+        assert len(asked) == 1 and len(seen) == 3 and min(seen) > 0 and gc.get_freeze_count() == 0, (asked, seen)
+        seen.clear()
         gc.freeze()  # the caller's own
         frozen = gc.get_freeze_count()
         since = [Cycle() for _ in range(1000)]  # what a freeze inside the plan would add
         entry()
-        assert seen[1] <= frozen and 0 < gc.get_freeze_count() <= frozen, (frozen, seen, len(since))
+        assert seen[0] <= frozen and 0 < gc.get_freeze_count() <= frozen, (frozen, seen, len(since))
     finally:
         gc.freeze()

@@ -74,11 +74,15 @@ def quiet(verbose: bool | None = None) -> Iterator[None]:
     ours = [("default", None, Warning, re.compile(OWN_MODULES), 0), ("ignore", None, Warning, None, 0)]
     warnings.filters = [*ours, *warnings.filters]  # a new list, as warnings.catch_warnings makes
     warnings._filters_mutated()  # type: ignore[attr-defined] - what filterwarnings calls: no stale "once" records
-    logging.disable(max(previous_disable, logging.WARNING))
+    # logging.disable empties every logger's level cache (thousands of loggers with torch and transformers loaded):
+    # called only where the level changes, so a quiet block inside another costs nothing there
+    if previous_disable < logging.WARNING:
+        logging.disable(logging.WARNING)
     try:
         yield
     finally:
-        logging.disable(previous_disable)
+        if logging.root.manager.disable != previous_disable:
+            logging.disable(previous_disable)
         _SHOW_ALL.reset(token)
         # Take out the two filters put in above and keep the rest: a library imported inside the block adds its own
         # (transformers, torchao and TRL add nine at import), which warnings.catch_warnings would throw away.
