@@ -427,10 +427,14 @@ def _run_optimizer(trainer: Any, model: Any, given: Any, names: dict[int, str], 
 
 
 def _new_mode() -> Any:
-    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+    """Return the fake-tensor mode a Trainer's step is traced in (real inputs become fake).
 
-    # allow_scalar_outputs: `.item()` gives a symbol (then `_ScalarMode` a value); real inputs become fake
-    return fake_tensor_mode(shape_env=ShapeEnv(allow_scalar_outputs=True), allow_non_fake_inputs=True)
+    No ShapeEnv: `.item()` and `bool()` inside the step are answered by `_ScalarMode`, above this mode; a
+    padding-free collator, whose `nonzero` has a size only data can say, makes full rows here (`_rows_kept`); and a
+    size no data gives could not be counted in bytes with a ShapeEnv either. A ShapeEnv made every operation enter
+    and leave its guard suppression: 10% of an 8B QLoRA plan's time (2.25-2.31 s without, 2.43-2.57 s with; the same
+    bytes, and the same in every test of the Trainer path)."""
+    return fake_tensor_mode(allow_non_fake_inputs=True)
 
 
 def _prefer_impl(optimizer: Any, cuda: bool) -> None:
