@@ -186,21 +186,22 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace, out: Path) -> int:
-    from colab_memopt.core.fileio import atomic_write_text, write_json
-    from colab_memopt.core.report import merge_results, summary_table
-
-    import torch
-
     # Absolute (resolved in main): papermill runs each notebook in its own folder, where a relative path would point elsewhere.
     results_dir = out / "results"
-    gpu = torch.cuda.is_available() and not args.cpu_sized
     cpu_params = load_cpu_parameters(Path(args.cpu_params))
     paths = notebook_paths(args.names)
-    if args.prepare_only:
+    if args.prepare_only:  # before torch and the report's imports (about 4 s, before any test starts)
         for path in paths:
             prepare_notebook(path, Path(args.prepare_only), results_dir, parameters_for(path.stem, gpu=False, cpu_params=cpu_params))
         print(f"prepared {len(paths)} notebook(s) with CI parameters in {args.prepare_only}")
         return 0
+
+    import torch
+
+    from colab_memopt.core.fileio import atomic_write_text, write_json
+    from colab_memopt.core.report import merge_results, summary_table
+
+    gpu = torch.cuda.is_available() and not args.cpu_sized
     print(f"running {len(paths)} notebook(s) on {'CUDA with Colab defaults' if gpu else 'the CPU with CI parameters'}")
     (out / "notebooks").mkdir(parents=True, exist_ok=True)
     failed = []
