@@ -49,7 +49,7 @@ from torch._guards import active_fake_mode
 from torch.distributed._tools import mem_tracker as _mt
 from torch._subclasses.fake_tensor import FakeTensorMode as _FakeTensorMode
 from torch.autograd.graph import _get_grad_fn_or_grad_acc as _grad_fn_or_grad_acc
-from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType, _ModState, _WeakRefInfo
+from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType, _ModMemStats, _ModState, _WeakRefInfo
 from torch.distributed._tools.mod_tracker import ModTracker
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map_only
@@ -213,8 +213,9 @@ class TensorTracker(NoDynamoWrap, MemTracker):
     """
 
     def __init__(self, *, device: torch.device | None = None, cuda_rounding: bool = False,
-                 units: dict[int, int] | None = None, in_op_buffers: bool = False) -> None:
+                 units: dict[int, int] | None = None, in_op_buffers: bool = False, module_stats: bool = True) -> None:
         super().__init__()
+        self.module_stats = module_stats
         self._mod_tracker = _AcyclicModTracker()
         self.in_op_buffers = in_op_buffers
         self.in_op_calls = 0  # operations whose inside buffer was counted
@@ -462,19 +463,38 @@ class TensorTracker(NoDynamoWrap, MemTracker):
         if self.units is not None and id(module) in self.units:  # a block's forward (or its recomputation)
             self._unit = self.units[id(module)]
             self._unit_in_bw = self._mod_tracker.is_bw
-        super()._pre_fw_hook(module, inputs)
+        if self.module_stats:
+            super()._pre_fw_hook(module, inputs)
+            return
+        # MemTracker's hook without its per-module figures (two deep-copied snapshots per module call, its inputs'
+        # bytes): the parameters tracked, and a recomputation in backward marked, as it does
+        if module not in self.memory_tracking:
+            self._track_module_params_and_buffers(module, install_grad_hooks=True)
+            self.memory_tracking[module] = _ModMemStats(self._mod_tracker.get_known_fqn(module))
+        elif self._mod_tracker.is_bw and self._ac_mod is None:
+            self._ac_mod = weakref.ref(module)
+            self._in_ac = True
 
     def _post_fw_hook(self, module: torch.nn.Module, inputs: Any, outputs: Any) -> None:
         # In forward, a block's end leaves no block running; a recomputation inside backward stays in its block's
         # backward.
         if self.units is not None and id(module) in self.units and not self._mod_tracker.is_bw:
             self._unit = -1
-        super()._post_fw_hook(module, inputs, outputs)
+        if self.module_stats:
+            super()._post_fw_hook(module, inputs, outputs)
+        elif self._mod_tracker.is_bw and self._ac_mod is not None and self._ac_mod() is module:
+            self._ac_mod = None
+            self._in_ac = False
 
     def _pre_bw_hook(self, module: torch.nn.Module, args: Any) -> None:
         if self.units is not None and module is not None and id(module) in self.units:  # a block's backward begins
             self._unit, self._unit_in_bw = self.units[id(module)], True
-        super()._pre_bw_hook(module, args)
+        if self.module_stats:
+            super()._pre_bw_hook(module, args)
+
+    def _post_bw_hook(self, module: torch.nn.Module, args: Any) -> None:
+        if self.module_stats:
+            super()._post_bw_hook(module, args)
 
 
 @contextlib.contextmanager

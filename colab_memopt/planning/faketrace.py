@@ -413,7 +413,7 @@ class _Tracer:
                 # a real warm-up step leaves the GradScaler's scale and growth tracker allocated (8 bytes)
                 scaler._lazy_init_scale_growth_tracker(torch.device("cpu"))
             tracker = TensorTracker(device=torch.device("cpu"), cuda_rounding=self.cuda_rounding, units=self.units,
-                                    in_op_buffers=self.cuda_rounding)
+                                    in_op_buffers=self.cuda_rounding, module_stats=False)
             tracker.track_external(self.model, self.optimizer)
             with tracker:
                 step()

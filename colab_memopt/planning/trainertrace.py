@@ -315,7 +315,7 @@ def _trace_step(trainer: Any, args: Any, batch: int, seq_len: int, *, cuda: bool
                 from colab_memopt.planning.stack import units_of
 
                 units = units_of(model, period)
-            tracker = TensorTracker(device=torch.device("cpu"), cuda_rounding=cuda, units=units, in_op_buffers=cuda)
+            tracker = TensorTracker(device=torch.device("cpu"), cuda_rounding=cuda, units=units, in_op_buffers=cuda, module_stats=False)
             tracker.track_external(model, optimizer, *[t for b in inputs for t in b.values() if isinstance(t, torch.Tensor)])
             with tracker, forward_autocast(model, half), as_on_cuda(cuda, half, model) as paths, first_rounds_traced(), \
                     _trl_tiles_first_rounds():
