@@ -8,10 +8,14 @@ of the child, `resource.getrusage(RUSAGE_CHILDREN)`), the 1-minute load average 
 it printed on stderr, and the bytes it planned (the device need of its answer). The machine may be shared: the wall
 time then says little, the CPU time is the figure to compare; the load average says how shared it was.
 
+Again on 2026-11-29 at 15:42-15:43 UTC (tree 27d40d7; the loop 1.72 s before, 1.65 s after): planning traces also
+skip MemTracker's per-module snapshots, which only measure_step reads.
+- plan_trainer, 8B QLoRA: 9.1 s (the row); 9.2, 9.1 and 9.1 s in three more runs (target 10 s: met in each).
+
 Again on 2026-11-29 at 15:16-15:19 UTC (tree eb5e33b; a fixed Python loop took 1.75 s before and 1.82 s after).
 A plan_trainer step is traced without a ShapeEnv (its `.item()` is answered above the fake mode: 10% of the warm
 plan); a planning call inside another no longer counts the frozen objects (`gc.get_freeze_count` walks each one).
-- plan_trainer, 8B QLoRA: 9.5 s (the row); 9.2, 9.5 and 9.6 s in three more runs (target 10 s: met in each, by
+- plan_trainer, 8B QLoRA: 9.5 s; 9.2, 9.5 and 9.6 s in three more runs (target 10 s: met in each, by
   0.4-0.8 s). Of it, the user's own imports are about 4.4 s and the interpreter's exit about 1.5 s.
 - plan with its search, 8B QLoRA: 8.5 s; fit_trainer on notebook 19's draft 12.8 s, 8B QLoRA draft 13.1 s;
   recommend 17.9 s; doctor 6.5 s.
