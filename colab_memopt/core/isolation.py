@@ -171,19 +171,15 @@ def collector_spared() -> Iterator[None]:
     with _SPARING_LOCK:
         outermost = not _SPARING["depth"]
         _SPARING["depth"] += 1
+    spare = False
     try:
-        if not outermost:
-            yield
-            return
-        if _caller_froze() or not gc.isenabled():
-            yield
-            return
-        gc.freeze()
-        try:
-            yield
-        finally:
-            gc.unfreeze()
+        spare = outermost and gc.isenabled() and not _caller_froze()
+        if spare:
+            gc.freeze()
+        yield
     finally:
+        if spare:
+            gc.unfreeze()
         with _SPARING_LOCK:
             _SPARING["depth"] -= 1
 

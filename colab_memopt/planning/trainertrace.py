@@ -430,10 +430,11 @@ def _new_mode() -> Any:
     """Return the fake-tensor mode a Trainer's step is traced in (real inputs become fake).
 
     No ShapeEnv: `.item()` and `bool()` inside the step are answered by `_ScalarMode`, above this mode; a
-    padding-free collator, whose `nonzero` has a size only data can say, makes full rows here (`_rows_kept`); and a
-    size no data gives could not be counted in bytes with a ShapeEnv either. A ShapeEnv made every operation enter
-    and leave its guard suppression: 10% of an 8B QLoRA plan's time (2.25-2.31 s without, 2.43-2.57 s with; the same
-    bytes, and the same in every test of the Trainer path)."""
+    padding-free collator, whose `nonzero` has a size only data can say, makes full rows here (`_rows_kept`); and with
+    a ShapeEnv such a size could not be counted either (the tracker's byte count of a `nonzero` raised
+    GuardOnDataDependentSymNode there). A ShapeEnv made every operation enter and leave its guard suppression: 10% of
+    an 8B QLoRA plan's time (2.25-2.31 s without, 2.43-2.57 s with; the same bytes, and the same in every test of the
+    Trainer path)."""
     return fake_tensor_mode(allow_non_fake_inputs=True)
 
 
