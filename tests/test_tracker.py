@@ -220,6 +220,52 @@ def test_the_lean_dispatch_keeps_memtrackers_books(monkeypatch):
         assert lean == theirs and lean[0] > 0, fake
 
 
+def test_the_trace_modes_answer_a_fake_tensors_device_as_the_fake_mode_does(monkeypatch):
+    """`tensor.device` of a fake tensor, asked about twice per operation, is answered by the tracker and the scalar mode
+    themselves (`fake_device`) instead of passing through to the fake mode: the same answer as torch's own handler
+    (the tensor's device outside a kernel, meta inside), no answer for anything else, and a traced step's books the
+    same either way."""
+    from torch._subclasses import fake_tensor as ft
+
+    import colab_memopt.core.tracker as tr
+    from colab_memopt.planning import trainertrace
+
+    device_query = torch.ops.prim.device.default
+    mode = tr.fake_tensor_mode()
+    with mode:
+        t = torch.empty(4, 4)
+    assert tr.fake_device(device_query, (t,)) == ft._device_handler((t,)) == torch.device("cpu")
+    mode.in_kernel_invocation = True
+    try:
+        assert tr.fake_device(device_query, (t,)) == ft._device_handler((t,)) == torch.device("meta")
+    finally:
+        mode.in_kernel_invocation = False
+    assert tr.fake_device(device_query, (torch.empty(2),)) is None  # a real tensor: the question goes on down
+    assert tr.fake_device(torch.ops.aten.add.Tensor, (t, t)) is None
+
+    asked = []
+
+    def books(answer_here: bool) -> tuple:
+        monkeypatch.setattr(tr, "fake_device", (lambda f, a: asked.append(f) or tr_fake_device(f, a)) if answer_here
+                            else (lambda f, a: None))
+        monkeypatch.setattr(trainertrace, "fake_device", tr.fake_device)
+        with tr.fake_tensor_mode():
+            model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+            x = torch.randn(32, 64)
+            tracker = TensorTracker(device=torch.device("cpu"), module_stats=False, units={id(model[0]): 0, id(model[2]): 1})
+            tracker.track_external(model, x)
+            with tracker, trainertrace._ScalarMode():
+                y = torch.utils.checkpoint.checkpoint(model, x, use_reentrant=False)
+                loss = y.square().mean()
+                assert loss.item() == 1.0
+                loss.backward()
+        return tracker.peak_bytes, tracker.peak_categories, tracker.phase_peaks, [str(e[2]) for e in tracker.timeline]
+
+    tr_fake_device = tr.fake_device
+    assert books(True) == books(False)
+    assert device_query in asked  # the step asked, and the modes answered
+
+
 def _lora_like_step(tracker_cls):
     """A step as LoRA with checkpointing runs it: a frozen embedding whose output a forward hook makes a leaf that needs
     a gradient (peft's `enable_input_require_grads`), a block checkpointed without reentrance, a trainable adapter.

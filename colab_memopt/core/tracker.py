@@ -47,6 +47,7 @@ from typing import Any
 import torch
 from torch._guards import active_fake_mode
 from torch.distributed._tools import mem_tracker as _mt
+from torch._subclasses.fake_tensor import FakeTensor as _FakeTensor
 from torch._subclasses.fake_tensor import FakeTensorMode as _FakeTensorMode
 from torch.autograd.graph import _get_grad_fn_or_grad_acc as _grad_fn_or_grad_acc
 from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType, _ModMemStats, _ModState, _WeakRefInfo
@@ -98,6 +99,17 @@ class _NoHook:
 _NO_HOOK = _NoHook()
 # `tensor.device` asked of a tensor subclass (a fake tensor answers it in Python).
 _DEVICE_QUERY = torch.ops.prim.device.default
+
+
+def fake_device(func: Any, args: Any) -> Any:
+    """The answer to `tensor.device` of a fake tensor, as the fake mode gives it (torch's `_device_handler`: the
+    meta device inside a kernel, the tensor's own device outside), or None where this is no such question. A
+    dispatch mode above the fake mode answers it itself: passed down, the question goes through every mode in
+    between, and a trace asks it about twice per operation (14,000 times in an 8B QLoRA plan: 9% of its time)."""
+    if func is _DEVICE_QUERY and len(args) == 1 and isinstance(args[0], _FakeTensor):
+        t = args[0]
+        return torch.device("meta") if t.fake_mode.in_kernel_invocation else t.fake_device
+    return None
 
 
 # torch 2.13 wraps every dispatch mode's `__torch_dispatch__` in `torch._disable_dynamo` when its class is made
@@ -411,8 +423,9 @@ class TensorTracker(NoDynamoWrap, MemTracker):
         if func is _DEVICE_QUERY:
             # `tensor.device` of a fake tensor: no memory, and two of every three calls a trace dispatches (autograd
             # and the kernels ask each input's device). Skipping MemTracker's bookkeeping of it (a peak update per
-            # call) made a 9-block plan 14% quicker.
-            return func(*args, **(kwargs or {}))
+            # call) made a 9-block plan 14% quicker; answering it here rather than in the fake mode below, 9% more.
+            device = fake_device(func, args)
+            return device if device is not None else func(*args, **(kwargs or {}))
         # Autocast casts each weight to 16 bits in forward and keeps the copy for backward. MemTracker
         # files it as an activation; it is a copy of a weight for the step's duration: a temporary.
         self._casting_param = func is torch.ops.aten._to_copy.default and bool(args) and self._is_parameter(args[0])

@@ -29,7 +29,7 @@ from colab_memopt.planning.targets import Target
 from colab_memopt.planning.hfconfig import OPTIM_TO_RECIPE, packed_rows_note
 from colab_memopt.training.recipe import Recipe
 from colab_memopt.core.console import import_quietly
-from colab_memopt.core.tracker import PHASES, NoDynamoWrap, TensorTracker, fake_tensor_mode, tensors_bytes
+from colab_memopt.core.tracker import PHASES, NoDynamoWrap, TensorTracker, fake_device, fake_tensor_mode, tensors_bytes
 
 
 class _ScalarMode(NoDynamoWrap, torch.utils._python_dispatch.TorchDispatchMode):
@@ -40,7 +40,8 @@ class _ScalarMode(NoDynamoWrap, torch.utils._python_dispatch.TorchDispatchMode):
         if func is torch.ops.aten._local_scalar_dense.default:
             t = args[0]
             return True if t.dtype == torch.bool else (1 if not t.is_floating_point() else 1.0)
-        return func(*args, **(kwargs or {}))
+        device = fake_device(func, args)  # `tensor.device`: answered as the fake mode below answers it
+        return device if device is not None else func(*args, **(kwargs or {}))
 
 
 # What bitsandbytes keeps on its quantized layers (the 4-bit and 8-bit layers' states) and reads in forward; the
