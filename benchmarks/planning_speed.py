@@ -237,6 +237,44 @@ CALLS: dict[str, tuple[str, list[str] | str]] = {
 }
 
 
+
+def _sweep() -> dict[str, tuple[str, list[str] | str]]:
+    """`--sweep`: issue 43's "plan_trainer / plan of any built-in model up to 8B", each built-in model planned three
+    ways at 4 x min(1,024, its longest sequence) on the T4: plan_trainer of a QLoRA SFTConfig (fp16, all-linear r=16,
+    nf4), plan_trainer of a full fine-tune (fp16, checkpointing), and the command line's plan of the QLoRA recipe with
+    its largest-batch search. The project's reference GPTs ('tiny' ... '1b', `architectures.MODEL_SIZES`) are no
+    Trainer's models (plan_trainer refuses them, saying so): they get the plan row only."""
+    from colab_memopt.techniques.architectures import MODEL_SIZES as reference
+    from colab_memopt.tooling.cli import MAX_SEQ_LEN, MODEL_NAMES
+
+    calls: dict[str, tuple[str, list[str] | str]] = {}
+    for model in MODEL_NAMES:
+        seq = min(1024, MAX_SEQ_LEN[model])
+        if model in reference:
+            calls[f"sweep:plan_qlora:{model}"] = _plan_qlora(model, seq)
+            continue
+        calls[f"sweep:plan_trainer_qlora:{model}"] = (
+            f"cm.plan_trainer(SFTConfig(4 x {seq}, fp16), model={model!r}, lora=all-linear, bnb=nf4, target='t4')",
+            _SFT + f"p = cm.plan_trainer(sft(per_device_train_batch_size=4, max_length={seq}, fp16=True), "
+                   f"model={model!r}, lora=LORA, bnb=NF4, target='t4')\nprint('NEED', p.device_need_bytes)\n")
+        calls[f"sweep:plan_trainer_full:{model}"] = (
+            f"cm.plan_trainer(SFTConfig(4 x {seq}, fp16, gradient_checkpointing), model={model!r}, target='t4')",
+            _SFT + f"p = cm.plan_trainer(sft(per_device_train_batch_size=4, max_length={seq}, fp16=True, "
+                   f"gradient_checkpointing=True), model={model!r}, target='t4')\nprint('NEED', p.device_need_bytes)\n")
+        calls[f"sweep:plan_qlora:{model}"] = _plan_qlora(model, seq)
+    return calls
+
+
+def _plan_qlora(model: str, seq: int) -> tuple[str, list[str]]:
+    return (f"python -m colab_memopt plan --model {model} --batch 4 --seq {seq} --target t4 --recipe lora_rank=16 "
+            "quantization=nf4 precision=fp16-autocast checkpointing=full (with its largest-batch search)",
+            ["-m", "colab_memopt", "plan", "--model", model, "--batch", "4", "--seq", str(seq), "--target", "t4",
+             "--recipe", "lora_rank=16", "quantization=nf4", "precision=fp16-autocast", "checkpointing=full", "--json"])
+
+
+SWEEP = _sweep()
+
+
 def _need(stdout: str) -> int | None:
     for line in stdout.splitlines():
         if line.startswith("NEED "):
@@ -258,7 +296,7 @@ _WHOLE = ("from colab_memopt.planning import planner as _p, trainer as _t\n"
 
 def time_call(name: str, timeout_s: float, *, whole: bool = False) -> dict:
     """Run one call in a fresh process; return its row (`whole`: every block traced, for the bytes to compare)."""
-    what, call = CALLS[name]
+    what, call = {**CALLS, **SWEEP}[name]
     if whole and isinstance(call, list):  # the command line, run as `python -m` runs it, after the switch
         call = _WHOLE + f"import runpy, sys\nsys.argv = {['colab_memopt', *call[2:]]!r}\n" \
             "runpy.run_module('colab_memopt', run_name='__main__', alter_sys=True)\n"
@@ -313,7 +351,9 @@ def _tree() -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--calls", nargs="+", default=list(CALLS), choices=list(CALLS))
+    parser.add_argument("--calls", nargs="+", default=list(CALLS), choices=[*CALLS, *SWEEP], metavar="CALL")
+    parser.add_argument("--sweep", action="store_true",
+                        help="run only the sweep of every built-in model (rows sweep:KIND:MODEL) instead of --calls")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per call before it is stopped")
     parser.add_argument("--out", default=str(OUT))
     parser.add_argument("--whole", nargs="*", default=[], choices=list(CALLS),
@@ -323,7 +363,8 @@ def main() -> None:
     data = json.loads(out.read_text()) if out.exists() else {"rows": {}}
     data["machine"] = {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform(),
                        "note": "shared with other engineers while measured: compare cpu_s, not wall_s; see the loads"}
-    for name, whole in [(n, False) for n in args.calls] + [(n, True) for n in args.whole]:
+    names = list(SWEEP) if args.sweep else args.calls
+    for name, whole in [(n, False) for n in names] + [(n, True) for n in args.whole]:
         row = time_call(name, args.timeout, whole=whole)
         row["measured_at"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
         row["cpu_model"], row["tree"] = _cpu_model(), _tree()
