@@ -1,6 +1,7 @@
 """How long the planning calls take, whole (imports included), each in a fresh process: issue 43's table.
 
-    python benchmarks/planning_speed.py [--calls help plan_trainer_8b_qlora ...] [--whole plan_trainer_8b_qlora ...] [--out FILE]
+    python benchmarks/planning_speed.py [--calls help plan_trainer_8b_qlora ...] [--whole plan_trainer_8b_qlora ...]
+                                        [--sweep] [--repeat N] [--out FILE]
 
 Writes benchmarks/results/planning_speed.json (rows of the calls run are replaced, the others kept). Each call runs in
 its own Python process, as a user's first call does; the row records its wall seconds, its CPU seconds (user + system
@@ -327,6 +328,14 @@ def time_call(name: str, timeout_s: float, *, whole: bool = False) -> dict:
     }
 
 
+def _loop_s() -> float:
+    """Seconds a fixed pure-Python loop takes here (30 million squares summed): the machine's speed when a row was
+    measured (1.5-1.9 s on the 2-core AMD EPYC of 2026-11-29), to compare rows measured at different times."""
+    start = time.perf_counter()
+    sum(i * i for i in range(30_000_000))
+    return round(time.perf_counter() - start, 2)
+
+
 def _cpu_model() -> str:
     """The processor's name (/proc/cpuinfo), recorded with each row: machines lent for measuring differ in speed by
     about 2x (an AMD EPYC 2026-11-29, an older one before), so rows compare only with rows of the same processor."""
@@ -354,6 +363,9 @@ def main() -> None:
     parser.add_argument("--calls", nargs="+", default=list(CALLS), choices=[*CALLS, *SWEEP], metavar="CALL")
     parser.add_argument("--sweep", action="store_true",
                         help="run only the sweep of every built-in model (rows sweep:KIND:MODEL) instead of --calls")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="run each call this many times, each in a fresh process: the row is the run of median wall "
+                             "time, with every run's wall and CPU seconds (the machine's speed varies by about 10%%)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per call before it is stopped")
     parser.add_argument("--out", default=str(OUT))
     parser.add_argument("--whole", nargs="*", default=[], choices=list(CALLS),
@@ -365,7 +377,12 @@ def main() -> None:
                        "note": "shared with other engineers while measured: compare cpu_s, not wall_s; see the loads"}
     names = list(SWEEP) if args.sweep else args.calls
     for name, whole in [(n, False) for n in names] + [(n, True) for n in args.whole]:
-        row = time_call(name, args.timeout, whole=whole)
+        loop = _loop_s()
+        runs = [time_call(name, args.timeout, whole=whole) for _ in range(max(1, args.repeat))]
+        row = sorted(runs, key=lambda r: r["wall_s"])[(len(runs) - 1) // 2]  # the median run (the lower of two)
+        if len(runs) > 1:
+            row["wall_s_runs"], row["cpu_s_runs"] = [r["wall_s"] for r in runs], [r["cpu_s"] for r in runs]
+        row["loop_s_before"] = loop
         row["measured_at"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
         row["cpu_model"], row["tree"] = _cpu_model(), _tree()
         if whole:
@@ -377,7 +394,8 @@ def main() -> None:
         if fast and fast.get("device_need_bytes") and row["device_need_bytes"]:
             row["counted_vs_whole"] = round(fast["device_need_bytes"] / row["device_need_bytes"] - 1, 6)
         data["rows"][name] = row
-        print(f"{name}: exit {row['exit_code']}, {row['wall_s']} s wall, {row['cpu_s']} s CPU, load "
+        walls = f" (runs {row['wall_s_runs']})" if "wall_s_runs" in row else ""
+        print(f"{name}: exit {row['exit_code']}, {row['wall_s']} s wall{walls}, {row['cpu_s']} s CPU, load "
               f"{row['load_1min_before']}-{row['load_1min_after']}, need {row['device_need_bytes']}, "
               f"{row['progress_lines']} progress lines", flush=True)
         write_json(out, data)
