@@ -9,6 +9,20 @@ of the child, `resource.getrusage(RUSAGE_CHILDREN)`), the 1-minute load average 
 it printed on stderr, and the bytes it planned (the device need of its answer). The machine may be shared: the wall
 time then says little, the CPU time is the figure to compare; the load average says how shared it was.
 
+Again on 2026-11-29 at 16:58-17:24 UTC (tree 8af3972: the trace modes answer a fake tensor's `.device` themselves),
+each call run three times in fresh processes (`--repeat 3`, the row is the median run; the fixed loop before a row
+took 1.51-1.98 s, once 2.86 s):
+- plan_trainer, 8B QLoRA: 9.2 s (8.8, 9.2, 9.2 s). The same call in the sweep at 17:21 took 10.4-11.0 s (the loop
+  took 2.86 s just after it), and 9.6, 10.7 and 10.0 s re-run at 17:23 (target 10 s: met in the table's median, not
+  in every run). About 6 s of it is not the plan: the user's own imports (4.3-4.9 s) and the
+  interpreter's exit (1.1-1.5 s with the same imports and no plan). The plan is 2.8-3.1 s (1.8-2.0 s warm).
+- The sweep of every built-in model (`--sweep`, rows sweep:KIND:MODEL; 4 x min(1,024, its longest sequence)):
+  plan_trainer QLoRA 8.2-10.0 s (medians; 8B the slowest), plan_trainer full fine-tune 7.3-8.0 s, plan with its
+  search 6.2-8.8 s.
+- plan_trainer, 8B QLoRA at 1 x 40,960 tokens with `long_context`: 10.2 s (10.1-10.5 s): its tiled MLP and loss
+  run 12,200 operations where the 4 x 1,024 step runs 7,300.
+- fit_trainer drafts 11.2-12.3 s; doctor 6.2 s; recommend 16.1 s; context 8B QLoRA 33.4 s; each --help 0.07 s.
+
 Again on 2026-11-29 at 15:42-15:43 UTC (tree 27d40d7; the loop 1.72 s before, 1.65 s after): planning traces also
 skip MemTracker's per-module snapshots, which only measure_step reads.
 - plan_trainer, 8B QLoRA: 9.1 s (the row); 9.2, 9.1 and 9.1 s in three more runs (target 10 s: met in each).
