@@ -197,6 +197,23 @@ _SFT = ("import warnings; warnings.simplefilter('ignore')\n"
         "LORA = LoraConfig(r=16, lora_alpha=32, target_modules='all-linear', task_type='CAUSAL_LM')\n"
         "NF4 = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type='nf4', bnb_4bit_compute_dtype=torch.float16)\n")
 
+
+
+def _plan_trainer_qlora(model: str, seq: int) -> tuple[str, str]:
+    """plan_trainer of a QLoRA SFTConfig: 4 x `seq`, fp16, all-linear r=16, nf4, on the T4."""
+    return (f"cm.plan_trainer(SFTConfig(4 x {seq}, fp16), model={model!r}, lora=all-linear, bnb=nf4, target='t4')",
+            _SFT + f"p = cm.plan_trainer(sft(per_device_train_batch_size=4, max_length={seq}, fp16=True), "
+                   f"model={model!r}, lora=LORA, bnb=NF4, target='t4')\nprint('NEED', p.device_need_bytes)\n")
+
+
+def _plan_qlora(model: str, seq: int) -> tuple[str, list[str]]:
+    """The command line's plan of the QLoRA recipe at 4 x `seq` on the T4, with its largest-batch search."""
+    return (f"python -m colab_memopt plan --model {model} --batch 4 --seq {seq} --target t4 --recipe lora_rank=16 "
+            "quantization=nf4 precision=fp16-autocast checkpointing=full (with its largest-batch search)",
+            ["-m", "colab_memopt", "plan", "--model", model, "--batch", "4", "--seq", str(seq), "--target", "t4",
+             "--recipe", "lora_rank=16", "quantization=nf4", "precision=fp16-autocast", "checkpointing=full", "--json"])
+
+
 # name: (what the issue's table calls it, ["python", ...] arguments, or a Python snippet printing NEED <bytes>)
 CALLS: dict[str, tuple[str, list[str] | str]] = {
     "help": ("python -m colab_memopt --help", ["-m", "colab_memopt", "--help"]),
@@ -204,10 +221,7 @@ CALLS: dict[str, tuple[str, list[str] | str]] = {
     "recommend_help": ("python -m colab_memopt recommend --help", ["-m", "colab_memopt", "recommend", "--help"]),
     "doctor_help": ("python -m colab_memopt doctor --help", ["-m", "colab_memopt", "doctor", "--help"]),
     "context_help": ("python -m colab_memopt context --help", ["-m", "colab_memopt", "context", "--help"]),
-    "plan_trainer_8b_qlora": (
-        "cm.plan_trainer(SFTConfig(4 x 1024, fp16), model='llama-3.1-8b', lora=all-linear, bnb=nf4, target='t4')",
-        _SFT + "p = cm.plan_trainer(sft(per_device_train_batch_size=4, max_length=1024, fp16=True), model='llama-3.1-8b', "
-               "lora=LORA, bnb=NF4, target='t4')\nprint('NEED', p.device_need_bytes)\n"),
+    "plan_trainer_8b_qlora": _plan_trainer_qlora("llama-3.1-8b", 1024),
     "plan_trainer_8b_qlora_long_context": (
         "cm.plan_trainer(SFTConfig(1 x 40,960, fp16, fp16 base), model='llama-3.1-8b', lora=all-linear, "
         "bnb=nf4, target='t4', long_context=cm.LongContext()): benchmarks/trainer_long_context.py's 40,960 row",
@@ -232,12 +246,7 @@ CALLS: dict[str, tuple[str, list[str] | str]] = {
                + "target='t4')\nprint('NEED', (f.after or f.before).device_need_bytes)\nprint('PLANS', 1 + len(f.tried))\n")
        for size, model, mode in (("3b", "llama-3.2-3b", "lora"), ("3b", "llama-3.2-3b", "qlora"),
                                  ("8b", "llama-3.1-8b", "qlora"))},
-    **{f"plan_{name}_qlora": (
-        f"python -m colab_memopt plan --model {model} --batch 4 --seq {seq} --target t4 --recipe lora_rank=16 "
-        "quantization=nf4 precision=fp16-autocast checkpointing=full (with its largest-batch search)",
-        ["-m", "colab_memopt", "plan", "--model", model, "--batch", "4", "--seq", str(seq), "--target", "t4", "--recipe",
-         "lora_rank=16", "quantization=nf4", "precision=fp16-autocast", "checkpointing=full", "--json"])
-       for name, model, seq in (("8b", "llama-3.1-8b", 1024), ("1b", "llama-3.2-1b", 512),
+    **{f"plan_{name}_qlora": _plan_qlora(model, seq) for name, model, seq in (("8b", "llama-3.1-8b", 1024), ("1b", "llama-3.2-1b", 512),
                                 ("smollm2_1.7b", "smollm2-1.7b", 512))},
     "doctor_8b_qlora": (
         "doctor --model llama-3.1-8b --recipe lora_rank=16 quantization=nf4 precision=fp16-autocast --batch 4 --seq 1024",
@@ -268,26 +277,13 @@ def _sweep() -> dict[str, tuple[str, list[str] | str]]:
         if model in reference:
             calls[f"sweep:plan_qlora:{model}"] = _plan_qlora(model, seq)
             continue
-        calls[f"sweep:plan_trainer_qlora:{model}"] = (
-            f"cm.plan_trainer(SFTConfig(4 x {seq}, fp16), model={model!r}, lora=all-linear, bnb=nf4, target='t4')",
-            _SFT + f"p = cm.plan_trainer(sft(per_device_train_batch_size=4, max_length={seq}, fp16=True), "
-                   f"model={model!r}, lora=LORA, bnb=NF4, target='t4')\nprint('NEED', p.device_need_bytes)\n")
+        calls[f"sweep:plan_trainer_qlora:{model}"] = _plan_trainer_qlora(model, seq)
         calls[f"sweep:plan_trainer_full:{model}"] = (
             f"cm.plan_trainer(SFTConfig(4 x {seq}, fp16, gradient_checkpointing), model={model!r}, target='t4')",
             _SFT + f"p = cm.plan_trainer(sft(per_device_train_batch_size=4, max_length={seq}, fp16=True, "
                    f"gradient_checkpointing=True), model={model!r}, target='t4')\nprint('NEED', p.device_need_bytes)\n")
         calls[f"sweep:plan_qlora:{model}"] = _plan_qlora(model, seq)
     return calls
-
-
-def _plan_qlora(model: str, seq: int) -> tuple[str, list[str]]:
-    return (f"python -m colab_memopt plan --model {model} --batch 4 --seq {seq} --target t4 --recipe lora_rank=16 "
-            "quantization=nf4 precision=fp16-autocast checkpointing=full (with its largest-batch search)",
-            ["-m", "colab_memopt", "plan", "--model", model, "--batch", "4", "--seq", str(seq), "--target", "t4",
-             "--recipe", "lora_rank=16", "quantization=nf4", "precision=fp16-autocast", "checkpointing=full", "--json"])
-
-
-SWEEP = _sweep()
 
 
 def _need(stdout: str) -> int | None:
@@ -309,9 +305,9 @@ _WHOLE = ("from colab_memopt.planning import planner as _p, trainer as _t\n"
           "_p._FAST_STACK = _t._FAST_STACK = False\n")
 
 
-def time_call(name: str, timeout_s: float, *, whole: bool = False) -> dict:
+def time_call(name: str, timeout_s: float, *, whole: bool = False, calls: dict | None = None) -> dict:
     """Run one call in a fresh process; return its row (`whole`: every block traced, for the bytes to compare)."""
-    what, call = {**CALLS, **SWEEP}[name]
+    what, call = (calls or CALLS)[name]
     if whole and isinstance(call, list):  # the command line, run as `python -m` runs it, after the switch
         call = _WHOLE + f"import runpy, sys\nsys.argv = {['colab_memopt', *call[2:]]!r}\n" \
             "runpy.run_module('colab_memopt', run_name='__main__', alter_sys=True)\n"
@@ -374,7 +370,8 @@ def _tree() -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--calls", nargs="+", default=list(CALLS), choices=[*CALLS, *SWEEP], metavar="CALL")
+    parser.add_argument("--calls", nargs="+", default=list(CALLS), metavar="CALL",
+                        help=f"calls of the table ({', '.join(CALLS)}) or rows of the sweep (sweep:KIND:MODEL)")
     parser.add_argument("--sweep", action="store_true",
                         help="run only the sweep of every built-in model (rows sweep:KIND:MODEL) instead of --calls")
     parser.add_argument("--repeat", type=int, default=1,
@@ -389,10 +386,15 @@ def main() -> None:
     data = json.loads(out.read_text()) if out.exists() else {"rows": {}}
     data["machine"] = {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform(),
                        "note": "shared with other engineers while measured: compare cpu_s, not wall_s; see the loads"}
-    names = list(SWEEP) if args.sweep else args.calls
+    # the sweep's calls only where asked: listing the built-in models imports torch (seconds)
+    calls = {**CALLS, **_sweep()} if args.sweep or any(n.startswith("sweep:") for n in args.calls) else CALLS
+    names = [n for n in calls if n.startswith("sweep:")] if args.sweep else args.calls
+    unknown = [n for n in [*names, *args.whole] if n not in calls]
+    if unknown:
+        parser.error(f"unknown call(s) {', '.join(unknown)}: choose from {', '.join(calls)}")
     for name, whole in [(n, False) for n in names] + [(n, True) for n in args.whole]:
         loop = _loop_s()
-        runs = [time_call(name, args.timeout, whole=whole) for _ in range(max(1, args.repeat))]
+        runs = [time_call(name, args.timeout, whole=whole, calls=calls) for _ in range(max(1, args.repeat))]
         row = sorted(runs, key=lambda r: r["wall_s"])[(len(runs) - 1) // 2]  # the median run (the lower of two)
         if len(runs) > 1:
             row["wall_s_runs"], row["cpu_s_runs"] = [r["wall_s"] for r in runs], [r["cpu_s"] for r in runs]
