@@ -243,7 +243,7 @@ def test_the_trace_modes_answer_a_fake_tensors_device_as_the_fake_mode_does(monk
     assert tr.fake_device(device_query, (torch.empty(2),)) is None  # a real tensor: the question goes on down
     assert tr.fake_device(torch.ops.aten.add.Tensor, (t, t)) is None
 
-    asked = []
+    asked, tr_fake_device = [], tr.fake_device
 
     def books(answer_here: bool) -> tuple:
         monkeypatch.setattr(tr, "fake_device", (lambda f, a: asked.append(f) or tr_fake_device(f, a)) if answer_here
@@ -261,7 +261,6 @@ def test_the_trace_modes_answer_a_fake_tensors_device_as_the_fake_mode_does(monk
                 loss.backward()
         return tracker.peak_bytes, tracker.peak_categories, tracker.phase_peaks, [str(e[2]) for e in tracker.timeline]
 
-    tr_fake_device = tr.fake_device
     assert books(True) == books(False)
     assert device_query in asked  # the step asked, and the modes answered
 
